@@ -1,0 +1,26 @@
+"""Ops the model calls.
+
+Each op has a pure-torch reference with the signature its Triton version takes; the
+public names below dispatch to the reference on CPU. Tensors follow the engine's layout:
+token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shaped
+``[num_slots, kv_heads, head_dim]``, addressed through slot tables.
+"""
+
+from kernels.attention import context_attention, decode_attention
+from kernels.kv_transfer import gather_kv, scatter_kv
+from kernels.rms_norm import rms_norm
+from kernels.rotary import apply_rotary, rotary_cos_sin
+from kernels.silu_mul import silu_mul
+from kernels.store_kv import store_kv
+
+__all__ = [
+    "apply_rotary",
+    "context_attention",
+    "decode_attention",
+    "gather_kv",
+    "rms_norm",
+    "rotary_cos_sin",
+    "scatter_kv",
+    "silu_mul",
+    "store_kv",
+]

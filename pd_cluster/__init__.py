@@ -1,0 +1,1 @@
+"""pd-cluster: disaggregated prefill/decode serving for Llama-family models."""

@@ -1,0 +1,76 @@
+"""Token-level KV memory: one slot per token, preallocated, no fragmentation."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pd_cluster.kv_spec import KVSpec
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TORCH_DTYPES[name]
+
+
+class KVPool:
+    """Per-layer key/value tensors ``[num_layers, num_slots, kv_heads, head_dim]`` and a free list.
+
+    Any free slot serves any token, so memory never fragments; a request maps its tokens to
+    slots through its own slot list. Freeing a slot that is already free is a bug and raises.
+    """
+
+    def __init__(self, spec: KVSpec, num_slots: int, device: torch.device | str = "cpu") -> None:
+        if num_slots <= 0:
+            raise ValueError("num_slots must be positive")
+        self.spec = spec
+        self.device = torch.device(device)
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
+        dtype = torch_dtype(spec.dtype)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._capacity = num_slots
+        # Free slots live on the CPU: allocation is bookkeeping, not device work.
+        self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._num_free = num_slots
+        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """Take ``n`` free slots (int64, CPU), or None when fewer are free."""
+        if n < 0:
+            raise ValueError("cannot allocate a negative number of slots")
+        if n > self._num_free:
+            return None
+        start = self._num_free - n
+        slots = self._free_stack[start : self._num_free].clone()
+        self._num_free = start
+        self._is_free[slots] = False
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return slots to the pool; each must be in use, and listed once."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device="cpu", dtype=torch.int64)
+        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+            raise RuntimeError("KV slot freed twice")
+        self._is_free[slots] = True
+        end = self._num_free + slots.numel()
+        self._free_stack[self._num_free : end] = slots
+        self._num_free = end
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value cache of one layer, ``[num_slots, kv_heads, head_dim]`` each."""
+        return self.k_cache[index], self.v_cache[index]

@@ -1,0 +1,65 @@
+"""How to pick tokens for one request, validated once at the edge."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings of one request (the names and defaults users know from vLLM).
+
+    Invalid values raise ``ValueError`` (pydantic's ``ValidationError``) naming the field.
+    ``temperature == 0`` means greedy.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="0 or -1: no top-k cut")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            return [value]
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value: list[str]) -> list[str]:
+        if any(s == "" for s in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_as_list(cls, value: object) -> object:
+        return [] if value is None else value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids_non_negative(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("token ids must be non-negative")
+        return value
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1

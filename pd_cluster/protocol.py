@@ -1,0 +1,200 @@
+"""Control-plane messages between the master and its nodes (websocket, JSON text frames).
+
+Every message is a pydantic model with a literal ``type``; :func:`parse_message` turns a frame
+into the right model and rejects unknown or malformed ones. The node sends its cluster token in
+the websocket handshake (``Authorization: Bearer <token>``), never inside a message.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.kv_spec import KVSpec
+
+#: Largest control frame either side accepts (a prompt of ~100k token ids fits).
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+#: Websocket path on the master's HTTP address where nodes dial in.
+NODE_WS_PATH = "/internal/nodes/ws"
+#: Seconds between status reports; the master drops a node after several missed ones.
+STATUS_INTERVAL_S = 0.2
+HEARTBEAT_TIMEOUT_S = 5.0
+
+Role = Literal["prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TokenLogprob(BaseModel):
+    """Logprob of the chosen token and the top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = Field(default_factory=dict)
+
+
+# ---- node -> master ---------------------------------------------------------------------
+
+
+class NodeCapacity(BaseModel):
+    max_total_tokens: int = Field(gt=0, description="KV slots in the node's pool")
+    max_running_requests: int = Field(gt=0)
+    max_model_len: int = Field(gt=0)
+
+
+class Register(_Message):
+    type: Literal["register"] = "register"
+    node_id: str = Field(min_length=1, max_length=128)
+    role: Role
+    model: str
+    kv_spec: KVSpec
+    data_address: str | None = Field(default=None, description="host:port of a D's data plane")
+    capacity: NodeCapacity
+    device: str = "cpu"
+
+
+class NodeStatus(_Message):
+    """Periodic load report (also the heartbeat)."""
+
+    type: Literal["status"] = "status"
+    running: int = 0
+    waiting: int = 0
+    free_kv_tokens: int = 0
+    total_kv_tokens: int = 0
+    evictable_kv_tokens: int = 0
+    queued_prefill_tokens: int = 0
+    generation_tokens_per_s: float = 0.0
+    prefix_hit_tokens: int = Field(default=0, description="cumulative prompt tokens served from cache")
+    prompt_tokens: int = Field(default=0, description="cumulative prompt tokens seen")
+    draining: bool = False
+
+
+class KVEvents(_Message):
+    """Blocks that entered or left a node's prefix cache, as chained block hashes."""
+
+    type: Literal["kv_events"] = "kv_events"
+    stored: list[int] = Field(default_factory=list)
+    evicted: list[int] = Field(default_factory=list)
+    cleared: bool = False
+
+
+class FirstToken(_Message):
+    """P -> master: the prefill finished and its first token was sampled."""
+
+    type: Literal["first_token"] = "first_token"
+    request_id: str
+    token_id: int
+    text: str = ""
+    logprob: TokenLogprob | None = None
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_tokens_prefill: int = 0
+    hit_blocks_decode: int = 0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+
+
+class TokenDelta(_Message):
+    """D -> master: new tokens of a running request; the last one carries finish_reason."""
+
+    type: Literal["token_delta"] = "token_delta"
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    completion_tokens: int = 0
+
+
+class RequestFailed(_Message):
+    """A node could not serve a request; ``retryable`` says another node may."""
+
+    type: Literal["request_failed"] = "request_failed"
+    request_id: str
+    message: str
+    retryable: bool = True
+
+
+class Drained(_Message):
+    """The node finished all its work after a drain and is about to leave."""
+
+    type: Literal["drained"] = "drained"
+
+
+# ---- master -> node ---------------------------------------------------------------------
+
+
+class Registered(_Message):
+    type: Literal["registered"] = "registered"
+    node_id: str
+
+
+class Refused(_Message):
+    type: Literal["refused"] = "refused"
+    reason: str
+
+
+class PrefillJob(_Message):
+    """Master -> P: prefill these tokens and hand the request to the named D."""
+
+    type: Literal["prefill_job"] = "prefill_job"
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    decode_node_id: str
+    decode_address: str
+    deadline_s: float = Field(gt=0, description="seconds the node may spend on it")
+
+
+class Abort(_Message):
+    type: Literal["abort"] = "abort"
+    request_id: str
+
+
+class Drain(_Message):
+    """Stop taking work, finish what is running, then leave."""
+
+    type: Literal["drain"] = "drain"
+
+
+NodeMessage = Annotated[
+    Union[Register, NodeStatus, KVEvents, FirstToken, TokenDelta, RequestFailed, Drained],
+    Field(discriminator="type"),
+]
+MasterMessage = Annotated[
+    Union[Registered, Refused, PrefillJob, Abort, Drain],
+    Field(discriminator="type"),
+]
+
+_node_adapter: TypeAdapter = TypeAdapter(NodeMessage)
+_master_adapter: TypeAdapter = TypeAdapter(MasterMessage)
+
+
+class MessageTooLarge(ValueError):
+    pass
+
+
+def _check_size(frame: str | bytes) -> None:
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise MessageTooLarge(f"message of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+
+
+def parse_node_message(frame: str | bytes) -> BaseModel:
+    """Decode a frame a node sent; raises ValueError on anything unknown or malformed."""
+    _check_size(frame)
+    return _node_adapter.validate_json(frame)
+
+
+def parse_master_message(frame: str | bytes) -> BaseModel:
+    """Decode a frame the master sent; raises ValueError on anything unknown or malformed."""
+    _check_size(frame)
+    return _master_adapter.validate_json(frame)
+
+
+def encode(message: BaseModel) -> str:
+    return message.model_dump_json()
