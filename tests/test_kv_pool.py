@@ -1,0 +1,77 @@
+"""KV pool: slots are handed out once, returned once, and never conjured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.kv_spec import KVSpec
+
+SPEC = KVSpec(model="tiny", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
+
+
+@pytest.fixture
+def pool() -> KVPool:
+    return KVPool(SPEC, num_slots=16)
+
+
+def test_alloc_gives_distinct_slots_and_free_returns_them(pool: KVPool) -> None:
+    a = pool.alloc(5)
+    b = pool.alloc(7)
+    assert a is not None and b is not None
+    assert a.dtype == torch.int64 and a.device.type == "cpu"
+    assert len(set(a.tolist()) | set(b.tolist())) == 12
+    assert all(0 <= s < pool.capacity for s in a.tolist() + b.tolist())
+    assert pool.num_free == 4
+    pool.free(a)
+    assert pool.num_free == 9
+    pool.free(b)
+    assert pool.num_free == pool.capacity
+    again = pool.alloc(16)
+    assert again is not None and sorted(again.tolist()) == list(range(16))
+
+
+def test_alloc_beyond_free_returns_none_and_changes_nothing(pool: KVPool) -> None:
+    assert pool.alloc(10) is not None
+    assert pool.alloc(7) is None
+    assert pool.num_free == 6
+    assert pool.alloc(6) is not None
+    assert pool.alloc(1) is None
+    assert pool.alloc(0) is not None and pool.num_free == 0
+
+
+def test_double_free_raises(pool: KVPool) -> None:
+    slots = pool.alloc(3)
+    assert slots is not None
+    pool.free(slots)
+    with pytest.raises(RuntimeError):
+        pool.free(slots[:1])
+    assert pool.num_free == pool.capacity
+
+
+def test_slot_listed_twice_in_one_free_raises(pool: KVPool) -> None:
+    slots = pool.alloc(2)
+    assert slots is not None
+    with pytest.raises(RuntimeError):
+        pool.free(torch.stack([slots[0], slots[0]]))
+    assert pool.num_free == pool.capacity - 2
+
+
+def test_free_of_never_allocated_slot_raises(pool: KVPool) -> None:
+    with pytest.raises(RuntimeError):
+        pool.free(torch.tensor([3]))
+
+
+def test_negative_alloc_and_empty_pool_rejected() -> None:
+    with pytest.raises(ValueError):
+        KVPool(SPEC, num_slots=0)
+    with pytest.raises(ValueError):
+        KVPool(SPEC, num_slots=4).alloc(-1)
+
+
+def test_layer_views_have_slot_shape(pool: KVPool) -> None:
+    k, v = pool.layer(1)
+    assert k.shape == v.shape == (16, SPEC.num_kv_heads, SPEC.head_dim)
+    k[3].fill_(1.0)
+    assert float(pool.k_cache[1, 3].sum()) == SPEC.num_kv_heads * SPEC.head_dim
