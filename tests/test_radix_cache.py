@@ -203,6 +203,7 @@ def test_split_keeps_pins_along_the_whole_path() -> None:
     assert half.num_tokens == 8 and half.node is not ma.node
     # Inserting a branch off the middle splits it again.
     mb, _ = fill(pool, cache, a[:4] + [70, 71, 72, 73])
+    assert mb.num_tokens == 8 and torch.equal(mb.slots[:4], ma.slots[:4])
     assert cache.cached_tokens == 20 and cache.pinned_tokens == 16
     assert cache.evict(1000) == 4  # only the unpinned branch goes
     assert torch.equal(cache.match_prefix(a).slots, ma.slots)
@@ -210,7 +211,6 @@ def test_split_keeps_pins_along_the_whole_path() -> None:
     assert cache.pinned_tokens == 0
     assert cache.evict(1000) == 16
     assert pool.num_free == pool.capacity
-    del mb
 
 
 def test_two_pins_through_a_split_node_need_two_unpins() -> None:
@@ -285,6 +285,20 @@ def test_split_halves_keep_their_access_time() -> None:
     assert cache.match_prefix([1, 2, 3]).num_tokens == 2
     assert cache.evict(1) == 2  # then [9, 9]
     assert cache.match_prefix([9, 9]).num_tokens == 0
+
+
+def test_use_through_a_shared_prefix_refreshes_the_prefix_too() -> None:
+    pool, cache = make()
+    fill(pool, cache, [1, 2, 3])
+    fill(pool, cache, [1, 2, 4])  # [1, 2] is now a shared parent of [3] and [4]
+    other, _ = fill(pool, cache, [9])
+    cache.match_prefix([1, 2, 3])  # uses [1, 2] after [9] was last used
+    cache.inc_ref(other.node)
+    assert cache.evict(1) == 1 and cache.evict(1) == 1  # [4], then [3]: [1, 2] is a leaf now
+    cache.dec_ref(other.node)
+    assert cache.evict(1) == 1  # [9] is older than [1, 2]
+    assert cache.match_prefix([1, 2]).num_tokens == 2
+    assert cache.match_prefix([9]).num_tokens == 0
 
 
 def test_evicting_a_leaf_exposes_its_parent() -> None:
