@@ -7,7 +7,13 @@ context, cached prefix included, with this step's new keys already stored) and c
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from kernels._triton import cdiv, dot_precision, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+
+_LOG2E = math.log2(math.e)
 
 
 def context_attention_ref(
@@ -65,6 +71,410 @@ def decode_attention_ref(
     )
 
 
+# --------------------------------------------------------------------------------------------
+# Prefill: new tokens against their whole context (cached prefix included), flash-attention tiles.
+#
+# GQA: one program serves one kv head and a tile of query tokens for *all* the q heads that
+# share it, packed into the rows of the tile (row r = token r // GROUP, head r % GROUP), so each
+# K/V tile is loaded once per group. The grid's first axis walks every sequence's query tiles;
+# a program finds its sequence from a cumulative tile count made on the device, so launching
+# needs no host sync.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _context_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    slot_table_ptr,
+    ctx_lens_ptr,
+    q_lens_ptr,
+    q_start_ptr,
+    tile_ends_ptr,
+    num_seqs,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # Sequence b owns tiles [tile_ends[b-1], tile_ends[b]).
+    b_offs = tl.arange(0, BLOCK_B)
+    ends = tl.load(tile_ends_ptr + b_offs, mask=b_offs < num_seqs, other=2147483647)
+    seq = tl.sum((ends <= tile).to(tl.int32), axis=0)
+    if seq >= num_seqs:
+        return
+    seq_end = tl.load(tile_ends_ptr + seq)
+    ctx_len = tl.load(ctx_lens_ptr + seq).to(tl.int32)
+    q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
+    q_start = tl.load(q_start_ptr + seq).to(tl.int64)
+    num_tiles = tl.cdiv(q_len, BLOCK_Q)
+    q_tile = tile - (seq_end - num_tiles)
+    prefix_len = ctx_len - q_len  # position of the first new token
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = prefix_len + tok
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q_ptrs = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table_row = slot_table_ptr + seq.to(tl.int64) * stride_table
+    n_offs = tl.arange(0, BLOCK_N)
+
+    # Keys before this tile's first query position: every row sees all of them, no mask.
+    first_pos = prefix_len + q_tile * BLOCK_Q
+    full_end = (first_pos // BLOCK_N) * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        slots = tl.load(table_row + start + n_offs).to(tl.int64)
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=d_ok[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                    mask=d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # The diagonal: causal mask, and the context's end.
+    kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)
+    for start in range(full_end, kv_end, BLOCK_N):
+        n = start + n_offs
+        n_ok = n < kv_end
+        slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+
+
+def context_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    q_start_loc: torch.Tensor,
+    sm_scale: float,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Triton version of :func:`context_attention_ref`.
+
+    ``block_m`` rows of a tile hold ``block_m // group`` query tokens times the ``group`` q heads
+    of one kv head. Rows of ``q`` that belong to no sequence are left unwritten.
+    """
+    require_triton()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV caches must be contiguous in head_dim")
+    q = last_dim_contiguous(q)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    num_seqs = slot_table.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m = max(block_m, next_pow2(group), 16)
+    block_q = block_m // group
+    tile_ends = torch.cumsum(torch.div(q_lens + (block_q - 1), block_q, rounding_mode="floor"), 0)
+    # Sum over sequences of ceil(q_len / block_q) never exceeds this bound, so no host sync.
+    max_tiles = cdiv(num_tokens, block_q) + num_seqs
+    _context_attention_kernel[(max_tiles, num_kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        slot_table,
+        ctx_lens,
+        q_lens,
+        q_start_loc,
+        tile_ends,
+        num_seqs,
+        sm_scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        slot_table.stride(0),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=next_pow2(head_dim),
+        BLOCK_B=next_pow2(num_seqs),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Decode: split-K flash-decoding. Stage 1 gives each (sequence, kv head, split) program a slice
+# of the context and all q heads of that kv head; it writes a normalised partial output and its
+# log-sum-exp. Stage 2 merges the splits per (sequence, q head). The split count depends only on
+# shapes, so the launch is the same every step (CUDA-graph friendly).
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_table_ptr,
+    ctx_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_table,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx_len = tl.load(ctx_lens_ptr + seq).to(tl.int32)
+    # Per-sequence split length, a whole number of tiles, so short contexts get short splits.
+    split_len = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx_len)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table_row = slot_table_ptr + seq * stride_table
+    n_offs = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + n_offs
+        n_ok = n < hi
+        slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # An empty split reports lse = -inf and weighs nothing in the merge.
+    has_keys = l_i > 0.0
+    part = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(part_out_ptr + seq * stride_pb + head[:, None] * stride_ph + split * stride_ps + d[None, :],
+             part, mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(part_lse_ptr + seq * stride_lb + head * stride_lh + split, lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + sp, mask=sp_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(sp_ok & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    part = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + sp[:, None] * stride_ps + d[None, :],
+                   mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out, mask=d_ok)
+
+
+def _decode_num_splits(batch: int, num_kv_heads: int, max_ctx: int, block_n: int, device: torch.device) -> int:
+    """Enough splits for ~4 programs per multiprocessor, never a split shorter than one tile."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 4
+    wanted = cdiv(4 * sms, max(1, batch * num_kv_heads))
+    return max(1, min(wanted, cdiv(max_ctx, block_n), 64))
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    block_n: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Triton version of :func:`decode_attention_ref` (split-K, two launches).
+
+    ``num_splits`` defaults to a count picked from the batch, the kv heads, the slot table's
+    width and the GPU's multiprocessors; it depends on shapes only.
+    """
+    require_triton()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV caches must be contiguous in head_dim")
+    q = last_dim_contiguous(q)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device)
+    block_d = next_pow2(head_dim)
+    part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        slot_table,
+        ctx_lens,
+        part_out,
+        part_lse,
+        sm_scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        slot_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _decode_merge_kernel[(batch, num_q_heads)](
+        part_out,
+        part_lse,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_pow2(num_splits),
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out
+
+
 def context_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -75,6 +485,9 @@ def context_attention(
     q_start_loc: torch.Tensor,
     sm_scale: float,
 ) -> torch.Tensor:
+    """Triton on CUDA tensors when Triton is installed, else :func:`context_attention_ref`."""
+    if use_triton(q, k_cache, v_cache):
+        return context_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale)
     return context_attention_ref(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale)
 
 
@@ -86,4 +499,7 @@ def decode_attention(
     ctx_lens: torch.Tensor,
     sm_scale: float,
 ) -> torch.Tensor:
+    """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_ref`."""
+    if use_triton(q, k_cache, v_cache):
+        return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale)
     return decode_attention_ref(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale)

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from kernels._triton import last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+
 
 def rotary_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies, with Llama 3's frequency-dependent scaling when configured."""
@@ -72,6 +74,111 @@ def apply_rotary_ref(
     return q_out.to(q.dtype), k_out.to(k.dtype)
 
 
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_q_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_sin,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # One token per program: its cos/sin row is loaded once and applied to every q and k head.
+    # Both halves of the tables are read (not assumed equal), as the reference does.
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    c1 = tl.load(cos_ptr + pos * stride_cos + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + pos * stride_cos + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + pos * stride_sin + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + pos * stride_sin + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
+    for h0 in range(0, num_q_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        m = (h < num_q_heads)[:, None] & dmask[None, :]
+        src = q_ptr + tok * stride_qt + h[:, None] * stride_qh + d[None, :]
+        dst = q_out_ptr + tok * stride_qot + h[:, None] * stride_qoh + d[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst, x1 * c1 - x2 * s1, mask=m)
+        tl.store(dst + HALF, x2 * c2 + x1 * s2, mask=m)
+    for h0 in range(0, num_kv_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        m = (h < num_kv_heads)[:, None] & dmask[None, :]
+        src = k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :]
+        dst = k_out_ptr + tok * stride_kot + h[:, None] * stride_koh + d[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst, x1 * c1 - x2 * s1, mask=m)
+        tl.store(dst + HALF, x2 * c2 + x1 * s2, mask=m)
+
+
+def apply_rotary_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`apply_rotary_ref`; q and k may be strided views (a split qkv)."""
+    require_triton()
+    q, k = last_dim_contiguous(q), last_dim_contiguous(k)
+    cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if head_dim % 2:
+        raise ValueError("rotary needs an even head_dim")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    block_half = next_pow2(half)
+    block_h = min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, 4096 // block_half))
+    _rotary_kernel[(num_tokens,)](
+        q,
+        k,
+        q_out,
+        k_out,
+        positions,
+        cos,
+        sin,
+        num_q_heads,
+        num_kv_heads,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HALF=half,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+    )
+    return q_out, k_out
+
+
 def apply_rotary(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,4 +186,7 @@ def apply_rotary(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton on CUDA tensors when Triton is installed, else :func:`apply_rotary_ref`."""
+    if use_triton(q, k):
+        return apply_rotary_triton(q, k, positions, cos, sin)
     return apply_rotary_ref(q, k, positions, cos, sin)

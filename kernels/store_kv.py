@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+
 
 def store_kv_ref(
     k: torch.Tensor,
@@ -21,6 +23,77 @@ def store_kv_ref(
     v_cache[slots] = v.to(v_cache.dtype)
 
 
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    num_heads,
+    head_dim,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcs,
+    stride_kch,
+    stride_vcs,
+    stride_vch,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Program (token, head block): one slot's rows of keys and values.
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    m = (h < num_heads)[:, None] & (d < head_dim)[None, :]
+    slot = tl.load(slots_ptr + tok).to(tl.int64)
+    k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
+    v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m)
+    tl.store(k_cache_ptr + slot * stride_kcs + h[:, None] * stride_kch + d[None, :], k, mask=m)
+    tl.store(v_cache_ptr + slot * stride_vcs + h[:, None] * stride_vch + d[None, :], v, mask=m)
+
+
+def store_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Triton version of :func:`store_kv_ref`; k and v may be strided views (a split qkv)."""
+    require_triton()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV caches must be contiguous in head_dim")
+    k, v = last_dim_contiguous(k), last_dim_contiguous(v)
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, 2048 // block_d))
+    _store_kv_kernel[(num_tokens, cdiv(num_heads, block_h))](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        num_heads,
+        head_dim,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -28,4 +101,8 @@ def store_kv(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    store_kv_ref(k, v, k_cache, v_cache, slots)
+    """Triton on CUDA tensors when Triton is installed, else :func:`store_kv_ref`."""
+    if use_triton(k, k_cache):
+        store_kv_triton(k, v, k_cache, v_cache, slots)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slots)
