@@ -1,0 +1,38 @@
+"""Data plane between prefill and decode nodes: framed, authenticated control connections plus a
+pairwise tensor channel (NCCL between GPUs, gloo on CPU). Generic: the nodes define what the
+messages mean by subclassing :class:`DataMessage`.
+"""
+
+from pd_cluster.transfer.channel import TensorChannel
+from pd_cluster.transfer.client import ChannelPool, PeerChannel, dial
+from pd_cluster.transfer.errors import (
+    ChannelError,
+    ConnectionClosed,
+    FrameError,
+    FrameTooLarge,
+    HandshakeRefused,
+    RemoteError,
+    TransferError,
+)
+from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply
+from pd_cluster.transfer.server import DataPlaneServer, Handler, PeerConnection
+
+__all__ = [
+    "MAX_FRAME_BYTES",
+    "ChannelError",
+    "ChannelPool",
+    "ConnectionClosed",
+    "DataMessage",
+    "DataPlaneServer",
+    "ErrorReply",
+    "FrameError",
+    "FrameTooLarge",
+    "Handler",
+    "HandshakeRefused",
+    "PeerChannel",
+    "PeerConnection",
+    "RemoteError",
+    "TensorChannel",
+    "TransferError",
+    "dial",
+]

@@ -1,0 +1,360 @@
+"""The prefill node's side of the data plane: dial decode nodes, keep a bounded pool of channels.
+
+A :class:`PeerChannel` is one authenticated control connection plus its tensor channel to one
+decode node. :class:`ChannelPool` dials lazily, reuses, forgets channels that failed, and
+closes the least recently used one beyond ``max_channels`` (each pair group holds memory,
+about 100 MB of GPU memory for NCCL, so open channels must stay bounded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+import torch
+
+from pd_cluster.kv_spec import KVSpec
+from pd_cluster.transfer.channel import TensorChannel, TensorSpec
+from pd_cluster.transfer.errors import (
+    ChannelError,
+    ConnectionClosed,
+    FrameError,
+    HandshakeRefused,
+    RemoteError,
+)
+from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply, FramedStream
+from pd_cluster.transfer.handshake import SUPPORTED_DEVICE_TYPES, Hello, Refused, Welcome, device_identity
+
+logger = logging.getLogger(__name__)
+
+#: Rank of the prefill node in its pair group (the decode node hosts the store as rank 0).
+DIALER_RANK = 1
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"bad data-plane address {address!r}; expected host:port")
+    return host.strip("[]"), int(port)
+
+
+class PeerChannel:
+    """One prefill -> decode channel: request/reply frames and tensor moves, one exchange at a time.
+
+    :meth:`request` is the whole exchange (message, optional tensors, reply) under the channel
+    lock. For finer steps (announce, then send layer by layer while compute goes on, then read
+    the reply) hold :meth:`exclusive` and call :meth:`send`, :meth:`send_tensor` and
+    :meth:`receive`. Any transport failure raises :class:`ChannelError` and closes the channel.
+    """
+
+    def __init__(
+        self, address: str, stream: FramedStream, channel: TensorChannel, peer_node_id: str, on_close: Callable[["PeerChannel"], None] | None = None
+    ) -> None:
+        self.address = address
+        self.peer_node_id = peer_node_id
+        self.stream = stream
+        self.channel = channel
+        self.last_used = time.monotonic()
+        self._lock = asyncio.Lock()
+        self._on_close = on_close
+        self._closed = False
+
+    @property
+    def backend(self) -> str:
+        return self.channel.backend
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.channel.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.channel.bytes_received
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def alive(self) -> bool:
+        """Usable: not closed by us, its group intact and the peer has not hung up."""
+        return not self._closed and not self.channel.closed and not self.stream.at_eof
+
+    def exclusive(self) -> asyncio.Lock:
+        """``async with channel.exclusive():`` to compose one exchange from the raw steps."""
+        return self._lock
+
+    async def request(
+        self, message: DataMessage, timeout: float, tensors: torch.Tensor | Sequence[torch.Tensor] | None = None
+    ) -> DataMessage:
+        """Send ``message`` (then ``tensors``, if any) and return the peer's reply; one deadline
+        covers the whole exchange."""
+        deadline = time.monotonic() + timeout
+        try:
+            await asyncio.wait_for(self._lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise ChannelError(f"channel to {self.address} busy for {timeout:.1f}s") from None
+        try:
+            await self.send(message, _left(deadline))
+            if tensors is not None:
+                await self.send_tensor(tensors, _left(deadline))
+            return await self.receive(_left(deadline))
+        except (ChannelError, asyncio.CancelledError):
+            # Half an exchange leaves the two ends out of step: never reuse the channel.
+            self.close()
+            raise
+        finally:
+            self._lock.release()
+
+    async def send(self, message: DataMessage, timeout: float) -> None:
+        """Write one frame (hold :meth:`exclusive` around a multi-step exchange)."""
+        self._check_open()
+        try:
+            await self.stream.send(message, timeout)
+        except FrameError:
+            raise  # ours was too large: a caller bug, the connection is still fine
+        except (OSError, asyncio.TimeoutError) as e:
+            self._fail(f"sending {message.type!r}", e)
+        finally:
+            self.last_used = time.monotonic()
+
+    async def receive(self, timeout: float) -> DataMessage:
+        """Read the peer's next frame; an :class:`ErrorReply` raises :class:`RemoteError`."""
+        self._check_open()
+        try:
+            reply = await self.stream.receive(timeout)
+        except (OSError, asyncio.TimeoutError, ConnectionClosed, FrameError) as e:
+            self._fail("waiting for the reply", e)
+        finally:
+            self.last_used = time.monotonic()
+        if isinstance(reply, ErrorReply):
+            self.close()  # the peer closes after an error reply
+            raise RemoteError(f"{self.peer_node_id} ({self.address}): {reply.message}")
+        return reply
+
+    async def send_tensor(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float) -> int:
+        """Send one tensor or a list (for example one per layer), in order; returns bytes sent."""
+        self._check_open()
+        try:
+            return await self.channel.send(tensors, timeout)
+        except ChannelError as e:
+            self._fail("sending tensors", e)
+        finally:
+            self.last_used = time.monotonic()
+
+    async def recv_tensor(self, shape: Sequence[int], dtype: torch.dtype | str, timeout: float) -> torch.Tensor:
+        (tensor,) = await self.recv_tensors([(shape, dtype)], timeout)
+        return tensor
+
+    async def recv_tensors(self, specs: Sequence[TensorSpec], timeout: float) -> list[torch.Tensor]:
+        self._check_open()
+        try:
+            return await self.channel.recv(specs, timeout)
+        except ChannelError as e:
+            self._fail("receiving tensors", e)
+        finally:
+            self.last_used = time.monotonic()
+
+    def close(self) -> None:
+        """Tear down now: the process group is aborted and the socket closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.channel.close()
+        self.stream.close()
+        logger.info("closed data-plane channel to %s (%s)", self.peer_node_id, self.address)
+        if self._on_close is not None:
+            self._on_close(self)
+
+    async def aclose(self, grace: float = 5.0) -> None:
+        """Close once an exchange in flight finishes (or after ``grace`` seconds)."""
+        try:
+            await asyncio.wait_for(self._lock.acquire(), grace)
+            self._lock.release()
+        except asyncio.TimeoutError:
+            logger.warning("closing channel to %s with an exchange still in flight", self.address)
+        self.close()
+        await self.stream.aclose()
+
+    def _check_open(self) -> None:
+        if not self.alive:
+            raise ChannelError(f"channel to {self.address} is closed")
+
+    def _fail(self, what: str, error: BaseException) -> NoReturn:
+        self.close()
+        detail = str(error) or type(error).__name__
+        logger.warning("data-plane channel to %s failed while %s: %s", self.address, what, detail)
+        if isinstance(error, ChannelError):
+            raise error
+        raise ChannelError(f"{what} on channel to {self.address} failed: {detail}") from error
+
+
+def _left(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise ChannelError("request deadline passed")
+    return remaining
+
+
+async def dial(
+    address: str,
+    token: str,
+    kv_spec: KVSpec,
+    node_id: str,
+    device: torch.device | str,
+    *,
+    connect_timeout: float = 10.0,
+    max_frame_bytes: int = MAX_FRAME_BYTES,
+    on_close: Callable[[PeerChannel], None] | None = None,
+) -> PeerChannel:
+    """Connect, authenticate and form the pair group with the decode node at ``address``.
+
+    Raises :class:`HandshakeRefused` when D says no, :class:`ChannelError` when it cannot be
+    reached or the group cannot be formed in time.
+    """
+    device = torch.device(device)
+    if device.type not in SUPPORTED_DEVICE_TYPES:
+        raise ValueError(f"unsupported device {device}; expected one of {SUPPORTED_DEVICE_TYPES}")
+    host, port = split_address(address)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), connect_timeout)
+    except (OSError, asyncio.TimeoutError) as e:
+        raise ChannelError(f"cannot connect to {address}: {e or type(e).__name__}") from e
+    stream = FramedStream(reader, writer, max_frame_bytes)
+    channel: TensorChannel | None = None
+    try:
+        device_type, device_uuid = device_identity(device)
+        hello = Hello(token=token, node_id=node_id, kv_spec=kv_spec, device_type=device_type, device_uuid=device_uuid)
+        await stream.send(hello, connect_timeout)
+        answer = await stream.receive(connect_timeout)
+        if isinstance(answer, Refused):
+            raise HandshakeRefused(answer.reason)
+        if not isinstance(answer, Welcome):
+            raise ChannelError(f"{address} answered the hello with {answer.type!r}")
+        channel = TensorChannel(device, answer.backend, DIALER_RANK, answer.group_timeout_s)
+        await channel.join_store(host, answer.store_port, connect_timeout)
+        await channel.form_group(stream.local_host, answer.group_timeout_s)
+    except HandshakeRefused as e:
+        logger.error("decode node at %s refused the data-plane handshake: %s", address, e.reason)
+        await stream.aclose()
+        raise
+    except BaseException as e:
+        if channel is not None:
+            channel.close()
+        await stream.aclose()
+        if isinstance(e, (OSError, asyncio.TimeoutError, ConnectionClosed, FrameError)):
+            raise ChannelError(f"handshake with {address} failed: {e or type(e).__name__}") from e
+        raise
+    logger.info("data-plane channel to %s (%s) open over %s", answer.node_id, address, channel.backend)
+    return PeerChannel(address, stream, channel, answer.node_id, on_close)
+
+
+class ChannelPool:
+    """Channels from this prefill node to decode nodes, dialed on first use, LRU-bounded."""
+
+    def __init__(
+        self,
+        token: str,
+        kv_spec: KVSpec,
+        node_id: str,
+        device: torch.device | str,
+        max_channels: int = 8,
+        *,
+        connect_timeout: float = 10.0,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ) -> None:
+        if max_channels < 1:
+            raise ValueError("max_channels must be at least 1")
+        self._token = token
+        self.kv_spec = kv_spec
+        self.node_id = node_id
+        self.device = torch.device(device)
+        self.max_channels = max_channels
+        self.connect_timeout = connect_timeout
+        self.max_frame_bytes = max_frame_bytes
+        self._channels: OrderedDict[str, PeerChannel] = OrderedDict()
+        self._dial_locks: dict[str, asyncio.Lock] = {}
+        # Totals over every channel this pool ever held, for metrics.
+        self._retired_sent = 0
+        self._retired_received = 0
+
+    @property
+    def addresses(self) -> list[str]:
+        """Open channels' addresses, least recently used first."""
+        return list(self._channels)
+
+    def __len__(self) -> int:
+        return len(self._channels)
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._channels
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._retired_sent + sum(c.bytes_sent for c in self._channels.values())
+
+    @property
+    def bytes_received(self) -> int:
+        return self._retired_received + sum(c.bytes_received for c in self._channels.values())
+
+    async def get(self, address: str) -> PeerChannel:
+        """The channel to ``address``, dialing it if there is none or the old one died."""
+        channel = self._live(address)
+        if channel is not None:
+            return channel
+        lock = self._dial_locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            channel = self._live(address)  # another caller may have dialed meanwhile
+            if channel is not None:
+                return channel
+            channel = await dial(
+                address,
+                self._token,
+                self.kv_spec,
+                self.node_id,
+                self.device,
+                connect_timeout=self.connect_timeout,
+                max_frame_bytes=self.max_frame_bytes,
+                on_close=self._forget,
+            )
+            self._channels[address] = channel
+            await self._evict()
+            return channel
+
+    async def close(self) -> None:
+        """Close every channel (their process groups included)."""
+        channels = list(self._channels.values())
+        await asyncio.gather(*(c.aclose() for c in channels), return_exceptions=True)
+        self._channels.clear()
+        self._dial_locks.clear()
+
+    def _live(self, address: str) -> PeerChannel | None:
+        channel = self._channels.get(address)
+        if channel is None:
+            return None
+        if not channel.alive:
+            channel.close()  # calls _forget
+            self._channels.pop(address, None)
+            return None
+        self._channels.move_to_end(address)
+        channel.last_used = time.monotonic()
+        return channel
+
+    def _forget(self, channel: PeerChannel) -> None:
+        if self._channels.get(channel.address) is channel:
+            del self._channels[channel.address]
+        self._retired_sent += channel.bytes_sent
+        self._retired_received += channel.bytes_received
+
+    async def _evict(self) -> None:
+        while len(self._channels) > self.max_channels:
+            address, oldest = next(iter(self._channels.items()))
+            del self._channels[address]
+            self._dial_locks.pop(address, None)
+            logger.info("closing least recently used data-plane channel to %s (max %d)", address, self.max_channels)
+            await oldest.aclose()

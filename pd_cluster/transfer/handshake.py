@@ -1,0 +1,88 @@
+"""The first exchange on a data-plane connection: who dials, is it allowed, can the KV move.
+
+P sends :class:`Hello`; D answers :class:`Welcome` (with what P needs to join the pairwise
+process group) or :class:`Refused` and closes. The token is compared in constant time and never
+appears in a repr, a log line or an error message.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Literal
+
+import torch
+from pydantic import Field, SecretStr, field_serializer
+
+from pd_cluster.kv_spec import KVSpec
+from pd_cluster.transfer.framing import DataMessage
+
+#: Bumped when the handshake or the frame layout changes incompatibly.
+PROTOCOL_VERSION = 1
+
+Backend = Literal["gloo", "nccl"]
+SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+class Hello(DataMessage):
+    """P -> D, first frame: credentials and what P's KV looks like."""
+
+    type: Literal["dp.hello"] = "dp.hello"
+    version: int = PROTOCOL_VERSION
+    token: SecretStr
+    node_id: str = Field(min_length=1, max_length=128)
+    kv_spec: KVSpec
+    device_type: str
+    device_uuid: str | None = Field(default=None, description="GPU identity, to spot two ends on one GPU")
+
+    @field_serializer("token", when_used="json")
+    def _reveal_token(self, token: SecretStr) -> str:
+        return token.get_secret_value()
+
+
+class Welcome(DataMessage):
+    """D -> P: accepted; join D's private store at ``store_port`` as rank 1 of 2."""
+
+    type: Literal["dp.welcome"] = "dp.welcome"
+    node_id: str
+    backend: Backend
+    store_port: int = Field(gt=0, lt=65536)
+    group_timeout_s: float = Field(gt=0)
+
+
+class Refused(DataMessage):
+    """D -> P: not accepted; D closes the connection after this frame."""
+
+    type: Literal["dp.refused"] = "dp.refused"
+    reason: str
+
+
+def device_identity(device: torch.device) -> tuple[str, str | None]:
+    """(device type, GPU uuid or None) of the device a node keeps its KV on."""
+    if device.type != "cuda":
+        return device.type, None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "cuda", str(torch.cuda.get_device_properties(index).uuid)
+
+
+def check_hello(hello: Hello, token: str, kv_spec: KVSpec, device_type: str) -> str | None:
+    """Why D must refuse this Hello, or None to accept. Values read "dialer's != ours"."""
+    # Authentication first: an unauthenticated peer learns nothing about this node.
+    if not hmac.compare_digest(hello.token.get_secret_value().encode(), token.encode()):
+        return "authentication failed"
+    if hello.version != PROTOCOL_VERSION:
+        return f"protocol version mismatch: {hello.version} != {PROTOCOL_VERSION}"
+    if hello.device_type != device_type:
+        return f"device type mismatch: {hello.device_type} != {device_type}"
+    fields = kv_spec.mismatch(hello.kv_spec)
+    if fields:
+        details = ", ".join(f"{name} {getattr(hello.kv_spec, name)} != {getattr(kv_spec, name)}" for name in fields)
+        return f"KV spec mismatch: {details}"
+    return None
+
+
+def choose_backend(local: torch.device, local_uuid: str | None, peer_uuid: str | None) -> Backend:
+    """NCCL between two GPUs; gloo on CPU, and between two processes sharing one GPU
+    (NCCL refuses two ranks on the same device), staged through host memory."""
+    if local.type == "cuda" and not (local_uuid is not None and local_uuid == peer_uuid):
+        return "nccl"
+    return "gloo"

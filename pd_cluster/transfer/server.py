@@ -1,0 +1,264 @@
+"""The decode node's side of the data plane: accept prefill nodes, hand their requests to a handler.
+
+Each accepted connection is authenticated (:mod:`.handshake`), gets its own pairwise tensor
+channel, and then carries request/reply frames: the server reads a message, awaits
+``handler(conn, message)`` and writes the reply it returns (None: no reply). The handler moves
+tensors with ``conn.recv_tensor(...)``. A bad frame, a failed handler or a dead channel closes
+that one connection, logged; the server keeps serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+import torch
+
+from pd_cluster.kv_spec import KVSpec
+from pd_cluster.transfer.channel import HOST_RANK, TensorChannel, TensorSpec
+from pd_cluster.transfer.errors import ChannelError, ConnectionClosed, FrameError
+from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply, FramedStream
+from pd_cluster.transfer.handshake import (
+    SUPPORTED_DEVICE_TYPES,
+    Hello,
+    Refused,
+    Welcome,
+    check_hello,
+    choose_backend,
+    device_identity,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PeerConnection:
+    """One connected prefill node as the handler sees it: its identity and the tensor channel."""
+
+    def __init__(self, stream: FramedStream, channel: TensorChannel, peer_node_id: str) -> None:
+        self.stream = stream
+        self.channel = channel
+        self.peer_node_id = peer_node_id
+        self.peer_address = stream.peer
+
+    @property
+    def backend(self) -> str:
+        return self.channel.backend
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.channel.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.channel.bytes_received
+
+    @property
+    def closed(self) -> bool:
+        return self.channel.closed or self.stream.at_eof
+
+    async def recv_tensor(self, shape: Sequence[int], dtype: torch.dtype | str, timeout: float) -> torch.Tensor:
+        """Receive one tensor the peer announced, on this node's device."""
+        (tensor,) = await self.channel.recv([(shape, dtype)], timeout)
+        return tensor
+
+    async def recv_tensors(self, specs: Sequence[TensorSpec], timeout: float) -> list[torch.Tensor]:
+        """Receive several tensors, in the order the peer sent them."""
+        return await self.channel.recv(specs, timeout)
+
+    async def recv_into(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float) -> None:
+        """Receive straight into existing buffers."""
+        await self.channel.recv_into(tensors, timeout)
+
+    async def send_tensor(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float) -> int:
+        """Send tensors back to the peer (it must be receiving them); returns bytes sent."""
+        return await self.channel.send(tensors, timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.stream.close()
+
+
+Handler = Callable[[PeerConnection, DataMessage], Awaitable[DataMessage | None]]
+
+
+class DataPlaneServer:
+    """Accepts prefill nodes on ``host:port`` (port 0: any free port, see :attr:`address`)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        kv_spec: KVSpec,
+        node_id: str,
+        device: torch.device | str,
+        handler: Handler,
+        *,
+        handshake_timeout: float = 10.0,
+        group_timeout: float = 30.0,
+        reply_timeout: float = 10.0,
+        idle_timeout: float = 600.0,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ) -> None:
+        if not token:
+            raise ValueError("a data-plane server needs a non-empty token")
+        self.host = host
+        self.port = port
+        self._token = token
+        self.kv_spec = kv_spec
+        self.node_id = node_id
+        self.device = torch.device(device)
+        if self.device.type not in SUPPORTED_DEVICE_TYPES:
+            raise ValueError(f"unsupported device {self.device}; expected one of {SUPPORTED_DEVICE_TYPES}")
+        self._device_type, self._device_uuid = device_identity(self.device)
+        self._handler = handler
+        self.handshake_timeout = handshake_timeout
+        self.group_timeout = group_timeout
+        self.reply_timeout = reply_timeout
+        self.idle_timeout = idle_timeout
+        self.max_frame_bytes = max_frame_bytes
+        self._server: asyncio.Server | None = None
+        self._connections: set[PeerConnection] = set()
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` with the port actually bound."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def connections(self) -> list[PeerConnection]:
+        """Connections past the handshake, with a live tensor channel."""
+        return [c for c in self._connections if not c.closed]
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        logger.info("data plane of %s listening on %s (%s)", self.node_id, self.address, self._device_type)
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        """Stop accepting, close every connection and tear down every process group."""
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._connections):
+            conn.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("data plane of %s: connections still closing after %.1fs", self.node_id, timeout)
+            self._server = None
+        logger.info("data plane of %s stopped", self.node_id)
+
+    # ---- per connection ---------------------------------------------------------------------
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        stream = FramedStream(reader, writer, self.max_frame_bytes)
+        conn: PeerConnection | None = None
+        try:
+            conn = await self._accept(stream)
+            if conn is not None:
+                self._connections.add(conn)
+                await self._serve(conn)
+        except asyncio.CancelledError:
+            pass  # stop(): the finally below closes everything
+        except Exception:
+            logger.exception("data-plane connection from %s failed", stream.peer)
+        finally:
+            if conn is not None:
+                conn.close()
+                self._connections.discard(conn)
+            await stream.aclose()
+            self._tasks.discard(task)
+
+    async def _accept(self, stream: FramedStream) -> PeerConnection | None:
+        try:
+            hello = await stream.receive(self.handshake_timeout)
+        except FrameError as e:
+            logger.error("bad handshake frame from %s: %s; closing", stream.peer, e)
+            return None
+        except ConnectionClosed:
+            logger.info("%s closed before the handshake", stream.peer)
+            return None
+        except asyncio.TimeoutError:
+            logger.warning("no hello from %s within %.1fs; closing", stream.peer, self.handshake_timeout)
+            return None
+        if not isinstance(hello, Hello):
+            await self._refuse(stream, f"expected a hello frame, got {hello.type!r}", "?")
+            return None
+        reason = check_hello(hello, self._token, self.kv_spec, self._device_type)
+        if reason is not None:
+            await self._refuse(stream, reason, hello.node_id)
+            return None
+
+        backend = choose_backend(self.device, self._device_uuid, hello.device_uuid)
+        channel = TensorChannel(self.device, backend, HOST_RANK, self.group_timeout)
+        try:
+            port = await channel.host_store(stream.local_host, self.handshake_timeout)
+            welcome = Welcome(node_id=self.node_id, backend=backend, store_port=port, group_timeout_s=self.group_timeout)
+            await stream.send(welcome, self.handshake_timeout)
+            await channel.form_group(stream.local_host, self.group_timeout)
+        except (ChannelError, OSError, asyncio.TimeoutError) as e:
+            channel.close()
+            logger.warning("pair group with %s (node %r) failed: %s", stream.peer, hello.node_id, e or type(e).__name__)
+            return None
+        except BaseException:
+            channel.close()
+            raise
+        logger.info("prefill node %r connected from %s over %s", hello.node_id, stream.peer, backend)
+        return PeerConnection(stream, channel, hello.node_id)
+
+    async def _refuse(self, stream: FramedStream, reason: str, peer_node_id: str) -> None:
+        logger.warning("refused data-plane peer %s (node %r): %s", stream.peer, peer_node_id, reason)
+        try:
+            await stream.send(Refused(reason=reason), self.handshake_timeout)
+        except (OSError, asyncio.TimeoutError):
+            pass  # it is being closed anyway
+
+    async def _serve(self, conn: PeerConnection) -> None:
+        who = f"{conn.peer_node_id!r} ({conn.peer_address})"
+        while True:
+            try:
+                message = await conn.stream.receive(self.idle_timeout)
+            except ConnectionClosed:
+                logger.info("prefill node %s disconnected", who)
+                return
+            except asyncio.TimeoutError:
+                logger.info("prefill node %s idle for %.0fs; closing", who, self.idle_timeout)
+                return
+            except FrameError as e:
+                logger.error("bad frame from %s: %s; closing", who, e)
+                return
+            except OSError as e:
+                logger.warning("connection to %s broke: %s", who, e)
+                return
+            try:
+                reply = await self._handler(conn, message)
+            except ChannelError as e:
+                logger.warning("tensor channel to %s failed during %r: %s; closing", who, message.type, e)
+                return
+            except Exception as e:
+                logger.exception("handler failed on %r from %s; closing", message.type, who)
+                await self._send_quietly(conn, ErrorReply(message=f"{type(e).__name__}: {e}"[:2000]), who)
+                return
+            if reply is not None and not await self._send_quietly(conn, reply, who):
+                return
+            if conn.channel.closed:
+                logger.warning("tensor channel to %s was torn down; closing", who)
+                return
+
+    async def _send_quietly(self, conn: PeerConnection, reply: DataMessage, who: str) -> bool:
+        try:
+            await conn.stream.send(reply, self.reply_timeout)
+            return True
+        except (OSError, asyncio.TimeoutError, FrameError) as e:
+            logger.warning("could not reply %r to %s: %s", reply.type, who, e or type(e).__name__)
+            return False
