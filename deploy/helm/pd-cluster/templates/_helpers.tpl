@@ -1,0 +1,172 @@
+{{/* Names, labels and the pieces every pod shares. */}}
+
+{{- define "pd-cluster.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Leaves room for the longest suffix ("-prefill", "-control") within 63 characters. */}}
+{{- define "pd-cluster.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "pd-cluster.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "pd-cluster.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pd-cluster.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "pd-cluster.labels" -}}
+helm.sh/chart: {{ include "pd-cluster.chart" . }}
+{{ include "pd-cluster.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pd-cluster
+{{- end }}
+
+{{/* Labels of one component: (dict "root" $ "component" "master|prefill|decode"). */}}
+{{- define "pd-cluster.componentSelectorLabels" -}}
+{{ include "pd-cluster.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "pd-cluster.componentLabels" -}}
+{{ include "pd-cluster.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "pd-cluster.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "pd-cluster.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "pd-cluster.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag | toString) }}
+{{- end }}
+
+{{- define "pd-cluster.secretName" -}}
+{{- default (printf "%s-tokens" (include "pd-cluster.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* The client-facing API Service (ready masters only). */}}
+{{- define "pd-cluster.apiServiceName" -}}
+{{- include "pd-cluster.fullname" . }}
+{{- end }}
+
+{{/*
+The Service nodes dial. It publishes the master before it is ready: the master turns ready only
+once nodes have registered, and they can only register through this Service.
+*/}}
+{{- define "pd-cluster.controlServiceName" -}}
+{{- printf "%s-control" (include "pd-cluster.fullname" .) }}
+{{- end }}
+
+{{- define "pd-cluster.masterURL" -}}
+{{- printf "http://%s:%d" (include "pd-cluster.controlServiceName" .) (int .Values.master.port) }}
+{{- end }}
+
+{{/* The value of --model. */}}
+{{- define "pd-cluster.modelArg" -}}
+{{- if eq .Values.model.source "default" }}default{{ else }}{{ .Values.model.mountPath }}{{ end }}
+{{- end }}
+
+{{/* Fail early on combinations the schema cannot express. */}}
+{{- define "pd-cluster.validate" -}}
+{{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}
+{{- fail "model.source=pvc needs model.pvc.claimName" }}
+{{- end }}
+{{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
+{{- fail "model.source=hostPath needs model.hostPath.path" }}
+{{- end }}
+{{- range $role := list "prefill" "decode" }}
+{{- $v := index $.Values $role }}
+{{- if and $v.terminationGracePeriodSeconds (le (int $v.terminationGracePeriodSeconds) (int $v.drainTimeoutSeconds)) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds must exceed %s.drainTimeoutSeconds, or the drain is cut short" $role $role) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Env every container gets: the cluster token (from the Secret only), cache and scratch paths. */}}
+{{- define "pd-cluster.commonEnv" -}}
+- name: PD_CLUSTER_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pd-cluster.secretName" . }}
+      key: {{ .Values.auth.clusterTokenKey }}
+- name: PD_CLUSTER_HOME
+  value: {{ .Values.model.cache.mountPath | quote }}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: TRITON_CACHE_DIR
+  value: /tmp/.triton
+- name: PYTHONUNBUFFERED
+  value: "1"
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Volumes every pod mounts: model (pvc/hostPath), cache, tmp. Nodes add shm. */}}
+{{- define "pd-cluster.volumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .Values.tmp.sizeLimit }}
+- name: cache
+{{- if .Values.model.cache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.cache.existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.cache.sizeLimit }}
+{{- end }}
+{{- if eq .Values.model.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: Directory
+{{- end }}
+{{- end }}
+
+{{- define "pd-cluster.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: {{ .Values.model.cache.mountPath }}
+{{- if ne .Values.model.source "default" }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
+  subPath: {{ .Values.model.pvc.subPath }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A probe: (dict "path" "/livez" "port" "http" "timing" .Values.master.probes.liveness). */}}
+{{- define "pd-cluster.httpProbe" -}}
+httpGet:
+  path: {{ .path }}
+  port: {{ .port }}
+{{- toYaml .timing | nindent 0 }}
+{{- end }}

@@ -1,0 +1,178 @@
+{{/*
+A node group (prefill or decode): (dict "root" $ "role" "prefill|decode").
+Nodes dial the master's control Service and register themselves, so the replica count is all
+it takes to add or remove nodes. Removing one runs the preStop drain first.
+*/}}
+{{- define "pd-cluster.node.deployment" -}}
+{{- $root := .root }}
+{{- $role := .role }}
+{{- $v := index $root.Values $role }}
+{{- $component := dict "root" $root "component" $role }}
+{{- $grace := $v.terminationGracePeriodSeconds | default (add (int $v.drainTimeoutSeconds) 30) }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ include "pd-cluster.fullname" $root }}-{{ $role }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "pd-cluster.componentLabels" $component | nindent 4 }}
+spec:
+  replicas: {{ $v.replicas }}
+  {{- with $v.strategy }}
+  strategy:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "pd-cluster.componentSelectorLabels" $component | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "pd-cluster.componentLabels" $component | nindent 8 }}
+        {{- with $v.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $v.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "pd-cluster.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      # Longer than the drain, so that in-flight requests finish before the kill.
+      terminationGracePeriodSeconds: {{ $grace }}
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.priorityClassName }}
+      priorityClassName: {{ . }}
+      {{- end }}
+      {{- with $root.Values.podSecurityContext }}
+      securityContext:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      containers:
+        - name: {{ $role }}
+          image: {{ include "pd-cluster.image" $root }}
+          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          args:
+            - {{ $role }}
+            - --master
+            - {{ include "pd-cluster.masterURL" $root | quote }}
+            - --model
+            - {{ include "pd-cluster.modelArg" $root | quote }}
+            - --device
+            - {{ $v.device | quote }}
+            - --node-id
+            - $(POD_NAME)
+            - --status-port
+            - {{ $v.statusPort | quote }}
+            {{- if eq $role "decode" }}
+            - --data-host
+            - $(POD_IP)
+            - --data-port
+            - {{ $v.dataPort | quote }}
+            {{- end }}
+            {{- with $v.extraArgs }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          env:
+            - name: POD_NAME
+              valueFrom:
+                fieldRef:
+                  fieldPath: metadata.name
+            - name: POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            {{- include "pd-cluster.commonEnv" $root | nindent 12 }}
+            {{- with $v.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: status
+              containerPort: {{ $v.statusPort }}
+              protocol: TCP
+            {{- if eq $role "decode" }}
+            - name: kv-data
+              containerPort: {{ $v.dataPort }}
+              protocol: TCP
+            {{- end }}
+          startupProbe:
+            {{- include "pd-cluster.httpProbe" (dict "path" "/livez" "port" "status" "timing" $v.probes.startup) | nindent 12 }}
+          readinessProbe:
+            {{- include "pd-cluster.httpProbe" (dict "path" "/readyz" "port" "status" "timing" $v.probes.readiness) | nindent 12 }}
+          livenessProbe:
+            {{- include "pd-cluster.httpProbe" (dict "path" "/livez" "port" "status" "timing" $v.probes.liveness) | nindent 12 }}
+          lifecycle:
+            preStop:
+              exec:
+                command:
+                  - pd-cluster
+                  - node-drain
+                  - --status-port
+                  - {{ $v.statusPort | quote }}
+                  - --timeout
+                  - {{ $v.drainTimeoutSeconds | quote }}
+          {{- with $root.Values.securityContext }}
+          securityContext:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          {{- $resources := deepCopy ($v.resources | default dict) }}
+          {{- if gt (int $v.gpu) 0 }}
+          {{- $limits := get $resources "limits" | default dict }}
+          {{- $_ := set $limits $root.Values.gpuResourceName (int $v.gpu) }}
+          {{- $_ := set $resources "limits" $limits }}
+          {{- end }}
+          {{- with $resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          volumeMounts:
+            {{- include "pd-cluster.volumeMounts" $root | nindent 12 }}
+            - name: shm
+              mountPath: /dev/shm
+      volumes:
+        {{- include "pd-cluster.volumes" $root | nindent 8 }}
+        - name: shm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ $root.Values.shm.sizeLimit }}
+      {{- with $v.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $v.topologySpreadConstraints }}
+      topologySpreadConstraints:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+{{- end }}
+
+{{- define "pd-cluster.node.pdb" -}}
+{{- $root := .root }}
+{{- $v := index $root.Values .role }}
+{{- $component := dict "root" $root "component" .role }}
+{{- if $v.podDisruptionBudget.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "pd-cluster.fullname" $root }}-{{ .role }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "pd-cluster.componentLabels" $component | nindent 4 }}
+spec:
+  maxUnavailable: {{ $v.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "pd-cluster.componentSelectorLabels" $component | nindent 6 }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,793 @@
+"""The Helm chart in deploy/helm/pd-cluster, linted and rendered by Helm's own engine.
+
+helm-sdkpy embeds Helm as a shared library. Its lint takes no values, so other values are linted
+from a copy of the chart whose values.yaml holds them. Rendering needs a release action: install
+and upgrade run against a small in-process fake of the Kubernetes API (discovery plus an object
+store), with HELM_DRIVER=memory keeping release records inside Helm. The manifests Helm rendered
+are parsed with PyYAML and checked against the program's contract.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+import yaml
+
+try:
+    import helm_sdkpy
+except ImportError as exc:  # pragma: no cover - a setup error, reported as such
+    raise ImportError(
+        "these tests need Helm's engine: pip install --ignore-requires-python helm-sdkpy==0.1.32"
+    ) from exc
+
+CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "pd-cluster"
+EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
+MULTI_NODE = CHART / "examples" / "multi-node.yaml"
+
+# helm.sh/helm/v4/pkg/chart/v2/lint/support severities.
+INFO, WARNING, ERROR = 1, 2, 3
+
+# Every Helm call is local and takes well under a second; a hang is a failure, not a wait.
+pytestmark = pytest.mark.timeout(60)
+
+NODE_ROLES = ("prefill", "decode")
+TOKEN_ENV = ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN")
+
+
+# --- A fake Kubernetes API: just enough for Helm to install and upgrade a release -------------
+
+_API_RESOURCES: dict[tuple[str, str], list[tuple[str, str]]] = {
+    ("", "v1"): [
+        ("secrets", "Secret"),
+        ("services", "Service"),
+        ("serviceaccounts", "ServiceAccount"),
+        ("configmaps", "ConfigMap"),
+        ("persistentvolumeclaims", "PersistentVolumeClaim"),
+    ],
+    ("apps", "v1"): [("deployments", "Deployment")],
+    ("policy", "v1"): [("poddisruptionbudgets", "PodDisruptionBudget")],
+    ("monitoring.coreos.com", "v1"): [("servicemonitors", "ServiceMonitor")],
+}
+_OBJECT_PATH = re.compile(
+    r"(?:/api/(?P<core>v1)|/apis/(?P<group>[^/]+)/(?P<version>[^/]+))"
+    r"/namespaces/(?P<ns>[^/]+)/(?P<resource>[^/]+)(?:/(?P<name>[^/]+))?"
+)
+
+
+@dataclass
+class FakeKubeAPI:
+    """Discovery for a few API groups and a namespaced object store, over plain HTTP."""
+
+    store: dict[tuple[str, str], dict[str, dict[str, Any]]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> None:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _reply(self, code: int, obj: dict[str, Any]) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                code, obj = api.handle(self.command, self.path, self.headers.get("Content-Type"), body)
+                self._reply(code, obj)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    @property
+    def kubeconfig(self) -> str:
+        host, port = self._server.server_address[:2]
+        return yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": f"http://{host}:{port}"}}],
+                "users": [{"name": "fake", "user": {}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
+                "current-context": "fake",
+            }
+        )
+
+    def objects(self, resource: str) -> dict[str, dict[str, Any]]:
+        with self.lock:
+            return copy.deepcopy(self.store.get(("default", resource), {}))
+
+    def reset(self) -> None:
+        with self.lock:
+            self.store.clear()
+
+    @staticmethod
+    def _status(code: int, reason: str, message: str) -> tuple[int, dict[str, Any]]:
+        return code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason,
+                      "code": code, "message": message}
+
+    def handle(self, method: str, raw_path: str, content_type: str | None, body: bytes) -> tuple[int, dict[str, Any]]:
+        url = urlparse(raw_path)
+        path = url.path.rstrip("/")
+        if path == "/version":
+            return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0", "platform": "linux/amd64"}
+        if path == "/api":
+            return 200, {"kind": "APIVersions", "versions": ["v1"],
+                         "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]}
+        if path == "/apis":
+            groups = [
+                {"name": g, "versions": [{"groupVersion": f"{g}/{v}", "version": v}],
+                 "preferredVersion": {"groupVersion": f"{g}/{v}", "version": v}}
+                for g, v in _API_RESOURCES if g
+            ]
+            return 200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}
+        for (group, version), resources in _API_RESOURCES.items():
+            if path == (f"/apis/{group}/{version}" if group else f"/api/{version}"):
+                return 200, {
+                    "kind": "APIResourceList", "apiVersion": "v1",
+                    "groupVersion": f"{group}/{version}" if group else version,
+                    "resources": [
+                        {"name": name, "singularName": kind.lower(), "namespaced": True, "kind": kind,
+                         "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"]}
+                        for name, kind in resources
+                    ],
+                }
+        match = _OBJECT_PATH.fullmatch(path)
+        if match is None:
+            return self._status(404, "NotFound", f"{path} not found")
+        if content_type and "protobuf" in content_type:
+            return self._status(415, "UnsupportedMediaType",
+                                "release records must stay in memory: start Helm with HELM_DRIVER=memory")
+        group = match["group"] or ""
+        version = match["core"] or match["version"]
+        resource, name = match["resource"], match["name"]
+        with self.lock:
+            bucket = self.store.setdefault((match["ns"], resource), {})
+            if method == "GET" and name is None:
+                items = list(bucket.values())
+                for term in filter(None, parse_qs(url.query).get("labelSelector", [""])[0].split(",")):
+                    key, _, value = term.partition("=")
+                    items = [i for i in items if i["metadata"].get("labels", {}).get(key) == value]
+                kind = dict(_API_RESOURCES[(group, version)])[resource]
+                return 200, {"kind": f"{kind}List", "apiVersion": f"{group}/{version}".lstrip("/"),
+                             "metadata": {"resourceVersion": "1"}, "items": items}
+            if method == "GET":
+                if name not in bucket:
+                    return self._status(404, "NotFound", f"{resource} {name} not found")
+                return 200, bucket[name]
+            if method in ("POST", "PUT"):
+                obj = json.loads(body)
+                meta = obj["metadata"]
+                if method == "POST" and meta["name"] in bucket:
+                    return self._status(409, "AlreadyExists", f"{resource} {meta['name']} exists")
+                meta.setdefault("namespace", match["ns"])
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta["resourceVersion"] = str(uuid.uuid4().int % 10**9)
+                bucket[meta["name"]] = obj
+                return (201 if method == "POST" else 200), obj
+            if method == "PATCH":
+                if name not in bucket:
+                    return self._status(404, "NotFound", f"{resource} {name} not found")
+                bucket[name] = _merge_patch(bucket[name], json.loads(body))
+                return 200, bucket[name]
+            if method == "DELETE":
+                bucket.pop(name, None)
+                return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+        return self._status(405, "MethodNotAllowed", f"{method} {path}")
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    """JSON merge patch (RFC 7386); strategic-merge directives are dropped, lists replaced.
+
+    Enough for the scalar changes these tests upgrade; not a full strategic merge.
+    """
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if key.startswith("$"):
+            continue
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge_patch(out.get(key), value)
+    return out
+
+
+# --- Helm through helm-sdkpy -----------------------------------------------------------------
+
+
+@dataclass
+class Release:
+    manifests: list[dict[str, Any]]
+    notes: str
+    raw_manifest: str
+
+    def one(self, kind: str, name_suffix: str = "") -> dict[str, Any]:
+        found = [m for m in self.manifests if m["kind"] == kind and m["metadata"]["name"].endswith(name_suffix)]
+        assert len(found) == 1, f"expected one {kind} *{name_suffix}, got {[m['metadata']['name'] for m in found]}"
+        return found[0]
+
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        return [m for m in self.manifests if m["kind"] == kind]
+
+    def deployment(self, component: str) -> dict[str, Any]:
+        return self.one("Deployment", f"-{component}")
+
+    def container(self, component: str) -> dict[str, Any]:
+        (container,) = self.deployment(component)["spec"]["template"]["spec"]["containers"]
+        return container
+
+
+# Helm reads HELM_DRIVER from the environment the process started with (the Go runtime copies it
+# when the library loads), so the engine runs in a worker process started with HELM_DRIVER=memory.
+_WORKER = r"""
+import asyncio, json, sys
+import helm_sdkpy
+
+configs = {}
+for line in sys.stdin:
+    request = json.loads(line)
+    op = request["op"]
+    try:
+        if op == "config":
+            configs[request["id"]] = helm_sdkpy.Configuration(namespace="default", kubeconfig=request["kubeconfig"])
+            out = None
+        elif op == "lint":
+            out = asyncio.run(helm_sdkpy.Lint(configs[request["id"]]).run(request["chart"]))
+        else:
+            action = {"install": helm_sdkpy.Install, "upgrade": helm_sdkpy.Upgrade}[op]
+            options = {"server_side_apply": False} if op == "upgrade" else {}
+            out = asyncio.run(action(configs[request["id"]]).run(
+                request["name"], request["chart"], values=request["values"], wait=False, timeout=30, **options))
+            out = {"manifest": out["manifest"], "notes": out["info"].get("notes", "")}
+        reply = {"ok": out}
+    except helm_sdkpy.HelmError as exc:
+        reply = {"error": type(exc).__name__, "message": str(exc)}
+    sys.stdout.write(json.dumps(reply) + "\n")
+    sys.stdout.flush()
+"""
+
+
+class Helm:
+    """Lint, install and upgrade the chart with Helm's engine against the fake API."""
+
+    def __init__(self, api: FakeKubeAPI, home: Path) -> None:
+        self.api = api
+        env = {
+            **os.environ,
+            "HELM_DRIVER": "memory",
+            "HELM_CACHE_HOME": str(home / "cache"),
+            "HELM_CONFIG_HOME": str(home / "config"),
+            "HELM_DATA_HOME": str(home / "data"),
+        }
+        self._worker = subprocess.Popen(
+            [sys.executable, "-c", _WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self._ids = itertools.count()
+        self._names = itertools.count()
+
+    def close(self) -> None:
+        assert self._worker.stdin is not None
+        self._worker.stdin.close()
+        self._worker.wait(timeout=10)
+
+    def _call(self, **request: Any) -> Any:
+        assert self._worker.stdin is not None and self._worker.stdout is not None
+        self._worker.stdin.write(json.dumps(request) + "\n")
+        self._worker.stdin.flush()
+        line = self._worker.stdout.readline()
+        assert line, f"the helm worker exited with {self._worker.poll()}"
+        reply = json.loads(line)
+        if "error" in reply:
+            raise getattr(helm_sdkpy, reply["error"], helm_sdkpy.HelmError)(reply["message"])
+        return reply["ok"]
+
+    def config(self) -> int:
+        """A new Helm configuration (with its own in-memory release store) in the worker."""
+        config = next(self._ids)
+        self._call(op="config", id=config, kubeconfig=self.api.kubeconfig)
+        return config
+
+    def lint(self, chart: Path = CHART) -> list[dict[str, Any]]:
+        result = self._call(op="lint", id=self.config(), chart=str(chart))
+        return result["Messages"] or []
+
+    def install(self, values: dict[str, Any] | None = None, config: int | None = None, name: str | None = None) -> Release:
+        """A fresh release in an empty fake cluster, unless a config (its release store) is given."""
+        if config is None:
+            self.api.reset()
+            config = self.config()
+        name = name or f"pd{next(self._names)}"
+        return self._release(self._call(op="install", id=config, name=name, chart=str(CHART), values=values))
+
+    def upgrade(self, config: int, name: str, values: dict[str, Any]) -> Release:
+        return self._release(self._call(op="upgrade", id=config, name=name, chart=str(CHART), values=values))
+
+    @staticmethod
+    def _release(result: dict[str, Any]) -> Release:
+        manifests = [doc for doc in yaml.safe_load_all(result["manifest"]) if doc]
+        return Release(manifests=manifests, notes=result["notes"], raw_manifest=result["manifest"])
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helm]:
+    api = FakeKubeAPI()
+    api.start()
+    engine = Helm(api, tmp_path_factory.mktemp("helm-home"))
+    yield engine
+    engine.close()
+    api.stop()
+
+
+@pytest.fixture(scope="module")
+def default_release(helm: Helm) -> Release:
+    return helm.install(name="pd")
+
+
+def merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing of values: maps merge key by key, anything else replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def chart_with_values(tmp_path: Path, values: dict[str, Any]) -> Path:
+    """A copy of the chart whose values.yaml is the chart's defaults overlaid with values."""
+    chart = tmp_path / "pd-cluster"
+    shutil.copytree(CHART, chart)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    (chart / "values.yaml").write_text(yaml.safe_dump(merged(defaults, values)))
+    return chart
+
+
+def load_example(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {item["name"]: item for item in container.get("env", [])}
+
+
+BAD_VALUES = {
+    "negative decode replicas": ({"decode": {"replicas": -1}}, "/decode/replicas"),
+    "negative prefill replicas": ({"prefill": {"replicas": -2}}, "/prefill/replicas"),
+    "unknown policy": ({"master": {"policy": "random"}}, "/master/policy"),
+    "unknown model source": ({"model": {"source": "s3"}}, "/model/source"),
+    "pvc without claim name": ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
+    "hostPath without path": ({"model": {"source": "hostPath"}}, "/model/hostPath/path"),
+    "negative gpu count": ({"decode": {"gpu": -1}}, "/decode/gpu"),
+    "unknown device": ({"prefill": {"device": "tpu"}}, "/prefill/device"),
+    "misspelled key": ({"decode": {"replica": 3}}, "replica"),
+    "unknown service type": ({"master": {"service": {"type": "Ingress"}}}, "/master/service/type"),
+}
+
+
+# --- Lint ------------------------------------------------------------------------------------
+
+
+def test_chart_lints_clean_with_default_values(helm: Helm) -> None:
+    messages = helm.lint()
+    assert [m for m in messages if m["Severity"] >= WARNING] == []
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_chart_lints_clean_with_example_values(helm: Helm, tmp_path: Path, example: Path) -> None:
+    messages = helm.lint(chart_with_values(tmp_path, load_example(example)))
+    assert [m for m in messages if m["Severity"] >= WARNING] == []
+
+
+def test_multi_node_example_exists() -> None:
+    assert MULTI_NODE in EXAMPLES
+
+
+@pytest.mark.parametrize("values", [v for v, _ in BAD_VALUES.values()], ids=list(BAD_VALUES))
+def test_lint_rejects_bad_values(helm: Helm, tmp_path: Path, values: dict[str, Any]) -> None:
+    messages = helm.lint(chart_with_values(tmp_path, values))
+    assert any(m["Severity"] == ERROR and m["Path"] == "values.yaml" for m in messages), messages
+
+
+# --- Install-time validation -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("values", "where"), list(BAD_VALUES.values()), ids=list(BAD_VALUES))
+def test_install_rejects_bad_values(helm: Helm, values: dict[str, Any], where: str) -> None:
+    with pytest.raises(helm_sdkpy.InstallError, match="schema") as info:
+        helm.install(values)
+    assert where in str(info.value)
+
+
+def test_install_rejects_grace_period_shorter_than_drain(helm: Helm) -> None:
+    with pytest.raises(helm_sdkpy.InstallError, match="terminationGracePeriodSeconds must exceed"):
+        helm.install({"decode": {"drainTimeoutSeconds": 300, "terminationGracePeriodSeconds": 300}})
+
+
+# --- Rendered manifests ----------------------------------------------------------------------
+
+
+def test_renders_master_and_two_node_groups(default_release: Release) -> None:
+    components = {
+        d["metadata"]["labels"]["app.kubernetes.io/component"] for d in default_release.kinds("Deployment")
+    }
+    assert components == {"master", "prefill", "decode"}
+
+
+def test_master_runs_the_api_with_model_and_policy(helm: Helm) -> None:
+    release = helm.install({"master": {"policy": "least_load"}})
+    container = release.container("master")
+    assert container["args"] == [
+        "master", "--host", "0.0.0.0", "--port", "8000", "--model", "default", "--policy", "least_load",
+    ]
+    assert {"name": "http", "containerPort": 8000, "protocol": "TCP"} in container["ports"]
+
+
+def test_nodes_join_the_master_through_the_control_service(default_release: Release) -> None:
+    control = default_release.one("Service", "-control")
+    name = control["metadata"]["name"]
+    assert control["spec"]["publishNotReadyAddresses"] is True
+    assert control["spec"]["ports"][0]["port"] == 8000
+    for role in NODE_ROLES:
+        args = default_release.container(role)["args"]
+        assert args[:2] == [role, "--master"]
+        assert args[2] == f"http://{name}:8000"
+
+
+def test_prefill_args(default_release: Release) -> None:
+    assert default_release.container("prefill")["args"] == [
+        "prefill", "--master", "http://pd-pd-cluster-control:8000", "--model", "default",
+        "--device", "cuda", "--node-id", "$(POD_NAME)", "--status-port", "9000",
+    ]
+
+
+def test_decode_advertises_its_pod_ip_for_the_data_plane(default_release: Release) -> None:
+    container = default_release.container("decode")
+    assert container["args"] == [
+        "decode", "--master", "http://pd-pd-cluster-control:8000", "--model", "default",
+        "--device", "cuda", "--node-id", "$(POD_NAME)", "--status-port", "9000",
+        "--data-host", "$(POD_IP)", "--data-port", "9100",
+    ]
+    env = env_of(container)
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert {"name": "kv-data", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+
+
+def test_node_ports_and_device_follow_values(helm: Helm) -> None:
+    release = helm.install(
+        {"decode": {"statusPort": 9500, "dataPort": 9600, "device": "cpu", "gpu": 0}, "prefill": {"statusPort": 9700}}
+    )
+    decode = release.container("decode")["args"]
+    assert decode[decode.index("--status-port") + 1] == "9500"
+    assert decode[decode.index("--data-port") + 1] == "9600"
+    assert decode[decode.index("--device") + 1] == "cpu"
+    prefill = release.container("prefill")
+    assert prefill["args"][prefill["args"].index("--status-port") + 1] == "9700"
+    assert prefill["readinessProbe"]["httpGet"]["port"] == "status"
+    assert {"name": "status", "containerPort": 9700, "protocol": "TCP"} in prefill["ports"]
+
+
+def test_master_probes_use_health_for_readiness_and_livez_for_liveness(default_release: Release) -> None:
+    container = default_release.container("master")
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+
+
+@pytest.mark.parametrize("role", NODE_ROLES)
+def test_node_probes_use_the_status_port(default_release: Release, role: str) -> None:
+    container = default_release.container(role)
+    assert {"name": "status", "containerPort": 9000, "protocol": "TCP"} in container["ports"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "status"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "status"}
+    assert container["startupProbe"]["httpGet"] == {"path": "/livez", "port": "status"}
+
+
+def test_tokens_reach_pods_only_through_secret_key_refs(helm: Helm) -> None:
+    release = helm.install({"auth": {"clusterToken": "cluster-literal-0123", "adminToken": "admin-literal-4567"}})
+    secret = release.one("Secret", "-tokens")
+    name = secret["metadata"]["name"]
+    assert base64.b64decode(secret["data"]["cluster-token"]).decode() == "cluster-literal-0123"
+    assert base64.b64decode(secret["data"]["admin-token"]).decode() == "admin-literal-4567"
+    for deployment in release.kinds("Deployment"):
+        assert "literal" not in yaml.safe_dump(deployment)
+    expected = {
+        "master": {"PD_CLUSTER_TOKEN": "cluster-token", "PD_ADMIN_TOKEN": "admin-token"},
+        "prefill": {"PD_CLUSTER_TOKEN": "cluster-token"},
+        "decode": {"PD_CLUSTER_TOKEN": "cluster-token"},
+    }
+    for component, keys in expected.items():
+        env = env_of(release.container(component))
+        assert {k: env[k] for k in TOKEN_ENV if k in env} == {
+            var: {"name": var, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}} for var, key in keys.items()
+        }
+
+
+def test_generated_tokens_are_random_and_long(default_release: Release, helm: Helm) -> None:
+    data = default_release.one("Secret", "-tokens")["data"]
+    cluster, admin = (base64.b64decode(data[k]).decode() for k in ("cluster-token", "admin-token"))
+    assert len(cluster) >= 32 and len(admin) >= 32 and cluster != admin
+    again = helm.install().one("Secret", "-tokens")["data"]
+    assert again["cluster-token"] != data["cluster-token"]
+
+
+def test_existing_secret_replaces_the_generated_one(helm: Helm) -> None:
+    release = helm.install(
+        {"auth": {"existingSecret": "my-tokens", "clusterTokenKey": "ct", "adminTokenKey": "at"}}
+    )
+    assert release.kinds("Secret") == []
+    env = env_of(release.container("master"))
+    assert env["PD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-tokens", "key": "ct"}
+    assert env["PD_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "my-tokens", "key": "at"}
+    for role in NODE_ROLES:
+        ref = env_of(release.container(role))["PD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "my-tokens", "key": "ct"}
+
+
+def test_upgrade_scales_nodes_and_keeps_generated_tokens(helm: Helm) -> None:
+    helm.api.reset()
+    config = helm.config()
+    helm.install(config=config, name="keep")
+    before = helm.api.objects("secrets")["keep-pd-cluster-tokens"]["data"]
+    assert helm.api.objects("deployments")["keep-pd-cluster-decode"]["spec"]["replicas"] == 1
+
+    upgraded = helm.upgrade(config, "keep", {"decode": {"replicas": 3}, "prefill": {"replicas": 2}})
+
+    assert upgraded.one("Secret", "-tokens")["data"] == before
+    assert helm.api.objects("secrets")["keep-pd-cluster-tokens"]["data"] == before
+    deployments = helm.api.objects("deployments")
+    assert deployments["keep-pd-cluster-decode"]["spec"]["replicas"] == 3
+    assert deployments["keep-pd-cluster-prefill"]["spec"]["replicas"] == 2
+    assert deployments["keep-pd-cluster-master"]["spec"]["replicas"] == 1
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 5), (0, 0)])
+def test_replica_counts_come_from_values(helm: Helm, prefill: int, decode: int) -> None:
+    release = helm.install({"prefill": {"replicas": prefill}, "decode": {"replicas": decode}})
+    assert release.deployment("prefill")["spec"]["replicas"] == prefill
+    assert release.deployment("decode")["spec"]["replicas"] == decode
+    master = release.deployment("master")["spec"]
+    assert master["replicas"] == 1
+    assert master["strategy"] == {"type": "Recreate"}
+
+
+@pytest.mark.parametrize("role", NODE_ROLES)
+def test_nodes_drain_before_they_stop(default_release: Release, role: str) -> None:
+    pod = default_release.deployment(role)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "pd-cluster", "node-drain", "--status-port", "9000", "--timeout", "300",
+    ]
+    assert pod["terminationGracePeriodSeconds"] > 300
+
+
+def test_grace_period_follows_the_drain_timeout(helm: Helm) -> None:
+    release = helm.install(
+        {"prefill": {"drainTimeoutSeconds": 45}, "decode": {"drainTimeoutSeconds": 600, "terminationGracePeriodSeconds": 900}}
+    )
+    prefill = release.deployment("prefill")["spec"]["template"]["spec"]
+    assert prefill["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "45"
+    assert prefill["terminationGracePeriodSeconds"] > 45
+    decode = release.deployment("decode")["spec"]["template"]["spec"]
+    assert decode["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1] == "600"
+    assert decode["terminationGracePeriodSeconds"] == 900
+
+
+def test_master_has_no_drain_hook_and_no_gpu(default_release: Release) -> None:
+    container = default_release.container("master")
+    assert "lifecycle" not in container
+    assert not any("gpu" in key for key in container["resources"].get("limits", {}))
+
+
+def test_one_gpu_per_node_pod_by_default(default_release: Release) -> None:
+    for role in NODE_ROLES:
+        assert default_release.container(role)["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_gpu_limits_are_set_per_role(helm: Helm) -> None:
+    release = helm.install(
+        {
+            "gpuResourceName": "amd.com/gpu",
+            "prefill": {"gpu": 2},
+            "decode": {"gpu": 0, "device": "cpu", "resources": {"limits": {"cpu": "8"}}},
+        }
+    )
+    prefill = release.container("prefill")["resources"]
+    assert prefill["limits"]["amd.com/gpu"] == 2
+    assert "nvidia.com/gpu" not in prefill["limits"]
+    assert prefill["requests"] == {"cpu": "4", "memory": "16Gi"}
+    decode = release.container("decode")["resources"]
+    assert decode["limits"] == {"cpu": "8", "memory": "32Gi"}
+
+
+def test_node_placement_is_set_per_role(helm: Helm) -> None:
+    toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    release = helm.install(
+        {
+            "prefill": {"nodeSelector": {"pool": "prefill-gpus"}, "tolerations": [toleration]},
+            "decode": {"nodeSelector": {"pool": "decode-gpus"}},
+            "master": {"nodeSelector": {"pool": "cpu"}},
+        }
+    )
+    specs = {c: release.deployment(c)["spec"]["template"]["spec"] for c in ("master", "prefill", "decode")}
+    assert specs["prefill"]["nodeSelector"] == {"pool": "prefill-gpus"}
+    assert specs["prefill"]["tolerations"] == [toleration]
+    assert specs["decode"]["nodeSelector"] == {"pool": "decode-gpus"}
+    assert "tolerations" not in specs["decode"]
+    assert specs["master"]["nodeSelector"] == {"pool": "cpu"}
+
+
+@pytest.mark.parametrize("component", ["master", *NODE_ROLES])
+def test_pods_run_restricted(default_release: Release, component: str) -> None:
+    pod = default_release.deployment(component)["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert "privileged" not in sc
+
+
+@pytest.mark.parametrize("component", ["master", *NODE_ROLES])
+def test_writable_paths_are_volumes(default_release: Release, component: str) -> None:
+    pod = default_release.deployment(component)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    env = env_of(container)
+    assert env["PD_CLUSTER_HOME"]["value"] == "/var/cache/pd-cluster"
+    for path in (env["PD_CLUSTER_HOME"]["value"], env["HOME"]["value"]):
+        assert not mounts[path].get("readOnly", False)
+        assert "emptyDir" in volumes[mounts[path]["name"]]
+
+
+def test_default_model_converts_into_a_cache_claim_when_given(helm: Helm) -> None:
+    release = helm.install({"model": {"cache": {"existingClaim": "pd-cache"}}})
+    for component in ("master", *NODE_ROLES):
+        pod = release.deployment(component)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["cache"] == {"name": "cache", "persistentVolumeClaim": {"claimName": "pd-cache"}}
+        assert "model" not in volumes
+
+
+def test_model_from_pvc_is_mounted_read_only(helm: Helm) -> None:
+    release = helm.install({"model": {"source": "pvc", "pvc": {"claimName": "llama", "subPath": "Llama-3-8B"}}})
+    for component in ("master", *NODE_ROLES):
+        pod = release.deployment(component)["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "llama", "readOnly": True}
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
+        assert mount == {"name": "model", "mountPath": "/models/model", "readOnly": True, "subPath": "Llama-3-8B"}
+        args = container["args"]
+        assert args[args.index("--model") + 1] == "/models/model"
+
+
+def test_model_from_host_path_is_mounted_read_only(helm: Helm) -> None:
+    release = helm.install({"model": {"source": "hostPath", "hostPath": {"path": "/data/models/llama"}}})
+    for component in ("master", *NODE_ROLES):
+        pod = release.deployment(component)["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model"]["hostPath"] == {"path": "/data/models/llama", "type": "Directory"}
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "model")
+        assert mount["readOnly"] is True
+        assert container["args"][container["args"].index("--model") + 1] == "/models/model"
+
+
+def test_api_service_is_cluster_ip_by_default(default_release: Release) -> None:
+    api = [s for s in default_release.kinds("Service") if s["metadata"]["labels"]["pd-cluster/service"] == "api"]
+    assert len(api) == 1
+    spec = api[0]["spec"]
+    assert spec["type"] == "ClusterIP"
+    assert spec["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert spec["selector"]["app.kubernetes.io/component"] == "master"
+    assert "publishNotReadyAddresses" not in spec
+
+
+def test_api_service_type_is_configurable(helm: Helm) -> None:
+    release = helm.install({"master": {"service": {"type": "NodePort", "port": 80, "nodePort": 30080}}})
+    api = next(s for s in release.kinds("Service") if s["metadata"]["labels"]["pd-cluster/service"] == "api")
+    assert api["spec"]["type"] == "NodePort"
+    assert api["spec"]["ports"][0] == {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP", "nodePort": 30080}
+    assert "NodePort" in release.notes or "nodePort" in release.notes
+
+
+def test_node_groups_have_no_service(default_release: Release) -> None:
+    selected = {s["spec"]["selector"]["app.kubernetes.io/component"] for s in default_release.kinds("Service")}
+    assert selected == {"master"}
+
+
+def test_service_monitor_is_off_by_default(default_release: Release) -> None:
+    assert default_release.kinds("ServiceMonitor") == []
+    assert default_release.kinds("PodDisruptionBudget") == []
+
+
+def test_service_monitor_scrapes_metrics_when_enabled(helm: Helm) -> None:
+    release = helm.install(
+        {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}}
+    )
+    monitor = release.one("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["spec"]["endpoints"][0]["port"] == "http"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    matching = [
+        s for s in release.kinds("Service") if all(s["metadata"]["labels"].get(k) == v for k, v in selector.items())
+    ]
+    assert len(matching) == 1
+
+
+def test_image_repository_tag_and_pull_policy(helm: Helm) -> None:
+    release = helm.install({"image": {"repository": "reg.example/pd", "tag": "1.2.3-cu128", "pullPolicy": "Always"}})
+    for component in ("master", *NODE_ROLES):
+        container = release.container(component)
+        assert container["image"] == "reg.example/pd:1.2.3-cu128"
+        assert container["imagePullPolicy"] == "Always"
+    assert helm.install().container("master")["image"].endswith(":0.1.0")
+
+
+def test_multi_node_example_renders_a_spread_gpu_cluster(helm: Helm) -> None:
+    values = load_example(MULTI_NODE)
+    release = helm.install(values)
+    assert release.deployment("prefill")["spec"]["replicas"] == values["prefill"]["replicas"] > 1
+    assert release.deployment("decode")["spec"]["replicas"] == values["decode"]["replicas"] > 1
+    assert release.kinds("Secret") == []
+    assert len(release.kinds("PodDisruptionBudget")) == 2
+    assert len(release.kinds("ServiceMonitor")) == 1
+    for role in NODE_ROLES:
+        pod = release.deployment(role)["spec"]["template"]["spec"]
+        assert pod["topologySpreadConstraints"]
+        assert pod["tolerations"]
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert pod["terminationGracePeriodSeconds"] > values[role]["drainTimeoutSeconds"]
+        env = env_of(pod["containers"][0])
+        assert env["NCCL_SOCKET_IFNAME"]["value"] == "eth0"
+
+
+def test_notes_tell_how_to_reach_the_api_and_scale(default_release: Release) -> None:
+    notes = default_release.notes
+    assert "port-forward service/pd-pd-cluster 8000:8000" in notes
+    assert "/v1/chat/completions" in notes
+    assert "--set decode.replicas=3" in notes
+    assert "kubectl -n default scale deployment/pd-pd-cluster-decode" in notes
+    assert "/admin/nodes" in notes
