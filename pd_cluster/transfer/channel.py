@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -220,7 +221,7 @@ class TensorChannel:
             raise
         except Exception as e:
             self.close()
-            raise ChannelError(f"{what} failed: {e}; channel torn down") from e
+            raise ChannelError(f"{what} failed: {_backend_message(e)}; channel torn down") from e
 
     def _in_worker(self, fn: Callable[[], _T]) -> Callable[[], _T]:
         def call() -> _T:
@@ -241,9 +242,15 @@ def _wait(work: Any, deadline: float) -> None:
     try:
         ok = work.wait(timedelta(seconds=remaining))
     except RuntimeError as e:
-        raise ChannelError(str(e).splitlines()[0] if str(e) else repr(e)) from e
+        raise ChannelError(_backend_message(e)) from e
     if ok is False:
         raise ChannelError("operation reported failure")
+
+
+def _backend_message(error: BaseException) -> str:
+    """First line of a backend error, without the "[source/file.cc:123] " prefix."""
+    lines = str(error).strip().splitlines()
+    return re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(error).__name__
 
 
 def _make_group(store: dist.Store, rank: int, backend: Backend, device: torch.device, local_host: str, timeout_s: float) -> Any:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -277,7 +276,7 @@ class ChannelPool:
         self.max_channels = max_channels
         self.connect_timeout = connect_timeout
         self.max_frame_bytes = max_frame_bytes
-        self._channels: OrderedDict[str, PeerChannel] = OrderedDict()
+        self._channels: dict[str, PeerChannel] = {}
         self._dial_locks: dict[str, asyncio.Lock] = {}
         # Totals over every channel this pool ever held, for metrics.
         self._retired_sent = 0
@@ -285,8 +284,8 @@ class ChannelPool:
 
     @property
     def addresses(self) -> list[str]:
-        """Open channels' addresses, least recently used first."""
-        return list(self._channels)
+        """Open channels' addresses, least recently used first (a request counts as a use)."""
+        return [c.address for c in sorted(self._channels.values(), key=lambda c: c.last_used)]
 
     def __len__(self) -> int:
         return len(self._channels)
@@ -341,7 +340,6 @@ class ChannelPool:
             channel.close()  # calls _forget
             self._channels.pop(address, None)
             return None
-        self._channels.move_to_end(address)
         channel.last_used = time.monotonic()
         return channel
 
@@ -353,7 +351,9 @@ class ChannelPool:
 
     async def _evict(self) -> None:
         while len(self._channels) > self.max_channels:
-            address, oldest = next(iter(self._channels.items()))
+            # By last use, not by last get(): callers hold channels and use them directly.
+            oldest = min(self._channels.values(), key=lambda c: c.last_used)
+            address = oldest.address
             del self._channels[address]
             self._dial_locks.pop(address, None)
             logger.info("closing least recently used data-plane channel to %s (max %d)", address, self.max_channels)

@@ -1,0 +1,457 @@
+"""Data plane between a prefill (P) and a decode (D) node, each in its own process, over gloo.
+
+D runs in a spawned process (several servers on loopback, logging to a file the tests read);
+P is the test process itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import multiprocessing as mp
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+
+from pd_cluster.kv_spec import KVSpec
+from pd_cluster.transfer import (
+    MAX_FRAME_BYTES,
+    ChannelError,
+    ChannelPool,
+    DataMessage,
+    DataPlaneServer,
+    FrameError,
+    HandshakeRefused,
+    PeerConnection,
+    RemoteError,
+)
+from pd_cluster.transfer.framing import FramedStream, decode_message
+from pd_cluster.transfer.handshake import Hello, Refused
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "cluster-secret-7d41"
+WRONG_TOKEN = "not-the-secret-19ab"
+SPEC = KVSpec(model="tiny", num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32")
+REQUEST_TIMEOUT = 10.0
+
+
+# ---- messages the test nodes speak --------------------------------------------------------
+
+
+class Echo(DataMessage):
+    type: Literal["test.echo"] = "test.echo"
+    text: str
+
+
+class Echoed(DataMessage):
+    type: Literal["test.echoed"] = "test.echoed"
+    text: str
+    peer_node_id: str
+    server_node_id: str
+
+
+class PushTensors(DataMessage):
+    """Announces the tensors that follow, in order."""
+
+    type: Literal["test.push"] = "test.push"
+    shapes: list[list[int]]
+    dtypes: list[str]
+
+
+class Received(DataMessage):
+    type: Literal["test.received"] = "test.received"
+    digests: list[str]
+    bytes_received: int
+
+
+class PullTensor(DataMessage):
+    """Asks D to send a tensor back (``arange`` of this many float32 values)."""
+
+    type: Literal["test.pull"] = "test.pull"
+    numel: int
+
+
+class Stall(DataMessage):
+    """D logs 'stalling', optionally receives the announced tensor first, then sleeps."""
+
+    type: Literal["test.stall"] = "test.stall"
+    seconds: float
+    receive_first: bool
+    shape: list[int]
+
+
+class Stats(DataMessage):
+    type: Literal["test.stats"] = "test.stats"
+
+
+class StatsReply(DataMessage):
+    type: Literal["test.stats_reply"] = "test.stats_reply"
+    connections: int
+
+
+class Boom(DataMessage):
+    type: Literal["test.boom"] = "test.boom"
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+# ---- the decode process ---------------------------------------------------------------------
+
+
+def _make_handler(server_ref: list[DataPlaneServer]):
+    log = logging.getLogger("test.decode")
+
+    async def handler(conn: PeerConnection, msg: DataMessage) -> DataMessage | None:
+        server = server_ref[0]
+        if isinstance(msg, Echo):
+            return Echoed(text=msg.text, peer_node_id=conn.peer_node_id, server_node_id=server.node_id)
+        if isinstance(msg, PushTensors):
+            tensors = await conn.recv_tensors(list(zip(msg.shapes, msg.dtypes)), REQUEST_TIMEOUT)
+            return Received(digests=[digest(t) for t in tensors], bytes_received=conn.bytes_received)
+        if isinstance(msg, PullTensor):
+            await conn.send_tensor(torch.arange(msg.numel, dtype=torch.float32), REQUEST_TIMEOUT)
+            return Echoed(text="pulled", peer_node_id=conn.peer_node_id, server_node_id=server.node_id)
+        if isinstance(msg, Stall):
+            if msg.receive_first:
+                await conn.recv_tensor(msg.shape, "float32", REQUEST_TIMEOUT)
+            log.info("stalling on %s", server.address)
+            await asyncio.sleep(msg.seconds)
+            return Echoed(text="woke", peer_node_id=conn.peer_node_id, server_node_id=server.node_id)
+        if isinstance(msg, Stats):
+            return StatsReply(connections=len(server.connections))
+        if isinstance(msg, Boom):
+            raise RuntimeError("boom")
+        raise ValueError(f"unexpected {msg.type}")
+
+    return handler
+
+
+async def _decode_main(ports: list[int], ready) -> None:
+    servers = []
+    for i, port in enumerate(ports):
+        ref: list[DataPlaneServer] = []
+        server = DataPlaneServer("127.0.0.1", port, TOKEN, SPEC, f"decode-{i}", "cpu", _make_handler(ref), handshake_timeout=5.0)
+        ref.append(server)
+        await server.start()
+        servers.append(server)
+    ready.put([s.address for s in servers])
+    await asyncio.Event().wait()  # serve until killed
+
+
+def _decode_process(ports: list[int], log_path: str, ready) -> None:
+    logging.basicConfig(filename=log_path, level=logging.INFO, format="%(levelname)s %(name)s %(message)s", force=True)
+    asyncio.run(_decode_main(ports, ready))
+
+
+@dataclass
+class DecodeNode:
+    process: mp.process.BaseProcess
+    addresses: list[str]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+
+def start_decode(log_path: Path, ports: list[int]) -> DecodeNode:
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    process = ctx.Process(target=_decode_process, args=(ports, str(log_path), ready), daemon=True)
+    process.start()
+    try:
+        addresses = ready.get(timeout=30)
+    except Exception:
+        process.kill()
+        raise
+    return DecodeNode(process, addresses, log_path)
+
+
+@pytest.fixture(scope="module")
+def decode_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecodeNode]:
+    """One D process with three servers (three addresses for the LRU test)."""
+    node = start_decode(tmp_path_factory.mktemp("decode") / "decode.log", [0, 0, 0])
+    yield node
+    node.stop()
+
+
+async def wait_for_log(node: DecodeNode, text: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = node.log()
+        if text in log:
+            return log
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the decode log within {timeout}s:\n{node.log()}")
+
+
+async def closed_by_peer(reader: asyncio.StreamReader, timeout: float = 5.0) -> bool:
+    data = await asyncio.wait_for(reader.read(), timeout)
+    return data == b""
+
+
+def pool(token: str = TOKEN, spec: KVSpec = SPEC, max_channels: int = 8) -> ChannelPool:
+    return ChannelPool(token, spec, "prefill-0", "cpu", max_channels=max_channels, connect_timeout=10.0)
+
+
+# ---- in-process checks --------------------------------------------------------------------
+
+
+def test_hello_never_shows_the_token() -> None:
+    hello = Hello(token=TOKEN, node_id="p", kv_spec=SPEC, device_type="cpu")
+    assert TOKEN not in repr(hello) and TOKEN not in str(hello)
+    assert decode_message(hello.model_dump_json().encode()).token.get_secret_value() == TOKEN
+    broken = hello.model_dump_json().replace('"cpu"', "17").encode()
+    with pytest.raises(FrameError) as info:
+        decode_message(broken)
+    assert TOKEN not in str(info.value)
+
+
+def test_malformed_frames_are_rejected() -> None:
+    for payload, words in [
+        (b"{not json", "invalid JSON"),
+        (b"[1, 2]", "string 'type'"),
+        (b'{"type": "nope"}', "unknown message type"),
+        (b'{"type": "test.echo", "text": 3}', "test.echo"),
+        (b'{"type": "test.echo", "text": "a", "extra": 1}', "extra"),
+    ]:
+        with pytest.raises(FrameError, match=words):
+            decode_message(payload)
+
+
+def test_message_types_must_be_unique() -> None:
+    with pytest.raises(TypeError, match="already used"):
+
+        class Clash(DataMessage):  # noqa: F841
+            type: Literal["test.echo"] = "test.echo"
+
+
+# ---- P and D in separate processes ----------------------------------------------------------
+
+
+async def test_handshake_request_reply_and_tensor_round_trip(decode_node: DecodeNode) -> None:
+    p = pool()
+    try:
+        address = decode_node.addresses[0]
+        channel = await p.get(address)
+        assert channel.backend == "gloo" and channel.peer_node_id == "decode-0"
+        assert await p.get(address) is channel  # reused, not re-dialed
+
+        reply = await channel.request(Echo(text="hi"), REQUEST_TIMEOUT)
+        assert reply == Echoed(text="hi", peer_node_id="prefill-0", server_node_id="decode-0")
+
+        # One tensor per layer, mixed dtypes: several sends in order on the wire.
+        torch.manual_seed(0)
+        layers = [torch.randn(4, 8), torch.randn(3, 5, 2).to(torch.bfloat16), torch.randn(7).to(torch.float16)]
+        nbytes = sum(t.numel() * t.element_size() for t in layers)
+        announce = PushTensors(shapes=[list(t.shape) for t in layers], dtypes=[str(t.dtype).removeprefix("torch.") for t in layers])
+        reply = await channel.request(announce, REQUEST_TIMEOUT, tensors=layers)
+        assert isinstance(reply, Received)
+        assert reply.digests == [digest(t) for t in layers]
+        assert reply.bytes_received == nbytes
+        assert channel.bytes_sent == nbytes
+
+        # The raw steps, composed under the channel lock: D sends a tensor back.
+        async with channel.exclusive():
+            await channel.send(PullTensor(numel=10), REQUEST_TIMEOUT)
+            pulled = await channel.recv_tensor((10,), torch.float32, REQUEST_TIMEOUT)
+            assert isinstance(await channel.receive(REQUEST_TIMEOUT), Echoed)
+        assert torch.equal(pulled, torch.arange(10, dtype=torch.float32))
+        assert channel.bytes_received == 40
+        assert p.bytes_sent == nbytes and p.bytes_received == 40
+    finally:
+        await p.close()
+    assert channel.closed and len(p) == 0
+
+
+async def test_wrong_token_is_refused_on_both_sides(decode_node: DecodeNode) -> None:
+    p = pool(token=WRONG_TOKEN)
+    with pytest.raises(HandshakeRefused, match="^authentication failed$"):
+        await p.get(decode_node.addresses[0])
+    assert len(p) == 0
+    log = await wait_for_log(decode_node, "authentication failed")
+    assert "refused data-plane peer" in log
+    assert WRONG_TOKEN not in log and TOKEN not in log
+
+
+async def test_kv_spec_mismatch_is_refused_naming_the_field(decode_node: DecodeNode) -> None:
+    p = pool(spec=SPEC.model_copy(update={"num_layers": 30}))
+    with pytest.raises(HandshakeRefused, match="KV spec mismatch: num_layers 30 != 2"):
+        await p.get(decode_node.addresses[0])
+    assert len(p) == 0
+    await wait_for_log(decode_node, "KV spec mismatch: num_layers 30 != 2")
+
+    # A GPU node dialing a CPU node is refused too (hand-made hello: this box has no GPU).
+    reader, writer = await asyncio.open_connection(*decode_node.addresses[0].split(":"))
+    stream = FramedStream(reader, writer)
+    await stream.send(Hello(token=TOKEN, node_id="gpu-p", kv_spec=SPEC, device_type="cuda"), 5)
+    answer = await stream.receive(5)
+    assert isinstance(answer, Refused) and answer.reason == "device type mismatch: cuda != cpu"
+    assert await closed_by_peer(reader)
+    await stream.aclose()
+
+
+async def test_pool_closes_least_recently_used_channel(decode_node: DecodeNode) -> None:
+    a, b, c = decode_node.addresses
+    p = pool(max_channels=2)
+    try:
+        chan_a = await p.get(a)
+        chan_b = await p.get(b)
+        assert await p.get(a) is chan_a  # a is now the most recently used
+        chan_c = await p.get(c)
+        assert p.addresses == [a, c]
+        assert chan_b.closed and not chan_b.alive
+        assert chan_b.channel.closed  # its process group was torn down
+        assert chan_a.alive and chan_c.alive
+        assert isinstance(await chan_a.request(Echo(text="still here"), REQUEST_TIMEOUT), Echoed)
+
+        # D dropped the evicted connection too: a fresh dial to b finds itself alone there.
+        chan_b2 = await p.get(b)
+        assert chan_b2 is not chan_b and p.addresses == [a, b]  # c was the LRU this time
+        deadline = time.monotonic() + 10
+        while (await chan_b2.request(Stats(), REQUEST_TIMEOUT)).connections != 1:
+            assert time.monotonic() < deadline, "D kept the evicted connection"
+            await asyncio.sleep(0.05)
+    finally:
+        await p.close()
+
+
+async def test_stalled_peer_fails_the_transfer_at_its_deadline(decode_node: DecodeNode) -> None:
+    address = decode_node.addresses[0]
+    p = pool()
+    try:
+        channel = await p.get(address)
+        start = time.monotonic()
+        with pytest.raises(ChannelError):
+            # D never posts the receive, so the send can only end by its deadline.
+            await channel.request(Stall(seconds=3, receive_first=False, shape=[4]), 1.0, tensors=torch.zeros(1 << 20))
+        assert time.monotonic() - start < 1.0 + 2.5
+        assert channel.closed and address not in p
+        fresh = await p.get(address)
+        assert fresh is not channel
+        assert isinstance(await fresh.request(Echo(text="again"), REQUEST_TIMEOUT), Echoed)
+    finally:
+        await p.close()
+
+
+@pytest.mark.timeout(90)
+async def test_dead_decode_node_fails_fast_and_the_pool_redials(tmp_path: Path) -> None:
+    node = start_decode(tmp_path / "d1.log", [0])
+    address = node.addresses[0]
+    port = int(address.rsplit(":", 1)[1])
+    p = pool()
+    try:
+        # Killed while P is still sending the tensor, then while P waits for the reply.
+        for receive_first in (False, True):
+            channel = await p.get(address)
+            stall = Stall(seconds=60, receive_first=receive_first, shape=[1 << 18])
+            task = asyncio.create_task(channel.request(stall, REQUEST_TIMEOUT, tensors=torch.ones(1 << 18)))
+            await wait_for_log(node, "stalling")
+            node.stop()
+            killed = time.monotonic()
+            with pytest.raises(ChannelError):
+                await asyncio.wait_for(task, REQUEST_TIMEOUT + 5)
+            assert time.monotonic() - killed < REQUEST_TIMEOUT / 2, "the dead peer was waited on"
+            assert channel.closed and address not in p
+
+            node = start_decode(tmp_path / f"d-{receive_first}.log", [port])  # same address
+            fresh = await p.get(address)
+            assert fresh is not channel
+            assert isinstance(await fresh.request(Echo(text="new D"), REQUEST_TIMEOUT), Echoed)
+    finally:
+        await p.close()
+        node.stop()
+
+
+async def test_bad_frames_close_that_connection_and_the_server_keeps_serving(decode_node: DecodeNode) -> None:
+    host, port = decode_node.addresses[1].split(":")
+    bad_frames = [
+        struct.pack("!I", MAX_FRAME_BYTES + 1) + b"x" * 16,  # oversized: not even read
+        struct.pack("!I", 9) + b"not json!",
+        struct.pack("!I", 16) + b'{"type": "nope"}',
+    ]
+    for frame in bad_frames:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(frame)
+        await writer.drain()
+        assert await closed_by_peer(reader)
+        writer.close()
+    log = await wait_for_log(decode_node, "unknown message type 'nope'")
+    assert "exceeds" in log and "invalid JSON" in log
+
+    p = pool()
+    try:
+        channel = await p.get(decode_node.addresses[1])
+        # Garbage after the handshake closes that connection as well ...
+        channel.stream.writer.write(struct.pack("!I", 5) + b"{{{{{")
+        deadline = time.monotonic() + 5
+        while channel.alive:
+            assert time.monotonic() < deadline, "D kept a connection that sent garbage"
+            await asyncio.sleep(0.02)
+        # ... and the server still serves: the pool re-dials.
+        fresh = await p.get(decode_node.addresses[1])
+        assert fresh is not channel
+        assert isinstance(await fresh.request(Echo(text="ok"), REQUEST_TIMEOUT), Echoed)
+    finally:
+        await p.close()
+
+
+async def test_handler_failure_is_reported_and_closes_only_that_connection(decode_node: DecodeNode) -> None:
+    p = pool()
+    try:
+        channel = await p.get(decode_node.addresses[2])
+        with pytest.raises(RemoteError, match="boom"):
+            await channel.request(Boom(), REQUEST_TIMEOUT)
+        assert channel.closed and decode_node.addresses[2] not in p
+        fresh = await p.get(decode_node.addresses[2])
+        assert isinstance(await fresh.request(Echo(text="after boom"), REQUEST_TIMEOUT), Echoed)
+    finally:
+        await p.close()
+
+
+# ---- server lifecycle (both ends in this process: only the server's own behaviour matters) ----
+
+
+async def test_server_stop_and_idle_timeout_close_connections_and_groups() -> None:
+    ref: list[DataPlaneServer] = []
+    server = DataPlaneServer("127.0.0.1", 0, TOKEN, SPEC, "decode-local", "cpu", _make_handler(ref), idle_timeout=1.5)
+    ref.append(server)
+    await server.start()
+    p = pool()
+    try:
+        # An idle connection is closed by D; the pool notices and dials a new one.
+        idle = await p.get(server.address)
+        deadline = time.monotonic() + 5
+        while idle.alive:
+            assert time.monotonic() < deadline, "idle connection was never closed"
+            await asyncio.sleep(0.05)
+        channel = await p.get(server.address)
+        assert channel is not idle and idle.closed
+        assert isinstance(await channel.request(Echo(text="x"), REQUEST_TIMEOUT), Echoed)
+        (conn,) = server.connections
+
+        await server.stop()
+        assert server.connections == [] and conn.channel.closed
+        deadline = time.monotonic() + 5
+        while channel.alive:
+            assert time.monotonic() < deadline, "P never saw the server stop"
+            await asyncio.sleep(0.02)
+        with pytest.raises(ChannelError, match="cannot connect"):
+            await p.get(server.address)  # not the dead channel: a new dial, and nobody listens
+    finally:
+        await p.close()
+        await server.stop()
