@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 HOST_RANK = 0
 #: Extra seconds the event loop waits for the worker thread past an operation's own deadline.
 _GRACE_S = 2.0
+#: How often a waiting op checks whether the peer hung up its control connection; NCCL never
+#: notices a dead peer by itself, so this is what makes a dead peer fail fast there.
+_POLL_S = 0.05
 _TAG = 0
 
 _T = TypeVar("_T")
@@ -81,6 +84,8 @@ class TensorChannel:
         self._group: Any = None
         self._closed = False
         self._close_lock = threading.Lock()
+        #: Set by the owner: True once the peer's control connection is gone.
+        self.peer_gone: Callable[[], bool] | None = None
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -207,21 +212,31 @@ class TensorChannel:
             future = loop.run_in_executor(self._executor, self._in_worker(fn))
         except RuntimeError as e:  # executor shut down by a concurrent close
             raise ChannelError(f"channel closed; cannot do: {what}") from e
+        give_up = loop.time() + timeout + _GRACE_S
         try:
-            return await asyncio.wait_for(future, timeout + _GRACE_S)
-        except asyncio.TimeoutError:
-            self.close()
-            raise ChannelError(f"{what} did not finish within {timeout:.1f}s; channel torn down") from None
+            while True:
+                done, _ = await asyncio.wait({future}, timeout=min(_POLL_S, max(0.0, give_up - loop.time())))
+                if done:
+                    return future.result()
+                if self.peer_gone is not None and self.peer_gone():
+                    raise ChannelError(f"peer hung up during: {what}; channel torn down")
+                if loop.time() >= give_up:
+                    raise ChannelError(f"{what} did not finish within {timeout:.1f}s; channel torn down")
         except asyncio.CancelledError:
             # The peers may now disagree on how far the transfer got: never reuse.
-            self.close()
+            self._abandon(future)
             raise
         except ChannelError:
-            self.close()
+            self._abandon(future)
             raise
         except Exception as e:
-            self.close()
+            self._abandon(future)
             raise ChannelError(f"{what} failed: {_backend_message(e)}; channel torn down") from e
+
+    def _abandon(self, future: asyncio.Future) -> None:
+        """Tear down; a worker still blocked returns by its own deadline, its result unread."""
+        self.close()
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _in_worker(self, fn: Callable[[], _T]) -> Callable[[], _T]:
         def call() -> _T:

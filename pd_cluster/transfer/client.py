@@ -82,7 +82,7 @@ class PeerChannel:
     @property
     def alive(self) -> bool:
         """Usable: not closed by us, its group intact and the peer has not hung up."""
-        return not self._closed and not self.channel.closed and not self.stream.at_eof
+        return not self._closed and not self.channel.closed and not self.stream.peer_gone()
 
     def exclusive(self) -> asyncio.Lock:
         """``async with channel.exclusive():`` to compose one exchange from the raw steps."""
@@ -236,6 +236,7 @@ async def dial(
         if not isinstance(answer, Welcome):
             raise ChannelError(f"{address} answered the hello with {answer.type!r}")
         channel = TensorChannel(device, answer.backend, DIALER_RANK, answer.group_timeout_s)
+        channel.peer_gone = stream.peer_gone
         await channel.join_store(host, answer.store_port, connect_timeout)
         await channel.form_group(stream.local_host, answer.group_timeout_s)
     except HandshakeRefused as e:

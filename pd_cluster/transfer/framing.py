@@ -155,10 +155,9 @@ class FramedStream:
     async def receive(self, timeout: float | None) -> DataMessage:
         return decode_message(await read_frame(self.reader, timeout, self.max_frame_bytes))
 
-    @property
-    def at_eof(self) -> bool:
-        """True once the peer closed its side (seen without reading) or we closed ours."""
-        return self.reader.at_eof() or self.writer.is_closing()
+    def peer_gone(self) -> bool:
+        """The peer hung up, the connection broke, or we closed it (checked without reading)."""
+        return self.reader.at_eof() or self.reader.exception() is not None or self.writer.is_closing()
 
     def close(self) -> None:
         if not self.writer.is_closing():

@@ -55,7 +55,7 @@ class PeerConnection:
 
     @property
     def closed(self) -> bool:
-        return self.channel.closed or self.stream.at_eof
+        return self.channel.closed or self.stream.peer_gone()
 
     async def recv_tensor(self, shape: Sequence[int], dtype: torch.dtype | str, timeout: float) -> torch.Tensor:
         """Receive one tensor the peer announced, on this node's device."""
@@ -201,6 +201,7 @@ class DataPlaneServer:
 
         backend = choose_backend(self.device, self._device_uuid, hello.device_uuid)
         channel = TensorChannel(self.device, backend, HOST_RANK, self.group_timeout)
+        channel.peer_gone = stream.peer_gone
         try:
             port = await channel.host_store(stream.local_host, self.handshake_timeout)
             welcome = Welcome(node_id=self.node_id, backend=backend, store_port=port, group_timeout_s=self.group_timeout)
