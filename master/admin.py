@@ -1,0 +1,89 @@
+"""Operator API: list nodes, drain one, drop one. Every call needs ``Authorization: Bearer <PD_ADMIN_TOKEN>``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from master.auth import bearer_matches
+from master.context import MasterContext
+from master.errors import APIError, unauthorized
+from master.registry import CLOSE_NORMAL, NodeRecord
+
+router = APIRouter(prefix="/admin")
+
+
+def _authorize(request: Request) -> MasterContext:
+    ctx: MasterContext = request.app.state.ctx
+    if ctx.settings.admin_token is None:
+        raise unauthorized("The admin API is disabled: the master has no admin token (PD_ADMIN_TOKEN).")
+    if not bearer_matches(request.headers.get("authorization"), ctx.settings.admin_token):
+        raise unauthorized("Missing or wrong admin token.")
+    return ctx
+
+
+def _unknown(node_id: str) -> APIError:
+    return APIError(404, f"No node {node_id!r} is registered.", "invalid_request_error", "node_id", "node_not_found")
+
+
+def node_view(node: NodeRecord) -> dict[str, Any]:
+    status = node.status
+    total = node.kv_total
+    return {
+        "id": node.node_id,
+        "role": node.role,
+        "state": node.state,
+        "model": node.info.model,
+        "device": node.info.device,
+        "data_address": node.info.data_address,
+        "registered_at": int(node.registered_at),
+        "last_status_age_s": round(time.monotonic() - node.last_status_at, 3),
+        "load": {
+            "running": status.running,
+            "waiting": status.waiting,
+            "queued_prefill_tokens": status.queued_prefill_tokens,
+            "routed_in_flight": len(node.inflight),
+            "generation_tokens_per_s": status.generation_tokens_per_s,
+        },
+        "kv": {
+            "total_tokens": total,
+            "free_tokens": status.free_kv_tokens,
+            "evictable_tokens": status.evictable_kv_tokens,
+            "used_fraction": round(1.0 - status.free_kv_tokens / total, 4) if total else None,
+        },
+        "prefix": {
+            "hit_tokens": status.prefix_hit_tokens,
+            "prompt_tokens": status.prompt_tokens,
+            "hit_rate": node.prefix_hit_rate,
+            "indexed_blocks": len(node.prefix),
+        },
+        "capacity": node.info.capacity.model_dump(),
+        "kv_spec": node.info.kv_spec.model_dump(),
+    }
+
+
+@router.get("/nodes")
+async def list_nodes(request: Request) -> dict[str, Any]:
+    ctx = _authorize(request)
+    nodes = sorted(ctx.registry.nodes.values(), key=lambda n: (n.role, n.node_id))
+    return {"object": "list", "data": [node_view(n) for n in nodes]}
+
+
+@router.post("/nodes/{node_id}/drain")
+async def drain_node(node_id: str, request: Request) -> dict[str, Any]:
+    ctx = _authorize(request)
+    node = ctx.registry.drain(node_id)
+    if node is None:
+        raise _unknown(node_id)
+    return node_view(node)
+
+
+@router.delete("/nodes/{node_id}")
+async def delete_node(node_id: str, request: Request) -> dict[str, Any]:
+    ctx = _authorize(request)
+    node = ctx.registry.remove(node_id, "removed by an operator", CLOSE_NORMAL)
+    if node is None:
+        raise _unknown(node_id)
+    return {"id": node_id, "deleted": True}

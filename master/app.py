@@ -1,0 +1,78 @@
+"""Builds the master's FastAPI app: OpenAI API, node websocket, admin API, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, WebSocket
+
+from master import admin, openai_api
+from master.body_limit import BodyLimitMiddleware
+from master.config import MasterSettings
+from master.context import MasterContext
+from master.errors import install_error_handlers
+from master.metrics import MasterMetrics
+from master.model_info import ModelInfo, read_model_info, resolve_model_path
+from master.node_ws import node_socket
+from master.registry import CLOSE_GOING_AWAY, Registry
+from master.relay import Relay
+from master.routing import make_policy
+from master.tokenization import Tokenizer, load_tokenizer
+from pd_cluster import protocol
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """The master cannot start with these settings."""
+
+
+def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
+    """Build a master app.
+
+    ``tokenizer`` (a transformers tokenizer or a :class:`master.tokenization.Tokenizer`) skips
+    loading one from the model directory; the model's config.json is still read when
+    ``settings.model`` names a directory that has one. Without it the cluster's model name and
+    KV shape are learned from the first node that joins.
+    """
+    if settings.cluster_token is None or not settings.cluster_token.get_secret_value():
+        raise ConfigError("the master needs a cluster token: set PD_CLUSTER_TOKEN (nodes must use the same one)")
+    model: ModelInfo | None = None
+    if tokenizer is None:
+        path = resolve_model_path(settings.model)
+        tokenizer = load_tokenizer(path)
+        model = read_model_info(path)
+    elif settings.model != "default" and (Path(settings.model).expanduser() / "config.json").is_file():
+        model = read_model_info(Path(settings.model).expanduser())
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+    if model is not None:
+        logger.info("serving model %s (context %d)", model.name, model.max_model_len)
+
+    metrics = MasterMetrics()
+    registry = Registry(metrics, model, settings.node_outbox_frames)
+    relay = Relay(registry, make_policy(settings.policy), metrics, settings)
+    ctx = MasterContext(settings=settings, metrics=metrics, registry=registry, relay=relay, tokenizer=tok, model=model)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        for node_id in list(registry.nodes):
+            registry.remove(node_id, "master shutting down", CLOSE_GOING_AWAY)
+        tok.close()
+
+    app = FastAPI(title="pd-cluster master", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(openai_api.router)
+    app.include_router(admin.router)
+
+    async def nodes_endpoint(websocket: WebSocket) -> None:
+        await node_socket(websocket, ctx)
+
+    app.add_api_websocket_route(protocol.NODE_WS_PATH, nodes_endpoint)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    return app

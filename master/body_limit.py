@@ -1,0 +1,84 @@
+"""ASGI middleware that caps request bodies (413 in OpenAI's error shape), chunked ones included."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable
+
+from master.errors import error_body
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class BodyLimitMiddleware:
+    """Read an HTTP body up to ``max_bytes`` before the app sees it; answer 413 past that.
+
+    The body is replayed to the app as one message, after which ``receive`` is the server's own,
+    so disconnect detection keeps working.
+    """
+
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        first: Message | None = None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                first = message  # a disconnect: hand it on
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replay: Message = first or {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replaying_receive() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return replay
+            return await receive()
+
+        await self.app(scope, replaying_receive, send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = json.dumps(
+            error_body(f"Request body exceeds {self.max_bytes} bytes.", "invalid_request_error", None, "request_too_large")
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

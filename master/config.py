@@ -1,0 +1,50 @@
+"""Settings of the master service, read from arguments or ``PD_*`` environment variables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pd_cluster import protocol
+
+PolicyName = Literal["round_robin", "least_load", "cache_aware"]
+
+
+class MasterSettings(BaseSettings):
+    """Everything the master needs to start; env names are the field names with prefix ``PD_``.
+
+    The cluster token (``PD_CLUSTER_TOKEN``) is required: nodes prove with it that they belong to
+    the cluster, and a master that made one up could never be joined. The admin token
+    (``PD_ADMIN_TOKEN``) is optional; without it the admin API answers 401 to every call.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
+
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=0, lt=65536)
+    model: str = Field(default="default", description='"default" or a Hugging Face model directory')
+    served_model_name: str | None = Field(
+        default=None, description="name clients put in `model`; default: the model's own name"
+    )
+    policy: PolicyName = "cache_aware"
+    cluster_token: SecretStr | None = None
+    admin_token: SecretStr | None = None
+
+    max_model_len: int | None = Field(default=None, gt=0, description="cap on context length; default: nodes' and model's")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="end-to-end deadline of one request")
+    queue_size: int = Field(default=256, ge=0, description="requests waiting for KV capacity; 0: none wait")
+    queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait in the admission queue")
+    max_attempts: int = Field(default=3, ge=1, description="tries of one request across node failures")
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 429/503 answers")
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+
+    heartbeat_timeout_s: float = Field(default=protocol.HEARTBEAT_TIMEOUT_S, gt=0)
+    register_timeout_s: float = Field(default=10.0, gt=0, description="wait for a new socket's Register frame")
+    node_send_timeout_s: float = Field(default=10.0, gt=0, description="a node that takes longer to read a frame is dropped")
+    node_outbox_frames: int = Field(default=4096, gt=0, description="frames queued for a node before it is dropped")
+
+    shutdown_timeout_s: float = Field(default=30.0, gt=0, description="grace for open requests on shutdown")
+    log_level: str = "info"
+    access_log: bool = False

@@ -1,0 +1,48 @@
+"""Prometheus metrics of one master app, in a registry of its own (several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+ROLES = ("prefill", "decode")
+NODE_STATES = ("active", "draining")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class MasterMetrics:
+    """The ``pdc_*`` series; ``requests_total`` statuses: ok, error, aborted, timeout, unavailable, invalid."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests_total = Counter("pdc_requests_total", "Requests by outcome", ["status"], registry=r)
+        self.time_to_first_token = Histogram(
+            "pdc_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.time_per_output_token = Histogram(
+            "pdc_time_per_output_token_seconds", "Mean gap between output tokens after the first",
+            buckets=_TOKEN_BUCKETS, registry=r,
+        )
+        self.e2e_latency = Histogram(
+            "pdc_e2e_request_latency_seconds", "Arrival to last token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("pdc_prompt_tokens", "Prompt tokens of served requests", registry=r)
+        self.generation_tokens = Counter("pdc_generation_tokens", "Generated tokens", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "pdc_prefix_hit_tokens", "Prompt tokens whose KV a decode node already held", registry=r
+        )
+        self.kv_transfer_bytes = Counter("pdc_kv_transfer_bytes", "KV bytes sent from P to D", registry=r)
+        self.kv_transfer_seconds = Histogram(
+            "pdc_kv_transfer_seconds", "Time of one request's KV transfer", buckets=_TRANSFER_BUCKETS, registry=r
+        )
+        self.nodes = Gauge("pdc_nodes", "Registered nodes", ["role", "state"], registry=r)
+        for role in ROLES:
+            for state in NODE_STATES:
+                self.nodes.labels(role=role, state=state).set(0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,48 @@
+"""What the master knows about the cluster's model before any node joins."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The model's name (as nodes announce it) and the KV shape every node must share."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_model_len: int
+
+
+def resolve_model_path(model: str) -> Path:
+    """A model directory from ``--model``: a path, or "default" for the converted default model."""
+    if model == "default":
+        try:
+            from pd_cluster import default_model_path  # type: ignore[attr-defined]
+        except ImportError:
+            from pd_cluster.default_model import default_model_path
+        return Path(default_model_path())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    return path
+
+
+def read_model_info(path: Path) -> ModelInfo:
+    """Read config.json the way the nodes do, so names and shapes agree by construction."""
+    from pd_cluster.model.config import ModelConfig
+
+    config = ModelConfig.from_path(path)
+    return ModelInfo(
+        name=config.name,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_model_len=config.max_position_embeddings,
+    )

@@ -1,0 +1,157 @@
+"""The websocket where nodes join, report and receive work (``protocol.NODE_WS_PATH``).
+
+One connection per node. The node authenticates with the cluster token in the handshake, then
+its first frame must be Register; after that every frame is dispatched to the registry or the
+relay. A node that sends no status for ``heartbeat_timeout_s`` is dropped. Frames to the node go
+through its outbox and a writer task, so the rest of the master never waits on a slow socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from starlette.websockets import WebSocket
+
+from master.auth import bearer_matches
+from master.context import MasterContext
+from master.registry import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CloseFrame, NodeRecord
+from pd_cluster import protocol
+
+logger = logging.getLogger(__name__)
+
+#: Longest wait in one receive call; the loop re-checks heartbeats and removal between calls.
+_RECEIVE_SLICE_S = 1.0
+#: Longest wait for the writer to flush the close frame when a connection ends.
+_CLOSE_GRACE_S = 2.0
+
+
+async def _receive_frame(ws: WebSocket) -> str | bytes | None:
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        return None
+    text = message.get("text")
+    return text if text is not None else message.get("bytes", b"")
+
+
+async def _refuse(ws: WebSocket, reason: str) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(ws.send_text(protocol.encode(protocol.Refused(reason=reason))), _CLOSE_GRACE_S)
+        await asyncio.wait_for(ws.close(CLOSE_POLICY_VIOLATION, reason[:120]), _CLOSE_GRACE_S)
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).replace("\n", " ")
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
+    settings = ctx.settings
+    await ws.accept()
+    if not bearer_matches(ws.headers.get("authorization"), settings.cluster_token):
+        logger.warning("refused a node connection from %s: bad or missing cluster token", ws.client)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(ws.close(CLOSE_POLICY_VIOLATION, "unauthorized"), _CLOSE_GRACE_S)
+        return
+    try:
+        frame = await asyncio.wait_for(_receive_frame(ws), settings.register_timeout_s)
+    except asyncio.TimeoutError:
+        await _refuse(ws, "no register frame")
+        return
+    except Exception:
+        return
+    if frame is None:
+        return
+    try:
+        msg = protocol.parse_node_message(frame)
+    except ValueError as exc:
+        logger.warning("refused a node from %s: malformed register frame: %s", ws.client, _short(exc))
+        await _refuse(ws, "malformed register frame")
+        return
+    if not isinstance(msg, protocol.Register):
+        await _refuse(ws, "the first frame must be register")
+        return
+    reason = ctx.registry.refusal(msg)
+    if reason is not None:
+        logger.warning("refused node %s (%s): %s", msg.node_id, msg.role, reason)
+        await _refuse(ws, reason)
+        return
+
+    record = ctx.registry.add(msg)
+    writer = asyncio.create_task(_writer(ws, record, ctx), name=f"node-writer-{msg.node_id}")
+    record.send(protocol.Registered(node_id=msg.node_id))
+    try:
+        await _read_loop(ws, record, ctx)
+    finally:
+        ctx.registry.discard(record, "connection closed")
+        try:
+            await asyncio.wait_for(writer, _CLOSE_GRACE_S)
+        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+            writer.cancel()
+
+
+async def _read_loop(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> None:
+    timeout = ctx.settings.heartbeat_timeout_s
+    while not record.removed:
+        remaining = timeout - (time.monotonic() - record.last_status_at)
+        if remaining <= 0:
+            logger.warning("node %s missed its heartbeats for %.1f s", record.node_id, timeout)
+            ctx.registry.discard(record, "missed heartbeats", CLOSE_NORMAL)
+            return
+        try:
+            frame = await asyncio.wait_for(_receive_frame(ws), min(remaining, _RECEIVE_SLICE_S))
+        except asyncio.TimeoutError:
+            continue
+        except Exception as exc:  # the socket broke under us
+            logger.info("node %s socket error: %s", record.node_id, _short(exc))
+            return
+        if frame is None:
+            return
+        if record.removed:
+            return
+        handle_frame(ctx, record, frame)
+
+
+def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> None:
+    """Apply one frame from a registered node; bad frames are logged and dropped."""
+    try:
+        msg = protocol.parse_node_message(frame)
+    except ValueError as exc:
+        logger.warning("dropped a malformed frame from node %s: %s", record.node_id, _short(exc))
+        return
+    try:
+        if isinstance(msg, protocol.NodeStatus):
+            ctx.registry.handle_status(record, msg)
+        elif isinstance(msg, protocol.TokenDelta):
+            ctx.relay.on_token_delta(record, msg)
+        elif isinstance(msg, protocol.FirstToken):
+            ctx.relay.on_first_token(record, msg)
+        elif isinstance(msg, protocol.KVEvents):
+            ctx.registry.handle_kv_events(record, msg)
+        elif isinstance(msg, protocol.RequestFailed):
+            ctx.relay.on_request_failed(record, msg)
+        elif isinstance(msg, protocol.Drained):
+            ctx.registry.discard(record, "drained", CLOSE_NORMAL)
+        else:
+            logger.warning("dropped an unexpected %s frame from node %s", type(msg).__name__, record.node_id)
+    except Exception:
+        logger.exception("handling a %s frame from node %s failed", type(msg).__name__, record.node_id)
+
+
+async def _writer(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> None:
+    send_timeout = ctx.settings.node_send_timeout_s
+    try:
+        while True:
+            item = await record.outbox.get()
+            if isinstance(item, CloseFrame):
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(ws.close(item.code, item.reason[:120]), send_timeout)
+                return
+            await asyncio.wait_for(ws.send_text(item), send_timeout)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        logger.warning("sending to node %s failed: %s", record.node_id, _short(exc))
+        ctx.registry.discard(record, "send failed")

@@ -1,0 +1,281 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, plus health and metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from master import openai_schemas as oa
+from master.context import MasterContext
+from master.errors import APIError, bad_request, unavailable
+from master.metrics import CONTENT_TYPE
+from master.relay import ClientDisconnected, RelayRequest, StreamFailed
+from master.tokenization import ChatTemplateError
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+Kind = Literal["chat", "completion"]
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+#: Status for a client that left before its answer (nginx's convention; nobody reads it).
+_CLIENT_CLOSED = 499
+
+
+def _ctx(request: Request) -> MasterContext:
+    return request.app.state.ctx
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+# ---- small routes ---------------------------------------------------------------------------
+
+
+@router.get("/livez")
+async def livez() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    registry = _ctx(request).registry
+    prefill, decode = len(registry.active("prefill")), len(registry.active("decode"))
+    ok = prefill > 0 and decode > 0
+    body = {"status": "ok" if ok else "unavailable", "prefill_nodes": prefill, "decode_nodes": decode}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_ctx(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(ctx: MasterContext, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pd-cluster", "max_model_len": ctx.context_limit()}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    name = ctx.model_name
+    return {"object": "list", "data": [_model_card(ctx, name)] if name else []}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    ctx = _ctx(request)
+    if ctx.model_name is None or not ctx.knows_model(model_id):
+        raise _model_not_found(model_id)
+    return _model_card(ctx, ctx.model_name)
+
+
+def _model_not_found(name: str) -> APIError:
+    return APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model", "model_not_found")
+
+
+# ---- generation -----------------------------------------------------------------------------
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    return await _generate(request, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    return await _generate(request, "completion")
+
+
+async def _read_json(request: Request) -> Any:
+    body = await request.body()
+    if not body.strip():
+        raise bad_request("The request body is empty; send a JSON object.")
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise bad_request("We could not parse the JSON body of your request.") from None
+
+
+async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[Any, list[int], Any]:
+    """Validate and tokenize; returns (request model, prompt token ids, sampling params)."""
+    body = await _read_json(request)
+    req = oa.parse_request(oa.ChatCompletionRequest if kind == "chat" else oa.CompletionRequest, body)
+    req.check_supported()
+    if ctx.model_name is None:
+        raise unavailable("No node has joined the cluster yet.", ctx.settings.retry_after_s)
+    if not ctx.knows_model(req.model):
+        raise _model_not_found(req.model)
+
+    param = "messages" if kind == "chat" else "prompt"
+    if kind == "chat":
+        messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+        try:
+            token_ids = await ctx.tokenizer.encode_chat(messages)
+        except ChatTemplateError as exc:
+            raise bad_request(str(exc), "messages") from None
+        requested, logprobs = req.requested_max_tokens, req.logprobs_count
+    else:
+        prompt = req.single_prompt()
+        if isinstance(prompt, str):
+            token_ids = await ctx.tokenizer.encode_prompt(prompt)
+        else:
+            vocab = ctx.tokenizer.vocab_size
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise bad_request(f"Token ids must be in [0, {vocab}).", "prompt")
+            token_ids = list(prompt)
+        requested, logprobs = req.max_tokens, req.logprobs
+    if not token_ids:
+        raise bad_request(f"The {param} must not be empty.", param)
+
+    n = len(token_ids)
+    limit = ctx.context_limit()
+    if limit is not None:
+        if n >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your {param} resulted in "
+                f"{n} tokens.", param, "context_length_exceeded",
+            )
+        if requested is not None and n + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested {n + requested} "
+                f"tokens ({n} in the {param}, {requested} in the completion). Please reduce the length of the "
+                f"{param} or completion.", param, "context_length_exceeded",
+            )
+    if requested is not None:
+        max_tokens = requested
+    elif kind == "chat":
+        max_tokens = limit - n if limit is not None else oa.COMPLETIONS_DEFAULT_MAX_TOKENS
+    else:
+        max_tokens = oa.COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else min(oa.COMPLETIONS_DEFAULT_MAX_TOKENS, limit - n)
+    sampling = req.sampling_params(max_tokens, logprobs)
+    return req, token_ids, sampling
+
+
+async def _generate(request: Request, kind: Kind) -> Response:
+    ctx = _ctx(request)
+    arrival = time.monotonic()
+    try:
+        req, token_ids, sampling = await _prepare(ctx, request, kind)
+    except APIError as exc:
+        ctx.metrics.requests_total.labels(status="invalid" if exc.status < 500 else "unavailable").inc()
+        raise
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    r = ctx.relay.create(f"{prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
+    try:
+        await ctx.relay.admit(r, request.is_disconnected)
+    except ClientDisconnected:
+        ctx.relay.release(r)
+        return Response(status_code=_CLIENT_CLOSED)
+    except BaseException:
+        ctx.relay.release(r)
+        raise
+    created = oa.now()
+    model = ctx.model_name or req.model
+    if req.stream:
+        body = _chat_stream(ctx, r, req, created, model) if kind == "chat" else _completion_stream(ctx, r, req, created, model)
+        return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+    try:
+        await ctx.relay.wait(r, request.is_disconnected)
+    except ClientDisconnected:
+        return Response(status_code=_CLIENT_CLOSED)
+    finally:
+        ctx.relay.release(r)
+    usage = oa.usage(len(r.token_ids), r.completion_tokens, r.cached_tokens)
+    if kind == "chat":
+        logprobs = oa.chat_logprobs(r.logprobs, ctx.tokenizer.token_text) if req.logprobs else None
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": r.text},
+            "logprobs": logprobs,
+            "finish_reason": r.finish_reason,
+        }
+        obj = "chat.completion"
+    else:
+        logprobs = oa.completion_logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if req.logprobs is not None else None
+        choice = {"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason}
+        obj = "text_completion"
+    return JSONResponse(
+        {"id": r.request_id, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}
+    )
+
+
+async def _chat_stream(
+    ctx: MasterContext, r: RelayRequest, req: oa.ChatCompletionRequest, created: int, model: str
+) -> AsyncIterator[str]:
+    include_usage = req.include_usage
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        doc = {"id": r.request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        if include_usage:
+            doc["usage"] = None
+        doc.update(extra)
+        return doc
+
+    def choice(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+
+    try:
+        yield _sse(chunk(choice({"role": "assistant", "content": ""})))
+        try:
+            async for piece in ctx.relay.events(r):
+                logprobs = None
+                if req.logprobs and piece.logprobs:
+                    logprobs = oa.chat_logprobs(piece.logprobs, ctx.tokenizer.token_text)
+                if not piece.text and logprobs is None and piece.finish_reason is None:
+                    continue
+                delta = {"content": piece.text} if piece.text else {}
+                yield _sse(chunk(choice(delta, piece.finish_reason, logprobs)))
+        except StreamFailed as exc:
+            yield _sse(chunk(choice({}, "error")))
+            yield _sse(oa.error_event(exc.error))
+        if include_usage:
+            yield _sse(chunk([], usage=oa.usage(len(r.token_ids), r.completion_tokens, r.cached_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        ctx.relay.release(r)
+
+
+async def _completion_stream(
+    ctx: MasterContext, r: RelayRequest, req: oa.CompletionRequest, created: int, model: str
+) -> AsyncIterator[str]:
+    include_usage = req.include_usage
+    offset = 0
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        doc = {"id": r.request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if include_usage:
+            doc["usage"] = None
+        doc.update(extra)
+        return doc
+
+    def choice(text: str, finish_reason: str | None = None, logprobs: Any = None) -> list[dict[str, Any]]:
+        return [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+
+    try:
+        try:
+            async for piece in ctx.relay.events(r):
+                logprobs = None
+                if req.logprobs is not None and piece.logprobs:
+                    logprobs = oa.completion_logprobs(piece.logprobs, ctx.tokenizer.token_text, offset)
+                if not piece.text and logprobs is None and piece.finish_reason is None:
+                    continue
+                offset += len(piece.text)
+                yield _sse(chunk(choice(piece.text, piece.finish_reason, logprobs)))
+        except StreamFailed as exc:
+            yield _sse(chunk(choice("", "error")))
+            yield _sse(oa.error_event(exc.error))
+        if include_usage:
+            yield _sse(chunk([], usage=oa.usage(len(r.token_ids), r.completion_tokens, r.cached_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        ctx.relay.release(r)

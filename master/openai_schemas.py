@@ -1,0 +1,226 @@
+"""OpenAI request bodies (plus vLLM's sampling extras) and the response documents built from them.
+
+Unknown fields are ignored, as vLLM does; fields we understand but cannot honour (n > 1, echo,
+tools, ...) are refused with 400 rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from master.errors import APIError, bad_request, validation_message
+from pd_cluster import protocol
+from pd_cluster.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+#: OpenAI's default max_tokens for the legacy completions API.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM-style extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request("Only n=1 is supported.", "n")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported.", "logit_bias")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Build validated SamplingParams; invalid values become 400 naming the field."""
+        values: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+            "skip_special_tokens": self.skip_special_tokens,
+        }
+        for name in (
+            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+            "top_k", "min_p", "repetition_penalty",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        try:
+            return SamplingParams(**values)
+        except ValidationError as exc:
+            message, param = validation_message(list(exc.errors()))
+            raise bad_request(message, param) from None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def for_template(self, index: int) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages.{index}.content: only text parts are supported", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise bad_request("tools are not supported.", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("Only the text response_format is supported.", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported.", "echo")
+        if self.best_of not in (None, 1):
+            raise bad_request("Only best_of=1 is supported.", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported.", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of the request; a batch of several is refused."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise bad_request("prompt must not be empty.", "prompt")
+        if isinstance(prompt[0], int):
+            return prompt  # type: ignore[return-value]
+        if len(prompt) != 1:
+            raise bad_request("Batched prompts are not supported; send one prompt per request.", "prompt")
+        return prompt[0]  # type: ignore[return-value]
+
+
+def parse_request(model: type[BaseModel], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = validation_message(list(exc.errors()))
+        raise bad_request(message, param) from None
+
+
+# ---- responses --------------------------------------------------------------------------
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def chat_logprobs(entries: list[protocol.TokenLogprob], token_text: Any) -> dict[str, Any]:
+    """OpenAI chat ``logprobs.content`` from per-token logprobs (``token_text``: id -> str)."""
+
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for entry in entries:
+        top = sorted(entry.top.items(), key=lambda kv: -kv[1])
+        content.append({**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in top]})
+    return {"content": content}
+
+
+def completion_logprobs(entries: list[protocol.TokenLogprob], token_text: Any, text_offset: int) -> dict[str, Any]:
+    """Legacy completions ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = text_offset
+    for entry in entries:
+        text = token_text(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(entry.logprob)
+        tops.append({token_text(t): lp for t, lp in sorted(entry.top.items(), key=lambda kv: -kv[1])})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def error_event(error: APIError) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}

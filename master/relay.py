@@ -1,0 +1,515 @@
+"""A request's life in the master: admission, dispatch to a (P, D) pair, token relay, settlement.
+
+State changes happen in plain (non-async) methods, so each one is atomic on the event loop:
+node frames, node departures, timers and the HTTP handler never interleave inside one.
+The HTTP handler only waits on a request's ``wakeup`` event and reads its buffer.
+
+Each dispatch of a request is an *attempt* with its own id on the wire (the request id, then
+``<id>-r1``, ``<id>-r2``...), so frames and aborts of an abandoned attempt can never touch the
+next one. When a node is lost:
+
+* P lost before its FirstToken: the attempt is retried on another P (same D if it is active).
+* D lost (or either node failed the request) before any token reached the client: the request
+  restarts on another pair. A non-streaming request has shown the client nothing until it
+  finishes, so it always restarts.
+* Otherwise the stream ends with finish_reason "error" and an error event.
+After ``max_attempts`` dispatches a request fails with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from master.config import MasterSettings
+from master.errors import APIError, internal_error, unavailable
+from master.metrics import MasterMetrics
+from master.registry import NodeRecord, Registry
+from master.routing import RouteRequest, RoutingPolicy, admissible_decodes
+from pd_cluster import protocol
+from pd_cluster.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RequestState = Literal["new", "queued", "running", "finished", "failed"]
+Outcome = Literal["ok", "error", "aborted", "timeout", "unavailable"]
+
+#: Frames a D may send before P's FirstToken arrives (they are held back to keep order).
+MAX_EARLY_DELTAS = 4096
+#: How often a waiting non-streaming handler checks whether its client left.
+DISCONNECT_POLL_S = 0.5
+#: After its deadline, how long a request waits for its handler before the relay releases it.
+ORPHAN_GRACE_S = 30.0
+
+
+@dataclass
+class TokenChunk:
+    """New output of a request, in order."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[protocol.TokenLogprob] | None
+    finish_reason: str | None
+
+
+class StreamFailed(Exception):
+    """The request failed after tokens reached the client."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+_DONE = object()
+
+
+@dataclass(eq=False)
+class RelayRequest:
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    stream: bool
+    arrival: float
+    deadline: float
+    route: RouteRequest
+    state: RequestState = "new"
+    outcome: Outcome | None = None
+    failure: APIError | None = None
+    released: bool = False
+    # current attempt
+    attempt: int = 0
+    attempt_id: str | None = None
+    prefill_id: str | None = None
+    decode_id: str | None = None
+    first_token_seen: bool = False
+    early_deltas: list[protocol.TokenDelta] = field(default_factory=list)
+    excluded: set[str] = field(default_factory=set)
+    preferred_decode: str | None = None
+    # output
+    output_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[protocol.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    sent: bool = False
+    dispatched: bool = False
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    # delivery to the HTTP handler
+    buffer: list[object] = field(default_factory=list)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    timers: list[asyncio.TimerHandle] = field(default_factory=list)
+    queue_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def kv_need(self) -> int:
+        return len(self.token_ids) + self.sampling.max_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in ("finished", "failed")
+
+    def reset_output(self) -> None:
+        self.output_ids.clear()
+        self.text_parts.clear()
+        self.logprobs.clear()
+        self.cached_tokens = 0
+        self.first_token_at = None
+        self.buffer = [item for item in self.buffer if not isinstance(item, TokenChunk)]
+
+
+class Relay:
+    def __init__(
+        self, registry: Registry, policy: RoutingPolicy, metrics: MasterMetrics, settings: MasterSettings
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.settings = settings
+        self.requests: dict[str, RelayRequest] = {}
+        self.attempts: dict[str, RelayRequest] = {}
+        self.queue: deque[RelayRequest] = deque()
+        self._pumping = False
+        registry.on_removed.append(self.on_node_removed)
+        registry.on_capacity.append(self.pump)
+
+    # ---- the HTTP handler's side -----------------------------------------------------------
+
+    def create(
+        self, request_id: str, token_ids: list[int], sampling: SamplingParams, stream: bool, arrival: float
+    ) -> RelayRequest:
+        r = RelayRequest(
+            request_id=request_id,
+            token_ids=token_ids,
+            sampling=sampling,
+            stream=stream,
+            arrival=arrival,
+            deadline=arrival + self.settings.request_timeout_s,
+            route=RouteRequest(token_ids, len(token_ids) + sampling.max_tokens),
+        )
+        self.requests[request_id] = r
+        loop = asyncio.get_running_loop()
+        r.timers.append(loop.call_at(self._loop_time(r.deadline), self._deadline_expired, r))
+        return r
+
+    async def admit(self, r: RelayRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Dispatch now, or wait in the admission queue; raises APIError (503) when it cannot."""
+        if not self.registry.active("prefill") or not self.registry.active("decode"):
+            self._fail(r, unavailable("No prefill or decode node is available.", self.settings.retry_after_s), "unavailable")
+            raise r.failure  # type: ignore[misc]
+        if not self.queue and self._dispatch(r):
+            return
+        if len(self.queue) >= self.settings.queue_size:
+            self._fail(r, unavailable("The cluster is at capacity; try again later.", self.settings.retry_after_s), "unavailable")
+            raise r.failure  # type: ignore[misc]
+        self._enqueue(r)
+        while r.state == "queued":
+            r.wakeup.clear()
+            try:
+                await asyncio.wait_for(r.wakeup.wait(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+            if r.state == "queued" and is_disconnected is not None and await is_disconnected():
+                raise ClientDisconnected()
+        if r.state == "failed":
+            assert r.failure is not None
+            raise r.failure
+
+    async def events(self, r: RelayRequest) -> AsyncIterator[TokenChunk]:
+        """Output chunks of a streaming request until it finishes; raises StreamFailed."""
+        while True:
+            items, r.buffer = r.buffer, []
+            for item in items:
+                if item is _DONE:
+                    return
+                if isinstance(item, APIError):
+                    raise StreamFailed(item)
+                assert isinstance(item, TokenChunk)
+                yield item
+            if items:
+                continue
+            r.wakeup.clear()
+            try:
+                await asyncio.wait_for(r.wakeup.wait(), max(r.deadline - time.monotonic(), 0.0) + 1.0)
+            except asyncio.TimeoutError:
+                self._deadline_expired(r)
+
+    async def wait(self, r: RelayRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Wait until a non-streaming request is done; raises APIError or ClientDisconnected."""
+        while not r.terminal:
+            r.wakeup.clear()
+            try:
+                await asyncio.wait_for(r.wakeup.wait(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if time.monotonic() > r.deadline + 1.0:
+                    self._deadline_expired(r)
+            if not r.terminal and is_disconnected is not None and await is_disconnected():
+                raise ClientDisconnected()
+        if r.state == "failed":
+            assert r.failure is not None
+            raise r.failure
+
+    def release(self, r: RelayRequest) -> None:
+        """The handler is done with ``r``: abort whatever still runs and record the outcome."""
+        if r.released:
+            return
+        r.released = True
+        for timer in r.timers:
+            timer.cancel()
+        self._cancel_queue_timer(r)
+        if not r.terminal:
+            self._remove_from_queue(r)
+            self._end_attempt(r, abort=True)
+            r.state = "failed"
+            r.outcome = "aborted"
+            logger.info("request %s aborted by its client", r.request_id)
+        self.requests.pop(r.request_id, None)
+        self._record(r)
+
+    # ---- node events -------------------------------------------------------------------
+
+    def on_first_token(self, node: NodeRecord, msg: protocol.FirstToken) -> None:
+        r = self.attempts.get(msg.request_id)
+        if r is None or r.prefill_id != node.node_id or r.first_token_seen:
+            logger.debug("first token for unknown attempt %s from %s", msg.request_id, node.node_id)
+            return
+        r.first_token_seen = True
+        node.pending_prefill.pop(msg.request_id, None)
+        node.inflight.discard(msg.request_id)
+        decode = self.registry.get(r.decode_id)
+        if decode is not None:
+            decode.reported_kv.add(msg.request_id)
+            self.metrics.prefix_hit_tokens.inc(msg.hit_blocks_decode * decode.info.kv_spec.block_size)
+        self.metrics.kv_transfer_bytes.inc(msg.transfer_bytes)
+        if msg.transfer_bytes or msg.transfer_seconds:
+            self.metrics.kv_transfer_seconds.observe(msg.transfer_seconds)
+        r.cached_tokens = msg.cached_tokens_prefill
+        logprobs = [msg.logprob] if msg.logprob is not None else None
+        self._emit(r, [msg.token_id], msg.text, logprobs, msg.finish_reason)
+        if msg.finish_reason is not None:
+            self._finish(r, msg.finish_reason, abort_decode=True)
+            return
+        early, r.early_deltas = r.early_deltas, []
+        for delta in early:
+            if r.terminal:
+                break
+            self._apply_delta(r, delta)
+
+    def on_token_delta(self, node: NodeRecord, msg: protocol.TokenDelta) -> None:
+        r = self.attempts.get(msg.request_id)
+        if r is None or r.decode_id != node.node_id:
+            logger.debug("tokens for unknown attempt %s from %s", msg.request_id, node.node_id)
+            return
+        if not r.first_token_seen:
+            if len(r.early_deltas) >= MAX_EARLY_DELTAS:
+                self._fail(r, internal_error(), "error")
+                return
+            r.early_deltas.append(msg)
+            return
+        self._apply_delta(r, msg)
+
+    def on_request_failed(self, node: NodeRecord, msg: protocol.RequestFailed) -> None:
+        r = self.attempts.get(msg.request_id)
+        if r is None or node.node_id not in (r.prefill_id, r.decode_id):
+            return
+        logger.warning(
+            "node %s failed attempt %s (retryable=%s): %s", node.node_id, msg.request_id, msg.retryable, msg.message
+        )
+        if not msg.retryable:
+            self._fail(r, internal_error(), "error")
+        elif node.node_id == r.prefill_id and not r.first_token_seen:
+            self._retry(r, node.node_id, keep_decode=True)
+        elif not r.sent:
+            self._retry(r, node.node_id, keep_decode=False)
+        else:
+            self._fail(r, _lost_error(), "error")
+
+    def on_node_removed(self, node: NodeRecord, reason: str) -> None:
+        for attempt_id in list(node.inflight):
+            r = self.attempts.get(attempt_id)
+            if r is None or r.attempt_id != attempt_id:
+                continue
+            if node.node_id == r.prefill_id and not r.first_token_seen:
+                logger.info("retrying %s: prefill node %s left (%s)", r.request_id, node.node_id, reason)
+                self._retry(r, node.node_id, keep_decode=True)
+            elif node.node_id == r.decode_id:
+                if not r.sent:
+                    logger.info("restarting %s: decode node %s left (%s)", r.request_id, node.node_id, reason)
+                    self._retry(r, node.node_id, keep_decode=False)
+                else:
+                    logger.warning("ending %s: decode node %s left mid-stream (%s)", r.request_id, node.node_id, reason)
+                    self._fail(r, _lost_error(), "error")
+
+    def pump(self) -> None:
+        """Dispatch queued requests, oldest first, while capacity lasts."""
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self.queue:
+                r = self.queue[0]
+                if r.state != "queued":
+                    self.queue.popleft()
+                    continue
+                if not self._dispatch(r):
+                    break
+                self.queue.popleft()
+        finally:
+            self._pumping = False
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _dispatch(self, r: RelayRequest) -> bool:
+        prefills = self.registry.active("prefill")
+        decodes = admissible_decodes(self.registry.active("decode"), r.kv_need)
+        if not prefills or not decodes:
+            return False
+        prefills = [p for p in prefills if p.node_id not in r.excluded] or prefills
+        decodes = [d for d in decodes if d.node_id not in r.excluded] or decodes
+        decode = next((d for d in decodes if d.node_id == r.preferred_decode), None)
+        if decode is None:
+            decode = self.policy.pick_decode(r.route, decodes)
+        prefill = self.policy.pick_prefill(r.route, prefills)
+        self._start_attempt(r, prefill, decode)
+        return True
+
+    def _start_attempt(self, r: RelayRequest, prefill: NodeRecord, decode: NodeRecord) -> None:
+        self._cancel_queue_timer(r)
+        r.attempt += 1
+        attempt_id = r.request_id if r.attempt == 1 else f"{r.request_id}-r{r.attempt - 1}"
+        r.attempt_id, r.prefill_id, r.decode_id = attempt_id, prefill.node_id, decode.node_id
+        r.first_token_seen = False
+        r.early_deltas = []
+        r.preferred_decode = None
+        r.state = "running"
+        r.dispatched = True
+        self.attempts[attempt_id] = r
+        prefill.pending_prefill[attempt_id] = len(r.token_ids)
+        prefill.inflight.add(attempt_id)
+        decode.pending_kv[attempt_id] = r.kv_need
+        decode.inflight.add(attempt_id)
+        job = protocol.PrefillJob(
+            request_id=attempt_id,
+            token_ids=r.token_ids,
+            sampling=r.sampling,
+            decode_node_id=decode.node_id,
+            decode_address=decode.info.data_address or "",
+            deadline_s=max(r.deadline - time.monotonic(), 0.001),
+        )
+        logger.debug("dispatch %s -> P %s, D %s", attempt_id, prefill.node_id, decode.node_id)
+        if not prefill.send(job):
+            # Settled through the normal node-loss path, outside this state change.
+            asyncio.get_running_loop().call_soon(self.registry.remove, prefill.node_id, "not reading its socket")
+        r.wakeup.set()
+
+    def _end_attempt(self, r: RelayRequest, abort: bool, abort_decode_only: bool = False) -> None:
+        attempt_id = r.attempt_id
+        if attempt_id is None:
+            return
+        self.attempts.pop(attempt_id, None)
+        r.attempt_id = None
+        for node_id in (r.prefill_id, r.decode_id):
+            node = self.registry.get(node_id)
+            if node is None:
+                continue
+            node.pending_prefill.pop(attempt_id, None)
+            node.pending_kv.pop(attempt_id, None)
+            node.reported_kv.discard(attempt_id)
+            node.inflight.discard(attempt_id)
+            if abort and (not abort_decode_only or node_id == r.decode_id):
+                node.send(protocol.Abort(request_id=attempt_id))
+
+    def _apply_delta(self, r: RelayRequest, msg: protocol.TokenDelta) -> None:
+        self._emit(r, list(msg.token_ids), msg.text, msg.logprobs, msg.finish_reason)
+        if msg.finish_reason is not None:
+            self._finish(r, msg.finish_reason)
+
+    def _emit(
+        self,
+        r: RelayRequest,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[protocol.TokenLogprob] | None,
+        finish_reason: str | None,
+    ) -> None:
+        if r.first_token_at is None:
+            r.first_token_at = time.monotonic()
+        r.output_ids.extend(token_ids)
+        r.text_parts.append(text)
+        if logprobs:
+            r.logprobs.extend(logprobs)
+        if r.stream:
+            r.buffer.append(TokenChunk(token_ids, text, logprobs, finish_reason))
+            r.sent = True
+        r.wakeup.set()
+
+    def _finish(self, r: RelayRequest, finish_reason: str, abort_decode: bool = False) -> None:
+        r.finish_reason = finish_reason
+        r.finished_at = time.monotonic()
+        self._end_attempt(r, abort=abort_decode, abort_decode_only=True)
+        r.state = "finished"
+        r.outcome = "ok" if finish_reason != "error" else "error"
+        r.buffer.append(_DONE)
+        r.wakeup.set()
+
+    def _fail(self, r: RelayRequest, error: APIError, outcome: Outcome) -> None:
+        if r.terminal:
+            return
+        self._remove_from_queue(r)
+        self._cancel_queue_timer(r)
+        self._end_attempt(r, abort=True)
+        r.state = "failed"
+        r.outcome = outcome
+        r.failure = error
+        r.finish_reason = "error"
+        r.finished_at = time.monotonic()
+        r.buffer.append(error)
+        r.wakeup.set()
+
+    def _retry(self, r: RelayRequest, failed_node: str, keep_decode: bool) -> None:
+        preferred = r.decode_id if keep_decode else None
+        self._end_attempt(r, abort=True)
+        r.excluded.add(failed_node)
+        if r.attempt >= self.settings.max_attempts:
+            message = f"The request failed on {r.attempt} attempts; try again later."
+            self._fail(r, unavailable(message, self.settings.retry_after_s), "error")
+            return
+        if not r.sent:
+            r.reset_output()
+        r.preferred_decode = preferred
+        if not self._dispatch(r):
+            self._enqueue(r, front=True)
+
+    def _enqueue(self, r: RelayRequest, front: bool = False) -> None:
+        r.state = "queued"
+        if front:
+            self.queue.appendleft(r)
+        else:
+            self.queue.append(r)
+        self._cancel_queue_timer(r)
+        r.queue_timer = asyncio.get_running_loop().call_later(self.settings.queue_timeout_s, self._queue_expired, r)
+
+    def _queue_expired(self, r: RelayRequest) -> None:
+        r.queue_timer = None
+        if r.state == "queued":
+            message = "Timed out waiting for capacity; try again later."
+            self._fail(r, unavailable(message, self.settings.retry_after_s), "unavailable")
+
+    def _deadline_expired(self, r: RelayRequest) -> None:
+        if not r.terminal:
+            logger.warning("request %s passed its deadline of %.0f s", r.request_id, self.settings.request_timeout_s)
+            self._fail(r, APIError(504, "The request timed out.", "timeout_error", None, "timeout"), "timeout")
+        if not r.released:
+            # A handler that never came back for it (a response that was never sent) must not leak it.
+            loop = asyncio.get_running_loop()
+            r.timers.append(loop.call_later(ORPHAN_GRACE_S, self.release, r))
+
+    def _remove_from_queue(self, r: RelayRequest) -> None:
+        if r.state == "queued":
+            try:
+                self.queue.remove(r)
+            except ValueError:
+                pass
+
+    def _cancel_queue_timer(self, r: RelayRequest) -> None:
+        if r.queue_timer is not None:
+            r.queue_timer.cancel()
+            r.queue_timer = None
+
+    @staticmethod
+    def _loop_time(monotonic_deadline: float) -> float:
+        loop = asyncio.get_running_loop()
+        return loop.time() + (monotonic_deadline - time.monotonic())
+
+    def _record(self, r: RelayRequest) -> None:
+        m = self.metrics
+        m.requests_total.labels(status=r.outcome or "error").inc()
+        if r.dispatched:
+            m.prompt_tokens.inc(len(r.token_ids))
+            m.generation_tokens.inc(r.completion_tokens)
+        if r.outcome == "ok" and r.first_token_at is not None and r.finished_at is not None:
+            m.time_to_first_token.observe(r.first_token_at - r.arrival)
+            m.e2e_latency.observe(r.finished_at - r.arrival)
+            if r.completion_tokens > 1:
+                m.time_per_output_token.observe((r.finished_at - r.first_token_at) / (r.completion_tokens - 1))
+
+
+def _lost_error() -> APIError:
+    return APIError(502, "The node serving this request was lost.", "server_error", None, "node_lost")

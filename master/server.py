@@ -1,0 +1,38 @@
+"""Entry point of the master process."""
+
+from __future__ import annotations
+
+import logging
+
+from master.app import ConfigError, create_app
+from master.config import MasterSettings
+from pd_cluster import protocol
+
+__all__ = ["ConfigError", "create_app", "run_master"]
+
+#: Headroom over the largest control message for websocket framing.
+_WS_FRAME_SLACK = 64 * 1024
+
+
+def run_master(settings: MasterSettings | None = None) -> None:
+    """Serve the master on ``settings.host:settings.port`` until interrupted.
+
+    Raises :class:`ConfigError` when no cluster token is configured.
+    """
+    import uvicorn
+
+    settings = settings if settings is not None else MasterSettings()
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    app = create_app(settings)
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        access_log=settings.access_log,
+        ws_max_size=protocol.MAX_MESSAGE_BYTES + _WS_FRAME_SLACK,
+        timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
+    )

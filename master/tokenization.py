@@ -1,0 +1,80 @@
+"""Chat templates and tokenization for the master (nodes receive token ids, never text).
+
+All encoding runs on one worker thread: it keeps long prompts off the event loop, and a fast
+tokenizer must not be used by two threads at once (it raises "Already borrowed").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ChatTemplateError(ValueError):
+    """The messages could not be rendered with the model's chat template."""
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """Load the Hugging Face tokenizer of a model directory."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class Tokenizer:
+    """Async facade over a transformers tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on the tokenizer thread (also used for other per-request CPU work)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return await self.run(self._encode_chat, messages)
+
+    async def encode_prompt(self, text: str) -> list[int]:
+        return await self.run(self._encode_prompt, text)
+
+    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as exc:  # jinja2 errors, "no chat template", raise_exception() in templates
+            raise ChatTemplateError(f"could not apply the chat template: {exc}") from exc
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return [int(t) for t in ids]
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        return [int(t) for t in self.hf(text, add_special_tokens=True)["input_ids"]]
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as OpenAI's logprobs show it."""
+        return self._token_text(token_id)
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.hf.decode([token_id], skip_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.hf.decode(list(token_ids), skip_special_tokens=True)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,242 @@
+"""Routing policies, the prefix index and admission (queue / 503), without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from master.errors import APIError
+from master.metrics import MasterMetrics
+from master.prefix_index import PrefixIndex
+from master.registry import NodeRecord, Registry
+from master.relay import Relay
+from master.routing import (
+    CacheAwarePolicy,
+    LeastLoadPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    admissible_decodes,
+    make_policy,
+)
+from pd_cluster import protocol
+from pd_cluster.engine.block_hash import block_hashes
+from pd_cluster.engine.sampling_params import SamplingParams
+from tests.master_fakes import kv_spec, make_settings, register_msg
+
+BLOCK = 4
+
+
+def _registry() -> Registry:
+    return Registry(MasterMetrics(), model=None)
+
+
+def _status(node: NodeRecord, **values: int) -> None:
+    base = {"free_kv_tokens": node.kv_total, "total_kv_tokens": node.kv_total}
+    base.update(values)
+    node.status = protocol.NodeStatus(**base)
+
+
+def _frames(node: NodeRecord) -> list:
+    frames = []
+    while not node.outbox.empty():
+        item = node.outbox.get_nowait()
+        if isinstance(item, str):
+            frames.append(protocol.parse_master_message(item))
+    return frames
+
+
+# ---- prefix index -------------------------------------------------------------------------
+
+
+def test_prefix_index_matches_leading_blocks_only():
+    tokens = list(range(40))
+    hashes = block_hashes(tokens, BLOCK)
+    index = PrefixIndex(max_blocks=100)
+    index.apply(stored=hashes[:5])
+    assert index.match(hashes) == 5
+    index.apply(evicted=[hashes[2]])
+    assert index.match(hashes) == 2
+    other = block_hashes([7] + tokens[1:], BLOCK)
+    assert index.match(other) == 0
+
+
+def test_prefix_index_clear_and_bound():
+    index = PrefixIndex(max_blocks=3)
+    index.apply(stored=[1, 2, 3, 4])
+    assert len(index) == 3 and 1 not in index and 4 in index
+    index.apply(stored=[9], cleared=True)
+    assert len(index) == 1 and index.match([9, 2]) == 1
+
+
+# ---- policies -----------------------------------------------------------------------------
+
+
+def _decodes(registry: Registry, n: int) -> list[NodeRecord]:
+    return [registry.add(register_msg(f"d{i}", "decode")) for i in range(n)]
+
+
+def _prefills(registry: Registry, n: int) -> list[NodeRecord]:
+    return [registry.add(register_msg(f"p{i}", "prefill")) for i in range(n)]
+
+
+def test_cache_aware_prefers_the_decode_node_holding_the_prefix():
+    registry = _registry()
+    d0, d1 = _decodes(registry, 2)
+    history = list(range(3, 103))
+    d1.prefix.apply(stored=block_hashes(history, BLOCK))
+    _status(d1, running=3)  # busier than d0, but holds the history
+    request = RouteRequest(history + [5, 6, 7], kv_need=150)
+    policy = CacheAwarePolicy()
+    assert policy.hit_tokens(request, d1) == 100
+    assert policy.pick_decode(request, [d0, d1]) is d1
+
+
+def test_cache_aware_avoids_a_saturated_decode_node_despite_its_prefix():
+    registry = _registry()
+    d0, d1 = _decodes(registry, 2)
+    history = list(range(3, 103))
+    d1.prefix.apply(stored=block_hashes(history, BLOCK))
+    _status(d1, running=8, waiting=4)  # max_running_requests is 8
+    request = RouteRequest(history + [5], kv_need=150)
+    assert CacheAwarePolicy().pick_decode(request, [d0, d1]) is d0
+
+
+def test_cache_aware_without_hits_spreads_by_load():
+    registry = _registry()
+    d0, d1 = _decodes(registry, 2)
+    _status(d0, running=4)
+    request = RouteRequest(list(range(20)), kv_need=40)
+    assert CacheAwarePolicy().pick_decode(request, [d0, d1]) is d1
+
+
+def test_least_load_picks_the_least_loaded_decode_and_least_queued_prefill():
+    registry = _registry()
+    d0, d1, d2 = _decodes(registry, 3)
+    _status(d0, running=5)
+    _status(d1, running=1)
+    _status(d2, running=1, free_kv_tokens=100)
+    p0, p1 = _prefills(registry, 2)
+    _status(p0, queued_prefill_tokens=5000)
+    p1.pending_prefill["x"] = 10
+    policy = LeastLoadPolicy()
+    request = RouteRequest([1, 2, 3], kv_need=10)
+    assert policy.pick_decode(request, [d0, d1, d2]) is d1
+    assert policy.pick_prefill(request, [p0, p1]) is p1
+
+
+def test_round_robin_cycles_through_nodes_in_id_order():
+    registry = _registry()
+    decodes = _decodes(registry, 3)
+    policy = RoundRobinPolicy()
+    request = RouteRequest([1], kv_need=2)
+    picks = [policy.pick_decode(request, decodes).node_id for _ in range(4)]
+    assert picks == ["d0", "d1", "d2", "d0"]
+    # A node that left is skipped without disturbing the order.
+    assert policy.pick_decode(request, [decodes[0], decodes[2]]).node_id == "d2"
+
+
+def test_make_policy_rejects_unknown_names():
+    assert make_policy("cache_aware").name == "cache_aware"
+    with pytest.raises(ValueError):
+        make_policy("random")
+
+
+def test_admission_counts_free_evictable_and_routed_kv():
+    registry = _registry()
+    d0, d1 = _decodes(registry, 2)
+    _status(d0, free_kv_tokens=100, evictable_kv_tokens=50)
+    _status(d1, free_kv_tokens=1000)
+    assert admissible_decodes([d0, d1], 150) == [d0, d1]
+    d0.pending_kv["routed-not-reported"] = 1
+    assert admissible_decodes([d0, d1], 150) == [d1]
+    registry.drain("d1")
+    assert admissible_decodes([d0, d1], 10) == [d0]
+
+
+# ---- admission through the relay ----------------------------------------------------------
+
+
+def _relay(**settings) -> tuple[Relay, Registry]:
+    registry = _registry()
+    relay = Relay(registry, make_policy("cache_aware"), registry.metrics, make_settings(**settings))
+    return relay, registry
+
+
+async def test_request_waits_in_queue_until_decode_kv_frees():
+    relay, registry = _relay(queue_timeout_s=5.0)
+    (p,) = _prefills(registry, 1)
+    (d,) = _decodes(registry, 1)
+    _status(d, free_kv_tokens=50)
+    loop = asyncio.get_running_loop()
+    r = relay.create("req-1", list(range(3, 43)), SamplingParams(max_tokens=20), False, loop.time())
+    admitted = asyncio.create_task(relay.admit(r))
+    await asyncio.sleep(0.05)
+    assert r.state == "queued" and not admitted.done()
+    assert not [f for f in _frames(p) if isinstance(f, protocol.PrefillJob)]
+    registry.handle_status(d, protocol.NodeStatus(free_kv_tokens=1000, total_kv_tokens=4096))
+    await asyncio.wait_for(admitted, 2.0)
+    jobs = [f for f in _frames(p) if isinstance(f, protocol.PrefillJob)]
+    assert [j.request_id for j in jobs] == ["req-1"] and jobs[0].decode_node_id == "d0"
+    assert d.pending_kv == {"req-1": 60}
+    relay.release(r)
+    assert d.pending_kv == {} and "req-1" in [f.request_id for f in _frames(d) if isinstance(f, protocol.Abort)]
+
+
+async def test_full_queue_answers_503_with_retry_after():
+    relay, registry = _relay(queue_size=1, queue_timeout_s=5.0)
+    _prefills(registry, 1)
+    (d,) = _decodes(registry, 1)
+    _status(d, free_kv_tokens=10)
+    loop = asyncio.get_running_loop()
+    first = relay.create("a", [5] * 20, SamplingParams(max_tokens=5), False, loop.time())
+    waiting = asyncio.create_task(relay.admit(first))
+    await asyncio.sleep(0.02)
+    second = relay.create("b", [5] * 20, SamplingParams(max_tokens=5), False, loop.time())
+    with pytest.raises(APIError) as err:
+        await relay.admit(second)
+    assert err.value.status == 503 and err.value.headers()["Retry-After"] == "1"
+    waiting.cancel()
+    relay.release(first)
+    relay.release(second)
+    assert not relay.queue and not relay.requests
+
+
+async def test_queue_wait_has_a_deadline():
+    relay, registry = _relay(queue_timeout_s=0.2)
+    _prefills(registry, 1)
+    (d,) = _decodes(registry, 1)
+    _status(d, free_kv_tokens=0)
+    loop = asyncio.get_running_loop()
+    r = relay.create("slow", [5] * 10, SamplingParams(max_tokens=5), False, loop.time())
+    with pytest.raises(APIError) as err:
+        await asyncio.wait_for(relay.admit(r), 3.0)
+    assert err.value.status == 503
+    relay.release(r)
+    assert registry.metrics.registry.get_sample_value("pdc_requests_total", {"status": "unavailable"}) == 1
+
+
+async def test_no_nodes_answers_503_at_once():
+    relay, registry = _relay()
+    _decodes(registry, 1)
+    loop = asyncio.get_running_loop()
+    r = relay.create("x", [5], SamplingParams(max_tokens=1), False, loop.time())
+    with pytest.raises(APIError) as err:
+        await relay.admit(r)
+    assert err.value.status == 503
+    relay.release(r)
+
+
+async def test_draining_nodes_get_no_new_work():
+    relay, registry = _relay()
+    p0, p1 = _prefills(registry, 2)
+    _decodes(registry, 1)
+    registry.drain("p0")
+    _frames(p0)
+    loop = asyncio.get_running_loop()
+    for i in range(3):
+        r = relay.create(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), False, loop.time())
+        await relay.admit(r)
+        assert r.prefill_id == "p1"
+        relay.release(r)
+    assert not [f for f in _frames(p0) if isinstance(f, protocol.PrefillJob)]
