@@ -1,0 +1,38 @@
+"""Engine configuration: one place for the knobs and their defaults."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """How one engine (a node's, or the offline ``LLM``'s) is sized and run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(default="default", description='"default" or a Hugging Face model directory')
+    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$")
+    device: str = Field(default="auto", description='"auto", "cpu", "cuda" or "cuda:N"')
+    max_total_tokens: int | None = Field(
+        default=None, gt=0, description="KV slots in the pool; None: a fraction of free GPU memory, or 32768 on CPU"
+    )
+    kv_memory_fraction: float = Field(default=0.85, gt=0.0, lt=1.0)
+    block_size: int = Field(default=1, gt=0, description="tokens per prefix-cache and transfer block")
+    enable_prefix_cache: bool = True
+    max_running_requests: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0, description="token budget of one step (chunked prefill)")
+    max_model_len: int | None = Field(default=None, gt=0, description="context length; None: the model's")
+    max_waiting_requests: int = Field(default=4096, gt=0)
+    seed: int = 0
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self, device: str) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device.startswith("cuda") else "float32"

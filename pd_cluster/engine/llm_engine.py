@@ -1,0 +1,218 @@
+"""The step loop: schedule -> run the model -> sample -> update requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.default_model import resolve_model_path
+from pd_cluster.engine.kv_pool import KVPool, torch_dtype
+from pd_cluster.engine.length_predictor import OutputLengthPredictor
+from pd_cluster.engine.model_runner import ModelRunner
+from pd_cluster.engine.output_processor import OutputProcessor
+from pd_cluster.engine.outputs import EngineStats, TokenUpdate
+from pd_cluster.engine.radix_cache import RadixCache
+from pd_cluster.engine.req_table import ReqSlotTable
+from pd_cluster.engine.request import Request, RequestStatus
+from pd_cluster.engine.sampler import SamplingState, sample
+from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.engine.scheduler import Scheduler
+from pd_cluster.kv_spec import KVSpec
+from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.llama import LayerHook, LlamaModel
+from pd_cluster.model.weights import load_weights
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 16384
+KVEventSink = Callable[[list[int], list[int]], None]
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
+    ids = set(model_config.eos_token_ids)
+    generation = path / "generation_config.json"
+    if generation.is_file():
+        import json
+
+        eos = json.loads(generation.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+class LLMEngine:
+    """One model, one KV pool, one prefix cache, and the requests running on them."""
+
+    def __init__(
+        self, config: EngineConfig, *, tokenizer=None, load_tokenizer_from_model: bool = True,
+        kv_event_sink: KVEventSink | None = None,
+    ) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.model_config = ModelConfig.from_path(self.model_path)
+        device_name = config.resolved_device()
+        self.device = torch.device(device_name)
+        self.dtype_name = config.resolved_dtype(device_name)
+        dtype = torch_dtype(self.dtype_name)
+        if tokenizer is None and load_tokenizer_from_model:
+            tokenizer = load_tokenizer(self.model_path)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, self.model_path)
+
+        weights = load_weights(self.model_path, self.model_config, dtype, self.device)
+        self.model = LlamaModel(self.model_config, weights, self.device)
+        self.kv_spec = KVSpec(
+            model=self.model_config.name,
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype_name,
+            block_size=config.block_size,
+        )
+        num_slots = config.max_total_tokens or self._default_kv_tokens()
+        self.pool = KVPool(self.kv_spec, num_slots, self.device)
+        self.cache = RadixCache(
+            self.pool, block_size=config.block_size, enabled=config.enable_prefix_cache, event_sink=kv_event_sink
+        )
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.table = ReqSlotTable(config.max_running_requests, self.max_model_len + 1, self.device)
+        self.predictor = OutputLengthPredictor()
+        self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
+        self.runner = ModelRunner(self.model, self.pool, self.table, self.device)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        logger.info(
+            "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
+            self.model_config.name, self.device, self.dtype_name, num_slots,
+            num_slots * self.kv_spec.bytes_per_token / 2**20, config.block_size,
+            "on" if config.enable_prefix_cache else "off",
+        )
+
+    def _default_kv_tokens(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_KV_TOKENS
+        free, _total = torch.cuda.mem_get_info(self.device)
+        budget = int(free * self.config.kv_memory_fraction) - 512 * 2**20  # activations and graphs
+        return max(budget // self.kv_spec.bytes_per_token, 1024)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError when a request can never run on this engine."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt: must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_model_len}"
+            )
+        if n + params.max_tokens > self.pool.capacity:
+            raise ValueError(
+                f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the KV pool "
+                f"({self.pool.capacity} tokens)"
+            )
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        state = SamplingState.create(params, list(prompt_token_ids))
+        output = OutputProcessor(self.tokenizer, params, self.eos_token_ids, list(prompt_token_ids))
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=state, output=output)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, hold_kv: bool = False
+    ) -> Request:
+        req = self.make_request(request_id, prompt_token_ids, params)
+        req.hold_kv = hold_kv
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        req.finish_reason = "abort"
+        req.hold_kv = False
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        return True
+
+    def release(self, req: Request) -> None:
+        """Free the KV a finished ``hold_kv`` request kept (into the prefix cache)."""
+        self.scheduler.release_kv(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def step(self, layer_hook: LayerHook | None = None) -> list[TokenUpdate]:
+        step = self.scheduler.schedule()
+        if not step.requests:
+            return []
+        logits = self.runner.run(step, layer_hook)
+        self.stats.steps += 1
+        self.stats.computed_tokens += step.num_tokens
+        sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
+        for req, q_len in zip(step.requests, step.q_lens):
+            req.num_computed += q_len
+        updates: list[TokenUpdate] = []
+        if not sampling_reqs:
+            return updates
+        tokens = sample(logits, [r.sampling for r in sampling_reqs])
+        now = time.monotonic()
+        for req, tok in zip(sampling_reqs, tokens):
+            updates.append(self._accept(req, tok.token_id, tok.logprob, now))
+        return updates
+
+    def _accept(self, req: Request, token_id: int, logprob, now: float) -> TokenUpdate:
+        first = not req.output_token_ids
+        if first and req.num_cached_tokens:
+            self.stats.cached_prompt_tokens += req.num_cached_tokens
+        req.sampling.output_token_ids.append(token_id)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        update = req.output.append(token_id)
+        self.stats.generation_tokens += 1
+        if update.finish_reason is not None:
+            self._finish(req, update.finish_reason)
+        return TokenUpdate(
+            request_id=req.request_id,
+            token_id=token_id,
+            text_delta=update.text_delta,
+            logprob=logprob,
+            finish_reason=update.finish_reason,
+            first_token=first,
+        )
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        self.requests.pop(req.request_id, None)
+        self.stats.finished_requests += 1
+        if not req.sampling.params.ignore_eos:
+            self.predictor.observe(len(req.output_token_ids))
+        self.stats.preemptions = self.scheduler.num_preemptions

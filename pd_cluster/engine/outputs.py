@@ -1,0 +1,50 @@
+"""What the engine reports about requests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pd_cluster.protocol import TokenLogprob
+
+
+@dataclass
+class TokenUpdate:
+    """One new token of a request, as produced by one engine step."""
+
+    request_id: str
+    token_id: int
+    text_delta: str
+    logprob: TokenLogprob | None
+    finish_reason: str | None
+    #: Set on the step that ran the request's last prefill chunk.
+    first_token: bool = False
+
+
+@dataclass
+class RequestOutput:
+    """The finished result of one prompt (what ``LLM.generate`` returns)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    computed_tokens: int = 0  # tokens that went through the model (prefill and decode)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    steps: int = 0
+    finished_requests: int = 0
+    extra: dict = field(default_factory=dict)

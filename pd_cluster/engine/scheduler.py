@@ -1,0 +1,218 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens.
+
+Each step carries every decoding request (one token each) and fills the rest of the token
+budget with prefill chunks, oldest first. New requests are admitted only while the batch's
+peak future KV need fits the pool; if memory still runs out, the newest request is preempted
+(its KV goes to the prefix cache) and recomputed later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.engine.length_predictor import OutputLengthPredictor
+from pd_cluster.engine.radix_cache import RadixCache
+from pd_cluster.engine.req_table import ReqSlotTable
+from pd_cluster.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledStep:
+    requests: list[Request] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)
+    new_slots: list[torch.Tensor] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+
+    def add(self, req: Request, q_len: int, slots: torch.Tensor, sample: bool) -> None:
+        self.requests.append(req)
+        self.q_lens.append(q_len)
+        self.new_slots.append(slots)
+        self.samples.append(sample)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+
+def peak_kv_need(held: list[int], left: list[int]) -> int:
+    """Most KV slots the batch will hold at once if each request grows by its ``left`` tokens.
+
+    Sorted by remaining output (longest first), request ``i`` finishing means the ``i + 1``
+    longest-running requests each grew by ``left[i]``: peak = max_i sum(held[:i+1]) + left[i]*(i+1).
+    """
+    order = sorted(range(len(held)), key=lambda i: left[i], reverse=True)
+    peak = cumulative = 0
+    for rank, i in enumerate(order):
+        cumulative += held[i]
+        peak = max(peak, cumulative + left[i] * (rank + 1))
+    return peak
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: KVPool,
+        cache: RadixCache,
+        table: ReqSlotTable,
+        predictor: OutputLengthPredictor,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.cache = cache
+        self.table = table
+        self.predictor = predictor
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        #: Slots held outside running requests (e.g. a decode node's reservations for incoming KV).
+        self.external_held = 0
+        self.num_preemptions = 0
+
+    # ---- queue management ----------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """A request whose KV is already in the pool (a decode node's handed-over prefill)."""
+        req.status = RequestStatus.RUNNING
+        req.admitted_once = True
+        self.running.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Drop a request from the queues (finished or aborted), releasing its KV unless held."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if not req.hold_kv:
+            self.release_kv(req)
+
+    def release_kv(self, req: Request) -> None:
+        """Give a request's KV to the prefix cache (whole blocks) or back to the pool."""
+        if req.row < 0:
+            return
+        n = req.num_computed
+        slots = self.table.read(req.row, n)
+        tokens = req.token_ids(0, n)
+        self.cache.insert(tokens, slots)
+        n_full = (n // self.cache.block_size) * self.cache.block_size
+        self.pool.free(slots[n_full:])
+        if req.prefix_node is not None:
+            self.cache.dec_ref(req.prefix_node)
+            req.prefix_node = None
+        self.table.free_row(req.row)
+        req.row = -1
+        req.num_computed = 0
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        step = ScheduledStep()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.arrival_time)
+
+        for req in list(self.running):
+            if req.remaining_to_compute != 1 or req not in self.running:
+                continue
+            slots = self._alloc(1)
+            while slots is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+                slots = self._alloc(1)
+            if slots is None:
+                continue
+            step.add(req, 1, slots, sample=True)
+            budget -= 1
+
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.remaining_to_compute <= 1 or req not in self.running:
+                continue
+            n = min(req.remaining_to_compute, budget)
+            slots = self._alloc(n)
+            if slots is None:
+                break
+            step.add(req, n, slots, sample=n == req.remaining_to_compute)
+            budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            if not self._admit(req, budget, step):
+                break
+            self.waiting.popleft()
+            budget -= step.q_lens[-1]
+        return step
+
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        slots = self.pool.alloc(n)
+        if slots is None and self.cache.evictable_tokens > 0:
+            self.cache.evict(n - self.pool.num_free)
+            slots = self.pool.alloc(n)
+        return slots
+
+    def _left(self, req: Request) -> int:
+        params = req.sampling.params
+        return self.predictor.remaining(len(req.output_token_ids), params.max_tokens, params.ignore_eos)
+
+    def fits(self, extra_held: int, extra_left: int) -> bool:
+        """Whether the running batch plus one more request stays within the pool at its peak."""
+        held = [r.num_tokens for r in self.running] + [extra_held]
+        left = [self._left(r) for r in self.running] + [extra_left]
+        return peak_kv_need(held, left) <= self.pool.capacity - self.external_held
+
+    def _admit(self, req: Request, budget: int, step: ScheduledStep) -> bool:
+        if not self.fits(req.num_tokens, self._left(req)) and self.running:
+            return False
+        match = self.cache.match_prefix(req.token_ids(0, req.num_tokens))
+        block = self.cache.block_size
+        usable = min(match.num_tokens, ((req.num_tokens - 1) // block) * block)
+        row = self.table.alloc_row()
+        if row is None:
+            return False
+        self.cache.inc_ref(match.node)
+        n = min(req.num_tokens - usable, budget)
+        slots = self._alloc(n)
+        if slots is None:
+            self.cache.dec_ref(match.node)
+            self.table.free_row(row)
+            return False
+        req.row = row
+        req.prefix_node = match.node
+        req.num_computed = usable
+        if usable:
+            self.table.write(row, 0, match.slots[:usable])
+        if not req.admitted_once:
+            req.num_cached_tokens = usable
+            req.admitted_once = True
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.add(req, n, slots, sample=n == req.num_tokens - usable)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        logger.info("preempting request %s to free KV (recomputed later)", req.request_id)
+        self.running.remove(req)
+        self.release_kv(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,1 @@
+"""Llama-family models written for this engine: weights (loading) split from inference."""

@@ -1,0 +1,78 @@
+"""Llama-family inference over the token-level KV pool (GQA, RoPE, RMSNorm, SwiGLU).
+
+Layer inference only: weights come from :mod:`pd_cluster.model.weights`, the math of each op
+from :mod:`kernels` (Triton on CUDA, torch references elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.forward_batch import ForwardBatch
+from pd_cluster.model.weights import LayerWeights, ModelWeights
+
+#: Called after each layer's KV is stored, e.g. to start sending it to a decode node.
+LayerHook = Callable[[int], None]
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device) -> None:
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.cos, self.sin = kernels.rotary_cos_sin(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
+        )
+        self.sm_scale = config.head_dim**-0.5
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVPool, layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Run one step; store the new tokens' KV; return float32 logits ``[K, vocab]``."""
+        hidden = F.embedding(batch.input_ids, self.weights.embed)
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.weights.layers):
+            hidden, residual = self._layer(index, layer, hidden, residual, batch, kv)
+            if layer_hook is not None:
+                layer_hook(index)
+        hidden = hidden[batch.logits_indices]
+        residual = residual[batch.logits_indices] if residual is not None else None
+        normed, _ = kernels.rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps, residual)
+        return F.linear(normed, self.weights.lm_head).float()
+
+    def _layer(
+        self,
+        index: int,
+        w: LayerWeights,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv: KVPool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual)
+        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = kernels.apply_rotary(q, k, batch.positions, self.cos, self.sin)
+        k_cache, v_cache = kv.layer(index)
+        kernels.store_kv(k, v, k_cache, v_cache, batch.out_slots)
+        if batch.is_decode:
+            attn = kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, self.sm_scale)
+        else:
+            attn = kernels.context_attention(
+                q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, batch.q_lens, batch.q_start_loc, self.sm_scale
+            )
+        hidden = F.linear(attn.reshape(-1, self._q_size), w.o)
+        x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
+        hidden = F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down)
+        return hidden, residual
