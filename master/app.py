@@ -74,5 +74,5 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
         await node_socket(websocket, ctx)
 
     app.add_api_websocket_route(protocol.NODE_WS_PATH, nodes_endpoint)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     return app

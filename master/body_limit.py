@@ -1,7 +1,8 @@
-"""ASGI middleware that caps request bodies (413 in OpenAI's error shape), chunked ones included."""
+"""ASGI middleware that caps request bodies in size (413) and upload time (408), in OpenAI's error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Awaitable, Callable
 
@@ -20,9 +21,12 @@ class BodyLimitMiddleware:
     so disconnect detection keeps working.
     """
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int) -> None:
+    def __init__(
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int, timeout_s: float = 60.0
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -30,20 +34,26 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._too_large(send)
+            await self._reply(send, 413, f"Request body exceeds {self.max_bytes} bytes.", "request_too_large")
             return
         chunks: list[bytes] = []
         size = 0
         first: Message | None = None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                await self._reply(send, 408, "Timed out reading the request body.", "request_timeout")
+                return
             if message["type"] != "http.request":
                 first = message  # a disconnect: hand it on
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._too_large(send)
+                await self._reply(send, 413, f"Request body exceeds {self.max_bytes} bytes.", "request_too_large")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -60,14 +70,13 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replaying_receive, send)
 
-    async def _too_large(self, send: Send) -> None:
-        body = json.dumps(
-            error_body(f"Request body exceeds {self.max_bytes} bytes.", "invalid_request_error", None, "request_too_large")
-        ).encode()
+    @staticmethod
+    async def _reply(send: Send, status: int, message: str, code: str) -> None:
+        body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
             }
         )

@@ -39,6 +39,7 @@ class MasterSettings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1, description="tries of one request across node failures")
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 429/503 answers")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    body_timeout_s: float = Field(default=60.0, gt=0, description="longest upload of one request body")
 
     heartbeat_timeout_s: float = Field(default=protocol.HEARTBEAT_TIMEOUT_S, gt=0)
     register_timeout_s: float = Field(default=10.0, gt=0, description="wait for a new socket's Register frame")

@@ -170,7 +170,17 @@ async def _generate(request: Request, kind: Kind) -> Response:
         ctx.metrics.requests_total.labels(status="invalid" if exc.status < 500 else "unavailable").inc()
         raise
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    spec = ctx.registry.cluster_spec
+    if ctx.settings.policy == "cache_aware" and spec is not None and any(
+        len(d.prefix) for d in ctx.registry.active("decode")
+    ):
+        # Hash the prompt's blocks off the event loop; routing then finds them computed.
+        route_hashes = await ctx.tokenizer.run(_block_hashes, token_ids, spec.block_size)
+    else:
+        route_hashes = None
     r = ctx.relay.create(f"{prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
+    if route_hashes is not None:
+        r.route.set_block_hashes(spec.block_size, route_hashes)  # type: ignore[union-attr]
     try:
         await ctx.relay.admit(r, request.is_disconnected)
     except ClientDisconnected:
@@ -207,6 +217,12 @@ async def _generate(request: Request, kind: Kind) -> Response:
     return JSONResponse(
         {"id": r.request_id, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}
     )
+
+
+def _block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    from pd_cluster.engine.block_hash import block_hashes
+
+    return block_hashes(token_ids, block_size)
 
 
 async def _chat_stream(

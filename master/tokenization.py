@@ -53,9 +53,11 @@ class Tokenizer:
         return await self.run(self._encode_prompt, text)
 
     def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        from jinja2 import TemplateError
+
         try:
             ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as exc:  # jinja2 errors, "no chat template", raise_exception() in templates
+        except (TemplateError, ValueError) as exc:  # raise_exception() in templates, "no chat template"
             raise ChatTemplateError(f"could not apply the chat template: {exc}") from exc
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]

@@ -26,6 +26,7 @@ ADMIN_TOKEN = "admin-secret-for-tests"
 MODEL = "tiny-llama"
 CONTEXT = 256
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+CHAT_MESSAGES = [{"role": "user", "content": "hello"}]
 
 _CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?:;<>|/_-'\"\n"
 
