@@ -1,0 +1,241 @@
+"""Every Triton launcher in ``kernels`` matches its torch reference, run by Triton's interpreter.
+
+Triton decides per ``@triton.jit`` function, when the decorator runs, whether it is compiled or
+interpreted, and its own library (``tl.sum``, ``tl.cdiv``...) is decorated when Triton is
+imported. So ``TRITON_INTERPRET=1`` must be set before anything imports Triton, which in one
+pytest session is never guaranteed (``kernels`` imports it), and setting it process-wide would
+leak into every later test module. Hence two modes:
+
+* ``TRITON_INTERPRET=1`` already set when this module loads (a child process, or a CI job
+  that sets it for the whole run): the cases in :class:`InterpretedCases` are collected.
+* otherwise: one test runs this file in a child pytest with the variable set, and passes when
+  every case there passed.
+
+Outputs are allocated NaN-filled and unused KV slots hold NaN, so an element a kernel leaves
+unwritten, or a slot it reads outside a sequence's table, shows up as a failure.
+
+The interpreter has no bfloat16 arithmetic (it computes on the raw bits, and rounds float32 to
+bfloat16 by truncation), so attention, whose dots take their operands as they are, runs here in
+float32 and float16, and the elementwise kernels, which upcast first, in bfloat16 too with a
+few-ulp tolerance. bfloat16 attention is covered by ``tests/gpu/test_kernels_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from kernels.attention import (
+    context_attention_ref,
+    context_attention_triton,
+    decode_attention_ref,
+    decode_attention_triton,
+)
+from kernels.kv_transfer import gather_kv_ref, gather_kv_triton, scatter_kv_ref, scatter_kv_triton
+from kernels.rms_norm import rms_norm_ref, rms_norm_triton
+from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
+from kernels.silu_mul import silu_mul_ref, silu_mul_triton
+from kernels.store_kv import store_kv_ref, store_kv_triton
+from tests.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
+
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
+                  "kernels.silu_mul", "kernels.store_kv"]  # fmt: skip
+# rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge.
+NUM_KERNELS = 8
+
+
+def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def poisoned(*args: object, **kwargs: object) -> torch.Tensor:
+        t = alloc(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    return poisoned
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, rel: float, max_abs: float) -> None:
+    """``‖out − ref‖ / ‖ref‖ <= rel`` and no element further than ``max_abs``; NaN never passes."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not torch.isnan(out).any(), "NaN in the output (an unwritten element, or a read of a poisoned slot)"
+    diff = (out.double() - ref.double()).abs()
+    err = diff.norm() / ref.double().norm().clamp_min(1e-30)
+    assert err <= rel, f"relative error {err:.2e} > {rel:.0e}"
+    assert diff.max() <= max_abs, f"max abs error {diff.max():.2e} > {max_abs:.0e}"
+
+
+def assert_close_elementwise(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Elementwise kernels round like the references, but the interpreter truncates to bfloat16,
+    up to three times in rms_norm with a residual: a few bfloat16 ulps (2**-8 relative each)."""
+    rtol, atol = {torch.float32: (1e-5, 1e-6), torch.float16: (1e-3, 1e-5), torch.bfloat16: (3e-2, 1e-5)}[ref.dtype]
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol)  # NaN fails here
+
+
+# Attention: float16 probabilities enter the second product, as in every flash kernel.
+ATTENTION_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2)}
+
+
+def _context(batch: PagedBatch, q: torch.Tensor | None = None, **blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = batch.q if q is None else q
+    args = (q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, batch.q_lens, batch.q_start_loc, 0.3)
+    return context_attention_triton(*args, **blocks), context_attention_ref(*args)
+
+
+class InterpretedCases:
+    """Collected only where TRITON_INTERPRET=1 was set before Triton was imported."""
+
+    @pytest.fixture(autouse=True)
+    def nan_filled_outputs(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Launchers allocate with ``torch.empty*``: any element a kernel leaves unwritten stays NaN."""
+        monkeypatch.setattr(torch, "empty", _nan_filled(torch.empty))
+        monkeypatch.setattr(torch, "empty_like", _nan_filled(torch.empty_like))
+
+    def test_every_kernel_runs_in_the_interpreter(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        found = {"interpreted": 0, "compiled": 0}
+        for name in KERNEL_MODULES:
+            for value in vars(importlib.import_module(name)).values():
+                if isinstance(value, InterpretedFunction):
+                    found["interpreted"] += 1
+                elif isinstance(value, JITFunction):
+                    found["compiled"] += 1
+        assert found == {"interpreted": NUM_KERNELS, "compiled": 0}
+
+    # ---------------------------------------------------------------------------------------------
+    # Elementwise and copies
+    # ---------------------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+    @pytest.mark.parametrize("with_residual", [False, True])
+    def test_rms_norm_triton_matches_reference(self, dtype: torch.dtype, with_residual: bool) -> None:
+        gen = torch.Generator().manual_seed(1)
+        # A strided view, as a slice of a wider activation would be; 72 is no power of two.
+        x = (torch.randn(5, 100, generator=gen) * 2).to(dtype)[:, :72]
+        weight = torch.randn(72, generator=gen).to(dtype)
+        residual = torch.randn(5, 72, generator=gen).to(dtype) if with_residual else None
+        out, new_residual = rms_norm_triton(x, weight, 1e-6, residual)
+        ref_out, ref_residual = rms_norm_ref(x, weight, 1e-6, residual)
+        assert_close_elementwise(out, ref_out)
+        assert_close_elementwise(new_residual, ref_residual)
+        if not with_residual:
+            assert new_residual is x
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+    def test_apply_rotary_triton_matches_reference_on_a_split_qkv(self, dtype: torch.dtype) -> None:
+        num_tokens, hq, hkv, head_dim = 7, 6, 2, 24
+        gen = torch.Generator().manual_seed(2)
+        qkv = torch.randn(num_tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
+        q = qkv[:, : hq * head_dim].view(num_tokens, hq, head_dim)
+        k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(num_tokens, hkv, head_dim)
+        cos, sin = rotary_cos_sin(head_dim, 128, 10000.0)
+        positions = torch.randint(0, 128, (num_tokens,), generator=gen)
+        q_out, k_out = apply_rotary_triton(q, k, positions, cos, sin)
+        q_ref, k_ref = apply_rotary_ref(q, k, positions, cos, sin)
+        assert_close_elementwise(q_out, q_ref)
+        assert_close_elementwise(k_out, k_ref)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+    def test_silu_mul_triton_matches_reference(self, dtype: torch.dtype) -> None:
+        # 1100 columns: two column blocks, the second partial.
+        gate_up = (torch.randn(2, 3, 2200, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+        assert_close_elementwise(silu_mul_triton(gate_up), silu_mul_ref(gate_up))
+
+    @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+    def test_store_kv_triton_matches_reference(self, cache_dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(4)
+        kv = torch.randn(6, 2 * 3 * 24, generator=gen)  # float32 in, cast into the cache's dtype
+        k, v = kv[:, :72].view(6, 3, 24), kv[:, 72:].view(6, 3, 24)
+        slots = torch.randperm(40, generator=gen)[:6]
+        caches = [torch.full((40, 3, 24), float("nan"), dtype=cache_dtype) for _ in range(4)]
+        store_kv_triton(k, v, caches[0], caches[1], slots)
+        store_kv_ref(k, v, caches[2], caches[3], slots)
+        written = torch.zeros(40, dtype=torch.bool)
+        written[slots] = True
+        for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.isnan(got[~written]).all()
+            assert_close_elementwise(got[written], want[written])
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_gather_and_scatter_kv_triton_match_reference(self, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(5)
+        k_cache = torch.randn(3, 30, 5, 24, generator=gen).to(dtype)
+        v_cache = torch.randn(3, 30, 5, 24, generator=gen).to(dtype)
+        slots = torch.randperm(30, generator=gen)[:7]
+        buffer = gather_kv_triton(k_cache, v_cache, slots)
+        assert torch.equal(buffer, gather_kv_ref(k_cache, v_cache, slots))
+
+        dst = [torch.randn(3, 12, 5, 24, generator=gen).to(dtype) for _ in range(2)]
+        expected = [t.clone() for t in dst]
+        dst_slots = torch.randperm(12, generator=gen)[:7]
+        scatter_kv_triton(buffer, dst[0], dst[1], dst_slots)
+        scatter_kv_ref(buffer, expected[0], expected[1], dst_slots)
+        assert torch.equal(dst[0], expected[0]) and torch.equal(dst[1], expected[1])
+
+    # ---------------------------------------------------------------------------------------------
+    # Attention
+    # ---------------------------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_context_attention_triton_matches_reference_on_a_ragged_batch(self, dtype: torch.dtype) -> None:
+        # Fresh prompt, cached prefixes, one new token, no new token; GQA group 3; small tiles so
+        # every sequence spans several query and key tiles.
+        batch = make_paged_batch(CTX_LENS, Q_LENS, 6, 2, 16, layout="shuffled", dtype=dtype, seed=6)
+        out, ref = _context(batch, block_m=16, block_n=16)
+        assert_matches(out, ref, *ATTENTION_TOL[dtype])
+
+    def test_context_attention_triton_with_group_one_and_default_tiles(self) -> None:
+        batch = make_paged_batch([70, 9, 33], [70, 4, 1], 4, 4, 24, layout="blocks16", seed=7)
+        out, ref = _context(batch)
+        assert_matches(out, ref, *ATTENTION_TOL[torch.float32])
+
+    def test_context_attention_triton_reads_a_prefix_shared_through_slot_tables(self) -> None:
+        batch = make_paged_batch([40, 11, 45], [8, 11, 13], 8, 2, 16, layout="blocks16", shared=(0, 2, 32),
+                                 dtype=torch.float16, seed=8)  # fmt: skip
+        out, ref = _context(batch, block_m=32, block_n=16)
+        assert_matches(out, ref, *ATTENTION_TOL[torch.float16])
+
+    def test_context_attention_triton_takes_a_strided_query_view(self) -> None:
+        batch = make_paged_batch([19, 6], [11, 6], 4, 1, 16, layout="blocks1", seed=9)
+        wide = torch.randn(batch.q.shape[0], 4 * 16 + 32)
+        q = wide[:, : 4 * 16].view(-1, 4, 16)
+        out, ref = _context(batch, q=q, block_m=16, block_n=16)
+        assert_matches(out, ref, *ATTENTION_TOL[torch.float32])
+
+    @pytest.mark.parametrize(
+        ("dtype", "heads", "num_splits"),
+        [(torch.float32, (6, 2), None), (torch.float32, (8, 2), 3), (torch.float16, (4, 4), 1), (torch.float16, (4, 1), 5)],
+    )
+    def test_decode_attention_triton_matches_reference(self, 
+        dtype: torch.dtype, heads: tuple[int, int], num_splits: int | None
+    ) -> None:
+        # Contexts from one token (most splits empty) to several tiles per split.
+        batch = make_paged_batch([1, 33, 64, 17], [1] * 4, *heads, 16, layout="shuffled", dtype=dtype, seed=10)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=num_splits)
+        assert_matches(out, decode_attention_ref(*args), *ATTENTION_TOL[dtype])
+
+
+if INTERPRETER:
+    TestTritonKernelsInterpreted = InterpretedCases
+else:
+
+    def test_triton_kernels_match_references_in_the_interpreter() -> None:
+        pytest.importorskip("triton", reason="the Triton kernels need the 'gpu' extra (triton)")
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        report = proc.stdout[-6000:] + proc.stderr[-2000:]
+        assert proc.returncode == 0, report
+        summary = proc.stdout.strip().splitlines()[-1]
+        passed = re.search(r"(\d+) passed", summary)
+        assert passed and int(passed.group(1)) >= 20 and "skipped" not in summary, report
