@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 _RECEIVE_SLICE_S = 1.0
 #: Longest wait for the writer to flush the close frame when a connection ends.
 _CLOSE_GRACE_S = 2.0
+#: Malformed frames of one node logged one by one; after that, every thousandth.
+_LOGGED_MALFORMED = 10
 
 
 async def _receive_frame(ws: WebSocket) -> str | bytes | None:
@@ -36,9 +38,10 @@ async def _receive_frame(ws: WebSocket) -> str | bytes | None:
     return text if text is not None else message.get("bytes", b"")
 
 
-async def _refuse(ws: WebSocket, reason: str) -> None:
+async def _refuse(ws: WebSocket, reason: str, retryable: bool = False) -> None:
+    refused = protocol.Refused(reason=reason, retryable=retryable)
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(ws.send_text(protocol.encode(protocol.Refused(reason=reason))), _CLOSE_GRACE_S)
+        await asyncio.wait_for(ws.send_text(protocol.encode(refused)), _CLOSE_GRACE_S)
         await asyncio.wait_for(ws.close(CLOSE_POLICY_VIOLATION, reason[:120]), _CLOSE_GRACE_S)
 
 
@@ -76,7 +79,7 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
     reason = ctx.registry.refusal(msg)
     if reason is not None:
         logger.warning("refused node %s (%s): %s", msg.node_id, msg.role, reason)
-        await _refuse(ws, reason)
+        await _refuse(ws, reason, retryable=msg.node_id in ctx.registry.nodes)
         return
 
     record = ctx.registry.add(msg)
@@ -119,7 +122,10 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
     try:
         msg = protocol.parse_node_message(frame)
     except ValueError as exc:
-        logger.warning("dropped a malformed frame from node %s: %s", record.node_id, _short(exc))
+        record.malformed_frames += 1
+        count = record.malformed_frames
+        if count <= _LOGGED_MALFORMED or count % 1000 == 0:
+            logger.warning("dropped malformed frame #%d from node %s: %s", count, record.node_id, _short(exc))
         return
     try:
         if isinstance(msg, protocol.NodeStatus):

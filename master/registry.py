@@ -59,6 +59,8 @@ class NodeRecord:
     pending_prefill: dict[str, int] = field(default_factory=dict)
     #: Attempts (any phase) that involve this node.
     inflight: set[str] = field(default_factory=set)
+    #: Frames from this node that could not be parsed (logged sparingly).
+    malformed_frames: int = 0
 
     @property
     def node_id(self) -> str:

@@ -137,6 +137,11 @@ class Registered(_Message):
 class Refused(_Message):
     type: Literal["refused"] = "refused"
     reason: str
+    retryable: bool = Field(
+        default=False,
+        description="True when the same registration may succeed later (its node id is still held by an "
+        "older connection the master has not yet dropped); False for a node that does not fit the cluster",
+    )
 
 
 class PrefillJob(_Message):

@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 import websockets
 
@@ -68,7 +69,7 @@ async def test_node_without_the_cluster_token_is_closed_with_1008(master, token)
 async def test_model_mismatch_is_refused_and_never_listed(master):
     node = FakeNode(master, "other", "decode", model="another-model", kv_spec=kv_spec(model="another-model"))
     reply = await node.join()
-    assert isinstance(reply, protocol.Refused) and "model" in reply.reason
+    assert isinstance(reply, protocol.Refused) and "model" in reply.reason and not reply.retryable
     assert await _close_code(node) == 1008
     assert await master.nodes() == {}
 
@@ -99,7 +100,7 @@ async def test_duplicate_node_id_is_refused(master):
     node = await _join(master, "p0", "prefill")
     twin = FakeNode(master, "p0", "prefill")
     reply = await twin.join()
-    assert isinstance(reply, protocol.Refused) and "already" in reply.reason
+    assert isinstance(reply, protocol.Refused) and "already" in reply.reason and reply.retryable
     assert list(await master.nodes()) == ["p0"]
     await node.close()
 
@@ -299,3 +300,32 @@ async def test_request_past_its_deadline_is_aborted_with_504(tmp_path: Path):
         await wait_until(lambda: job.request_id in prefill.aborts and job.request_id in decode.aborts, what="aborts")
         await prefill.close()
         await decode.close()
+
+
+async def test_node_reporting_draining_gets_no_new_work(master):
+    p0 = await _join(master, "p0", "prefill")
+    p1 = await _join(master, "p1", "prefill")
+    decode = await _join(master, "d0", "decode")
+    p0.status = protocol.NodeStatus(draining=True, free_kv_tokens=4096, total_kv_tokens=4096)
+    await wait_until(lambda: master.ctx.registry.nodes["p0"].state == "draining", what="draining state")
+    for _ in range(2):
+        call = asyncio.create_task(master.http.post("/v1/completions", json={"model": MODEL, "prompt": "z"}))
+        await serve_one(p1, decode, [(5, "a")])
+        assert (await call).status_code == 200
+    assert p0.jobs.empty()
+    assert (await master.nodes())["p0"]["state"] == "draining"
+    for node in (p0, p1, decode):
+        await node.close()
+
+
+async def test_non_streaming_client_that_leaves_gets_its_request_aborted(master):
+    prefill = await _join(master, "p0", "prefill")
+    decode = await _join(master, "d0", "decode")
+    async with httpx.AsyncClient(base_url=master.base_url) as client:
+        call = asyncio.create_task(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}))
+        job = await prefill.next_job()
+        call.cancel()
+    await wait_until(lambda: job.request_id in prefill.aborts and job.request_id in decode.aborts, what="aborts")
+    await wait_until(lambda: not master.ctx.relay.requests, what="request released")
+    await prefill.close()
+    await decode.close()

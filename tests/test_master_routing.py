@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ from master.routing import (
 from pd_cluster import protocol
 from pd_cluster.engine.block_hash import block_hashes
 from pd_cluster.engine.sampling_params import SamplingParams
-from tests.master_fakes import kv_spec, make_settings, register_msg
+from tests.master_fakes import make_settings, register_msg
 
 BLOCK = 4
 
@@ -168,8 +169,7 @@ async def test_request_waits_in_queue_until_decode_kv_frees():
     (p,) = _prefills(registry, 1)
     (d,) = _decodes(registry, 1)
     _status(d, free_kv_tokens=50)
-    loop = asyncio.get_running_loop()
-    r = relay.create("req-1", list(range(3, 43)), SamplingParams(max_tokens=20), False, loop.time())
+    r = relay.create("req-1", list(range(3, 43)), SamplingParams(max_tokens=20), False, time.monotonic())
     admitted = asyncio.create_task(relay.admit(r))
     await asyncio.sleep(0.05)
     assert r.state == "queued" and not admitted.done()
@@ -188,11 +188,10 @@ async def test_full_queue_answers_503_with_retry_after():
     _prefills(registry, 1)
     (d,) = _decodes(registry, 1)
     _status(d, free_kv_tokens=10)
-    loop = asyncio.get_running_loop()
-    first = relay.create("a", [5] * 20, SamplingParams(max_tokens=5), False, loop.time())
+    first = relay.create("a", [5] * 20, SamplingParams(max_tokens=5), False, time.monotonic())
     waiting = asyncio.create_task(relay.admit(first))
     await asyncio.sleep(0.02)
-    second = relay.create("b", [5] * 20, SamplingParams(max_tokens=5), False, loop.time())
+    second = relay.create("b", [5] * 20, SamplingParams(max_tokens=5), False, time.monotonic())
     with pytest.raises(APIError) as err:
         await relay.admit(second)
     assert err.value.status == 503 and err.value.headers()["Retry-After"] == "1"
@@ -207,8 +206,7 @@ async def test_queue_wait_has_a_deadline():
     _prefills(registry, 1)
     (d,) = _decodes(registry, 1)
     _status(d, free_kv_tokens=0)
-    loop = asyncio.get_running_loop()
-    r = relay.create("slow", [5] * 10, SamplingParams(max_tokens=5), False, loop.time())
+    r = relay.create("slow", [5] * 10, SamplingParams(max_tokens=5), False, time.monotonic())
     with pytest.raises(APIError) as err:
         await asyncio.wait_for(relay.admit(r), 3.0)
     assert err.value.status == 503
@@ -219,8 +217,7 @@ async def test_queue_wait_has_a_deadline():
 async def test_no_nodes_answers_503_at_once():
     relay, registry = _relay()
     _decodes(registry, 1)
-    loop = asyncio.get_running_loop()
-    r = relay.create("x", [5], SamplingParams(max_tokens=1), False, loop.time())
+    r = relay.create("x", [5], SamplingParams(max_tokens=1), False, time.monotonic())
     with pytest.raises(APIError) as err:
         await relay.admit(r)
     assert err.value.status == 503
@@ -233,9 +230,8 @@ async def test_draining_nodes_get_no_new_work():
     _decodes(registry, 1)
     registry.drain("p0")
     _frames(p0)
-    loop = asyncio.get_running_loop()
     for i in range(3):
-        r = relay.create(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), False, loop.time())
+        r = relay.create(f"r{i}", [5] * 8, SamplingParams(max_tokens=4), False, time.monotonic())
         await relay.admit(r)
         assert r.prefill_id == "p1"
         relay.release(r)
