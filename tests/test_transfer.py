@@ -70,6 +70,7 @@ class Received(DataMessage):
     type: Literal["test.received"] = "test.received"
     digests: list[str]
     bytes_received: int
+    device: str
 
 
 class PullTensor(DataMessage):
@@ -102,7 +103,7 @@ class Boom(DataMessage):
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 # ---- the decode process ---------------------------------------------------------------------
@@ -117,7 +118,7 @@ def _make_handler(server_ref: list[DataPlaneServer]):
             return Echoed(text=msg.text, peer_node_id=conn.peer_node_id, server_node_id=server.node_id)
         if isinstance(msg, PushTensors):
             tensors = await conn.recv_tensors(list(zip(msg.shapes, msg.dtypes)), REQUEST_TIMEOUT)
-            return Received(digests=[digest(t) for t in tensors], bytes_received=conn.bytes_received)
+            return Received(digests=[digest(t) for t in tensors], bytes_received=conn.bytes_received, device=str(tensors[0].device))
         if isinstance(msg, PullTensor):
             await conn.send_tensor(torch.arange(msg.numel, dtype=torch.float32), REQUEST_TIMEOUT)
             return Echoed(text="pulled", peer_node_id=conn.peer_node_id, server_node_id=server.node_id)
@@ -136,11 +137,11 @@ def _make_handler(server_ref: list[DataPlaneServer]):
     return handler
 
 
-async def _decode_main(ports: list[int], ready) -> None:
+async def _decode_main(ports: list[int], ready, device: str) -> None:
     servers = []
     for i, port in enumerate(ports):
         ref: list[DataPlaneServer] = []
-        server = DataPlaneServer("127.0.0.1", port, TOKEN, SPEC, f"decode-{i}", "cpu", _make_handler(ref), handshake_timeout=5.0)
+        server = DataPlaneServer("127.0.0.1", port, TOKEN, SPEC, f"decode-{i}", device, _make_handler(ref), handshake_timeout=5.0)
         ref.append(server)
         await server.start()
         servers.append(server)
@@ -148,9 +149,9 @@ async def _decode_main(ports: list[int], ready) -> None:
     await asyncio.Event().wait()  # serve until killed
 
 
-def _decode_process(ports: list[int], log_path: str, ready) -> None:
+def _decode_process(ports: list[int], log_path: str, ready, device: str) -> None:
     logging.basicConfig(filename=log_path, level=logging.INFO, format="%(levelname)s %(name)s %(message)s", force=True)
-    asyncio.run(_decode_main(ports, ready))
+    asyncio.run(_decode_main(ports, ready, device))
 
 
 @dataclass
@@ -168,10 +169,10 @@ class DecodeNode:
         self.process.join(10)
 
 
-def start_decode(log_path: Path, ports: list[int]) -> DecodeNode:
+def start_decode(log_path: Path, ports: list[int], device: str = "cpu") -> DecodeNode:
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    process = ctx.Process(target=_decode_process, args=(ports, str(log_path), ready), daemon=True)
+    process = ctx.Process(target=_decode_process, args=(ports, str(log_path), ready, device), daemon=True)
     process.start()
     try:
         addresses = ready.get(timeout=30)
@@ -189,11 +190,11 @@ def decode_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DecodeNode
     node.stop()
 
 
-async def wait_for_log(node: DecodeNode, text: str, timeout: float = 10.0) -> str:
+async def wait_for_log(node: DecodeNode, text: str, timeout: float = 10.0, count: int = 1) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         log = node.log()
-        if text in log:
+        if log.count(text) >= count:
             return log
         await asyncio.sleep(0.05)
     raise AssertionError(f"{text!r} not in the decode log within {timeout}s:\n{node.log()}")
@@ -204,8 +205,8 @@ async def closed_by_peer(reader: asyncio.StreamReader, timeout: float = 5.0) -> 
     return data == b""
 
 
-def pool(token: str = TOKEN, spec: KVSpec = SPEC, max_channels: int = 8) -> ChannelPool:
-    return ChannelPool(token, spec, "prefill-0", "cpu", max_channels=max_channels, connect_timeout=10.0)
+def pool(token: str = TOKEN, spec: KVSpec = SPEC, max_channels: int = 8, device: str = "cpu") -> ChannelPool:
+    return ChannelPool(token, spec, "prefill-0", device, max_channels=max_channels, connect_timeout=10.0)
 
 
 # ---- in-process checks --------------------------------------------------------------------
@@ -262,7 +263,7 @@ async def test_handshake_request_reply_and_tensor_round_trip(decode_node: Decode
         reply = await channel.request(announce, REQUEST_TIMEOUT, tensors=layers)
         assert isinstance(reply, Received)
         assert reply.digests == [digest(t) for t in layers]
-        assert reply.bytes_received == nbytes
+        assert reply.bytes_received == nbytes and reply.device == "cpu"
         assert channel.bytes_sent == nbytes
 
         # The raw steps, composed under the channel lock: D sends a tensor back.
@@ -455,3 +456,84 @@ async def test_server_stop_and_idle_timeout_close_connections_and_groups() -> No
     finally:
         await p.close()
         await server.stop()
+
+
+# ---- on GPUs (run on a lent GPU machine: ``-m gpu``) -----------------------------------------
+
+
+def _layers(device: str) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(64, 1024, 8).to(device=device, dtype=torch.bfloat16) for _ in range(4)]
+
+
+async def _push_and_check(channel, layers: list[torch.Tensor]) -> Received:
+    announce = PushTensors(shapes=[list(t.shape) for t in layers], dtypes=["bfloat16"] * len(layers))
+    reply = await channel.request(announce, 30, tensors=layers)
+    assert isinstance(reply, Received)
+    assert reply.digests == [digest(t) for t in layers]
+    return reply
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL pair needs two GPUs")
+@pytest.mark.timeout(240)
+def test_nccl_channel_between_two_gpus_survives_stalled_and_dead_peers(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        node = start_decode(tmp_path / "d0.log", [0], device="cuda:0")
+        address = node.addresses[0]
+        p = pool(device="cuda:1")
+        try:
+            channel = await p.get(address)
+            assert channel.backend == "nccl"
+            layers = _layers("cuda:1")
+            reply = await _push_and_check(channel, layers)
+            assert reply.device == "cuda:0" and reply.bytes_received == channel.bytes_sent
+
+            # D never receives a 512 MiB send: it ends at its deadline, and the aborted group
+            # leaves no kernel spinning on the GPU.
+            big = torch.ones(1 << 28, dtype=torch.bfloat16, device="cuda:1")
+            start = time.monotonic()
+            with pytest.raises(ChannelError):
+                await channel.request(Stall(seconds=5, receive_first=False, shape=[1]), 3.0, tensors=big)
+            assert time.monotonic() - start < 3.0 + 2.5
+            await channel.aclose()
+            await asyncio.wait_for(asyncio.to_thread(torch.cuda.synchronize, 1), 10)
+
+            # D killed while P is blocked sending: NCCL would wait; the hung-up control
+            # connection ends it at once, and this process lives on.
+            channel = await p.get(address)
+            task = asyncio.create_task(channel.request(Stall(seconds=60, receive_first=False, shape=[1]), 30, tensors=big))
+            await wait_for_log(node, "stalling", count=2)
+            node.stop()
+            killed = time.monotonic()
+            with pytest.raises(ChannelError):
+                await task
+            assert time.monotonic() - killed < 5
+            node = start_decode(tmp_path / "d1.log", [int(address.rsplit(":", 1)[1])], device="cuda:0")
+            fresh = await p.get(address)
+            assert fresh is not channel and fresh.backend == "nccl"
+            await _push_and_check(fresh, layers)
+        finally:
+            await p.close()
+            node.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(120)
+def test_two_ends_on_one_gpu_stage_through_gloo(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        node = start_decode(tmp_path / "d.log", [0], device="cuda:0")
+        p = pool(device="cuda:0")
+        try:
+            channel = await p.get(node.addresses[0])
+            assert channel.backend == "gloo"  # NCCL refuses two ranks on one device
+            reply = await _push_and_check(channel, _layers("cuda:0"))
+            assert reply.device == "cuda:0"
+        finally:
+            await p.close()
+            node.stop()
+
+    asyncio.run(scenario())

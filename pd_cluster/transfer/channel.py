@@ -38,6 +38,7 @@ _GRACE_S = 2.0
 #: How often a waiting op checks whether the peer hung up its control connection; NCCL never
 #: notices a dead peer by itself, so this is what makes a dead peer fail fast there.
 _POLL_S = 0.05
+_SPIN_S = 50e-6
 _TAG = 0
 
 _T = TypeVar("_T")
@@ -84,6 +85,7 @@ class TensorChannel:
         self._group: Any = None
         self._closed = False
         self._close_lock = threading.Lock()
+        self._aborter: threading.Thread | None = None
         #: Set by the owner: True once the peer's control connection is gone.
         self.peer_gone: Callable[[], bool] | None = None
 
@@ -126,9 +128,9 @@ class TensorChannel:
             deadline = time.monotonic() + timeout
             probe = torch.zeros(1, dtype=torch.int32, device=self._wire_device)
             if self.rank == HOST_RANK:
-                _wait(self._group.recv([probe], self.peer_rank, _TAG), deadline)
+                self._wait(self._group.recv([probe], self.peer_rank, _TAG), deadline)
             else:
-                _wait(self._group.send([probe], self.peer_rank, _TAG), deadline)
+                self._wait(self._group.send([probe], self.peer_rank, _TAG), deadline)
 
         await self._run(_form, timeout, f"forming the {self.backend} pair group")
         logger.debug("%s pair group formed (rank %d, device %s)", self.backend, self.rank, self.device)
@@ -146,7 +148,7 @@ class TensorChannel:
             works = [self._group.send([t], self.peer_rank, _TAG) for t in wire]
             sent = 0
             for work, t in zip(works, wire):
-                _wait(work, deadline)
+                self._wait(work, deadline)
                 sent += _nbytes(t)
                 self.bytes_sent += _nbytes(t)
             return sent
@@ -165,7 +167,7 @@ class TensorChannel:
             ]
             works = [self._group.recv([w], self.peer_rank, _TAG) for w in wire]
             for work, w, t in zip(works, wire, batch):
-                _wait(work, deadline)
+                self._wait(work, deadline)
                 if w is not t:
                     t.copy_(w)
                 self.bytes_received += _nbytes(w)
@@ -200,7 +202,15 @@ class TensorChannel:
         # look like a cancellation of the caller's task).
         self._executor.shutdown(wait=False)
         if group is not None:
-            threading.Thread(target=_abort, args=(group,), name="pd-channel-abort", daemon=True).start()
+            self._aborter = threading.Thread(target=_abort, args=(group,), name="pd-channel-abort", daemon=True)
+            self._aborter.start()
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Close and wait (bounded) until the group is aborted, so its resources are freed
+        before, for example, the process exits."""
+        self.close()
+        if self._aborter is not None and self._aborter.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, self._aborter.join, timeout)
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -238,6 +248,9 @@ class TensorChannel:
         self.close()
         future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
+    def _wait(self, work: Any, deadline: float) -> None:
+        (_wait_polling if self.backend == "nccl" else _wait_blocking)(work, deadline)
+
     def _in_worker(self, fn: Callable[[], _T]) -> Callable[[], _T]:
         def call() -> _T:
             if self._closed:
@@ -249,7 +262,7 @@ class TensorChannel:
         return call
 
 
-def _wait(work: Any, deadline: float) -> None:
+def _wait_blocking(work: Any, deadline: float) -> None:
     """Block until a backend op completes or the deadline passes (both raise on failure)."""
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -260,6 +273,19 @@ def _wait(work: Any, deadline: float) -> None:
         raise ChannelError(_backend_message(e)) from e
     if ok is False:
         raise ChannelError("operation reported failure")
+
+
+def _wait_polling(work: Any, deadline: float) -> None:
+    """Like :func:`_wait_blocking` for NCCL, whose timed wait polls at a millisecond: a
+    finer poll keeps many small per-layer sends from paying that each."""
+    while not work.is_completed():
+        if time.monotonic() >= deadline:
+            raise ChannelError("operation did not finish before its deadline")
+        time.sleep(_SPIN_S)
+    try:
+        work.wait()  # raises the op's error, if any; orders the current stream after it
+    except RuntimeError as e:
+        raise ChannelError(_backend_message(e)) from e
 
 
 def _backend_message(error: BaseException) -> str:
@@ -282,9 +308,11 @@ def _make_group(store: dist.Store, rank: int, backend: Backend, device: torch.de
     if backend == "nccl":
         if not hasattr(dist, "ProcessGroupNCCL"):
             raise ChannelError("this torch build has no NCCL")
-        # The default (3) makes NCCL's watchdog kill the whole process when a peer dies;
-        # a serving node must only lose that one channel.
+        # The default (3) makes NCCL's watchdog kill the whole process when a peer dies; a
+        # serving node must only lose that one channel. The debug dump on timeout holds the
+        # abort of a timed-out send for a minute, with its kernel spinning on the GPU meanwhile.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         options.is_high_priority_stream = False

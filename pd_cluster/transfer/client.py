@@ -178,6 +178,7 @@ class PeerChannel:
         except asyncio.TimeoutError:
             logger.warning("closing channel to %s with an exchange still in flight", self.address)
         self.close()
+        await self.channel.aclose()
         await self.stream.aclose()
 
     def _check_open(self) -> None:

@@ -176,6 +176,7 @@ class DataPlaneServer:
             if conn is not None:
                 conn.close()
                 self._connections.discard(conn)
+                await conn.channel.aclose()
             await stream.aclose()
             self._tasks.discard(task)
 
