@@ -138,10 +138,14 @@ class LLMEngine:
         return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=state, output=output)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, hold_kv: bool = False
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        hold_kv: bool = False, prefill_only: bool = False,
     ) -> Request:
+        """Queue a request. ``prefill_only`` stops it after its first token; with ``hold_kv``
+        its KV stays allocated until :meth:`release` (a prefill node sends it first)."""
         req = self.make_request(request_id, prompt_token_ids, params)
         req.hold_kv = hold_kv
+        req.prefill_only = prefill_only
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -198,6 +202,8 @@ class LLMEngine:
         self.stats.generation_tokens += 1
         if update.finish_reason is not None:
             self._finish(req, update.finish_reason)
+        elif req.prefill_only:
+            self._finish(req, None)
         return TokenUpdate(
             request_id=req.request_id,
             token_id=token_id,
@@ -207,12 +213,17 @@ class LLMEngine:
             first_token=first,
         )
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str | None) -> None:
+        """Take a request out of the batch; ``reason`` None: its prefill-only part is done."""
         req.finish_reason = reason
         self.scheduler.remove(req)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
         self.stats.finished_requests += 1
-        if not req.sampling.params.ignore_eos:
+        if reason is not None and not req.sampling.params.ignore_eos:
             self.predictor.observe(len(req.output_token_ids))
         self.stats.preemptions = self.scheduler.num_preemptions
+
+    def held_slots(self, req: Request) -> torch.Tensor:
+        """KV slots of a finished ``hold_kv`` request's computed tokens (CPU int64)."""
+        return self.table.read(req.row, req.num_computed)

@@ -44,6 +44,8 @@ class Request:
     first_token_time: float | None = None
     #: Keep the KV after the request finishes (a prefill node still has to send it).
     hold_kv: bool = False
+    #: Stop after the first sampled token (a prefill node's job ends there).
+    prefill_only: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:

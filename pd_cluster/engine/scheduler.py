@@ -170,8 +170,10 @@ class Scheduler:
         return slots
 
     def _left(self, req: Request) -> int:
-        params = req.sampling.params
-        return self.predictor.remaining(len(req.output_token_ids), params.max_tokens, params.ignore_eos)
+        return self._left_for(req.sampling.params, len(req.output_token_ids))
+
+    def _left_for(self, params, generated: int) -> int:
+        return self.predictor.remaining(generated, params.max_tokens, params.ignore_eos)
 
     def fits(self, extra_held: int, extra_left: int) -> bool:
         """Whether the running batch plus one more request stays within the pool at its peak."""

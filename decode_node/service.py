@@ -1,0 +1,145 @@
+"""The decode node's work: answer prefix queries, receive KV, decode, and emit tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+
+import kernels
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.handover import Handover, NoCapacity
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.outputs import TokenUpdate
+from pd_cluster.engine.worker import EngineWorker
+from pd_cluster.handover_messages import MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease
+from pd_cluster.transfer import DataMessage, DataPlaneServer, ErrorReply, PeerConnection
+
+logger = logging.getLogger(__name__)
+
+TokenSink = Callable[[list[TokenUpdate]], None]
+
+
+@dataclass
+class DecodeCounters:
+    kv_bytes_received: int = 0
+    kv_transfers: int = 0
+    hit_tokens: int = 0
+    expired_leases: int = 0
+
+
+class DecodeService:
+    """A decode engine on its own thread plus the data-plane listener prefill nodes dial."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        node_id: str,
+        cluster_token: str,
+        data_host: str = "127.0.0.1",
+        data_port: int = 0,
+        on_tokens: TokenSink,
+        transfer_timeout_s: float = 60.0,
+        engine: LLMEngine | None = None,
+        kv_event_sink=None,
+    ) -> None:
+        self.engine = engine or LLMEngine(config, kv_event_sink=kv_event_sink)
+        self.handover = Handover(self.engine)
+        self.worker = EngineWorker(self.engine, on_tokens)
+        self.worker.after_step.append(self._expire_leases)
+        self.counters = DecodeCounters()
+        self.transfer_timeout_s = transfer_timeout_s
+        self.server = DataPlaneServer(
+            data_host, data_port, cluster_token, self.engine.kv_spec, node_id, self.engine.device, self._handle
+        )
+
+    @property
+    def data_address(self) -> str:
+        return self.server.address
+
+    async def start(self) -> None:
+        self.worker.start()
+        await self.server.start()
+
+    async def stop(self) -> None:
+        await self.server.stop()
+        await self.worker.stop()
+
+    def _expire_leases(self) -> None:
+        if self.handover.reservations:
+            self.counters.expired_leases += len(self.handover.expire())
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request (client gone): free its KV whether it is decoding or still reserved."""
+
+        def _abort() -> bool:
+            for res in list(self.handover.reservations.values()):
+                if res.request_id == request_id:
+                    return self.handover.cancel(res.lease_id)
+            return self.engine.abort(request_id)
+
+        return await self.worker.call(_abort)
+
+    # ---- data plane ------------------------------------------------------------------------
+
+    async def _handle(self, conn: PeerConnection, msg: DataMessage) -> DataMessage | None:
+        if isinstance(msg, MatchPrefix):
+            return await self._match(msg)
+        if isinstance(msg, PushKV):
+            return await self._push(conn, msg)
+        if isinstance(msg, ReleaseLease):
+            return Released(existed=await self.worker.call(self.handover.cancel, msg.lease_id))
+        return ErrorReply(message=f"unexpected message {msg.type!r}")
+
+    async def _match(self, msg: MatchPrefix) -> MatchResult:
+        try:
+            res = await self.worker.call(
+                self.handover.reserve, msg.request_id, msg.token_ids, msg.sampling, msg.lease_s
+            )
+        except NoCapacity as e:
+            return MatchResult(error=str(e), retryable=True)
+        except ValueError as e:
+            return MatchResult(error=str(e), retryable=False)
+        self.counters.hit_tokens += res.hit_tokens
+        return MatchResult(lease_id=res.lease_id, hit_blocks=res.hit_tokens // self.handover.block_size)
+
+    async def _push(self, conn: PeerConnection, msg: PushKV) -> PushAck:
+        deadline = time.monotonic() + self.transfer_timeout_s
+
+        def _extend() -> int | None:
+            res = self.handover.reservations.get(msg.lease_id)
+            if res is None:
+                return None
+            res.expires_at = max(res.expires_at, deadline)  # no expiry while the bytes arrive
+            return res.held
+
+        held = await self.worker.call(_extend)
+        # Receive even when the lease is gone: the tensor is on the wire and must be drained.
+        buffer = await conn.recv_tensor(msg.shape, msg.dtype, max(deadline - time.monotonic(), 0.1))
+        self.counters.kv_bytes_received += buffer.numel() * buffer.element_size()
+        if held is None:
+            return PushAck(ok=False, error=f"lease {msg.lease_id} expired before the KV arrived")
+        if msg.shape[2] < held:
+            await self.worker.call(self.handover.cancel, msg.lease_id)
+            return PushAck(ok=False, error=f"KV for {msg.shape[2]} tokens cannot fill {held} reserved slots")
+
+        def _commit() -> None:
+            res = self.handover.reservations.get(msg.lease_id)
+            if res is None:
+                raise KeyError(f"lease {msg.lease_id} expired")
+            if held:
+                kernels.scatter_kv(buffer[:, :, :held], self.engine.pool.k_cache, self.engine.pool.v_cache,
+                                   res.new_slots.to(self.engine.device))
+            self.handover.commit(msg.lease_id, msg.first_token, msg.rng_state)
+
+        try:
+            await self.worker.call(_commit)
+        except (KeyError, NoCapacity, ValueError) as e:
+            return PushAck(ok=False, error=str(e))
+        self.counters.kv_transfers += 1
+        return PushAck(ok=True)
