@@ -138,8 +138,8 @@ class TensorChannel:
     # ---- tensors --------------------------------------------------------------------------
 
     async def send(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float) -> int:
-        """Send tensors to the peer, in order; returns the bytes sent. Tensors must be ready
-        (computed) on the device's current stream."""
+        """Send tensors to the peer, in order; returns the bytes sent. On a GPU the send is
+        ordered after the work already queued on the caller's current stream."""
         batch = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
         def _send() -> int:
@@ -187,7 +187,7 @@ class TensorChannel:
         return self._closed
 
     def close(self) -> None:
-        """Abort the group and drop the store; safe to call twice and from any thread.
+        """Abort the group; safe to call twice and from any thread.
 
         The abort runs on a side thread: a backend may take a moment, and a worker still
         blocked on a dead peer returns by its own deadline."""
@@ -218,8 +218,10 @@ class TensorChannel:
         if self._closed:
             raise ChannelError(f"channel closed; cannot do: {what}")
         loop = asyncio.get_running_loop()
+        # CUDA's current stream is per thread: the worker adopts the caller's.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         try:
-            future = loop.run_in_executor(self._executor, self._in_worker(fn))
+            future = loop.run_in_executor(self._executor, self._in_worker(fn, stream))
         except RuntimeError as e:  # executor shut down by a concurrent close
             raise ChannelError(f"channel closed; cannot do: {what}") from e
         give_up = loop.time() + timeout + _GRACE_S
@@ -251,13 +253,15 @@ class TensorChannel:
     def _wait(self, work: Any, deadline: float) -> None:
         (_wait_polling if self.backend == "nccl" else _wait_blocking)(work, deadline)
 
-    def _in_worker(self, fn: Callable[[], _T]) -> Callable[[], _T]:
+    def _in_worker(self, fn: Callable[[], _T], stream: Any) -> Callable[[], _T]:
         def call() -> _T:
             if self._closed:
                 raise ChannelError("channel closed")
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            return fn()
+            if stream is None:
+                return fn()
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(stream):
+                return fn()
 
         return call
 
