@@ -1,0 +1,39 @@
+"""Build a node's periodic status report from its engine's counters."""
+
+from __future__ import annotations
+
+import time
+
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.protocol import NodeStatus
+
+
+class StatusReporter:
+    """Reads engine counters from the event loop thread (plain ints: a torn read is harmless)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._last_tokens = 0
+        self._last_time = time.monotonic()
+        self._rate = 0.0
+
+    def report(self, *, draining: bool, queued_prefill_tokens: int = 0, extra_running: int = 0) -> NodeStatus:
+        engine = self.engine
+        now = time.monotonic()
+        generated = engine.stats.generation_tokens
+        if now - self._last_time >= 1.0:
+            self._rate = (generated - self._last_tokens) / (now - self._last_time)
+            self._last_tokens, self._last_time = generated, now
+        sched = engine.scheduler
+        return NodeStatus(
+            running=len(sched.running) + extra_running,
+            waiting=len(sched.waiting),
+            free_kv_tokens=engine.pool.num_free,
+            total_kv_tokens=engine.pool.capacity,
+            evictable_kv_tokens=engine.cache.evictable_tokens,
+            queued_prefill_tokens=queued_prefill_tokens,
+            generation_tokens_per_s=round(self._rate, 2),
+            prefix_hit_tokens=engine.stats.cached_prompt_tokens,
+            prompt_tokens=engine.stats.prompt_tokens,
+            draining=draining,
+        )
