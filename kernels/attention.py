@@ -191,6 +191,13 @@ def _context_attention_kernel(
     tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _context_config(dtype: torch.dtype) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps) for Hopper: half-precision tiles compile without register
+    spills at head_dim 64 and 128 (ptxas -v); float32 tiles are smaller so that the split tf32
+    operands fit in shared memory."""
+    return (64, 32, 4) if dtype == torch.float32 else (64, 64, 8)
+
+
 def context_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -201,15 +208,16 @@ def context_attention_triton(
     q_start_loc: torch.Tensor,
     sm_scale: float,
     *,
-    block_m: int = 64,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Triton version of :func:`context_attention_ref`.
 
     ``block_m`` rows of a tile hold ``block_m // group`` query tokens times the ``group`` q heads
-    of one kv head. Rows of ``q`` that belong to no sequence are left unwritten.
+    of one kv head. Unset tile sizes come from :func:`_context_config`. Rows of ``q`` that belong
+    to no sequence are left unwritten.
     """
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -222,6 +230,9 @@ def context_attention_triton(
     num_seqs = slot_table.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
+    default_m, default_n, default_warps = _context_config(q.dtype)
+    block_m, block_n = block_m or default_m, block_n or default_n
+    num_warps = num_warps or default_warps
     block_m = max(block_m, next_pow2(group), 16)
     block_q = block_m // group
     tile_ends = torch.cumsum(torch.div(q_lens + (block_q - 1), block_q, rounding_mode="floor"), 0)
@@ -381,6 +392,11 @@ def _decode_merge_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out, mask=d_ok)
 
 
+def _decode_config(dtype: torch.dtype) -> tuple[int, int]:
+    """(block_n, num_warps) that compile without register spills on Hopper (ptxas -v)."""
+    return (32, 4) if dtype == torch.float32 else (64, 8)
+
+
 def _decode_num_splits(batch: int, num_kv_heads: int, max_ctx: int, block_n: int, device: torch.device) -> int:
     """Enough splits for ~4 programs per multiprocessor, never a split shorter than one tile."""
     if device.type == "cuda":
@@ -399,15 +415,16 @@ def decode_attention_triton(
     ctx_lens: torch.Tensor,
     sm_scale: float,
     *,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K, two launches).
 
     ``num_splits`` defaults to a count picked from the batch, the kv heads, the slot table's
-    width and the GPU's multiprocessors; it depends on shapes only.
+    width and the GPU's multiprocessors; it depends on shapes only. Unset tile sizes come from
+    :func:`_decode_config`.
     """
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -419,6 +436,8 @@ def decode_attention_triton(
     out = torch.empty_like(q)
     if batch == 0:
         return out
+    default_n, default_warps = _decode_config(q.dtype)
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
     if num_splits is None:
         num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device)
     block_d = next_pow2(head_dim)
