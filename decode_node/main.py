@@ -106,10 +106,13 @@ class DecodeNode:
                 agent_task.result()  # a final refusal propagates
             await self._drain()
         finally:
-            for task in (agent_task, drain, registered):
+            for task in (drain, registered):
                 task.cancel()
             await self.agent.close()
-            await asyncio.gather(agent_task, return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(agent_task), 10)
+            except BaseException:
+                agent_task.cancel()
             if status_server is not None:
                 status_server.should_exit = True
             await self.service.stop()

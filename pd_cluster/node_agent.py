@@ -66,7 +66,8 @@ class NodeAgent:
     async def send(self, message: BaseModel) -> None:
         self.send_nowait(message)
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = 10.0) -> None:
+        """Send what is queued, close the link, and stop reconnecting."""
         self._closing = True
         self.stopped.set()
 

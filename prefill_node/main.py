@@ -103,10 +103,13 @@ class PrefillNode:
                 agent_task.result()
             await self._drain()
         finally:
-            for task in (agent_task, drain, registered):
+            for task in (drain, registered):
                 task.cancel()
             await self.agent.close()
-            await asyncio.gather(agent_task, return_exceptions=True)
+            try:
+                await asyncio.wait_for(asyncio.shield(agent_task), 10)
+            except BaseException:
+                agent_task.cancel()
             for task in list(self.jobs.values()):
                 task.cancel()
             if status_server is not None:
