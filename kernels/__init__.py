@@ -1,7 +1,8 @@
 """Ops the model calls.
 
-Each op has a pure-torch reference with the signature its Triton version takes; the
-public names below dispatch to the reference on CPU. Tensors follow the engine's layout:
+Each op has a pure-torch reference (``*_ref``) and a Triton version (``*_triton``) with the
+same signature; the public names below run the Triton version on CUDA tensors when Triton is
+installed, and the reference otherwise. Tensors follow the engine's layout:
 token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shaped
 ``[num_slots, kv_heads, head_dim]``, addressed through slot tables.
 """

@@ -173,7 +173,8 @@ HEADS = [(4, 4), (6, 2), (8, 2)]  # (q heads, kv heads): GQA groups 1, 3, 4
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("heads", HEADS)
 def test_context_attention_matches_dense_causal_attention(layout: str, heads: tuple[int, int]) -> None:
-    batch = make_paged_batch(CTX_LENS, Q_LENS, *heads, 16, layout=layout, seed=10 * LAYOUTS.index(layout) + HEADS.index(heads))
+    seed = 10 * LAYOUTS.index(layout) + HEADS.index(heads)
+    batch = make_paged_batch(CTX_LENS, Q_LENS, *heads, 16, layout=layout, seed=seed)
     out = context_attention_ref(
         batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, batch.q_lens, batch.q_start_loc, 0.25
     )
@@ -265,7 +266,9 @@ def _complex_rotation(x: torch.Tensor, positions: torch.Tensor, freqs: list[floa
     return torch.cat((z.real, z.imag), dim=-1)
 
 
-@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3], ids=["default", "linear", "llama3"])
+@pytest.mark.parametrize(
+    "scaling", [None, {"rope_type": "linear", "factor": 4.0}, LLAMA3], ids=["default", "linear", "llama3"]
+)
 def test_rotary_matches_complex_rotation(scaling: dict | None) -> None:
     head_dim, theta, max_pos = 64, 500000.0, 4096
     freqs = _frequencies(head_dim, theta, scaling)
@@ -282,7 +285,8 @@ def test_rotary_matches_complex_rotation(scaling: dict | None) -> None:
     torch.testing.assert_close(q_out.double(), _complex_rotation(q, positions, freqs), rtol=0, atol=3e-3)
     torch.testing.assert_close(k_out.double(), _complex_rotation(k, positions, freqs), rtol=0, atol=3e-3)
     near = positions < 64
-    torch.testing.assert_close(q_out[near].double(), _complex_rotation(q[near], positions[near], freqs), rtol=0, atol=1e-5)
+    expected_near = _complex_rotation(q[near], positions[near], freqs)
+    torch.testing.assert_close(q_out[near].double(), expected_near, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "default"}, LLAMA3], ids=["default", "llama3"])

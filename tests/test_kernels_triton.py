@@ -213,7 +213,12 @@ class InterpretedCases:
 
     @pytest.mark.parametrize(
         ("dtype", "heads", "num_splits"),
-        [(torch.float32, (6, 2), None), (torch.float32, (8, 2), 3), (torch.float16, (4, 4), 1), (torch.float16, (4, 1), 5)],
+        [
+            (torch.float32, (6, 2), None),
+            (torch.float32, (8, 2), 3),
+            (torch.float16, (4, 4), 1),
+            (torch.float16, (4, 1), 5),
+        ],
     )
     def test_decode_attention_triton_matches_reference(self, 
         dtype: torch.dtype, heads: tuple[int, int], num_splits: int | None

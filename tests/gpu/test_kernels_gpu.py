@@ -1,7 +1,7 @@
 """Triton kernels on a CUDA device against the torch references, at model-sized shapes.
 
 Needs only torch, triton and ``kernels`` (no other package of this project), so it runs on a
-bare GPU image: ``python -m pytest -q -p no:cacheprovider --noconftest tests/gpu/test_kernels_gpu.py``.
+bare GPU image: ``python -m pytest -q -m gpu -p no:cacheprovider --noconftest tests/gpu/test_kernels_gpu.py``.
 Running this file as a script prints kernel timings.
 
 Errors are ``‖out − ref‖ / ‖ref‖``, the attention reference computed in float32 from the same inputs:
@@ -209,6 +209,15 @@ def test_context_attention(dtype: torch.dtype, heads: tuple[int, int, int], bloc
     assert out.dtype == dtype and rel_error(out, ref) < ATTENTION_TOL[dtype]
 
 
+@pytest.mark.parametrize("tiles", [(128, 64, 8), (64, 64, 8), (16, 16, 4)])
+def test_context_attention_with_other_tilings(tiles: tuple[int, int, int]) -> None:
+    block_m, block_n, num_warps = tiles
+    batch = Paged(CTX_LENS, Q_LENS, (9, 3, 64), torch.bfloat16, block_size=16, seed=6)
+    out = context_attention_triton(*batch.context_args(), block_m=block_m, block_n=block_n, num_warps=num_warps)
+    ref = context_attention_ref(*_upcast(batch.context_args()))
+    assert rel_error(out, ref) < ATTENTION_TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_context_attention_with_a_shared_prefix(dtype: torch.dtype) -> None:
     # Sequence 2 extends the first 1024 slots of sequence 0 (a prefix-cache hit).
@@ -230,10 +239,12 @@ def test_decode_attention(dtype: torch.dtype, heads: tuple[int, int, int], batch
     assert out.dtype == dtype and rel_error(out, ref) < ATTENTION_TOL[dtype]
 
 
-@pytest.mark.parametrize("num_splits", [1, 7, 64])
-def test_decode_attention_any_split_count(num_splits: int) -> None:
+@pytest.mark.parametrize(("num_splits", "block_n", "num_warps"), [(1, None, None), (7, 64, 8), (64, 128, 4)])
+def test_decode_attention_any_split_count_and_tiling(
+    num_splits: int, block_n: int | None, num_warps: int | None
+) -> None:
     batch = Paged([5, 4000, 700, 129], [1] * 4, (32, 8, 128), torch.bfloat16, seed=4)
-    out = decode_attention_triton(*batch.decode_args(), num_splits=num_splits)
+    out = decode_attention_triton(*batch.decode_args(), num_splits=num_splits, block_n=block_n, num_warps=num_warps)
     ref = decode_attention_ref(*_upcast(batch.decode_args()))
     assert rel_error(out, ref) < ATTENTION_TOL[torch.bfloat16]
 
@@ -305,25 +316,22 @@ def _timings() -> None:
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
     bench("device copy 1 GiB (read + write)", lambda: dst.copy_(src), 2 * src.numel(), "GB/s")
-    del src, dst
     heads = (32, 8, 128)
     for batch_size, ctx in ((64, 4096), (8, 16384), (256, 1024)):
         batch = Paged([ctx] * batch_size, [1] * batch_size, heads, torch.bfloat16, block_size=16)
         kv_bytes = 2 * batch_size * ctx * 8 * 128 * 2
-        for block_n, warps in ((None, None), (32, 4), (64, 4), (128, 8)):
+        for block_n, warps in ((None, None), (64, 4)):
             bench(f"decode B={batch_size} ctx={ctx} n={block_n} w={warps}",
                   lambda: decode_attention_triton(*batch.decode_args(), block_n=block_n, num_warps=warps),
                   kv_bytes, "GB/s")  # fmt: skip
-        del batch
     for n_seq, ctx, q_len in ((4, 4096, 4096), (8, 8192, 512)):
         batch = Paged([ctx] * n_seq, [q_len] * n_seq, heads, torch.bfloat16, block_size=16)
         flops = 4 * n_seq * 32 * 128 * q_len * (ctx - q_len / 2)  # QK^T and PV over the visible keys
-        for block_m, block_n, warps in ((None, None, None), (128, 32, 8), (128, 64, 8), (64, 64, 4), (64, 32, 4)):
+        for block_m, block_n, warps in ((None, None, None), (128, 64, 8)):
             bench(f"prefill {n_seq}x(ctx {ctx}, new {q_len}) m={block_m} n={block_n} w={warps}",
                   lambda: context_attention_triton(*batch.context_args(), block_m=block_m, block_n=block_n,
                                                    num_warps=warps),
                   flops, "TFLOP/s")  # fmt: skip
-        del batch
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     r, w = torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
     bench("rms_norm + residual 8192x4096", lambda: rms_norm_triton(x, w, 1e-5, r), 4 * x.numel() * 2, "GB/s")
@@ -335,9 +343,10 @@ def _timings() -> None:
     pos = torch.randint(0, 8192, (8192,), device="cuda")
     bench("apply_rotary 8192 tokens 32+8 heads", lambda: apply_rotary_triton(q, k, pos, cos, sin),
           2 * 2 * 40 * 128 * 8192, "GB/s")  # fmt: skip
-    cache = torch.empty(32, 65536, 8, 128, device="cuda", dtype=torch.bfloat16).normal_()
+    k_cache = torch.empty(32, 65536, 8, 128, device="cuda", dtype=torch.bfloat16).normal_()
+    v_cache = torch.empty_like(k_cache).normal_()
     slots = torch.randperm(65536, device="cuda")[:8192]
-    bench("gather_kv 32 layers x 8192 slots", lambda: gather_kv_triton(cache, cache, slots),
+    bench("gather_kv 32 layers x 8192 slots", lambda: gather_kv_triton(k_cache, v_cache, slots),
           2 * 2 * 32 * 8192 * 8 * 128 * 2, "GB/s")  # fmt: skip
 
 
