@@ -141,6 +141,16 @@ def _gpu_count() -> int:
         return 0
 
 
+def _served_name(model: str) -> str:
+    from pd_cluster.default_model import DEFAULT_MODEL_NAME
+
+    if model == "default":
+        return DEFAULT_MODEL_NAME
+    from pd_cluster.model.config import ModelConfig
+
+    return ModelConfig.from_path(model).name
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     """Master + P prefill + D decode nodes as separate processes on this machine."""
     env = dict(os.environ)
@@ -168,6 +178,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         gpu = index % gpus if gpus >= 2 else None
         name = f"{role}-{index}"
         spawn(base + [role, "--master", url, "--node-id", name] + engine, gpu)
+    served = _served_name(args.model)
     try:
         if not _wait_ready(url, procs, args.ready_timeout):
             logger.error("the cluster did not become ready (see the logs above)")
@@ -175,7 +186,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         sys.stderr.write(
             f"\npd-cluster is serving at {url}/v1 ({args.prefill} prefill, {args.decode} decode)\n"
             f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"model\": \"{args.served_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+            f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
             f"admin token: set PD_ADMIN_TOKEN before starting to choose it. Ctrl-C stops everything.\n\n"
         )
         sys.stderr.flush()
@@ -222,7 +233,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--prefill", type=int, default=1)
     loc.add_argument("--decode", type=int, default=1)
     loc.add_argument("--model", default="default")
-    loc.add_argument("--served-name", default="SmolLM2-135M-Instruct", help=argparse.SUPPRESS)
     loc.add_argument("--device", default="auto")
     loc.add_argument("--dtype", default="auto")
     loc.add_argument("--block-size", type=int, default=1)

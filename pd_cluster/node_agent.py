@@ -17,6 +17,8 @@ from pd_cluster import protocol
 
 logger = logging.getLogger(__name__)
 
+_CLOSE_POLICY_VIOLATION = 1008
+
 MessageHandler = Callable[[BaseModel], Awaitable[None]]
 StatusSource = Callable[[], protocol.NodeStatus]
 
@@ -95,14 +97,21 @@ class NodeAgent:
 
     async def _session(self) -> None:
         from websockets.asyncio.client import connect
+        from websockets.exceptions import ConnectionClosed
 
         headers = {"Authorization": f"Bearer {self._token}"}
         async with connect(
             self.url, additional_headers=headers, max_size=protocol.MAX_MESSAGE_BYTES + 65536,
             open_timeout=10, ping_interval=20, ping_timeout=20, close_timeout=5,
         ) as ws:
-            await ws.send(protocol.encode(self.register_msg))
-            answer = protocol.parse_master_message(await asyncio.wait_for(ws.recv(), 10))
+            try:
+                await ws.send(protocol.encode(self.register_msg))
+                answer = protocol.parse_master_message(await asyncio.wait_for(ws.recv(), 10))
+            except ConnectionClosed as e:
+                if e.rcvd is not None and e.rcvd.code == _CLOSE_POLICY_VIOLATION:
+                    # A wrong cluster token or a refusal: retrying cannot help.
+                    raise RegistrationRefused(e.rcvd.reason or "refused by the master") from None
+                raise
             if isinstance(answer, protocol.Refused):
                 if getattr(answer, "retryable", False):
                     raise OSError(f"master asked to retry registration: {answer.reason}")

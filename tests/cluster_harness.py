@@ -1,0 +1,116 @@
+"""A real cluster on loopback for tests: master and nodes started through the CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+CLUSTER_TOKEN = "e2e-cluster-token"
+ADMIN_TOKEN = "e2e-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Cluster:
+    model_dir: Path
+    log_dir: Path
+    port: int = field(default_factory=free_port)
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    node_args: tuple[str, ...] = ("--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, token: str = CLUSTER_TOKEN) -> dict[str, str]:
+        return {**os.environ, "PD_CLUSTER_TOKEN": token, "PD_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1"}
+
+    def _spawn(self, name: str, args: list[str], token: str = CLUSTER_TOKEN) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.cli", *args], env=self.env(token),
+                                stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = proc
+        return proc
+
+    def start_master(self, policy: str = "cache_aware") -> None:
+        self._spawn("master", ["master", "--host", "127.0.0.1", "--port", str(self.port), "--model",
+                               str(self.model_dir), "--policy", policy])
+        wait_until(lambda: self._get("/livez") == 200, 60, "the master to serve")
+
+    def start_node(self, role: str, name: str, *extra: str, token: str = CLUSTER_TOKEN,
+                   model: Path | None = None, wait: bool = True) -> subprocess.Popen:
+        args = [role, "--master", self.url, "--node-id", name, "--model", str(model or self.model_dir),
+                *self.node_args, *extra]
+        proc = self._spawn(name, args, token)
+        if wait:
+            wait_until(lambda: self.node(name) is not None or proc.poll() is not None, 120, f"{name} to join")
+            assert proc.poll() is None, f"{name} exited: {self.log(name)[-2000:]}"
+        return proc
+
+    def _get(self, path: str, **kw) -> int:
+        try:
+            return httpx.get(self.url + path, timeout=5, **kw).status_code
+        except httpx.HTTPError:
+            return 0
+
+    def admin(self, method: str, path: str) -> httpx.Response:
+        return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+
+    def nodes(self) -> list[dict]:
+        return self.admin("GET", "/admin/nodes").json()["data"]
+
+    def node(self, name: str) -> dict | None:
+        return next((n for n in self.nodes() if n["id"] == name), None)
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                head, value = line.rsplit(" ", 1)
+                if head == name or head.startswith(name + "{"):
+                    total += float(value)
+        return total
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str) -> None:
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for name, proc in reversed(list(self.procs.items())):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
