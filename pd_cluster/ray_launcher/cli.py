@@ -1,0 +1,264 @@
+"""``pd-cluster ray start|scale|stop|status|token|logs``: the cluster as Ray actors.
+
+Ray is imported only when one of these commands runs, so ``pd-cluster`` works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+logger = logging.getLogger("pd_cluster")
+
+POLICIES = ["cache_aware", "least_load", "round_robin"]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    from pd_cluster.ray_launcher.spec import DEFAULT_NAMESPACE
+
+    p.add_argument("--address", default="auto", help='the Ray cluster (default "auto": the one on this machine)')
+    p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Ray namespace holding this cluster's actors")
+
+
+def _launcher(args: argparse.Namespace):
+    from pd_cluster.ray_launcher.launcher import RayLauncher
+
+    return RayLauncher(namespace=args.namespace, address=args.address)
+
+
+def _masked(token: str | None) -> str:
+    return f"{token[:4]}…" if token else "(none)"
+
+
+def _run(args: argparse.Namespace, body) -> int:
+    from pd_cluster.ray_launcher.launcher import LaunchError
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin poll otherwise
+    launcher = _launcher(args)
+    try:
+        return int(body(launcher) or 0)
+    except LaunchError as e:
+        logger.error("%s", e)
+        return 1
+    finally:
+        launcher.disconnect()
+
+
+def cmd_ray_start(args: argparse.Namespace) -> int:
+    from pd_cluster.ray_launcher.spec import ClusterSpec
+
+    spec = ClusterSpec(
+        namespace=args.namespace, model=args.model, served_model_name=args.served_model_name, policy=args.policy,
+        host=args.host, port=args.port, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
+        block_size=args.block_size, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node,
+        master_cpus=args.master_cpus, master_resource=args.master_resource, drain_timeout_s=args.drain_timeout,
+        max_restarts=args.max_restarts, log_level=args.log_level, node_args=args.node_arg,
+    )
+    chose_token = bool(os.environ.get("PD_ADMIN_TOKEN"))
+
+    def body(launcher) -> int:
+        url = launcher.start(spec, args.prefill, args.decode, timeout=args.ready_timeout)
+        admin = launcher.tokens()["admin"]
+        where = "from PD_ADMIN_TOKEN" if chose_token else f"generated: print it with `{_cmd(args, 'token')}`"
+        sys.stdout.write(
+            f"pd-cluster is serving at {url}/v1 ({args.prefill} prefill, {args.decode} decode; "
+            f"Ray namespace {args.namespace})\n"
+            f"admin token: {_masked(admin)} ({where})\n"
+            f"nodes:  {_cmd(args, 'status')}\n"
+            f"scale:  {_cmd(args, 'scale')} --decode +1    (or --prefill -1: drains one first)\n"
+            f"stop:   {_cmd(args, 'stop')}\n"
+        )
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_ray_scale(args: argparse.Namespace) -> int:
+    if not args.prefill and not args.decode:
+        logger.error("nothing to do: pass --prefill and/or --decode, e.g. --decode +1")
+        return 2
+
+    def body(launcher) -> int:
+        result = launcher.scale(prefill=args.prefill, decode=args.decode, timeout=args.timeout,
+                                allow_empty=args.allow_empty)
+        for name in result.added:
+            sys.stdout.write(f"added   {name}\n")
+        for name in result.removed:
+            how = "killed after the drain deadline" if name in result.forced else "drained"
+            held = result.in_flight.get(name)
+            if held is not None:
+                how += f"; {held} requests were in flight"
+            sys.stdout.write(f"removed {name} ({how})\n")
+        return 1 if result.forced else 0
+
+    return _run(args, body)
+
+
+def cmd_ray_stop(args: argparse.Namespace) -> int:
+    def body(launcher) -> int:
+        names = launcher.stop(timeout=args.timeout)
+        if names:
+            sys.stdout.write(f"stopped {len(names)} actors: {', '.join(sorted(names))}\n")
+        else:
+            sys.stdout.write(f"no pd-cluster actors in Ray namespace {args.namespace}\n")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_ray_status(args: argparse.Namespace) -> int:
+    def body(launcher) -> int:
+        status = launcher.status()
+        if args.json:
+            sys.stdout.write(json.dumps(_status_dict(status), indent=2) + "\n")
+        else:
+            sys.stdout.write(format_status(status))
+        return 0 if status.healthy else 1
+
+    return _run(args, body)
+
+
+def cmd_ray_token(args: argparse.Namespace) -> int:
+    def body(launcher) -> int:
+        token = launcher.tokens()["cluster" if args.cluster else "admin"]
+        if not token:
+            logger.error("no token stored")
+            return 1
+        sys.stdout.write(token + "\n")
+        return 0
+
+    return _run(args, body)
+
+
+def cmd_ray_logs(args: argparse.Namespace) -> int:
+    def body(launcher) -> int:
+        for line in launcher.logs(args.name, args.lines):
+            sys.stdout.write(line + "\n")
+        return 0
+
+    return _run(args, body)
+
+
+def _cmd(args: argparse.Namespace, verb: str) -> str:
+    extra = ""
+    if args.namespace != "pd-cluster":
+        extra += f" --namespace {args.namespace}"
+    if args.address != "auto":
+        extra += f" --address {args.address}"
+    return f"pd-cluster ray {verb}{extra}"
+
+
+def _status_dict(status) -> dict[str, Any]:
+    return {"namespace": status.namespace, "master_url": status.master_url, "healthy": status.healthy,
+            "actors": status.actors, "nodes": status.nodes}
+
+
+def format_status(status) -> str:
+    """A table of the cluster's processes joined with what the master knows of each node."""
+    lines = [f"master: {status.master_url or '(unknown)'}  health: {'ok' if status.healthy else 'NOT READY'}  "
+             f"namespace: {status.namespace}"]
+    header = f"{'NAME':<14} {'ROLE':<8} {'STATE':<11} {'RAY NODE':<16} {'PID':>7} {'RUN':>4} {'WAIT':>5} " \
+             f"{'KV USED':>8} {'RESTARTS':>8}"
+    lines.append(header)
+    nodes = status.nodes or {}
+    for name in sorted(status.actors, key=lambda n: (n != "master", n)):
+        info = status.actors[name]
+        view = nodes.get(name, {})
+        if not info.get("placed"):
+            state = "pending"
+        elif info.get("exited"):
+            state = f"exited({info.get('returncode')})"
+        elif name == "master":
+            state = "serving" if status.healthy else "up"
+        else:
+            state = view.get("state", "joining" if status.nodes is not None else "?")
+        load = view.get("load", {})
+        used = view.get("kv", {}).get("used_fraction")
+        lines.append(
+            f"{name:<14} {info.get('role', ''):<8} {state:<11} {info.get('ip') or '-':<16} "
+            f"{info.get('pid') or '-':>7} {load.get('running', '-'):>4} {load.get('waiting', '-'):>5} "
+            f"{'-' if used is None else f'{used:.0%}':>8} {info.get('restarts', '-'):>8}"
+        )
+    strangers = sorted(set(nodes) - set(status.actors))
+    for name in strangers:  # joined the master from outside Ray (e.g. started by hand)
+        view = nodes[name]
+        lines.append(f"{name:<14} {view['role']:<8} {view['state']:<11} {'(not Ray)':<16}")
+    return "\n".join(lines) + "\n"
+
+
+def add_ray_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``ray`` and its subcommands to the ``pd-cluster`` parser."""
+    ray_p = sub.add_parser("ray", help="run the cluster as Ray actors: start, scale, stop, status")
+    ray_sub = ray_p.add_subparsers(dest="ray_command", required=True)
+
+    start = ray_sub.add_parser("start", help="place the master and the nodes as detached Ray actors")
+    _common(start)
+    start.add_argument("--prefill", type=int, default=1)
+    start.add_argument("--decode", type=int, default=1)
+    start.add_argument("--model", default="default", help='"default" or a model directory on every Ray node')
+    start.add_argument("--served-model-name", default=None)
+    start.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    start.add_argument("--host", default="0.0.0.0", help="the master's bind address")
+    start.add_argument("--port", type=int, default=8000, help="the master's port")
+    start.add_argument("--device", default=None, help="node device (default: cuda if --gpus-per-node > 0, else cpu)")
+    start.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    start.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node")
+    start.add_argument("--block-size", type=int, default=1)
+    start.add_argument("--gpus-per-node", type=float, default=1.0, help="Ray GPUs per P/D actor (0: CPU nodes)")
+    start.add_argument("--cpus-per-node", type=float, default=1.0)
+    start.add_argument("--master-cpus", type=float, default=1.0)
+    start.add_argument("--master-resource", default=None,
+                       help="custom Ray resource that pins the master, e.g. pd_master on the head node")
+    start.add_argument("--drain-timeout", type=float, default=600.0)
+    start.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed process")
+    start.add_argument("--ready-timeout", type=float, default=900.0)
+    start.add_argument("--node-arg", action="append", default=[],
+                       help="extra argument for every node's command (repeat; e.g. --node-arg=--lease-s=60)")
+    start.set_defaults(func=cmd_ray_start)
+
+    scale = ray_sub.add_parser("scale", help="add (+N) or drain and remove (-N) nodes")
+    _common(scale)
+    scale.add_argument("--prefill", type=int, default=0, help="+N adds, -N drains and removes")
+    scale.add_argument("--decode", type=int, default=0, help="+N adds, -N drains and removes")
+    scale.add_argument("--timeout", type=float, default=None, help="default: the drain timeout + 60 s")
+    scale.add_argument("--allow-empty", action="store_true", help="allow removing the last node of a role")
+    scale.set_defaults(func=cmd_ray_scale)
+
+    stop = ray_sub.add_parser("stop", help="drain every node, stop the master, remove every actor")
+    _common(stop)
+    stop.add_argument("--timeout", type=float, default=None, help="drain deadline (default: the cluster's)")
+    stop.set_defaults(func=cmd_ray_stop)
+
+    status = ray_sub.add_parser("status", help="the master, the nodes and their load")
+    _common(status)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=cmd_ray_status)
+
+    token = ray_sub.add_parser("token", help="print the admin token (or --cluster: the node token)")
+    _common(token)
+    token.add_argument("--cluster", action="store_true")
+    token.set_defaults(func=cmd_ray_token)
+
+    logs = ray_sub.add_parser("logs", help="the last lines a process printed (master, prefill-0, ...)")
+    _common(logs)
+    logs.add_argument("name")
+    logs.add_argument("--lines", type=int, default=100)
+    logs.set_defaults(func=cmd_ray_logs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with only the ``ray`` command (``python -m pd_cluster.ray_launcher ray ...``)."""
+    parser = argparse.ArgumentParser(prog="pd-cluster")
+    parser.add_argument("--log-level", default="INFO")
+    add_ray_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(args.func(args) or 0)

@@ -1,0 +1,78 @@
+"""What ``pd-cluster ray start`` was asked for, and the command lines it implies.
+
+The spec is kept in the cluster-state actor, so ``scale`` starts new nodes exactly like the first
+ones without the operator repeating every flag.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Role = Literal["master", "prefill", "decode"]
+NODE_ROLES: tuple[str, str] = ("prefill", "decode")
+
+DEFAULT_NAMESPACE = "pd-cluster"
+STATE_ACTOR = "cluster-state"
+MASTER_ACTOR = "master"
+
+
+class ClusterSpec(BaseModel):
+    """How the master and every node are started and placed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    namespace: str = Field(default=DEFAULT_NAMESPACE, min_length=1, description="Ray namespace of every actor")
+    model: str = Field(default="default", description='"default" or a model directory present on every Ray node')
+    served_model_name: str | None = None
+    policy: Literal["cache_aware", "least_load", "round_robin"] = "cache_aware"
+    host: str = Field(default="0.0.0.0", description="the master's bind address")
+    port: int = Field(default=8000, gt=0, lt=65536, description="the master's port on its Ray node")
+    device: str | None = Field(default=None, description="node device; None: cuda with GPUs per node, else cpu")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_total_tokens: int | None = Field(default=None, gt=0)
+    block_size: int = Field(default=1, gt=0)
+    gpus_per_node: float = Field(default=1.0, ge=0, description="Ray GPUs of each P/D actor (0 on CPU)")
+    cpus_per_node: float = Field(default=1.0, ge=0)
+    master_cpus: float = Field(default=1.0, ge=0)
+    master_resource: str | None = Field(
+        default=None, description="a custom Ray resource that pins the master (and the state actor), e.g. on the head"
+    )
+    drain_timeout_s: float = Field(default=600.0, gt=0)
+    max_restarts: int = Field(default=3, ge=0, description="restarts of a crashed process (and of its actor)")
+    log_level: str = "INFO"
+    node_args: list[str] = Field(default_factory=list, description="extra arguments for every node's command")
+
+    @property
+    def node_device(self) -> str:
+        if self.device:
+            return self.device
+        return "cuda" if self.gpus_per_node > 0 else "cpu"
+
+    def pin_resources(self) -> dict[str, float]:
+        return {self.master_resource: 0.001} if self.master_resource else {}
+
+    def _base(self) -> list[str]:
+        return [sys.executable, "-m", "pd_cluster.cli", "--log-level", self.log_level]
+
+    def master_argv(self) -> list[str]:
+        argv = self._base() + ["master", "--host", self.host, "--port", str(self.port), "--model", self.model,
+                               "--policy", self.policy]
+        if self.served_model_name:
+            argv += ["--served-model-name", self.served_model_name]
+        return argv
+
+    def node_argv(self, role: str, node_id: str, master_url: str, node_ip: str) -> list[str]:
+        if role not in NODE_ROLES:
+            raise ValueError(f"not a node role: {role!r}")
+        argv = self._base() + [role, "--master", master_url, "--node-id", node_id, "--model", self.model,
+                               "--device", self.node_device, "--dtype", self.dtype,
+                               "--block-size", str(self.block_size), "--drain-timeout", str(self.drain_timeout_s)]
+        if self.max_total_tokens:
+            argv += ["--max-total-tokens", str(self.max_total_tokens)]
+        if role == "decode":
+            # Prefill nodes on other machines dial this address; bind the same one.
+            argv += ["--data-host", node_ip, "--data-port", "0"]
+        return argv + list(self.node_args)

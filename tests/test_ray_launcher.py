@@ -1,0 +1,243 @@
+"""pd-cluster on Ray: start, scale up, scale down under load and stop, on a local CPU-only Ray.
+
+The test process starts Ray itself; the launcher's commands run through the CLI (and the library
+where the test needs what a command returned), as separate Ray drivers would.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+
+from pd_cluster.ray_launcher.cli import main as ray_cli
+from pd_cluster.ray_launcher.launcher import RayLauncher, node_role
+from pd_cluster.ray_launcher.spec import ClusterSpec
+from pd_cluster.ray_launcher.supervisor import ProcessSupervisor
+
+NAMESPACE = "pd-cluster-test"
+pytestmark = pytest.mark.timeout(300)
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s")
+        time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+# ---- the supervisor and the spec, without Ray ----------------------------------------------------
+
+
+def test_supervisor_restarts_a_crash_but_not_a_clean_exit():
+    crash = ProcessSupervisor([sys.executable, "-c", "print('up'); raise SystemExit(3)"], dict(os.environ),
+                              name="crash", max_restarts=1, echo=io.StringIO())
+    crash.start()
+    assert crash.wait_exit(30) == 3
+    assert crash.restarts == 1 and crash.tail() == ["up", "up"]
+
+    clean = ProcessSupervisor([sys.executable, "-c", "pass"], dict(os.environ), name="clean", max_restarts=3,
+                              echo=io.StringIO())
+    clean.start()
+    assert clean.wait_exit(30) == 0 and clean.restarts == 0
+
+
+def test_supervisor_stop_kills_a_process_that_ignores_sigterm():
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    sup = ProcessSupervisor([sys.executable, "-c", code], dict(os.environ), name="stubborn", max_restarts=3,
+                            echo=io.StringIO())
+    pid = sup.start()
+    wait_until(lambda: sup.tail() == ["ready"], 30, "the child started")
+    assert sup.terminate(0.5) is None  # SIGTERM ignored: still running
+    assert sup.stop(0.5) == -9
+    assert _process_gone(pid) and sup.restarts == 0
+
+
+def test_spec_advertises_the_node_ip_and_defaults_to_cuda_with_gpus():
+    gpu = ClusterSpec()
+    argv = gpu.node_argv("decode", "decode-0", "http://10.0.0.1:8000", "10.0.0.7")
+    assert argv[argv.index("--data-host") + 1] == "10.0.0.7"
+    assert argv[argv.index("--device") + 1] == "cuda"
+    assert argv[argv.index("--master") + 1] == "http://10.0.0.1:8000"
+    cpu = ClusterSpec(gpus_per_node=0, node_args=["--lease-s", "60"])
+    argv = cpu.node_argv("prefill", "prefill-0", "http://10.0.0.1:8000", "10.0.0.7")
+    assert argv[argv.index("--device") + 1] == "cpu" and argv[-2:] == ["--lease-s", "60"]
+    assert "--data-host" not in argv
+
+
+# ---- a real cluster on a local Ray ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+    ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, _temp_dir=temp, namespace="pd-cluster-test-driver")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        try:
+            for actor in ray.util.list_named_actors(all_namespaces=True):
+                if actor["namespace"] == NAMESPACE:
+                    ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE), no_restart=True)
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+class Cluster:
+    """The cluster under test, started on first use (and again if a test stopped it)."""
+
+    def __init__(self, address: str, model_dir: Path) -> None:
+        self.address = address
+        self.model_dir = model_dir
+        self.launcher = RayLauncher(namespace=NAMESPACE, address=address)
+        self.url = ""
+        self.admin_token = ""
+
+    def cli(self, *args: str) -> int:
+        return ray_cli(["ray", *args, "--address", self.address, "--namespace", NAMESPACE])
+
+    def ensure_running(self) -> None:
+        if self.launcher.actor_names():
+            return
+        port = _free_port()
+        rc = self.cli("start", "--prefill", "1", "--decode", "1", "--model", str(self.model_dir),
+                      "--port", str(port), "--gpus-per-node", "0", "--device", "cpu", "--max-total-tokens", "4096",
+                      "--policy", "round_robin", "--drain-timeout", "60", "--ready-timeout", "150")
+        assert rc == 0
+        self.url = self.launcher.status().master_url or ""
+        assert self.url.endswith(f":{port}")
+        self.admin_token = self.launcher.tokens()["admin"] or ""
+
+    def nodes(self) -> dict[str, dict]:
+        response = httpx.get(f"{self.url}/admin/nodes", headers={"Authorization": f"Bearer {self.admin_token}"},
+                             timeout=10)
+        response.raise_for_status()
+        return {n["id"]: n for n in response.json()["data"]}
+
+    def decodes(self) -> list[str]:
+        return sorted(n for n, v in self.nodes().items() if v["role"] == "decode")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def chat(self, content: str, max_tokens: int = 8, ignore_eos: bool = False):
+        client = self.client()
+        model = client.models.list().data[0].id
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": ignore_eos},
+        )
+
+
+@pytest.fixture(scope="module")
+def cluster_once(ray_address, default_model_dir):
+    cluster = Cluster(ray_address, default_model_dir)
+    try:
+        yield cluster
+    finally:
+        if cluster.launcher.actor_names():
+            cluster.launcher.stop(timeout=30)
+
+
+@pytest.fixture
+def cluster(cluster_once: Cluster) -> Cluster:
+    cluster_once.ensure_running()
+    return cluster_once
+
+
+def test_start_serves_a_chat_request_through_the_openai_client(cluster):
+    names = set(cluster.launcher.actor_names())
+    assert {"cluster-state", "master", "prefill-0", "decode-0"} <= names
+    nodes = cluster.nodes()
+    assert {v["role"] for v in nodes.values() if v["state"] == "active"} == {"prefill", "decode"}
+
+    answer = cluster.chat("Say hello.")
+    assert answer.choices[0].message.content
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_scale_up_adds_a_decode_node_that_serves_traffic(cluster):
+    before = set(cluster.decodes())
+    assert cluster.cli("scale", "--decode", "+1") == 0
+    added = set(cluster.decodes()) - before
+    assert len(added) == 1
+    new = added.pop()
+    assert cluster.nodes()[new]["state"] == "active"
+
+    # Round robin alternates decode nodes: the new one gets every other request.
+    for i in range(len(before) + 1):
+        assert cluster.chat(f"Count to {i + 3}.").choices[0].finish_reason in ("stop", "length")
+    wait_until(lambda: cluster.nodes()[new]["prefix"]["prompt_tokens"] > 0, 30, f"{new} saw a prompt")
+
+
+def test_scale_down_drains_a_decode_node_with_requests_in_flight(cluster):
+    if len(cluster.decodes()) < 2:
+        assert cluster.cli("scale", "--decode", "+1") == 0
+    decodes = cluster.decodes()
+    assert len(decodes) >= 2
+    max_tokens = 64
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        futures = [pool.submit(cluster.chat, f"Tell story number {i}.", max_tokens, True) for i in range(4)]
+
+        def every_decode_busy() -> bool:
+            nodes = cluster.nodes()
+            return all(nodes[d]["load"]["routed_in_flight"] > 0 for d in decodes)
+
+        wait_until(every_decode_busy, 60, "requests in flight on every decode node")
+        result = RayLauncher(namespace=NAMESPACE, address=cluster.address).scale(decode=-1, timeout=120)
+        answers = [f.result(timeout=120) for f in futures]
+
+    assert len(result.removed) == 1 and not result.forced
+    removed = result.removed[0]
+    assert node_role(removed) == "decode"
+    assert result.in_flight[removed] > 0
+    for answer in answers:  # zero failed requests; each ran to its length
+        assert answer.choices[0].finish_reason == "length"
+        assert answer.usage.completion_tokens == max_tokens
+    assert removed not in cluster.nodes()
+    assert removed not in cluster.launcher.actor_names()
+    assert len(cluster.decodes()) == len(decodes) - 1
+
+
+def test_stop_leaves_no_actor_and_no_process(cluster, capsys):
+    status = cluster.launcher.status()
+    pids = [info["pid"] for info in status.actors.values() if info.get("pid")]
+    assert len(pids) >= 3  # master, a prefill and a decode process
+
+    assert cluster.cli("status") == 0
+    assert "prefill-0" in capsys.readouterr().out
+
+    assert cluster.cli("stop") == 0
+    assert "stopped" in capsys.readouterr().out
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
+    wait_until(lambda: all(_process_gone(pid) for pid in pids), 30, "every cluster process exited")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{cluster.url}/health", timeout=2)
