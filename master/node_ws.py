@@ -138,6 +138,8 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
             ctx.registry.handle_kv_events(record, msg)
         elif isinstance(msg, protocol.RequestFailed):
             ctx.relay.on_request_failed(record, msg)
+        elif isinstance(msg, protocol.KVTransferred):
+            ctx.relay.on_kv_transferred(record, msg)
         elif isinstance(msg, protocol.Drained):
             ctx.registry.discard(record, "drained", CLOSE_NORMAL)
         else:

@@ -258,7 +258,7 @@ class Relay:
             decode.reported_kv.add(msg.request_id)
             self.metrics.prefix_hit_tokens.inc(msg.hit_blocks_decode * decode.info.kv_spec.block_size)
         self.metrics.kv_transfer_bytes.inc(msg.transfer_bytes)
-        if msg.transfer_bytes or msg.transfer_seconds:
+        if msg.transfer_seconds:
             self.metrics.kv_transfer_seconds.observe(msg.transfer_seconds)
         r.cached_tokens = msg.cached_tokens_prefill
         logprobs = [msg.logprob] if msg.logprob is not None else None
@@ -271,6 +271,10 @@ class Relay:
             if r.terminal:
                 break
             self._apply_delta(r, delta)
+
+    def on_kv_transferred(self, node: NodeRecord, msg: protocol.KVTransferred) -> None:
+        """P finished moving a request's KV (the bytes were counted with its FirstToken)."""
+        self.metrics.kv_transfer_seconds.observe(msg.seconds)
 
     def on_token_delta(self, node: NodeRecord, msg: protocol.TokenDelta) -> None:
         r = self.attempts.get(msg.request_id)

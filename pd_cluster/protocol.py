@@ -120,6 +120,15 @@ class RequestFailed(_Message):
     retryable: bool = True
 
 
+class KVTransferred(_Message):
+    """P -> master: the KV of a request reached its decode node (after FirstToken)."""
+
+    type: Literal["kv_transferred"] = "kv_transferred"
+    request_id: str
+    bytes: int = Field(ge=0)
+    seconds: float = Field(ge=0)
+
+
 class Drained(_Message):
     """The node finished all its work after a drain and is about to leave."""
 
@@ -168,7 +177,7 @@ class Drain(_Message):
 
 
 NodeMessage = Annotated[
-    Union[Register, NodeStatus, KVEvents, FirstToken, TokenDelta, RequestFailed, Drained],
+    Union[Register, NodeStatus, KVEvents, FirstToken, TokenDelta, RequestFailed, KVTransferred, Drained],
     Field(discriminator="type"),
 ]
 MasterMessage = Annotated[

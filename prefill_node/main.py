@@ -62,7 +62,10 @@ class PrefillNode:
 
     async def _run_job(self, job: protocol.PrefillJob) -> None:
         try:
-            await self.service.run_job(job, self._report_first_token)
+            result = await self.service.run_job(job, self._report_first_token)
+            if result.committed and result.transfer_bytes:
+                self._send(protocol.KVTransferred(request_id=job.request_id, bytes=result.transfer_bytes,
+                                                  seconds=result.transfer_seconds))
         except PrefillFailed as e:
             logger.warning("prefill of %s failed: %s", job.request_id, e)
             self._send(protocol.RequestFailed(request_id=job.request_id, message=str(e), retryable=e.retryable))

@@ -147,6 +147,21 @@ def test_four_turn_chat_moves_less_kv_and_stays_on_the_d_with_the_history(cluste
             assert len(gained) == 1
             holder = holder or gained[0]
             assert gained[0] == holder
+    assert cluster.metric("pdc_kv_transfer_seconds_count") >= 4
+
+
+def test_client_disconnect_aborts_the_request_on_the_nodes(cluster):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to one thousand."}],
+            "max_tokens": 2000, "stream": True, "extra_body": None}
+    body.pop("extra_body")
+    body["ignore_eos"] = True
+    with httpx.stream("POST", cluster.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert any(line.startswith("data: ") for line in lines)  # streaming has started
+    # The connection is closed: the decode nodes drop the request and their running count returns to 0.
+    wait_until(lambda: all(n["load"]["running"] == 0 for n in cluster.nodes() if n["role"] == "decode"),
+               30, "the aborted request to leave the decode batch")
 
 
 def _hits_if_reported(cluster, before, turn):
