@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class EngineConfig(BaseModel):
@@ -24,6 +24,28 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(default=None, gt=0, description="context length; None: the model's")
     max_waiting_requests: int = Field(default=4096, gt=0)
     seed: int = 0
+    cuda_graphs: bool = Field(default=True, description="replay decode steps as CUDA graphs (CUDA devices only)")
+    cuda_graph_batch_sizes: list[int] | None = Field(
+        default=None, description="batch sizes to capture; None: 1, 2, 4, ... up to max_running_requests"
+    )
+
+    @field_validator("cuda_graph_batch_sizes")
+    @classmethod
+    def _positive_sizes(cls, sizes: list[int] | None) -> list[int] | None:
+        if sizes is not None and (not sizes or any(s <= 0 for s in sizes)):
+            raise ValueError("cuda_graph_batch_sizes must be a non-empty list of positive sizes")
+        return sizes
+
+    def graph_batch_sizes(self) -> list[int]:
+        """Sizes to capture, ascending, capped at (and always including) max_running_requests,
+        so every decode batch pads to one of them."""
+        cap = self.max_running_requests
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = {min(s, cap) for s in self.cuda_graph_batch_sizes}
+        else:
+            sizes = {1 << i for i in range(cap.bit_length()) if 1 << i <= cap}
+        sizes.add(cap)
+        return sorted(sizes)
 
     def resolved_device(self) -> str:
         import torch

@@ -16,10 +16,14 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
 from pd_cluster.engine.request import Request
+from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.worker import EngineWorker
-from pd_cluster.handover_messages import MatchPrefix, MatchResult, PushAck, PushKV, ReleaseLease
+from pd_cluster.handover_layers import CommitKV, StreamKV
+from pd_cluster.handover_messages import MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease
+from pd_cluster.model.llama import LayerHook
 from pd_cluster.protocol import FirstToken, PrefillJob
 from pd_cluster.transfer import ChannelPool, HandshakeRefused, PeerChannel, TransferError
+from prefill_node.layer_stream import LayerStream
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,13 @@ class PrefillCounters:
 
 
 class PrefillService:
-    """A prefill engine on its own thread plus the pool of channels to decode nodes."""
+    """A prefill engine on its own thread plus the pool of channels to decode nodes.
+
+    ``layerwise`` (default: on CUDA devices) streams each layer's KV to D while the prefill
+    forward runs (:mod:`pd_cluster.handover_layers`); otherwise the whole KV goes in one push
+    after the first token. On a GPU the engine thread computes on its own stream, so that
+    what the event loop queues for the network never waits behind later layers.
+    """
 
     def __init__(
         self,
@@ -61,6 +71,7 @@ class PrefillService:
         lease_s: float = 30.0,
         max_channels: int = 8,
         engine: LLMEngine | None = None,
+        layerwise: bool | None = None,
     ) -> None:
         self.engine = engine or LLMEngine(config)
         self.worker = EngineWorker(self.engine, self._on_updates)
@@ -68,6 +79,13 @@ class PrefillService:
         self.lease_s = lease_s
         self.counters = PrefillCounters()
         self._first_tokens: dict[str, asyncio.Future[TokenUpdate]] = {}
+        on_gpu = self.engine.device.type == "cuda"
+        self.layerwise = on_gpu if layerwise is None else layerwise
+        self._compute_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
+        self._side_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
+        self._streams: dict[str, LayerStream] = {}
+        self._held: dict[str, Request] = {}
+        self.engine.runner.step_hook = self._layer_hook_for
 
     @property
     def block_size(self) -> int:
@@ -75,6 +93,13 @@ class PrefillService:
 
     async def start(self) -> None:
         self.worker.start()
+        if self._compute_stream is not None:
+            await self.worker.call(self._adopt_device)
+
+    def _adopt_device(self) -> None:
+        """Engine thread: its device, and a compute stream of its own."""
+        torch.cuda.set_device(self.engine.device)
+        torch.cuda.set_stream(self._compute_stream)
 
     async def stop(self) -> None:
         await self.pool.close()
@@ -123,33 +148,34 @@ class PrefillService:
         if match.error is not None or match.lease_id is None:
             raise PrefillFailed(f"decode node {job.decode_node_id}: {match.error}", retryable=match.retryable)
         lease_id = match.lease_id
+        n = len(job.token_ids)
+        send_blocks = math.ceil(n / self.block_size) - match.hit_blocks
         req: Request | None = None
+        stream: LayerStream | None = None
         lease_settled = False
         try:
-            req, first = await self._prefill(job, left)
-            n = len(job.token_ids)
-            n_blocks = math.ceil(n / self.block_size)
-            send_blocks = n_blocks - match.hit_blocks
+            if self.layerwise and send_blocks > 0:
+                stream = LayerStream(
+                    job.request_id, match.hit_blocks * self.block_size, n, send_blocks * self.block_size,
+                    self.engine.pool, asyncio.get_running_loop(), self._side_stream,
+                )
+                result = await self._run_streaming(job, channel, match, stream, report_first_token, left)
+                lease_settled = True
+                return result
+            req = await self._add(job)
+            first = await self._first_token(job, left)
             finished = first.finish_reason is not None
             transfer_bytes = 0 if finished else send_blocks * self.engine.kv_spec.bytes_per_block
-            report = FirstToken(
-                request_id=job.request_id,
-                token_id=first.token_id,
-                text=first.text_delta,
-                logprob=first.logprob,
-                finish_reason=first.finish_reason,
-                prompt_tokens=n,
-                cached_tokens_prefill=req.num_cached_tokens,
-                hit_blocks_decode=match.hit_blocks,
-                transfer_bytes=transfer_bytes,
-            )
+            report = self._report(job, req, first, match.hit_blocks, transfer_bytes)
             await report_first_token(report)  # TTFT does not wait for the transfer
             if finished:
                 lease_settled = True
                 await channel.request(ReleaseLease(lease_id=lease_id), left())
                 return PrefillResult(report, match.hit_blocks, 0, 0.0, committed=False)
             started = time.monotonic()
-            buffer = await self.worker.call(self._gather, req, match.hit_blocks, send_blocks)
+            buffer, ready = await self.worker.call(self._gather, req, match.hit_blocks, send_blocks)
+            if ready is not None:
+                torch.cuda.current_stream(self.engine.device).wait_event(ready)
             ack = await channel.request(
                 PushKV(lease_id=lease_id, shape=list(buffer.shape), dtype=str(buffer.dtype).removeprefix("torch."),
                        first_token=first.token_id, rng_state=req.sampling.export_rng()),
@@ -164,6 +190,9 @@ class PrefillService:
             self.counters.kv_bytes_sent += transfer_bytes
             return PrefillResult(report, match.hit_blocks, transfer_bytes, seconds, committed=True)
         finally:
+            if stream is not None:
+                self._streams.pop(job.request_id, None)
+                req = self._held.pop(job.request_id, None)
             if req is not None:
                 await self._release(req)
             else:
@@ -171,27 +200,115 @@ class PrefillService:
             if not lease_settled and channel.alive:
                 await self._release_lease(channel, lease_id)
 
-    async def _prefill(self, job: PrefillJob, left) -> tuple[Request, TokenUpdate]:
-        future: asyncio.Future[TokenUpdate] = asyncio.get_running_loop().create_future()
-        self._first_tokens[job.request_id] = future
+    async def _run_streaming(
+        self, job: PrefillJob, channel: PeerChannel, match: MatchResult, stream: LayerStream,
+        report_first_token: FirstTokenSink, left,
+    ) -> PrefillResult:
+        """One exchange on the channel: announce, stream layers as they compute, commit."""
+        lease_id = match.lease_id
+        assert lease_id is not None
         try:
-            req = await self.worker.call(
+            await asyncio.wait_for(channel.exclusive().acquire(), left())
+        except asyncio.TimeoutError:
+            raise PrefillFailed(f"channel to {job.decode_node_id} stayed busy") from None
+        sender: asyncio.Future[int] | None = None
+        try:
+            await channel.send(StreamKV(lease_id=lease_id, num_layers=stream.num_layers,
+                                        layer_shape=stream.layer_shape, dtype=stream.dtype), left())
+            self._streams[job.request_id] = stream
+            req = await self._add(job)
+            self._held[job.request_id] = req
+            sender = asyncio.ensure_future(stream.send(channel, left))
+            first = await self._first_token(job, left)
+            finished = first.finish_reason is not None
+            report = self._report(job, req, first, match.hit_blocks, 0 if finished else stream.nbytes)
+            await report_first_token(report)  # TTFT does not wait for the transfer
+            sent = await sender
+            if finished:
+                await channel.send(ReleaseLease(lease_id=lease_id), left())
+            else:
+                await channel.send(CommitKV(lease_id=lease_id, first_token=first.token_id,
+                                            rng_state=req.sampling.export_rng()), left())
+            stream_ack = await channel.receive(left())
+            final = await channel.receive(left())
+        except BaseException:
+            # Half an exchange leaves the two ends out of step: never reuse the channel.
+            if sender is not None and not sender.done():
+                sender.cancel()
+            channel.close()
+            raise
+        finally:
+            channel.exclusive().release()
+        seconds = time.monotonic() - (stream.first_layer_at or time.monotonic())
+        for reply in (stream_ack, final):
+            if isinstance(reply, Released):
+                continue
+            if not isinstance(reply, PushAck) or not reply.ok:
+                raise PrefillFailed(f"decode node {job.decode_node_id} did not take the KV: "
+                                    f"{getattr(reply, 'error', reply.type)}")
+        if sent != stream.nbytes:
+            raise PrefillFailed(f"sent {sent} KV bytes of {stream.nbytes}", retryable=False)
+        self.counters.kv_bytes_sent += sent
+        if finished:
+            return PrefillResult(report, match.hit_blocks, 0, seconds, committed=False)
+        return PrefillResult(report, match.hit_blocks, sent, seconds, committed=True)
+
+    def _report(self, job: PrefillJob, req: Request, first: TokenUpdate, hit_blocks: int, transfer_bytes: int) -> FirstToken:
+        return FirstToken(
+            request_id=job.request_id,
+            token_id=first.token_id,
+            text=first.text_delta,
+            logprob=first.logprob,
+            finish_reason=first.finish_reason,
+            prompt_tokens=len(job.token_ids),
+            cached_tokens_prefill=req.num_cached_tokens,
+            hit_blocks_decode=hit_blocks,
+            transfer_bytes=transfer_bytes,
+        )
+
+    def _layer_hook_for(self, step: ScheduledStep) -> LayerHook | None:
+        """Engine thread: a hook for the steps that complete a streamed prompt."""
+        if not self._streams:
+            return None
+        streams = []
+        for req, sample in zip(step.requests, step.samples):
+            stream = self._streams.get(req.request_id)
+            if stream is not None and sample:
+                stream.begin(self.engine.table.table[req.row, stream.start : stream.n_tokens])
+                streams.append(stream)
+        if not streams:
+            return None
+
+        def hook(layer: int) -> None:
+            for stream in streams:
+                stream.capture(layer)
+
+        return hook
+
+    async def _add(self, job: PrefillJob) -> Request:
+        """Queue the prompt; its first token arrives through :meth:`_first_token`."""
+        self._first_tokens[job.request_id] = asyncio.get_running_loop().create_future()
+        try:
+            return await self.worker.call(
                 lambda: self.engine.add_request(job.request_id, job.token_ids, job.sampling, hold_kv=True,
                                                 prefill_only=True)
             )
         except ValueError as e:
             self._first_tokens.pop(job.request_id, None)
             raise PrefillFailed(str(e), retryable=False) from e
+
+    async def _first_token(self, job: PrefillJob, left) -> TokenUpdate:
+        future = self._first_tokens[job.request_id]
         try:
-            first = await asyncio.wait_for(future, left())
+            return await asyncio.wait_for(future, left())
         except BaseException:
             self._first_tokens.pop(job.request_id, None)
             await self._abort_engine(job.request_id)
             raise
-        return req, first
 
-    def _gather(self, req: Request, hit_blocks: int, send_blocks: int) -> torch.Tensor:
-        """KV of blocks [hit_blocks, n_blocks) as ``[2, L, send_blocks*block, H, D]``, zero-padded."""
+    def _gather(self, req: Request, hit_blocks: int, send_blocks: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """KV of blocks [hit_blocks, n_blocks) as ``[2, L, send_blocks*block, H, D]``, zero-padded,
+        and on a GPU the event after which it is complete."""
         bs = self.block_size
         n = len(req.prompt_token_ids)
         slots = self.engine.held_slots(req)[hit_blocks * bs : n].to(self.engine.device)
@@ -202,7 +319,12 @@ class PrefillService:
             shape = list(buffer.shape)
             shape[2] = pad
             buffer = torch.cat((buffer, buffer.new_zeros(shape)), dim=2)
-        return buffer.contiguous()
+        buffer = buffer.contiguous()
+        ready = None
+        if buffer.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        return buffer, ready
 
     async def _release(self, req: Request) -> None:
         try:

@@ -91,7 +91,7 @@ class LLMEngine:
         self.table = ReqSlotTable(config.max_running_requests, self.max_model_len + 1, self.device)
         self.predictor = OutputLengthPredictor()
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
-        self.runner = ModelRunner(self.model, self.pool, self.table, self.device)
+        self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         logger.info(

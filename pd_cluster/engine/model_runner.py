@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable
+
 import torch
 
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.cuda_graphs import DecodeGraphs
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.llama import LayerHook, LlamaModel
 
+logger = logging.getLogger(__name__)
+
+#: Given a step before its inputs are written, the layer hook for its forward (None: no hook).
+StepHook = Callable[[ScheduledStep], LayerHook | None]
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, device: torch.device) -> None:
+    def __init__(
+        self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, device: torch.device,
+        config: EngineConfig | None = None,
+    ) -> None:
         self.model = model
         self.pool = pool
         self.table = table
         self.device = device
+        #: Set by a prefill node to see each layer of the steps that complete its prompts.
+        self.step_hook: StepHook | None = None
+        self.graphs: DecodeGraphs | None = None
+        if config is not None and config.cuda_graphs and device.type == "cuda":
+            self.graphs = self._capture(config)
+
+    def _capture(self, config: EngineConfig) -> DecodeGraphs:
+        # One slot no request owns takes the padding rows' KV writes.
+        pad_slot = self.pool.alloc(1)
+        assert pad_slot is not None, "an empty KV pool"
+        graphs = DecodeGraphs(self.model, self.pool, self.table, config.graph_batch_sizes(), int(pad_slot[0]))
+        with self._on_device():
+            graphs.capture()
+        return graphs
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """Kernels launch on the current device, which a node's thread may not have set."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def prepare(self, step: ScheduledStep) -> ForwardBatch:
         input_ids: list[int] = []
@@ -41,7 +73,8 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
             positions=torch.cat(positions).to(dev, non_blocking=True),
             out_slots=torch.cat(step.new_slots).to(dev, non_blocking=True),
-            slot_table=self.table.table.index_select(0, rows)[:, :max_ctx],
+            # Only the live columns are gathered: the table is as wide as the context length.
+            slot_table=self.table.table[:, :max_ctx].index_select(0, rows),
             ctx_lens=torch.tensor(ctx_lens, dtype=torch.int64).to(dev, non_blocking=True),
             q_lens=q_lens.to(dev, non_blocking=True),
             q_start_loc=(torch.cumsum(q_lens, 0) - q_lens).to(dev, non_blocking=True),
@@ -49,7 +82,30 @@ class ModelRunner:
             is_decode=all(q == 1 for q in step.q_lens),
         )
 
+    def _graph_fits(self, step: ScheduledStep) -> bool:
+        return (
+            self.graphs is not None
+            and all(q == 1 for q in step.q_lens)
+            and all(step.samples)
+            and self.graphs.graph_size(len(step.requests)) is not None
+        )
+
     def run(self, step: ScheduledStep, layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """Logits ``[K, vocab]`` for the requests of the step that sample (in step order)."""
-        batch = self.prepare(step)
-        return self.model.forward(batch, self.pool, layer_hook)
+        """Logits ``[K, vocab]`` for the requests of the step that sample (in step order).
+
+        Pure-decode steps without a layer hook replay a CUDA graph when one was captured."""
+        with self._on_device():
+            if layer_hook is None and self.step_hook is not None:
+                layer_hook = self.step_hook(step)
+            if layer_hook is None and self._graph_fits(step):
+                return self._replay(step)
+            batch = self.prepare(step)
+            return self.model.forward(batch, self.pool, layer_hook)
+
+    def _replay(self, step: ScheduledStep) -> torch.Tensor:
+        assert self.graphs is not None
+        reqs = step.requests
+        positions = [r.num_computed for r in reqs]
+        ids = [r.token_ids(p, p + 1)[0] for r, p in zip(reqs, positions)]
+        slots = torch.cat(step.new_slots).tolist()
+        return self.graphs.replay(ids, positions, slots, [r.row for r in reqs])

@@ -1,0 +1,112 @@
+"""One request's KV on its way to a decode node, layer by layer, while the prefill forward runs.
+
+The engine thread calls :meth:`LayerStream.capture` after each layer's KV is stored: on a GPU
+it queues a copy of that layer's slots into a send buffer on a side stream, behind an event
+recorded on the compute stream, and hands the copy's event to the event loop. The loop
+(:meth:`LayerStream.send`) sends each layer as soon as its copy is queued; the send waits on
+the GPU for that copy only, so layer i travels while later layers compute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+
+from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.transfer import ChannelError, PeerChannel
+
+ReadyEvent = torch.cuda.Event | None
+
+
+class LayerStream:
+    """KV of tokens [start, n_tokens) of one request, zero-padded to ``padded_tokens``."""
+
+    def __init__(
+        self, request_id: str, start: int, n_tokens: int, padded_tokens: int, pool: KVPool,
+        loop: asyncio.AbstractEventLoop, side_stream: torch.cuda.Stream | None,
+    ) -> None:
+        self.request_id = request_id
+        self.start = start
+        self.n_tokens = n_tokens
+        self.padded_tokens = padded_tokens
+        self.pool = pool
+        self.num_layers = pool.spec.num_layers
+        self.layer_shape = [2, padded_tokens, pool.spec.num_kv_heads, pool.spec.head_dim]
+        self._loop = loop
+        self._side = side_stream
+        self._ready: asyncio.Queue[tuple[int, ReadyEvent]] = asyncio.Queue()
+        self.buffer: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self.first_layer_at: float | None = None
+
+    @property
+    def dtype(self) -> str:
+        return self.pool.spec.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: every layer's keys and values of ``padded_tokens`` tokens."""
+        return self.padded_tokens * self.pool.spec.bytes_per_token
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def begin(self, slots: torch.Tensor) -> None:
+        """The step that completes the prompt is about to run; ``slots`` (a device view of the
+        request's table row) hold tokens [start, n_tokens) once its inputs are written."""
+        self._slots = slots
+        shape = (self.num_layers, *self.layer_shape)
+        with self._on_side():
+            self.buffer = torch.empty(shape, dtype=self.pool.k_cache.dtype, device=self.pool.device)
+            self.buffer[:, :, slots.numel() :].zero_()
+
+    def capture(self, layer: int) -> None:
+        """Layer ``layer``'s KV is stored (in stream order): queue its copy and announce it."""
+        assert self.buffer is not None and self._slots is not None, "begin() first"
+        ready: ReadyEvent = None
+        if self._side is not None:
+            stored = torch.cuda.Event()
+            stored.record()
+            self._side.wait_event(stored)
+        with self._on_side():
+            n = self._slots.numel()
+            k_cache, v_cache = self.pool.layer(layer)
+            torch.index_select(k_cache, 0, self._slots, out=self.buffer[layer, 0, :n])
+            torch.index_select(v_cache, 0, self._slots, out=self.buffer[layer, 1, :n])
+            if self._side is not None:
+                ready = torch.cuda.Event()
+                ready.record(self._side)
+        self._loop.call_soon_threadsafe(self._ready.put_nowait, (layer, ready))
+
+    def _on_side(self):
+        return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+
+    # ---- event loop --------------------------------------------------------------------------
+
+    def fill_from(self, buffer: torch.Tensor) -> None:
+        """Stand in for a forward: every layer of ``buffer`` ([L, 2, padded, H, D]) is ready now."""
+        self.buffer = buffer
+        for layer in range(self.num_layers):
+            self._ready.put_nowait((layer, None))
+
+    async def send(self, channel: PeerChannel, left: Callable[[], float]) -> int:
+        """Send the layers in order as their copies are queued; returns the bytes sent."""
+        sent = 0
+        for expected in range(self.num_layers):
+            try:
+                layer, ready = await asyncio.wait_for(self._ready.get(), left())
+            except asyncio.TimeoutError:
+                raise ChannelError(f"layer {expected} of {self.request_id} was never computed") from None
+            assert layer == expected and self.buffer is not None
+            if self.first_layer_at is None:
+                self.first_layer_at = time.monotonic()
+            if ready is not None:
+                # The channel orders its send after this thread's current stream: make that
+                # stream wait for this layer's copy, and nothing later.
+                torch.cuda.current_stream(self.pool.device).wait_event(ready)
+            sent += await channel.send_tensor(self.buffer[layer], left())
+        return sent
+
