@@ -21,6 +21,7 @@ import datetime as dt
 import gc
 import json
 import logging
+import multiprocessing as mp
 import os
 import shutil
 import statistics
@@ -298,15 +299,37 @@ def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: tor
 
 
 def time_decode_steps(engine: LLMEngine, reqs: list, steps: int) -> dict:
+    """Median step time, and where a step's host time goes: scheduling, the runner (inputs,
+    launch or graph replay; the GPU runs on) and the rest (sampling waits for the GPU, then
+    the tokens are accepted)."""
     times, ctx_sums = [], []
-    for _ in range(steps):
-        ctx_sums.append(sum(r.num_computed + 1 for r in reqs))
-        sync(engine.device)
-        start = time.perf_counter()
-        updates = engine.step()  # sampling reads the tokens back: the step is complete
-        times.append((time.perf_counter() - start) * 1e3)
-        assert len(updates) == len(reqs), f"{len(updates)} tokens for {len(reqs)} requests"
-    return {"step_ms": statistics.median(times), "step_ms_min": min(times), "mean_ctx_sum": statistics.mean(ctx_sums)}
+    spent = {"schedule": [], "run": []}
+
+    def timed(fn: Callable, key: str) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key].append((time.perf_counter() - start) * 1e3)
+
+        return wrapper
+
+    engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")  # type: ignore[method-assign]
+    engine.runner.run = timed(engine.runner.run, "run")  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            ctx_sums.append(sum(r.num_computed + 1 for r in reqs))
+            sync(engine.device)
+            start = time.perf_counter()
+            updates = engine.step()  # sampling reads the tokens back: the step is complete
+            times.append((time.perf_counter() - start) * 1e3)
+            assert len(updates) == len(reqs), f"{len(updates)} tokens for {len(reqs)} requests"
+    finally:
+        del engine.scheduler.schedule, engine.runner.run
+    return {"step_ms": statistics.median(times), "step_ms_min": min(times),
+            "host_schedule_ms": statistics.median(spent["schedule"]), "host_runner_ms": statistics.median(spent["run"]),
+            "mean_ctx_sum": statistics.mean(ctx_sums)}
 
 
 def measure_prefill(engine: LLMEngine, plan: Plan, lens: list[int], matmul_tflops: float, gen: torch.Generator) -> dict:
@@ -471,31 +494,32 @@ class RawNccl:
 async def measure_pd(p_engine: LLMEngine, plan: Plan, config_file: Path, p_dev: torch.device,
                      d_dev: torch.device, prefill: dict, gen: torch.Generator) -> dict:
     """(d) and (e): P on ``p_dev`` (the benchmark engine), D on ``d_dev``, one process, NCCL pair."""
-    from decode_node.service import DecodeService
     from prefill_node.layer_stream import LayerStream
     from prefill_node.service import PrefillService
 
-    d_engine = build_engine(config_file, str(d_dev), seed=1, max_total_tokens=plan.d_kv_tokens,
-                            max_model_len=plan.max_model_len, max_num_batched_tokens=4096,
-                            block_size=plan.block_size, cuda_graphs=False)
-    d = DecodeService(d_engine.config, node_id="d0", cluster_token=TOKEN, on_tokens=lambda updates: None,
-                      engine=d_engine)
-    original = d.server._handler
-
-    async def handler(conn, msg):
-        if isinstance(msg, BenchSink):
-            received = await conn.recv_tensors([(s, msg.dtype) for s in msg.shapes], 60.0)
-            return BenchAck(nbytes=sum(t.numel() * t.element_size() for t in received))
-        return await original(conn, msg)
-
-    d.server._handler = handler
+    # D runs in its own process, as a decode node does: its engine thread must not share P's GIL.
+    d_options = {"max_total_tokens": plan.d_kv_tokens, "max_model_len": plan.max_model_len,
+                 "max_num_batched_tokens": 4096, "block_size": plan.block_size, "cuda_graph_batch_sizes": [1, 2, 4],
+                 "max_running_requests": 8}
+    parent, child = mp.get_context("spawn").Pipe()
+    d_proc = mp.get_context("spawn").Process(target=decode_node_main, args=(child, str(config_file), str(d_dev), d_options),
+                                             daemon=True)
+    d_proc.start()
+    loop = asyncio.get_running_loop()
+    if not await loop.run_in_executor(None, parent.poll, 600):
+        d_proc.kill()
+        raise RuntimeError("the decode node did not start")
+    ready = parent.recv()
+    if ready[0] != "ready":
+        d_proc.join(10)
+        raise RuntimeError(f"the decode node failed: {ready}")
+    d_address = ready[1]
     p = PrefillService(p_engine.config, node_id="p0", cluster_token=TOKEN, engine=p_engine)
-    await d.start()
     await p.start()
     out: dict[str, Any] = {"p_device": str(p_dev), "d_device": str(d_dev)}
     raw = None
     try:
-        channel = await p.pool.get(d.data_address)
+        channel = await p.pool.get(d_address)
         out["backend"] = channel.backend
         spec = p_engine.kv_spec
         vocab = p_engine.model_config.vocab_size
@@ -578,7 +602,7 @@ async def measure_pd(p_engine: LLMEngine, plan: Plan, config_file: Path, p_dev: 
 
         async def job(prompt: list[int]) -> dict:
             spec_job = PrefillJob(request_id=uuid.uuid4().hex, token_ids=prompt, sampling=greedy,
-                                  decode_node_id="d0", decode_address=d.data_address, deadline_s=120.0)
+                                  decode_node_id="d0", decode_address=d_address, deadline_s=120.0)
             marks: dict[str, float] = {}
 
             async def report(first) -> None:
@@ -631,14 +655,51 @@ async def measure_pd(p_engine: LLMEngine, plan: Plan, config_file: Path, p_dev: 
             "transfer_ms_no_hit": out["transfer"].get(str(n), {}).get("pool_to_pool_ms"),
         }
         out["bytes_sent_total"] = p.counters.kv_bytes_sent
-        out["bytes_received_total"] = d.counters.kv_bytes_received
     finally:
         if raw is not None:
             raw.close()
         await p.stop()
-        await d.stop()
-        del d_engine
+        with contextlib.suppress(OSError):
+            parent.send(("stop",))
+        if await loop.run_in_executor(None, parent.poll, 30):
+            out["d_counters"] = parent.recv()[1]
+        d_proc.join(30)
+        if d_proc.is_alive():
+            d_proc.kill()
     return out
+
+
+def decode_node_main(conn, config_file: str, device: str, options: dict) -> None:
+    """Child process: a decode node service (random weights) that also sinks bench tensors."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s D %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(_decode_node(conn, Path(config_file), device, options))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        raise
+
+
+async def _decode_node(conn, config_file: Path, device: str, options: dict) -> None:
+    from decode_node.service import DecodeService
+
+    engine = build_engine(config_file, device, seed=1, **options)
+    d = DecodeService(engine.config, node_id="d0", cluster_token=TOKEN, on_tokens=lambda updates: None, engine=engine)
+    original = d.server._handler
+
+    async def handler(peer, msg):
+        if isinstance(msg, BenchSink):
+            received = await peer.recv_tensors([(s, msg.dtype) for s in msg.shapes], 60.0)
+            return BenchAck(nbytes=sum(t.numel() * t.element_size() for t in received))
+        return await original(peer, msg)
+
+    d.server._handler = handler
+    await d.start()
+    conn.send(("ready", d.data_address))
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+    counters = {"kv_bytes_received": d.counters.kv_bytes_received, "kv_transfers": d.counters.kv_transfers,
+                "hit_tokens": d.counters.hit_tokens}
+    await d.stop()
+    conn.send(("counters", counters))
 
 
 async def async_ms(fn: Callable[[], Any], reps: int = 5, warmup: int = 1) -> float:
@@ -724,12 +785,13 @@ def markdown(results: dict) -> str:
     dec = results.get("decode", {})
     if dec:
         lines += ["", f"## Decode step (context ~{dec.get('context')} tokens, whole engine step)", "",
-                  "| batch | step ms | graph replay ms | floor ms | step / floor | eager step ms |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| batch | step ms | graph replay ms | floor ms | step / floor | replay / floor | host: schedule ms | host: runner ms | eager step ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for key, row in dec.items():
             if key.startswith("b") and isinstance(row, dict):
-                lines.append(f"| {key[1:]} | {row['step_ms']:.3f} | {row.get('graph_replay_ms', float('nan')):.3f} | "
-                             f"{row['floor_ms']:.3f} | {row['floor_ratio']:.2f} | {_fmt(row.get('eager_step_ms'))} |")
+                lines.append(f"| {key[1:]} | {row['step_ms']:.3f} | {_fmt(row.get('graph_replay_ms'))} | "
+                             f"{row['floor_ms']:.3f} | {row['floor_ratio']:.2f} | {_fmt(row.get('graph_floor_ratio'), '.2f')} | "
+                             f"{row['host_schedule_ms']:.3f} | {row['host_runner_ms']:.3f} | {_fmt(row.get('eager_step_ms'))} |")
     pre = results.get("prefill", {})
     if pre:
         lines += ["", "## Prefill (one fresh prompt per step)", "", "| tokens | ms | tokens/s | TFLOP/s | MFU |",
