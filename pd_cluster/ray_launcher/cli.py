@@ -55,7 +55,8 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
         namespace=args.namespace, model=args.model, served_model_name=args.served_model_name, policy=args.policy,
         host=args.host, port=args.port, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
         block_size=args.block_size, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node,
-        master_cpus=args.master_cpus, master_resource=args.master_resource, drain_timeout_s=args.drain_timeout,
+        master_cpus=args.master_cpus, master_resource=args.master_resource, prefill_resource=args.prefill_resource,
+        decode_resource=args.decode_resource, drain_timeout_s=args.drain_timeout,
         max_restarts=args.max_restarts, log_level=args.log_level, node_args=args.node_arg,
     )
     chose_token = bool(os.environ.get("PD_ADMIN_TOKEN"))
@@ -213,6 +214,10 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--master-cpus", type=float, default=1.0)
     start.add_argument("--master-resource", default=None,
                        help="custom Ray resource that pins the master, e.g. pd_master on the head node")
+    start.add_argument("--prefill-resource", default=None,
+                       help="custom Ray resource each prefill actor takes 1 of (e.g. pd_prefill: its node type)")
+    start.add_argument("--decode-resource", default=None,
+                       help="custom Ray resource each decode actor takes 1 of (e.g. pd_decode)")
     start.add_argument("--drain-timeout", type=float, default=600.0)
     start.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed process")
     start.add_argument("--ready-timeout", type=float, default=900.0)

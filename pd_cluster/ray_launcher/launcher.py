@@ -171,6 +171,7 @@ class RayLauncher:
                 try:
                     self._wait_joined(client, added, deadline, spec)
                 except BaseException:
+                    self._stop_processes(self._placed(added), KILL_GRACE_S)
                     self._kill(added)
                     raise
                 result.added = list(added)
@@ -191,13 +192,12 @@ class RayLauncher:
                 drain_s = ClusterSpec.model_validate_json(self._call(self._state().spec.remote())).drain_timeout_s
             except (LaunchError, RayError):
                 drain_s = KILL_GRACE_S
-        handles = {name: self._handle(name) for name in names}
-        nodes = {n: h for n, h in handles.items() if h is not None and node_role(n)}
-        self._stop_processes(nodes, drain_s)
-        master = handles.get(MASTER_ACTOR)
-        if master is not None:
-            self._stop_processes({MASTER_ACTOR: master}, KILL_GRACE_S)
-        self._kill({n: h for n, h in handles.items() if h is not None})
+        handles = {n: h for n in names if (h := self._handle(n)) is not None}
+        placed = self._placed({n: h for n, h in handles.items() if n != STATE_ACTOR})
+        self._stop_processes({n: h for n, h in placed.items() if node_role(n)}, drain_s)
+        if MASTER_ACTOR in placed:
+            self._stop_processes({MASTER_ACTOR: placed[MASTER_ACTOR]}, KILL_GRACE_S)
+        self._kill(handles)
         deadline = time.monotonic() + KILL_GRACE_S
         while (left := self.actor_names()) and time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -257,7 +257,8 @@ class RayLauncher:
     def _create_node(self, spec: ClusterSpec, role: str, name: str, master_url: str) -> Any:
         return _remote(RoleProcess).options(
             name=name, namespace=self.namespace, lifetime="detached", num_cpus=spec.cpus_per_node,
-            num_gpus=spec.gpus_per_node, max_restarts=spec.max_restarts, max_concurrency=MAX_ACTOR_CONCURRENCY,
+            num_gpus=spec.gpus_per_node, resources=spec.node_resources(role), max_restarts=spec.max_restarts,
+            max_concurrency=MAX_ACTOR_CONCURRENCY,
         ).remote(role, name, spec.model_dump_json(), master_url)
 
     def _wait_joined(self, client: MasterClient, actors: dict[str, Any], deadline: float,
@@ -292,8 +293,9 @@ class RayLauncher:
                 unplaced = sorted(set(actors) - placed)
                 hint = ""
                 if unplaced:
-                    hint = (f"; not placed: {', '.join(unplaced)} (each node needs GPU: {spec.gpus_per_node}, "
-                            f"CPU: {spec.cpus_per_node}: see `ray status`)")
+                    extra = "".join(f", {r}: 1" for r in (spec.prefill_resource, spec.decode_resource) if r)
+                    hint = (f"; not placed: {', '.join(unplaced)} (a node needs GPU: {spec.gpus_per_node}, "
+                            f"CPU: {spec.cpus_per_node}{extra}: see `ray status`)")
                 missing = sorted(expected - joined - set(unplaced))
                 if missing:
                     hint += f"; not joined yet: {', '.join(missing)} (see `pd-cluster ray logs NAME`)"
@@ -372,6 +374,15 @@ class RayLauncher:
                     logger.info("%s: actor already gone (%s)", name, type(e).__name__)
             else:
                 logger.warning("%s did not answer stop in time; killing its actor", name)
+
+    @staticmethod
+    def _placed(handles: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+        """The process actors that exist on some Ray node (a pending one has no process to stop)."""
+        refs = {name: h.address.remote() for name, h in handles.items()}
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        return {name: handles[name] for name, ref in refs.items() if ref in ready}
 
     def _kill(self, handles: dict[str, Any]) -> None:
         for name, handle in handles.items():

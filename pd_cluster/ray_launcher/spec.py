@@ -40,6 +40,8 @@ class ClusterSpec(BaseModel):
     master_resource: str | None = Field(
         default=None, description="a custom Ray resource that pins the master (and the state actor), e.g. on the head"
     )
+    prefill_resource: str | None = Field(default=None, description="a custom Ray resource each P actor takes 1 of")
+    decode_resource: str | None = Field(default=None, description="a custom Ray resource each D actor takes 1 of")
     drain_timeout_s: float = Field(default=600.0, gt=0)
     max_restarts: int = Field(default=3, ge=0, description="restarts of a crashed process (and of its actor)")
     log_level: str = "INFO"
@@ -53,6 +55,11 @@ class ClusterSpec(BaseModel):
 
     def pin_resources(self) -> dict[str, float]:
         return {self.master_resource: 0.001} if self.master_resource else {}
+
+    def node_resources(self, role: str) -> dict[str, float]:
+        """Custom resources a node actor asks for: keeps P and D on the Ray node types meant for them."""
+        name = self.prefill_resource if role == "prefill" else self.decode_resource
+        return {name: 1.0} if name else {}
 
     def _base(self) -> list[str]:
         return [sys.executable, "-m", "pd_cluster.cli", "--log-level", self.log_level]
