@@ -746,7 +746,7 @@ def summarize(results: dict, plan: Plan) -> dict:
         "decode_floor_ratio_b64": get("decode", big, "floor_ratio"),
         "prefill_mfu_4k": get("prefill", str(plan.key_len), "mfu"),
         "hf_decode_speedup_b64": get("hf", big, "speedup"),
-        "transfer_vs_nccl_4k": get("pd", "transfer", str(plan.key_len if plan.quick else 4096), "channel_vs_nccl"),
+        "transfer_vs_nccl_4k": get("pd", "transfer", str(plan.key_len), "channel_vs_nccl"),
         "transfer_visible_fraction_4k": get("pd", "ttft", str(plan.key_len), "layers_visible_fraction"),
     }
     return keys
