@@ -75,3 +75,17 @@ def test_layer_views_have_slot_shape(pool: KVPool) -> None:
     assert k.shape == v.shape == (16, SPEC.num_kv_heads, SPEC.head_dim)
     k[3].fill_(1.0)
     assert float(pool.k_cache[1, 3].sum()) == SPEC.num_kv_heads * SPEC.head_dim
+
+
+def test_reserved_slots_leave_the_capacity_and_are_never_handed_out():
+    from pd_cluster.engine.kv_pool import KVPool
+    from pd_cluster.kv_spec import KVSpec
+
+    pool = KVPool(KVSpec(model="m", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32"), 8)
+    reserved = pool.reserve(1)
+    assert pool.capacity == 7 and pool.num_free == 7
+    taken = pool.alloc(7)
+    assert taken is not None and int(reserved[0]) not in set(taken.tolist())
+    assert pool.alloc(1) is None
+    pool.free(taken)
+    assert pool.num_free == pool.capacity

@@ -59,6 +59,15 @@ class KVPool:
         self._is_free[slots] = False
         return slots
 
+    def reserve(self, n: int) -> torch.Tensor:
+        """Take ``n`` slots out of service for good (e.g. the padding rows of CUDA graphs):
+        they are never handed out and no longer count in :attr:`capacity`."""
+        slots = self.alloc(n)
+        if slots is None:
+            raise RuntimeError(f"cannot reserve {n} KV slots: only {self._num_free} free")
+        self._capacity -= n
+        return slots
+
     def free(self, slots: torch.Tensor) -> None:
         """Return slots to the pool; each must be in use, and listed once."""
         if slots.numel() == 0:

@@ -82,7 +82,9 @@ class LLMEngine:
             block_size=config.block_size,
         )
         num_slots = config.max_total_tokens or self._default_kv_tokens()
-        self.pool = KVPool(self.kv_spec, num_slots, self.device)
+        # CUDA graphs take one extra slot for their padding rows; the configured count stays usable.
+        extra = 1 if (config.cuda_graphs and self.device.type == "cuda") else 0
+        self.pool = KVPool(self.kv_spec, num_slots + extra, self.device)
         self.cache = RadixCache(
             self.pool, block_size=config.block_size, enabled=config.enable_prefix_cache, event_sink=kv_event_sink
         )

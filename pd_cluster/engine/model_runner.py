@@ -39,8 +39,7 @@ class ModelRunner:
 
     def _capture(self, config: EngineConfig) -> DecodeGraphs:
         # One slot no request owns takes the padding rows' KV writes.
-        pad_slot = self.pool.alloc(1)
-        assert pad_slot is not None, "an empty KV pool"
+        pad_slot = self.pool.reserve(1)
         graphs = DecodeGraphs(self.model, self.pool, self.table, config.graph_batch_sizes(), int(pad_slot[0]))
         with self._on_device():
             graphs.capture()

@@ -127,8 +127,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.arrival_time)
 
-        for req in list(self.running):
-            if req.remaining_to_compute != 1 or req not in self.running:
+        decoding = [r for r in self.running if r.remaining_to_compute == 1]
+        batch_slots = self._alloc(len(decoding)) if decoding else None
+        if batch_slots is not None:  # the common case: one allocation for the whole decode batch
+            for req, slot in zip(decoding, batch_slots.split(1)):
+                step.add(req, 1, slot, sample=True)
+            budget -= len(decoding)
+            decoding = []
+        for req in decoding:
+            if req not in self.running:
                 continue
             slots = self._alloc(1)
             while slots is None:
