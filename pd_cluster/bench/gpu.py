@@ -514,7 +514,7 @@ async def measure_pd(p_engine: LLMEngine, plan: Plan, config_file: Path, p_dev: 
         d_proc.join(10)
         raise RuntimeError(f"the decode node failed: {ready}")
     d_address = ready[1]
-    p = PrefillService(p_engine.config, node_id="p0", cluster_token=TOKEN, engine=p_engine)
+    p = PrefillService(p_engine.config, node_id="p0", cluster_token=TOKEN, engine=p_engine, layerwise_min_tokens=0)
     await p.start()
     out: dict[str, Any] = {"p_device": str(p_dev), "d_device": str(d_dev)}
     raw = None

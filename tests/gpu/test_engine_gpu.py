@@ -164,7 +164,7 @@ def test_layerwise_handover_on_gpu_gives_the_engine_tokens(model_dir, prompts, c
                     loop.call_soon_threadsafe(done.setdefault(u.request_id, asyncio.Event()).set)
 
         d = DecodeService(d_engine.config, node_id="d0", cluster_token="t", on_tokens=on_tokens, engine=d_engine)
-        p = PrefillService(p_engine.config, node_id="p0", cluster_token="t", engine=p_engine)
+        p = PrefillService(p_engine.config, node_id="p0", cluster_token="t", engine=p_engine, layerwise_min_tokens=0)
         assert p.layerwise
         await d.start()
         await p.start()
