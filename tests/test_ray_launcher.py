@@ -76,7 +76,8 @@ def test_supervisor_restarts_a_crash_but_not_a_clean_exit():
 
 
 def test_supervisor_stop_kills_a_process_that_ignores_sigterm():
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"
+    code = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('ready', flush=True); time.sleep(60)")
     sup = ProcessSupervisor([sys.executable, "-c", code], dict(os.environ), name="stubborn", max_restarts=3,
                             echo=io.StringIO())
     pid = sup.start()
@@ -147,6 +148,7 @@ def test_documented_commands_parse():
 @pytest.fixture(scope="module")
 def ray_address():
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, _temp_dir=temp, namespace="pd-cluster-test-driver")
     try:
         yield ray.get_runtime_context().gcs_address

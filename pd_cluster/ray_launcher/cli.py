@@ -35,7 +35,11 @@ def _masked(token: str | None) -> str:
 
 
 def _run(args: argparse.Namespace, body) -> int:
-    from pd_cluster.ray_launcher.launcher import LaunchError
+    try:
+        from pd_cluster.ray_launcher.launcher import LaunchError
+    except ImportError as e:
+        logger.error("Ray is not installed here (%s): pip install 'pd-cluster[ray]'", e)
+        return 2
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per admin poll otherwise
     launcher = _launcher(args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,20 @@ def _in_flight(view: dict[str, Any]) -> int:
     return max(int(load.get("routed_in_flight", 0)), int(load.get("running", 0)) + int(load.get("waiting", 0)))
 
 
+def _probe(address: str | None, timeout: float = 5.0) -> None:
+    """Fail fast on a ``host:port`` nobody listens on: ``ray.init`` would retry for minutes."""
+    if not address or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise LaunchError(f"no Ray cluster answers at {address} ({e}); start one with `ray up` or "
+                          "`ray start --head`, or pass the right --address") from e
+
+
 class RayLauncher:
     def __init__(self, namespace: str = DEFAULT_NAMESPACE, address: str | None = "auto") -> None:
         self.namespace = namespace
@@ -87,6 +102,7 @@ class RayLauncher:
         """Join the running Ray cluster (or reuse this process's connection)."""
         if ray.is_initialized():
             return
+        _probe(self.address)
         try:
             ray.init(address=self.address, namespace=self.namespace, log_to_driver=False,
                      logging_level=logging.WARNING)
