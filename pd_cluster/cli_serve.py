@@ -245,3 +245,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     drain.add_argument("--status-port", type=int, default=9000)
     drain.add_argument("--timeout", type=float, default=600.0)
     drain.set_defaults(func=cmd_node_drain)
+
+    from pd_cluster.ray_launcher.cli import add_ray_commands
+
+    add_ray_commands(sub)

@@ -139,12 +139,16 @@ class NodeAgent:
     async def _flush(self, ws) -> None:
         """Send what is still queued (a drained node's last frames) before closing."""
         while not self._outbox.empty():
-            await asyncio.wait_for(ws.send(protocol.encode(self._outbox.get_nowait())), 5)
+            async with asyncio.timeout(5):
+                await ws.send(protocol.encode(self._outbox.get_nowait()))
 
     async def _sender(self, ws) -> None:
         while True:
             message = await self._outbox.get()
-            await asyncio.wait_for(ws.send(protocol.encode(message)), 10)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            # arrives as the send completes, and this task would never stop.
+            async with asyncio.timeout(10):
+                await ws.send(protocol.encode(message))
 
     async def _reporter(self) -> None:
         while True:

@@ -24,7 +24,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import ray
+
+# Single-machine Ray on loopback: every Ray node, actor and cluster process uses 127.0.0.1, so
+# no test traffic goes to the machine's network interface. Must be set before Ray is imported.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import ray  # noqa: E402
 import yaml
 
 from pd_cluster.ray_launcher.cli import build_parser
@@ -150,6 +154,7 @@ def ray_address():
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay short
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=8, num_gpus=0, include_dashboard=False, _temp_dir=temp, namespace="pd-cluster-test-driver")
+    assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -184,7 +189,7 @@ class Cluster:
                       "--policy", "round_robin", "--drain-timeout", "60", "--ready-timeout", "150")
         assert rc == 0
         self.url = self.launcher.status().master_url or ""
-        assert self.url.endswith(f":{port}")
+        assert self.url == f"http://127.0.0.1:{port}"  # everything stays on loopback
         self.admin_token = self.launcher.tokens()["admin"] or ""
 
     def nodes(self) -> dict[str, dict]:

@@ -78,7 +78,7 @@ class RoleProcess:
 
         spec = ClusterSpec.model_validate_json(spec_json)
         self.role, self.name = role, name
-        self.ip = ray.util.get_node_ip_address()
+        self.ip = _node_ip()
         if role == "master":
             argv = spec.master_argv()
             self._address = f"http://{_url_host(self.ip)}:{spec.port}"
@@ -126,6 +126,17 @@ class RoleProcess:
 
     def log_tail(self, lines: int = 50) -> list[str]:
         return self.supervisor.tail(lines)
+
+
+def _node_ip() -> str:
+    """The address this actor's Ray node registered with (what other nodes reach it at)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
 
 
 def _url_host(ip: str) -> str:
