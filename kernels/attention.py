@@ -533,10 +533,20 @@ def decode_attention_cpu(
     ctx_lens: torch.Tensor,
     sm_scale: float,
 ) -> torch.Tensor:
-    """The CPU path: one fused-attention call per sequence (faster than padding the batch)."""
+    """The CPU path. Contexts of similar length: one fused-attention call over the padded batch;
+    very ragged ones (padding would more than double the work): one call per sequence."""
     batch = q.shape[0]
-    ones = torch.ones(batch, dtype=torch.int64)
-    return context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, ones, torch.arange(batch), sm_scale)
+    max_ctx = int(slot_table.shape[1])
+    if batch * max_ctx > 2 * int(ctx_lens.sum()):
+        ones = torch.ones(batch, dtype=torch.int64)
+        return context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, ones, torch.arange(batch), sm_scale)
+    k = k_cache[slot_table].transpose(1, 2)  # [B, Hkv, ctx, D]
+    v = v_cache[slot_table].transpose(1, 2)
+    valid = torch.arange(max_ctx).unsqueeze(0) < ctx_lens.unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True
+    )
+    return out.squeeze(2)
 
 
 def context_attention(

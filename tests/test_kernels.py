@@ -458,6 +458,8 @@ def test_cpu_attention_paths_match_the_references(group):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
     q1 = torch.randn(4, kv_heads * group, head_dim, generator=gen)
-    want = decode_attention_ref(q1, k_cache, v_cache, table, ctx_lens, 0.25)
-    got = decode_attention_cpu(q1, k_cache, v_cache, table, ctx_lens, 0.25)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Ragged lengths take the per-sequence path, similar ones the padded batch: check both.
+    for lens in (ctx_lens, torch.tensor([90, 88, 95, 96])):
+        want = decode_attention_ref(q1, k_cache, v_cache, table, lens, 0.25)
+        got = decode_attention_cpu(q1, k_cache, v_cache, table, lens, 0.25)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
