@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import secrets
@@ -56,24 +57,25 @@ def _node_settings(args: argparse.Namespace, role: str):
     return NodeSettings(**fields)
 
 
-def cmd_prefill(args: argparse.Namespace) -> int:
+#: Where each role's process starts. The CLI lives in pd_cluster but must launch the roles;
+#: they are looked up by name when a command runs, so no pd_cluster module imports a role.
+ROLE_ENTRY_POINTS = {
+    "prefill": ("prefill_node.main", "run_prefill_node"),
+    "decode": ("decode_node.main", "run_decode_node"),
+    "master": ("master.server", "run_master"),
+}
+
+
+def _role_entry(role: str):
+    module, name = ROLE_ENTRY_POINTS[role]
+    return getattr(importlib.import_module(module), name)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
     from pd_cluster.node_agent import RegistrationRefused
-    from prefill_node.main import run_prefill_node
 
     try:
-        run_prefill_node(_node_settings(args, "prefill"))
-    except RegistrationRefused as e:
-        logger.error("the master refused this node: %s", e)
-        return 2
-    return 0
-
-
-def cmd_decode(args: argparse.Namespace) -> int:
-    from decode_node.main import run_decode_node
-    from pd_cluster.node_agent import RegistrationRefused
-
-    try:
-        run_decode_node(_node_settings(args, "decode"))
+        _role_entry(args.command)(_node_settings(args, args.command))
     except RegistrationRefused as e:
         logger.error("the master refused this node: %s", e)
         return 2
@@ -81,8 +83,8 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 
 def cmd_master(args: argparse.Namespace) -> int:
-    from master.config import MasterSettings
-    from master.server import ConfigError, run_master
+    settings_cls = getattr(importlib.import_module("master.config"), "MasterSettings")
+    config_error = getattr(importlib.import_module("master.app"), "ConfigError")
 
     given = {k: v for k, v in {
         "host": args.host, "port": args.port, "model": args.model, "policy": args.policy,
@@ -90,8 +92,8 @@ def cmd_master(args: argparse.Namespace) -> int:
         "served_model_name": args.served_model_name,
     }.items() if v is not None}
     try:
-        run_master(MasterSettings(**given))
-    except ConfigError as e:
+        _role_entry("master")(settings_cls(**given))
+    except config_error as e:
         logger.error("%s", e)
         return 2
     return 0
@@ -221,11 +223,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("prefill", help="run a prefill node that joins --master")
     _node_args(p, "prefill")
-    p.set_defaults(func=cmd_prefill)
+    p.set_defaults(func=cmd_node)
 
     d = sub.add_parser("decode", help="run a decode node that joins --master")
     _node_args(d, "decode")
-    d.set_defaults(func=cmd_decode)
+    d.set_defaults(func=cmd_node)
 
     loc = sub.add_parser("local", help="master + prefill + decode nodes on this machine")
     loc.add_argument("--host", default="127.0.0.1")
