@@ -7,6 +7,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 from master.errors import error_body
+from pd_cluster.aio import wait_for
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -43,7 +44,7 @@ class BodyLimitMiddleware:
         deadline = loop.time() + self.timeout_s
         while True:
             try:
-                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+                message = await wait_for(receive(), max(deadline - loop.time(), 0.0))
             except asyncio.TimeoutError:
                 await self._reply(send, 408, "Timed out reading the request body.", "request_timeout")
                 return

@@ -18,6 +18,7 @@ from starlette.websockets import WebSocket
 from master.auth import bearer_matches
 from master.context import MasterContext
 from master.registry import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CloseFrame, NodeRecord
+from pd_cluster.aio import wait_for
 from pd_cluster import protocol
 
 logger = logging.getLogger(__name__)
@@ -41,8 +42,8 @@ async def _receive_frame(ws: WebSocket) -> str | bytes | None:
 async def _refuse(ws: WebSocket, reason: str, retryable: bool = False) -> None:
     refused = protocol.Refused(reason=reason, retryable=retryable)
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(ws.send_text(protocol.encode(refused)), _CLOSE_GRACE_S)
-        await asyncio.wait_for(ws.close(CLOSE_POLICY_VIOLATION, reason[:120]), _CLOSE_GRACE_S)
+        await wait_for(ws.send_text(protocol.encode(refused)), _CLOSE_GRACE_S)
+        await wait_for(ws.close(CLOSE_POLICY_VIOLATION, reason[:120]), _CLOSE_GRACE_S)
 
 
 def _short(exc: Exception) -> str:
@@ -56,10 +57,10 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
     if not bearer_matches(ws.headers.get("authorization"), settings.cluster_token):
         logger.warning("refused a node connection from %s: bad or missing cluster token", ws.client)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(ws.close(CLOSE_POLICY_VIOLATION, "unauthorized"), _CLOSE_GRACE_S)
+            await wait_for(ws.close(CLOSE_POLICY_VIOLATION, "unauthorized"), _CLOSE_GRACE_S)
         return
     try:
-        frame = await asyncio.wait_for(_receive_frame(ws), settings.register_timeout_s)
+        frame = await wait_for(_receive_frame(ws), settings.register_timeout_s)
     except asyncio.TimeoutError:
         await _refuse(ws, "no register frame")
         return
@@ -90,7 +91,7 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
     finally:
         ctx.registry.discard(record, "connection closed")
         try:
-            await asyncio.wait_for(writer, _CLOSE_GRACE_S)
+            await wait_for(writer, _CLOSE_GRACE_S)
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
             writer.cancel()
 
@@ -104,7 +105,7 @@ async def _read_loop(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> N
             ctx.registry.discard(record, "missed heartbeats", CLOSE_NORMAL)
             return
         try:
-            frame = await asyncio.wait_for(_receive_frame(ws), min(remaining, _RECEIVE_SLICE_S))
+            frame = await wait_for(_receive_frame(ws), min(remaining, _RECEIVE_SLICE_S))
         except asyncio.TimeoutError:
             continue
         except Exception as exc:  # the socket broke under us
@@ -155,9 +156,9 @@ async def _writer(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> None
             item = await record.outbox.get()
             if isinstance(item, CloseFrame):
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(ws.close(item.code, item.reason[:120]), send_timeout)
+                    await wait_for(ws.close(item.code, item.reason[:120]), send_timeout)
                 return
-            await asyncio.wait_for(ws.send_text(item), send_timeout)
+            await wait_for(ws.send_text(item), send_timeout)
     except asyncio.CancelledError:
         raise
     except Exception as exc:

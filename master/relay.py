@@ -31,6 +31,7 @@ from master.errors import APIError, internal_error, unavailable
 from master.metrics import MasterMetrics
 from master.registry import NodeRecord, Registry
 from master.routing import RouteRequest, RoutingPolicy, admissible_decodes
+from pd_cluster.aio import wait_for
 from pd_cluster import protocol
 from pd_cluster.engine.sampling_params import SamplingParams
 
@@ -183,7 +184,7 @@ class Relay:
         while r.state == "queued":
             r.wakeup.clear()
             try:
-                await asyncio.wait_for(r.wakeup.wait(), DISCONNECT_POLL_S)
+                await wait_for(r.wakeup.wait(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 pass
             if r.state == "queued" and is_disconnected is not None and await is_disconnected():
@@ -207,7 +208,7 @@ class Relay:
                 continue
             r.wakeup.clear()
             try:
-                await asyncio.wait_for(r.wakeup.wait(), max(r.deadline - time.monotonic(), 0.0) + 1.0)
+                await wait_for(r.wakeup.wait(), max(r.deadline - time.monotonic(), 0.0) + 1.0)
             except asyncio.TimeoutError:
                 self._deadline_expired(r)
 
@@ -216,7 +217,7 @@ class Relay:
         while not r.terminal:
             r.wakeup.clear()
             try:
-                await asyncio.wait_for(r.wakeup.wait(), DISCONNECT_POLL_S)
+                await wait_for(r.wakeup.wait(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if time.monotonic() > r.deadline + 1.0:
                     self._deadline_expired(r)

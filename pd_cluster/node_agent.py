@@ -13,6 +13,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import BaseModel
 
+from pd_cluster.aio import wait_for
 from pd_cluster import protocol
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class NodeAgent:
             if self._closing:
                 break
             try:
-                await asyncio.wait_for(self.stopped.wait(), backoff)
+                await wait_for(self.stopped.wait(), backoff)
             except asyncio.TimeoutError:
                 pass
             backoff = min(backoff * 2, self._max_backoff_s)
@@ -106,7 +107,7 @@ class NodeAgent:
         ) as ws:
             try:
                 await ws.send(protocol.encode(self.register_msg))
-                answer = protocol.parse_master_message(await asyncio.wait_for(ws.recv(), 10))
+                answer = protocol.parse_master_message(await wait_for(ws.recv(), 10))
             except ConnectionClosed as e:
                 if e.rcvd is not None and e.rcvd.code == _CLOSE_POLICY_VIOLATION:
                     # A wrong cluster token or a refusal: retrying cannot help.

@@ -8,6 +8,7 @@ import logging
 
 from pydantic import BaseModel
 
+from pd_cluster.aio import wait_for
 from pd_cluster import protocol
 from pd_cluster.node_agent import NodeAgent
 from pd_cluster.node_config import NodeSettings
@@ -85,7 +86,7 @@ class NodeRuntime(abc.ABC):
                 task.cancel()
             await self.agent.close()
             try:
-                await asyncio.wait_for(asyncio.shield(agent_task), 10)
+                await wait_for(asyncio.shield(agent_task), 10)
             except BaseException:
                 agent_task.cancel()
             if status_server is not None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from pd_cluster.aio import wait_for
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.transfer import ChannelError, PeerChannel
 
@@ -97,7 +98,7 @@ class LayerStream:
         sent = 0
         for expected in range(self.num_layers):
             try:
-                layer, ready = await asyncio.wait_for(self._ready.get(), left())
+                layer, ready = await wait_for(self._ready.get(), left())
             except asyncio.TimeoutError:
                 raise ChannelError(f"layer {expected} of {self.request_id} was never computed") from None
             assert layer == expected and self.buffer is not None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from pd_cluster.aio import wait_for
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
@@ -142,7 +143,7 @@ class PrefillService:
             self.counters.queued_prefill_tokens -= len(job.token_ids)
 
     async def _run(self, job: PrefillJob, report_first_token: FirstTokenSink, left) -> PrefillResult:
-        channel = await asyncio.wait_for(self.pool.get(job.decode_address), left())
+        channel = await wait_for(self.pool.get(job.decode_address), left())
         match = await channel.request(
             MatchPrefix(request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling, lease_s=self.lease_s),
             left(),
@@ -212,7 +213,7 @@ class PrefillService:
         lease_id = match.lease_id
         assert lease_id is not None
         try:
-            await asyncio.wait_for(channel.exclusive().acquire(), left())
+            await wait_for(channel.exclusive().acquire(), left())
         except asyncio.TimeoutError:
             raise PrefillFailed(f"channel to {job.decode_node_id} stayed busy") from None
         sender: asyncio.Future[int] | None = None
@@ -304,7 +305,7 @@ class PrefillService:
     async def _first_token(self, job: PrefillJob, left) -> TokenUpdate:
         future = self._first_tokens[job.request_id]
         try:
-            return await asyncio.wait_for(future, left())
+            return await wait_for(future, left())
         except BaseException:
             self._first_tokens.pop(job.request_id, None)
             await self._abort_engine(job.request_id)

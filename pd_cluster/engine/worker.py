@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pd_cluster.aio import wait_for
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
 
@@ -55,7 +56,7 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         self._calls.put((lambda: fn(*args), future, loop))
-        return await asyncio.wait_for(future, timeout)
+        return await wait_for(future, timeout)
 
     def _deliver(self, updates: list[TokenUpdate]) -> None:
         try:

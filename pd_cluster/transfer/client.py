@@ -16,6 +16,7 @@ from typing import NoReturn
 
 import torch
 
+from pd_cluster.aio import wait_for
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.channel import TensorChannel, TensorSpec
 from pd_cluster.transfer.errors import (
@@ -95,7 +96,7 @@ class PeerChannel:
         covers the whole exchange."""
         deadline = time.monotonic() + timeout
         try:
-            await asyncio.wait_for(self._lock.acquire(), timeout)
+            await wait_for(self._lock.acquire(), timeout)
         except asyncio.TimeoutError:
             raise ChannelError(f"channel to {self.address} busy for {timeout:.1f}s") from None
         try:
@@ -173,7 +174,7 @@ class PeerChannel:
     async def aclose(self, grace: float = 5.0) -> None:
         """Close once an exchange in flight finishes (or after ``grace`` seconds)."""
         try:
-            await asyncio.wait_for(self._lock.acquire(), grace)
+            await wait_for(self._lock.acquire(), grace)
             self._lock.release()
         except asyncio.TimeoutError:
             logger.warning("closing channel to %s with an exchange still in flight", self.address)
@@ -222,7 +223,7 @@ async def dial(
         raise ValueError(f"unsupported device {device}; expected one of {SUPPORTED_DEVICE_TYPES}")
     host, port = split_address(address)
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), connect_timeout)
+        reader, writer = await wait_for(asyncio.open_connection(host, port), connect_timeout)
     except (OSError, asyncio.TimeoutError) as e:
         raise ChannelError(f"cannot connect to {address}: {e or type(e).__name__}") from e
     stream = FramedStream(reader, writer, max_frame_bytes)

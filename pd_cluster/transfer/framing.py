@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_core import PydanticUndefined
 
+from pd_cluster.aio import wait_for
 from pd_cluster.transfer.errors import ConnectionClosed, FrameError, FrameTooLarge
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ async def read_frame(reader: asyncio.StreamReader, timeout: float | None, max_by
         except asyncio.IncompleteReadError:
             raise FrameError("connection closed inside a frame") from None
 
-    return await asyncio.wait_for(_read(), timeout)
+    return await wait_for(_read(), timeout)
 
 
 def enable_keepalive(sock: socket.socket | None) -> None:
@@ -150,7 +151,7 @@ class FramedStream:
 
     async def send(self, message: DataMessage, timeout: float | None) -> None:
         self.writer.write(encode_message(message, self.max_frame_bytes))
-        await asyncio.wait_for(self.writer.drain(), timeout)
+        await wait_for(self.writer.drain(), timeout)
 
     async def receive(self, timeout: float | None) -> DataMessage:
         return decode_message(await read_frame(self.reader, timeout, self.max_frame_bytes))
@@ -166,6 +167,6 @@ class FramedStream:
     async def aclose(self, timeout: float = 1.0) -> None:
         self.close()
         try:
-            await asyncio.wait_for(self.writer.wait_closed(), timeout)
+            await wait_for(self.writer.wait_closed(), timeout)
         except (OSError, asyncio.TimeoutError):
             pass

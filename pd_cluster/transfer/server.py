@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
+from pd_cluster.aio import wait_for
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.channel import HOST_RANK, TensorChannel, TensorSpec
 from pd_cluster.transfer.errors import ChannelError, ConnectionClosed, FrameError
@@ -149,7 +150,7 @@ class DataPlaneServer:
             await asyncio.wait(list(self._tasks), timeout=timeout)
         if self._server is not None:
             try:
-                await asyncio.wait_for(self._server.wait_closed(), timeout)
+                await wait_for(self._server.wait_closed(), timeout)
             except asyncio.TimeoutError:
                 logger.warning("data plane of %s: connections still closing after %.1fs", self.node_id, timeout)
             self._server = None
