@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 logger = logging.getLogger("pd_cluster")
 
@@ -143,6 +144,19 @@ def _gpu_count() -> int:
         return 0
 
 
+def _write_admin_token(token: str) -> Path:
+    """Keep the local cluster's admin token in a file only the user can read (never printed)."""
+    from pd_cluster.default_model import cache_home
+
+    path = cache_home() / "local" / "admin-token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
 def _served_name(model: str) -> str:
     from pd_cluster.default_model import DEFAULT_MODEL_NAME
 
@@ -158,6 +172,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("PD_CLUSTER_TOKEN", secrets.token_urlsafe(24))
     env.setdefault("PD_ADMIN_TOKEN", secrets.token_urlsafe(24))
+    token_file = _write_admin_token(env["PD_ADMIN_TOKEN"])
     base = [sys.executable, "-m", "pd_cluster.cli", "--log-level", args.log_level]
     url = f"http://{args.host}:{args.port}"
     engine = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--block-size",
@@ -189,7 +204,8 @@ def cmd_local(args: argparse.Namespace) -> int:
             f"\npd-cluster is serving at {url}/v1 ({args.prefill} prefill, {args.decode} decode)\n"
             f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
-            f"admin token: set PD_ADMIN_TOKEN before starting to choose it. Ctrl-C stops everything.\n\n"
+            f"admin API token (for /admin/nodes): in {token_file} (readable by you only)\n"
+            f"Ctrl-C stops everything.\n\n"
         )
         sys.stderr.flush()
         while all(p.poll() is None for p in procs):
