@@ -69,13 +69,13 @@ class Handover:
             raise ValueError(f"request_id: {request_id!r} is already on this node")
         sched = engine.scheduler
         n = len(prompt_token_ids)
-        left = sched._left_for(params, generated=1)
+        left = sched.predicted_left(params, generated=1)
         busy = len(sched.running) + len(self.reservations)
         if busy >= engine.config.max_running_requests or not sched.fits(n + 1, left):
             raise NoCapacity(f"decode node is full ({len(sched.running)} running, {engine.pool.num_free} free KV slots)")
         match = engine.cache.match_prefix(prompt_token_ids)
         engine.cache.inc_ref(match.node)
-        slots = sched._alloc(n - match.num_tokens)
+        slots = sched.alloc_slots(n - match.num_tokens)
         if slots is None:
             engine.cache.dec_ref(match.node)
             raise NoCapacity("decode node has no free KV slots")

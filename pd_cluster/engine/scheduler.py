@@ -128,7 +128,7 @@ class Scheduler:
         self.running.sort(key=lambda r: r.arrival_time)
 
         decoding = [r for r in self.running if r.remaining_to_compute == 1]
-        batch_slots = self._alloc(len(decoding)) if decoding else None
+        batch_slots = self.alloc_slots(len(decoding)) if decoding else None
         if batch_slots is not None:  # the common case: one allocation for the whole decode batch
             for req, slot in zip(decoding, batch_slots.split(1)):
                 step.add(req, 1, slot, sample=True)
@@ -137,13 +137,13 @@ class Scheduler:
         for req in decoding:
             if req not in self.running:
                 continue
-            slots = self._alloc(1)
+            slots = self.alloc_slots(1)
             while slots is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
                     break
-                slots = self._alloc(1)
+                slots = self.alloc_slots(1)
             if slots is None:
                 continue
             step.add(req, 1, slots, sample=True)
@@ -155,7 +155,7 @@ class Scheduler:
             if req.remaining_to_compute <= 1 or req not in self.running:
                 continue
             n = min(req.remaining_to_compute, budget)
-            slots = self._alloc(n)
+            slots = self.alloc_slots(n)
             if slots is None:
                 break
             step.add(req, n, slots, sample=n == req.remaining_to_compute)
@@ -169,7 +169,8 @@ class Scheduler:
             budget -= step.q_lens[-1]
         return step
 
-    def _alloc(self, n: int) -> torch.Tensor | None:
+    def alloc_slots(self, n: int) -> torch.Tensor | None:
+        """``n`` free KV slots, evicting unpinned prefix-cache entries if needed; None if impossible."""
         slots = self.pool.alloc(n)
         if slots is None and self.cache.evictable_tokens > 0:
             self.cache.evict(n - self.pool.num_free)
@@ -177,9 +178,10 @@ class Scheduler:
         return slots
 
     def _left(self, req: Request) -> int:
-        return self._left_for(req.sampling.params, len(req.output_token_ids))
+        return self.predicted_left(req.sampling.params, len(req.output_token_ids))
 
-    def _left_for(self, params, generated: int) -> int:
+    def predicted_left(self, params, generated: int) -> int:
+        """Output tokens a request with these params is still expected to produce."""
         return self.predictor.remaining(generated, params.max_tokens, params.ignore_eos)
 
     def fits(self, extra_held: int, extra_left: int) -> bool:
@@ -199,7 +201,7 @@ class Scheduler:
             return False
         self.cache.inc_ref(match.node)
         n = min(req.num_tokens - usable, budget)
-        slots = self._alloc(n)
+        slots = self.alloc_slots(n)
         if slots is None:
             self.cache.dec_ref(match.node)
             self.table.free_row(row)
