@@ -458,7 +458,7 @@ async def test_server_stop_and_idle_timeout_close_connections_and_groups() -> No
         await server.stop()
 
 
-# ---- on GPUs (run on a lent GPU machine: ``-m gpu``) -----------------------------------------
+# ---- on GPUs (run on a GPU machine: ``-m gpu``) ---------------------------------------------
 
 
 def _layers(device: str) -> list[torch.Tensor]:
