@@ -59,6 +59,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class ChannelCounters:
+    """Backend and byte counters of the tensor channel, as either end of a pair shows them."""
+
+    channel: "TensorChannel"
+
+    @property
+    def backend(self) -> str:
+        return self.channel.backend
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.channel.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.channel.bytes_received
+
+
 class TensorChannel:
     """Send and receive tensors to one peer through a 2-rank process group.
 

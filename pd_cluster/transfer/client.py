@@ -18,7 +18,7 @@ import torch
 
 from pd_cluster.aio import wait_for
 from pd_cluster.kv_spec import KVSpec
-from pd_cluster.transfer.channel import TensorChannel, TensorSpec
+from pd_cluster.transfer.channel import ChannelCounters, TensorChannel, TensorSpec
 from pd_cluster.transfer.errors import (
     ChannelError,
     ConnectionClosed,
@@ -43,7 +43,7 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-class PeerChannel:
+class PeerChannel(ChannelCounters):
     """One prefill -> decode channel: request/reply frames and tensor moves, one exchange at a time.
 
     :meth:`request` is the whole exchange (message, optional tensors, reply) under the channel
@@ -63,18 +63,6 @@ class PeerChannel:
         self._lock = asyncio.Lock()
         self._on_close = on_close
         self._closed = False
-
-    @property
-    def backend(self) -> str:
-        return self.channel.backend
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.channel.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self.channel.bytes_received
 
     @property
     def closed(self) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from pd_cluster.aio import wait_for
 from pd_cluster.kv_spec import KVSpec
-from pd_cluster.transfer.channel import HOST_RANK, TensorChannel, TensorSpec
+from pd_cluster.transfer.channel import ChannelCounters, HOST_RANK, TensorChannel, TensorSpec
 from pd_cluster.transfer.errors import ChannelError, ConnectionClosed, FrameError
 from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply, FramedStream
 from pd_cluster.transfer.handshake import (
@@ -33,7 +33,7 @@ from pd_cluster.transfer.handshake import (
 logger = logging.getLogger(__name__)
 
 
-class PeerConnection:
+class PeerConnection(ChannelCounters):
     """One connected prefill node as the handler sees it: its identity and the tensor channel."""
 
     def __init__(self, stream: FramedStream, channel: TensorChannel, peer_node_id: str) -> None:
@@ -41,18 +41,6 @@ class PeerConnection:
         self.channel = channel
         self.peer_node_id = peer_node_id
         self.peer_address = stream.peer
-
-    @property
-    def backend(self) -> str:
-        return self.channel.backend
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.channel.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self.channel.bytes_received
 
     @property
     def closed(self) -> bool:
