@@ -48,13 +48,34 @@ class EngineConfig(BaseModel):
         return sorted(sizes)
 
     def resolved_device(self) -> str:
-        import torch
-
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
+        """A concrete device name: ``auto`` and ``cuda`` become ``cuda:N`` (the process's current
+        GPU) before anything touches CUDA, since ``torch.cuda.set_device`` refuses a bare "cuda"."""
+        return resolve_device(self.device)
 
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda:N`` when a GPU is visible, else ``cpu``; ``cuda`` -> ``cuda:N``."""
+    import torch
+
+    name = device.strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device: cuda was asked for but no CUDA device is visible")
+        return f"cuda:{torch.cuda.current_device()}"
+    if name.startswith("cuda:"):
+        index = name.removeprefix("cuda:")
+        if not index.isdigit():
+            raise ValueError(f"device: {device!r} is not cuda:N")
+        if torch.cuda.is_available() and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        return name
+    if name != "cpu":
+        raise ValueError(f"device: {device!r}; expected auto, cpu, cuda or cuda:N")
+    return name
