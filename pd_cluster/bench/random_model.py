@@ -1,0 +1,139 @@
+"""Write a random-weight Llama-family model directory that any command takes as ``--model DIR``.
+
+GPU benchmarks and GPU end-to-end tests need a model of a real shape (Llama-3-8B) on disk, as
+users give one, without downloading it: the weights are N(0, 0.02) like a fresh Hugging Face
+model, in Hugging Face tensor names and safetensors shards, and the tokenizer (with its chat
+template) is copied from a real small model, by default the converted default model. Token ids
+beyond the tokenizer's vocabulary decode to nothing, so a random model's answers are mostly empty
+text but their token counts and timings are real.
+
+    python -m pd_cluster.bench.random_model --shape llama3-8b --out /tmp/llama3-8b-random
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+#: Shapes shipped as package data (pd_cluster/bench/configs/<name>.json).
+SHAPES = ("llama3-8b", "smollm2-135m", "tiny")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+SHARD_BYTES = 4 * 2**30
+
+
+def shape_config(shape: str) -> dict:
+    if shape not in SHAPES:
+        raise ValueError(f"shape: {shape!r}; expected one of {SHAPES}")
+    return json.loads(resources.files("pd_cluster.bench").joinpath(f"configs/{shape}.json").read_text())
+
+
+def _layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of one model of ``cfg``'s shape."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    shapes["model.norm.weight"] = (h,)
+    if not cfg.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    return shapes
+
+
+def write_random_model(
+    shape: str, out_dir: Path, tokenizer_dir: Path | None = None, *, dtype: str = "bfloat16", seed: int = 0,
+    device: str | None = None,
+) -> Path:
+    """Write config, safetensors shards and tokenizer files into ``out_dir``; returns it."""
+    cfg = shape_config(shape)
+    if tokenizer_dir is None:
+        from pd_cluster.default_model import default_model_path
+
+        tokenizer_dir = default_model_path()
+    torch_dtype = getattr(torch, dtype)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer_cfg = json.loads((tokenizer_dir / "config.json").read_text())
+    # The tokenizer's special tokens stand in for the shape's own (they decode and stop generation).
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in tokenizer_cfg:
+            cfg[key] = tokenizer_cfg[key]
+    # Every prompt token must be a valid id: a shape smaller than the tokenizer grows its vocabulary.
+    from transformers import AutoTokenizer
+
+    cfg["vocab_size"] = max(cfg["vocab_size"], len(AutoTokenizer.from_pretrained(tokenizer_dir)))
+    cfg["_name_or_path"] = out_dir.name
+    cfg["torch_dtype"] = dtype
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor_shape in _layer_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(tensor_shape, dtype=torch_dtype)
+        else:
+            tensor = torch.empty(tensor_shape, dtype=torch_dtype, device=device).normal_(0.0, 0.02, generator=gen).cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    total = 0
+    for index, shard in enumerate(shards, start=1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        logger.info("wrote %s (%d tensors)", file, len(shard))
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    logger.info("random %s model (%.2f GB of %s weights) in %s", shape, total / 1e9, dtype, out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama3-8b", choices=SHAPES)
+    parser.add_argument("--out", required=True, type=Path, help="model directory to write")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="directory with tokenizer files (default: the converted default model)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    write_random_model(args.shape, args.out, args.tokenizer, dtype=args.dtype, seed=args.seed)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
