@@ -67,6 +67,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pd_cluster.bench.serve.options import config_from_args
+    from pd_cluster.bench.serve.plots import require_matplotlib, write_plots
+    from pd_cluster.bench.serve.report import format_table, write_json
+    from pd_cluster.bench.serve.runner import BenchSetupError, run_serve_bench
+
+    try:
+        config = config_from_args(args)
+        if args.plot_dir:
+            require_matplotlib()  # before the run, not after an hour of it
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"pd-cluster bench serve: {e}") from None
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the progress bar
+    try:
+        sweep = run_serve_bench(config)
+    except BenchSetupError as e:
+        raise SystemExit(f"pd-cluster bench serve: {e}") from None
+    sys.stdout.write(format_table(sweep))
+    if args.json_path:
+        sys.stdout.write(f"results: {write_json(sweep, Path(args.json_path))}\n")
+    if args.plot_dir:
+        for path in write_plots(sweep, Path(args.plot_dir)):
+            sys.stdout.write(f"plot: {path}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-cluster", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="INFO")
@@ -91,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     offline.add_argument("--out-dir", default="docs/benchmarks")
     offline.set_defaults(func=cmd_bench)
+    from pd_cluster.bench.serve.options import add_arguments as add_bench_serve_arguments
+
+    serve = bench_sub.add_parser(
+        "serve", help="serving benchmark against an OpenAI-compatible endpoint (TTFT/TPOT/ITL, goodput)",
+        description="Serving benchmark against any OpenAI-compatible endpoint: workloads, arrival rates, "
+                    "TTFT/TPOT/ITL/E2E percentiles, goodput at an SLO; table, JSON and PNG plots.",
+    )
+    add_bench_serve_arguments(serve)
+    serve.set_defaults(func=cmd_bench_serve)
 
     from pd_cluster import cli_serve
 
