@@ -8,7 +8,8 @@ own master it also reads the KV bytes moved per prompt token from ``/metrics``.
 Modules, one job each: ``config`` (the run's settings), ``workloads`` (what to send),
 ``arrivals`` (when), ``client`` (one streamed request, timed), ``server_metrics`` (Prometheus
 counters of the endpoint), ``metrics`` (pure summaries of request records), ``runner`` (the
-run), ``report`` (table and JSON), ``plots`` (PNG figures, needs matplotlib).
+run), ``report`` (table and JSON), ``plots`` (PNG figures, needs matplotlib), ``options``
+(the command-line flags).
 """
 
 from pd_cluster.bench.serve.config import ServeBenchConfig
