@@ -1,0 +1,224 @@
+"""The served system, measured as users run it: ``pd-cluster local`` started with its default
+flags, then ``bench serve`` through the master (cold start, a rate sweep, multi-turn).
+
+    python -m pd_cluster.bench.served --model DIR --out docs/benchmarks --sweep 2,4,8,16
+
+Writes ``serve-<kind>-<date>.json`` (every run, the placement table, time to ready), a markdown
+table beside it and the plots of the sweep. The cold-start figure is the first request's TTFT
+against the p50 TTFT of the requests after it, in one low-rate run right after the cluster is
+ready: the first request pays whatever the cluster left for later (channels, kernels, graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pd_cluster.bench.serve.config import ServeBenchConfig
+from pd_cluster.bench.serve.report import format_table, results_document
+from pd_cluster.bench.serve.runner import SweepResult, run_serve_bench
+
+logger = logging.getLogger(__name__)
+
+
+def device_kind() -> str:
+    """``nvidia-h100-x1``-style name of this machine's GPUs, or ``cpu``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    chip = next((c for c in ("h200", "h100", "a100", "l40s", "b200") if c in name), name.split()[-1])
+    return f"nvidia-{chip}-x{torch.cuda.device_count()}"
+
+
+class LocalCluster:
+    """``pd-cluster local`` as a child process, stopped with SIGTERM (its documented stop)."""
+
+    def __init__(self, args: list[str], log_path: Path, port: int) -> None:
+        self.args = args
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.ready_s: float | None = None
+
+    def start(self, timeout: float) -> float:
+        log = open(self.log_path, "wb")
+        started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.cli", "local", *self.args],
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = started + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pd-cluster local exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - started
+                    return self.ready_s
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"pd-cluster local not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def wait_for_line(self, marker: str, timeout: float) -> str:
+        """The launcher's log once it holds ``marker`` (the placement table follows readiness)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")
+            if marker in text:
+                return text
+            time.sleep(0.5)
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 90.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait(10)
+
+
+def placement_table(log: str) -> str:
+    """The launcher's placement table: the block of lines from its 'placement' header."""
+    lines = log.splitlines()
+    start = next((i for i, line in enumerate(lines) if "placement" in line.lower()), None)
+    if start is None:
+        return ""
+    block = []
+    for line in lines[start:]:
+        if block and not line.strip():
+            break
+        block.append(line)
+    return "\n".join(block)
+
+
+def cold_start(sweep: SweepResult) -> dict[str, Any]:
+    """First request's TTFT (by send time) against the p50 TTFT of the rest, in one run."""
+    records = sorted((r for r in sweep.results[0].records if r.ok and r.ttft is not None), key=lambda r: r.start)
+    if len(records) < 3:
+        raise RuntimeError("cold start: too few completed requests to compare")
+    first, rest = records[0].ttft, [r.ttft for r in records[1:]]
+    warm = statistics.median(rest)
+    return {"first_ttft_s": first, "warm_ttft_p50_s": warm, "ratio": first / warm, "requests": len(records)}
+
+
+def _run(config: ServeBenchConfig, name: str, out_dir: Path) -> SweepResult:
+    logger.info("bench serve: %s", name)
+    sweep = run_serve_bench(config)
+    sys.stdout.write(f"\n[{name}]\n{format_table(sweep)}")
+    sys.stdout.flush()
+    return sweep
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"# Served system on {doc['device']} ({doc['date']})", "",
+             f"`pd-cluster local --model <{doc['model_shape']} random weights>` with default flags; "
+             f"ready after {doc['ready_s']:.0f} s. SLO: TTFT <= {doc['slo']['ttft_s']:g} s, "
+             f"TPOT <= {doc['slo']['tpot_s'] * 1000:g} ms.", "", "```", doc["placement"] or "(no table)", "```", ""]
+    cold = doc["cold_start"]
+    lines += [f"Cold start: first request TTFT {cold['first_ttft_s'] * 1000:.0f} ms, warm p50 "
+              f"{cold['warm_ttft_p50_s'] * 1000:.0f} ms (ratio {cold['ratio']:.2f}).", ""]
+    for key, title in (("sweep", "Random workload, rate sweep"), ("multi_turn", "Multi-turn")):
+        if key not in doc:
+            continue
+        lines += [f"## {title}", "", "| rate | done | req/s | out tok/s | goodput | SLO ok | TTFT p50/p99 ms | "
+                  "TPOT p50/p99 ms | ITL p50 ms | cached | KV B/prompt tok |", "|" + "---|" * 11]
+        for r in doc[key]["results"]:
+            def ms(d: dict, k: str) -> str:
+                return "-" if d.get(k) is None else f"{d[k] * 1000:.1f}"
+            kv = r.get("kv_bytes_per_prompt_token")
+            cached = r.get("cached_fraction")
+            lines.append(
+                f"| {r['rate']} | {r['completed']}/{r['num_requests']} | {r['request_throughput']:.2f} | "
+                f"{r['output_throughput']:.0f} | {r['goodput']:.2f} | {r['slo_attainment']:.0%} | "
+                f"{ms(r['ttft'], 'p50')}/{ms(r['ttft'], 'p99')} | {ms(r['tpot'], 'p50')}/{ms(r['tpot'], 'p99')} | "
+                f"{ms(r['itl'], 'p50')} | {'-' if cached is None else f'{cached:.0%}'} | "
+                f"{'-' if kv is None else f'{kv:,.0f}'} |")
+        lines.append("")
+    if "max_rate_at_slo" in doc:
+        lines.append(f"Highest swept rate with >= 90% of requests within the SLO: {doc['max_rate_at_slo']} req/s.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="model directory (e.g. from pd_cluster.bench.random_model)")
+    parser.add_argument("--model-shape", default="llama3-8b", help="what the model is, for the report")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--local-args", default="", help="extra flags for pd-cluster local (default: none)")
+    parser.add_argument("--sweep", default="2,4,8,16")
+    parser.add_argument("--requests-per-rate", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--cold-requests", type=int, default=16)
+    parser.add_argument("--cold-rate", type=float, default=1.0)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--slo-ttft", type=float, default=1.0)
+    parser.add_argument("--slo-tpot", type=float, default=0.05)
+    parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument("--tag", default="", help="suffix of the result files (e.g. run2)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    kind, date = device_kind(), dt.date.today().isoformat()
+    stem = f"serve-{kind}-{date}" + (f"-{args.tag}" if args.tag else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    cluster = LocalCluster(["--model", args.model, "--port", str(args.port), *args.local_args.split()],
+                           args.out / f"{stem}-local.log", args.port)
+    base = ServeBenchConfig(base_url=cluster.url, model=None, tokenizer=args.model, input_len=args.input_len,
+                            output_len=args.output_len, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
+                            save_requests=False, progress=False)
+    doc: dict[str, Any] = {"device": kind, "date": date, "model_shape": args.model_shape,
+                           "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
+    try:
+        doc["ready_s"] = cluster.start(args.ready_timeout)
+        doc["placement"] = placement_table(cluster.wait_for_line("placement", 30))
+        cold = _run(replace(base, num_requests=args.cold_requests, rates=[args.cold_rate], seed=1000,
+                            save_requests=True), "cold start", args.out)
+        doc["cold_start"] = cold_start(cold)
+        sweep = _run(replace(base, num_requests=args.requests_per_rate,
+                             rates=[float(r) for r in args.sweep.split(",")]), "sweep", args.out)
+        doc["sweep"] = results_document(sweep)
+        ok = [r["rate"] for r in doc["sweep"]["results"] if r["slo_attainment"] >= 0.9 and not r["failed"]]
+        doc["max_rate_at_slo"] = max(ok) if ok else None
+        try:
+            from pd_cluster.bench.serve.plots import write_plots
+
+            doc["plots"] = [str(p) for p in write_plots(sweep, args.out / f"{stem}-plots")]
+        except RuntimeError as e:  # matplotlib missing
+            logger.warning("no plots: %s", e)
+        turns = _run(replace(base, workload="multi-turn", num_conversations=args.conversations, turns=args.turns,
+                             input_len=256, output_len=64, rates=[2.0]), "multi-turn", args.out)
+        doc["multi_turn"] = results_document(turns)
+    finally:
+        doc["launcher_exit"] = cluster.stop()
+        (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(doc))
+    sys.stdout.write(f"\nresults: {args.out / stem}.json\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
