@@ -9,10 +9,6 @@ import argparse
 import importlib
 import logging
 import os
-import secrets
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -39,13 +35,20 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     else:
         p.add_argument("--max-channels", type=int, default=8)
     _engine_args(p)
+    p.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
+                   help="share of the GPU's total memory this node may use (weights, headroom and KV); for nodes "
+                        "sharing a GPU (default: the KV pool takes a fraction of the memory free at start)")
 
 
 def _node_settings(args: argparse.Namespace, role: str):
     from pd_cluster.cli import engine_config_from_args
+    from pd_cluster.config import EngineConfig
     from pd_cluster.node_config import NodeSettings
 
-    fields = {"master": args.master, "engine": engine_config_from_args(args), "status_host": args.status_host,
+    engine = EngineConfig.model_validate(
+        {**engine_config_from_args(args).model_dump(), "gpu_memory_fraction": args.gpu_memory_fraction}
+    )
+    fields = {"master": args.master, "engine": engine, "status_host": args.status_host,
               "status_port": args.status_port, "drain_timeout_s": args.drain_timeout, "lease_s": args.lease_s}
     if args.node_id:
         fields["node_id"] = args.node_id
@@ -119,111 +122,40 @@ def cmd_node_drain(args: argparse.Namespace) -> int:
     return 1
 
 
-def _wait_ready(url: str, procs: list[subprocess.Popen], timeout: float) -> bool:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return False
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return False
-
-
-def _gpu_count() -> int:
+def _gpu_list(text: str) -> list[int]:
     try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:
-        return 0
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 (got {text!r})") from None
 
 
-def _write_admin_token(token: str) -> Path:
-    """Keep the local cluster's admin token in a file only the user can read (never printed)."""
-    from pd_cluster.default_model import cache_home
-
-    path = cache_home() / "local" / "admin-token"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(path, 0o600)
-    return path
-
-
-def _served_name(model: str) -> str:
-    from pd_cluster.default_model import DEFAULT_MODEL_NAME
-
-    if model == "default":
-        return DEFAULT_MODEL_NAME
-    from pd_cluster.model.config import ModelConfig
-
-    return ModelConfig.from_path(model).name
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (got {text!r})") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (got {text!r})")
+    return value
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    """Master + P prefill + D decode nodes as separate processes on this machine."""
-    env = dict(os.environ)
-    env.setdefault("PD_CLUSTER_TOKEN", secrets.token_urlsafe(24))
-    env.setdefault("PD_ADMIN_TOKEN", secrets.token_urlsafe(24))
-    token_file = _write_admin_token(env["PD_ADMIN_TOKEN"])
-    base = [sys.executable, "-m", "pd_cluster.cli", "--log-level", args.log_level]
-    url = f"http://{args.host}:{args.port}"
-    engine = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--block-size",
-              str(args.block_size)]
-    if args.max_total_tokens:
-        engine += ["--max-total-tokens", str(args.max_total_tokens)]
-    gpus = _gpu_count() if args.device in ("auto", "cuda") else 0
-    procs: list[subprocess.Popen] = []
+    """Master + P prefill + D decode nodes as supervised processes on this machine."""
+    from pd_cluster.local_cluster import LocalCluster, LocalOptions, PlacementError
 
-    def spawn(cmd: list[str], gpu: int | None = None) -> None:
-        child_env = dict(env)
-        if gpu is not None:
-            child_env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        procs.append(subprocess.Popen(cmd, env=child_env))
-
-    spawn(base + ["master", "--host", args.host, "--port", str(args.port), "--model", args.model,
-                  "--policy", args.policy])
-    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
-    for index, role in enumerate(roles):
-        gpu = index % gpus if gpus >= 2 else None
-        name = f"{role}-{index}"
-        spawn(base + [role, "--master", url, "--node-id", name] + engine, gpu)
-    served = _served_name(args.model)
+    options = LocalOptions(
+        host=args.host, port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
+        device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
+        max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
+        stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
+        echo_logs=args.echo_logs, log_level=args.log_level,
+    )
     try:
-        if not _wait_ready(url, procs, args.ready_timeout):
-            logger.error("the cluster did not become ready (see the logs above)")
-            return 1
-        sys.stderr.write(
-            f"\npd-cluster is serving at {url}/v1 ({args.prefill} prefill, {args.decode} decode)\n"
-            f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-            f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
-            f"admin API token (for /admin/nodes): in {token_file} (readable by you only)\n"
-            f"Ctrl-C stops everything.\n\n"
-        )
-        sys.stderr.flush()
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        logger.error("a cluster process exited; stopping the rest")
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        for p in procs:
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        cluster = LocalCluster(options)
+    except PlacementError as e:
+        logger.error("%s", e)
+        return 2
+    return cluster.run()
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -245,18 +177,26 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _node_args(d, "decode")
     d.set_defaults(func=cmd_node)
 
-    loc = sub.add_parser("local", help="master + prefill + decode nodes on this machine")
+    loc = sub.add_parser(
+        "local", help="master + prefill + decode nodes on this machine, supervised (crashes are restarted)")
     loc.add_argument("--host", default="127.0.0.1")
     loc.add_argument("--port", type=int, default=8000)
-    loc.add_argument("--prefill", type=int, default=1)
-    loc.add_argument("--decode", type=int, default=1)
+    loc.add_argument("--prefill", type=int, default=1, help="prefill nodes to keep running")
+    loc.add_argument("--decode", type=int, default=1, help="decode nodes to keep running")
     loc.add_argument("--model", default="default")
-    loc.add_argument("--device", default="auto")
+    loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
+    loc.add_argument("--gpus", type=_gpu_list, default=None,
+                     help="GPUs to spread the nodes over, e.g. 0,1 (default: every visible GPU); nodes sharing a "
+                          "GPU split its free memory")
     loc.add_argument("--dtype", default="auto")
     loc.add_argument("--block-size", type=int, default=1)
-    loc.add_argument("--max-total-tokens", type=int, default=None)
+    loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"])
-    loc.add_argument("--ready-timeout", type=float, default=300.0)
+    loc.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the cluster to serve")
+    loc.add_argument("--stop-timeout", type=float, default=30.0,
+                     help="seconds Ctrl-C/SIGTERM waits for the nodes to drain and the master to stop")
+    loc.add_argument("--log-dir", default=None, help="per-process log files (default: $PD_CLUSTER_HOME/local/logs)")
+    loc.add_argument("--echo-logs", action="store_true", help="also print every process's output here")
     loc.set_defaults(func=cmd_local)
 
     drain = sub.add_parser("node-drain", help="ask the node on this host to drain and wait for it (preStop)")

@@ -17,6 +17,11 @@ class EngineConfig(BaseModel):
         default=None, gt=0, description="KV slots in the pool; None: a fraction of free GPU memory, or 32768 on CPU"
     )
     kv_memory_fraction: float = Field(default=0.85, gt=0.0, lt=1.0)
+    gpu_memory_fraction: float | None = Field(
+        default=None, gt=0.0, le=1.0,
+        description="share of the GPU's total memory this engine may hold (weights, headroom, KV), for engines "
+                    "sharing a GPU; None: the KV pool takes kv_memory_fraction of the memory free at start",
+    )
     block_size: int = Field(default=1, gt=0, description="tokens per prefix-cache and transfer block")
     enable_prefix_cache: bool = True
     max_running_requests: int = Field(default=64, gt=0)

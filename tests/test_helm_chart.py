@@ -395,6 +395,7 @@ BAD_VALUES = {
     "hostPath without path": ({"model": {"source": "hostPath"}}, "/model/hostPath/path"),
     "negative gpu count": ({"decode": {"gpu": -1}}, "/decode/gpu"),
     "unknown device": ({"prefill": {"device": "tpu"}}, "/prefill/device"),
+    "gpu memory fraction above 1": ({"decode": {"gpuMemoryFraction": 1.5}}, "/decode/gpuMemoryFraction"),
     "misspelled key": ({"decode": {"replica": 3}}, "replica"),
     "unknown service type": ({"master": {"service": {"type": "Ingress"}}}, "/master/service/type"),
 }
@@ -634,6 +635,36 @@ def test_gpu_limits_are_set_per_role(helm: Helm) -> None:
     assert prefill["requests"] == {"cpu": "4", "memory": "16Gi"}
     decode = release.container("decode")["resources"]
     assert decode["limits"] == {"cpu": "8", "memory": "32Gi"}
+
+
+def test_gpu_nodes_get_one_gpu_and_pass_their_device(default_release: Release) -> None:
+    for role in NODE_ROLES:
+        container = default_release.container(role)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert "nvidia.com/gpu" not in container["resources"].get("requests", {})
+        args = container["args"]
+        assert args[args.index("--device") + 1] == "cuda"
+        assert "--gpu-memory-fraction" not in args  # a GPU of its own: the node sizes its KV itself
+
+
+def test_cpu_nodes_request_no_gpu(helm: Helm) -> None:
+    release = helm.install({role: {"device": "cpu", "gpu": 0} for role in NODE_ROLES})
+    for role in NODE_ROLES:
+        container = release.container(role)
+        assert not any("gpu" in key for key in container["resources"].get("limits", {}))
+        assert container["args"][container["args"].index("--device") + 1] == "cpu"
+
+
+def test_gpu_memory_fraction_is_passed_per_role(helm: Helm) -> None:
+    release = helm.install({"decode": {"gpuMemoryFraction": 0.45}})
+    decode = release.container("decode")["args"]
+    assert decode[decode.index("--gpu-memory-fraction") + 1] == "0.45"
+    assert "--gpu-memory-fraction" not in release.container("prefill")["args"]
+
+
+def test_install_rejects_a_cuda_node_without_a_gpu(helm: Helm) -> None:
+    with pytest.raises(helm_sdkpy.InstallError, match="decode.device=cuda needs decode.gpu >= 1"):
+        helm.install({"decode": {"device": "cuda", "gpu": 0}})
 
 
 def test_node_placement_is_set_per_role(helm: Helm) -> None:

@@ -103,6 +103,49 @@ def test_spec_advertises_the_node_ip_and_defaults_to_cuda_with_gpus():
     assert "--data-host" not in argv
 
 
+def test_spec_packs_a_prefill_and_a_decode_on_one_gpu_with_matching_memory_fractions():
+    shared = ClusterSpec(gpus_per_node=0.5)
+    assert shared.node_actor_options("decode") == {"num_cpus": 1.0, "num_gpus": 0.5, "resources": {}}
+    for role in ("prefill", "decode"):
+        argv = shared.node_argv(role, f"{role}-0", "http://10.0.0.1:8000", "10.0.0.7")
+        fraction = float(argv[argv.index("--gpu-memory-fraction") + 1])
+        assert 0.4 <= fraction < 0.5  # its half of the GPU, less the CUDA context kept outside
+        assert argv[argv.index("--device") + 1] == "cuda"
+
+    whole = ClusterSpec()  # a GPU of its own: the node sizes its KV from what is free
+    assert whole.node_actor_options("prefill")["num_gpus"] == 1.0
+    assert "--gpu-memory-fraction" not in whole.node_argv("prefill", "prefill-0", "http://m:8000", "10.0.0.7")
+
+    explicit = ClusterSpec(gpus_per_node=0.25, gpu_memory_fraction=0.2, decode_resource="pd_decode")
+    assert explicit.node_actor_options("decode") == {"num_cpus": 1.0, "num_gpus": 0.25,
+                                                     "resources": {"pd_decode": 1.0}}
+    argv = explicit.node_argv("decode", "decode-0", "http://m:8000", "10.0.0.7")
+    assert argv[argv.index("--gpu-memory-fraction") + 1] == "0.2"
+
+    fixed = ClusterSpec(gpus_per_node=0.5, max_total_tokens=4096)  # a fixed pool: nothing to split
+    assert "--gpu-memory-fraction" not in fixed.node_argv("decode", "decode-0", "http://m:8000", "10.0.0.7")
+
+
+def test_node_actors_take_the_spec_gpu_share(monkeypatch):
+    from pd_cluster.ray_launcher import launcher as launcher_module
+
+    options: dict = {}
+
+    class FakeActorClass:
+        def options(self, **kw):
+            options.update(kw)
+            return self
+
+        def remote(self, *args):
+            return args
+
+    monkeypatch.setattr(launcher_module, "_remote", lambda cls: FakeActorClass())
+    spec = ClusterSpec(namespace=NAMESPACE, gpus_per_node=0.5, cpus_per_node=2, prefill_resource="pd_prefill")
+    RayLauncher(namespace=NAMESPACE)._create_node(spec, "prefill", "prefill-0", "http://10.0.0.1:8000")
+    assert options["num_gpus"] == 0.5 and options["num_cpus"] == 2
+    assert options["resources"] == {"pd_prefill": 1.0} and options["name"] == "prefill-0"
+
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_YAML = REPO / "deploy" / "ray" / "cluster.yaml"
 

@@ -30,6 +30,7 @@ from pd_cluster.model.weights import load_weights
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_TOKENS = 16384
+GPU_HEADROOM_BYTES = 512 * 2**20  # activations and CUDA graphs, kept out of the KV pool
 KVEventSink = Callable[[list[int], list[int]], None]
 
 
@@ -104,10 +105,19 @@ class LLMEngine:
         )
 
     def _default_kv_tokens(self) -> int:
+        """KV slots when none are configured. With ``gpu_memory_fraction`` (engines sharing a GPU) the
+        pool is that share of the GPU's total memory less what this process already holds (its
+        weights) and the headroom, capped by what is free; otherwise a fraction of the free memory."""
         if self.device.type != "cuda":
             return CPU_DEFAULT_KV_TOKENS
-        free, _total = torch.cuda.mem_get_info(self.device)
-        budget = int(free * self.config.kv_memory_fraction) - 512 * 2**20  # activations and graphs
+        free, total = torch.cuda.mem_get_info(self.device)
+        fraction = self.config.gpu_memory_fraction
+        if fraction is None:
+            budget = int(free * self.config.kv_memory_fraction) - GPU_HEADROOM_BYTES
+        else:
+            # Reserved, not just allocated: the allocator's cached blocks are this process's too.
+            held = torch.cuda.memory_reserved(self.device)
+            budget = min(int(fraction * total) - held, free) - GPU_HEADROOM_BYTES
         return max(budget // self.kv_spec.bytes_per_token, 1024)
 
     # ---- requests --------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         namespace=args.namespace, model=args.model, served_model_name=args.served_model_name, policy=args.policy,
         host=args.host, port=args.port, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-        block_size=args.block_size, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node,
+        block_size=args.block_size, gpus_per_node=args.gpus_per_node, gpu_memory_fraction=args.gpu_memory_fraction,
+        cpus_per_node=args.cpus_per_node,
         master_cpus=args.master_cpus, master_resource=args.master_resource, prefill_resource=args.prefill_resource,
         decode_resource=args.decode_resource, drain_timeout_s=args.drain_timeout,
         max_restarts=args.max_restarts, log_level=args.log_level, node_args=args.node_arg,
@@ -213,7 +214,11 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     start.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node")
     start.add_argument("--block-size", type=int, default=1)
-    start.add_argument("--gpus-per-node", type=float, default=1.0, help="Ray GPUs per P/D actor (0: CPU nodes)")
+    start.add_argument("--gpus-per-node", type=float, default=1.0,
+                       help="Ray GPUs per P/D actor (0: CPU nodes; 0.5: a P and a D share each GPU)")
+    start.add_argument("--gpu-memory-fraction", type=float, default=None,
+                       help="share of its GPU's memory each node may use (default: from a fractional "
+                            "--gpus-per-node, e.g. 0.5 -> 0.45)")
     start.add_argument("--cpus-per-node", type=float, default=1.0)
     start.add_argument("--master-cpus", type=float, default=1.0)
     start.add_argument("--master-resource", default=None,

@@ -272,9 +272,8 @@ class RayLauncher:
 
     def _create_node(self, spec: ClusterSpec, role: str, name: str, master_url: str) -> Any:
         return _remote(RoleProcess).options(
-            name=name, namespace=self.namespace, lifetime="detached", num_cpus=spec.cpus_per_node,
-            num_gpus=spec.gpus_per_node, resources=spec.node_resources(role), max_restarts=spec.max_restarts,
-            max_concurrency=MAX_ACTOR_CONCURRENCY,
+            name=name, namespace=self.namespace, lifetime="detached", max_restarts=spec.max_restarts,
+            max_concurrency=MAX_ACTOR_CONCURRENCY, **spec.node_actor_options(role),
         ).remote(role, name, spec.model_dump_json(), master_url)
 
     def _wait_joined(self, client: MasterClient, actors: dict[str, Any], deadline: float,

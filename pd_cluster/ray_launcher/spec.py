@@ -7,7 +7,7 @@ ones without the operator repeating every flag.
 from __future__ import annotations
 
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,6 +17,8 @@ NODE_ROLES: tuple[str, str] = ("prefill", "decode")
 DEFAULT_NAMESPACE = "pd-cluster"
 STATE_ACTOR = "cluster-state"
 MASTER_ACTOR = "master"
+#: Of a fractional GPU share, what a node's engine may hold; the rest covers its CUDA context.
+SHARED_GPU_USABLE = 0.9
 
 
 class ClusterSpec(BaseModel):
@@ -34,7 +36,13 @@ class ClusterSpec(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_total_tokens: int | None = Field(default=None, gt=0)
     block_size: int = Field(default=1, gt=0)
-    gpus_per_node: float = Field(default=1.0, ge=0, description="Ray GPUs of each P/D actor (0 on CPU)")
+    gpus_per_node: float = Field(
+        default=1.0, ge=0, description="Ray GPUs of each P/D actor (0 on CPU; 0.5: a P and a D share one GPU)"
+    )
+    gpu_memory_fraction: float | None = Field(
+        default=None, gt=0, le=1,
+        description="--gpu-memory-fraction of each node; None: derived from a fractional gpus_per_node",
+    )
     cpus_per_node: float = Field(default=1.0, ge=0)
     master_cpus: float = Field(default=1.0, ge=0)
     master_resource: str | None = Field(
@@ -52,6 +60,21 @@ class ClusterSpec(BaseModel):
         if self.device:
             return self.device
         return "cuda" if self.gpus_per_node > 0 else "cpu"
+
+    @property
+    def node_gpu_memory_fraction(self) -> float | None:
+        """The share of its GPU a node may fill: with a fractional ``gpus_per_node`` Ray packs several
+        nodes on one GPU, so each must size its KV from its share, not from what happens to be free."""
+        if self.gpu_memory_fraction is not None:
+            return self.gpu_memory_fraction
+        if 0 < self.gpus_per_node < 1:
+            # Less what a process holds outside torch's allocator (CUDA context), kept per share.
+            return round(self.gpus_per_node * SHARED_GPU_USABLE, 4)
+        return None
+
+    def node_actor_options(self, role: str) -> dict[str, Any]:
+        """Ray resources of a node actor: its GPU share (fractional when P and D share a GPU) and CPUs."""
+        return {"num_cpus": self.cpus_per_node, "num_gpus": self.gpus_per_node, "resources": self.node_resources(role)}
 
     def pin_resources(self) -> dict[str, float]:
         return {self.master_resource: 0.001} if self.master_resource else {}
@@ -79,6 +102,8 @@ class ClusterSpec(BaseModel):
                                "--block-size", str(self.block_size), "--drain-timeout", str(self.drain_timeout_s)]
         if self.max_total_tokens:
             argv += ["--max-total-tokens", str(self.max_total_tokens)]
+        elif self.node_gpu_memory_fraction is not None and self.node_device != "cpu":
+            argv += ["--gpu-memory-fraction", str(self.node_gpu_memory_fraction)]
         if role == "decode":
             # Prefill nodes on other machines dial this address; bind the same one.
             argv += ["--data-host", node_ip, "--data-port", "0"]

@@ -7,7 +7,6 @@ never leaves a node process behind holding a GPU.
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import signal
 import subprocess
@@ -16,30 +15,9 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
+from pd_cluster.local_cluster import die_with_parent
+
 logger = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _load_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (AttributeError, OSError):
-        return None
-    prctl.restype = ctypes.c_int
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    return prctl
-
-
-_PRCTL = _load_prctl()
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec: resolved before the fork, so it only calls prctl."""
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class ProcessSupervisor:
@@ -148,7 +126,8 @@ class ProcessSupervisor:
                     try:
                         proc = subprocess.Popen(
                             self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=die_with_parent(signal.SIGKILL),
                         )
                     except OSError as e:
                         self._spawn_error = e

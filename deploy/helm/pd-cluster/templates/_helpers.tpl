@@ -97,6 +97,9 @@ once nodes have registered, and they can only register through this Service.
 {{- if and $v.terminationGracePeriodSeconds (le (int $v.terminationGracePeriodSeconds) (int $v.drainTimeoutSeconds)) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds must exceed %s.drainTimeoutSeconds, or the drain is cut short" $role $role) }}
 {{- end }}
+{{- if and (eq $v.device "cuda") (lt (int $v.gpu) 1) }}
+{{- fail (printf "%s.device=cuda needs %s.gpu >= 1 (or device: cpu)" $role $role) }}
+{{- end }}
 {{- end }}
 {{- end }}
 

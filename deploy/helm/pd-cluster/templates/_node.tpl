@@ -64,6 +64,10 @@ spec:
             - {{ include "pd-cluster.modelArg" $root | quote }}
             - --device
             - {{ $v.device | quote }}
+            {{- if not (kindIs "invalid" $v.gpuMemoryFraction) }}
+            - --gpu-memory-fraction
+            - {{ $v.gpuMemoryFraction | toString | quote }}
+            {{- end }}
             - --node-id
             - $(POD_NAME)
             - --status-port

@@ -1,0 +1,129 @@
+"""Where `pd-cluster local` puts its nodes: the placement plan, a pure function (no GPU needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_cluster.local_cluster import (
+    ENGINE_HEADROOM_BYTES,
+    GiB,
+    NODE_CONTEXT_BYTES,
+    GPUMemory,
+    LocalCluster,
+    LocalOptions,
+    PlacementError,
+    choose_gpus,
+    format_placement_table,
+    node_roles,
+    plan_placement,
+)
+
+H100 = 80 * GiB
+WEIGHTS = 270 * 2**20  # SmolLM2-135M in bfloat16-ish
+
+
+def test_cpu_nodes_get_no_gpu_and_no_fraction():
+    plan = plan_placement(node_roles(1, 2), {}, WEIGHTS)
+    assert [(p.name, p.role, p.gpu, p.memory_fraction) for p in plan] == [
+        ("prefill-0", "prefill", None, None), ("decode-0", "decode", None, None), ("decode-1", "decode", None, None),
+    ]
+
+
+def test_two_gpus_put_prefill_and_decode_on_distinct_gpus_each_sizing_itself():
+    gpus = {0: GPUMemory(free=79 * GiB, total=H100), 1: GPUMemory(free=79 * GiB, total=H100)}
+    plan = plan_placement(node_roles(1, 1), gpus, WEIGHTS)
+    assert [(p.name, p.gpu, p.memory_fraction) for p in plan] == [("prefill-0", 0, None), ("decode-0", 1, None)]
+
+
+def test_one_gpu_is_split_evenly_by_explicit_fractions_of_its_total():
+    free = 78 * GiB
+    plan = plan_placement(node_roles(1, 1), {0: GPUMemory(free=free, total=H100)}, WEIGHTS)
+    assert [p.gpu for p in plan] == [0, 0]
+    assert plan[0].memory_fraction == plan[1].memory_fraction
+    fraction = plan[0].memory_fraction
+    # Each node may hold half of what was free, less its CUDA context (outside torch's allocator).
+    assert fraction == pytest.approx((free / 2 - NODE_CONTEXT_BYTES) / H100, abs=1e-4)
+    assert fraction <= (free / 2 - NODE_CONTEXT_BYTES) / H100  # rounded down, never over
+    # Both together never ask for more than was free.
+    assert 2 * (fraction * H100 + NODE_CONTEXT_BYTES) <= free
+    assert plan[0].kv_bytes == free // 2 - NODE_CONTEXT_BYTES - WEIGHTS - ENGINE_HEADROOM_BYTES
+    assert plan[0].shared_by == 2
+
+
+def test_more_nodes_than_gpus_share_round_robin_and_only_shared_gpus_get_fractions():
+    gpus = {0: GPUMemory(free=70 * GiB, total=H100), 1: GPUMemory(free=79 * GiB, total=H100)}
+    plan = plan_placement(node_roles(1, 2), gpus, WEIGHTS)
+    assert [(p.name, p.gpu) for p in plan] == [("prefill-0", 0), ("decode-0", 1), ("decode-1", 0)]
+    assert plan[1].memory_fraction is None  # alone on GPU 1
+    assert plan[0].memory_fraction == plan[2].memory_fraction
+    assert plan[0].memory_fraction == pytest.approx((35 * GiB - NODE_CONTEXT_BYTES) / H100, abs=1e-4)
+
+
+def test_the_split_follows_the_chosen_gpus():
+    plan = plan_placement(node_roles(2, 2), {3: GPUMemory(40 * GiB, H100), 5: GPUMemory(40 * GiB, H100)}, WEIGHTS)
+    assert [p.gpu for p in plan] == [3, 5, 3, 5]
+    assert all(p.shared_by == 2 and p.memory_fraction is not None for p in plan)
+
+
+def test_a_gpu_too_small_for_its_nodes_is_refused_with_the_reason():
+    with pytest.raises(PlacementError, match="GPU 0 has 2.0 GiB free: too little for 2 nodes"):
+        plan_placement(node_roles(1, 1), {0: GPUMemory(free=2 * GiB, total=8 * GiB)}, 1 * GiB)
+
+
+@pytest.mark.parametrize(("device", "gpus", "visible", "chosen"), [
+    ("auto", None, 0, []),
+    ("cpu", None, 4, []),
+    ("auto", None, 2, [0, 1]),
+    ("cuda", None, 1, [0]),
+    ("cuda:1", None, 2, [1]),
+    ("auto", [1, 0], 4, [1, 0]),
+    ("cuda", [2], 4, [2]),
+])
+def test_device_and_gpus_choose_the_gpus(device, gpus, visible, chosen):
+    assert choose_gpus(device, gpus, visible) == chosen
+
+
+@pytest.mark.parametrize(("device", "gpus", "visible", "error"), [
+    ("cuda", None, 0, "no CUDA device is visible"),
+    ("cpu", [0], 2, "does not go with --device cpu"),
+    ("auto", [2], 2, "GPU 2 is not visible"),
+    ("cuda:0", [1], 2, "disagree"),
+    ("auto", [0, 0], 2, "twice"),
+    ("tpu", None, 0, "expected auto, cpu, cuda or cuda:N"),
+])
+def test_impossible_device_choices_are_refused(device, gpus, visible, error):
+    with pytest.raises(PlacementError, match=error):
+        choose_gpus(device, gpus, visible)
+
+
+def test_the_engine_keeps_the_headroom_the_plan_reserves():
+    from pd_cluster.engine.llm_engine import GPU_HEADROOM_BYTES
+
+    assert GPU_HEADROOM_BYTES == ENGINE_HEADROOM_BYTES
+
+
+def test_shared_gpu_nodes_get_their_gpu_and_fraction_on_the_command_line(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cluster = LocalCluster(LocalOptions(prefill=1, decode=1, device="cuda"))
+    cluster.device_ids = ["0"]
+    cluster.placements = plan_placement(node_roles(1, 1), {0: GPUMemory(78 * GiB, H100)}, WEIGHTS)
+    specs = {s.name: s for s in cluster.process_specs("cluster-token", "admin-token")}
+    assert specs["master"].env["CUDA_VISIBLE_DEVICES"] == "" and specs["master"].env["PD_ADMIN_TOKEN"] == "admin-token"
+    for name in ("prefill-0", "decode-0"):
+        argv, env = list(specs[name].argv), specs[name].env
+        assert env["CUDA_VISIBLE_DEVICES"] == "0" and "PD_ADMIN_TOKEN" not in env
+        assert env["PD_CLUSTER_TOKEN"] == "cluster-token"
+        assert argv[argv.index("--device") + 1] == "cuda"
+        assert float(argv[argv.index("--gpu-memory-fraction") + 1]) == cluster.placements[0].memory_fraction
+        assert argv[argv.index("--node-id") + 1] == name
+    assert "cluster-token" not in " ".join(specs["decode-0"].argv)  # secrets travel in the environment only
+
+
+def test_placement_table_lists_every_node():
+    table = format_placement_table([
+        {"node": "master", "role": "master", "gpu": "-", "pid": 10},
+        {"node": "prefill-0", "role": "prefill", "gpu": "0", "mem_fraction": "0.4700", "kv_slots": 1234567, "pid": 11},
+    ])
+    lines = table.splitlines()
+    assert lines[0].split() == ["NODE", "ROLE", "GPU", "MEM", "FRACTION", "KV", "SLOTS", "PID"]
+    assert lines[2].split() == ["prefill-0", "prefill", "0", "0.4700", "1234567", "11"]
