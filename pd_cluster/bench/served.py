@@ -97,10 +97,13 @@ class LocalCluster:
             return self.proc.wait(10)
 
 
+PLACEMENT_HEADER = ("NODE", "ROLE", "GPU")
+
+
 def placement_table(log: str) -> str:
-    """The launcher's placement table: the block of lines from its 'placement' header."""
+    """The launcher's placement table: the block of lines from its ``NODE ROLE GPU ...`` header."""
     lines = log.splitlines()
-    start = next((i for i, line in enumerate(lines) if "placement" in line.lower()), None)
+    start = next((i for i, line in enumerate(lines) if tuple(line.split()[:3]) == PLACEMENT_HEADER), None)
     if start is None:
         return ""
     block = []
@@ -194,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
     try:
         doc["ready_s"] = cluster.start(args.ready_timeout)
-        doc["placement"] = placement_table(cluster.wait_for_line("placement", 30))
+        doc["placement"] = placement_table(cluster.wait_for_line("NODE  ", 60))
         cold = _run(replace(base, num_requests=args.cold_requests, rates=[args.cold_rate], seed=1000,
                             save_requests=True), "cold start", args.out)
         doc["cold_start"] = cold_start(cold)

@@ -1,0 +1,39 @@
+"""The served-system suite's own arithmetic: the placement table it reads and the cold-start ratio."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_cluster.bench.serve.config import ServeBenchConfig
+from pd_cluster.bench.serve.records import RequestRecord
+from pd_cluster.bench.serve.runner import RateResult, SweepResult
+from pd_cluster.bench.served import cold_start, placement_table
+from pd_cluster.local_cluster import format_placement_table
+
+
+def test_placement_table_is_read_back_from_the_launchers_log():
+    table = format_placement_table([
+        {"node": "master", "role": "master", "gpu": "-", "pid": 10},
+        {"node": "prefill-0", "role": "prefill", "gpu": "0", "mem_fraction": "0.3500", "kv_slots": 1000, "pid": 11},
+        {"node": "decode-0", "role": "decode", "gpu": "0", "mem_fraction": "0.3500", "kv_slots": 1000, "pid": 12},
+    ])
+    log = "INFO starting\npd-cluster is serving at http://x/v1\n\n" + table + "\ntry:\n  curl ...\n"
+    rows = placement_table(log).splitlines()
+    assert rows[0].split()[:3] == ["NODE", "ROLE", "GPU"]
+    assert [r.split()[1] for r in rows[1:]] == ["master", "prefill", "decode"]
+    assert placement_table("no table here") == ""
+
+
+def _record(i: int, start: float, ttft: float) -> RequestRecord:
+    return RequestRecord(index=i, start=start, end=start + ttft + 0.5, chunk_times=[start + ttft, start + ttft + 0.5],
+                         output_tokens=2)
+
+
+def test_cold_start_compares_the_first_sent_request_with_the_median_of_the_rest():
+    records = [_record(1, 1.0, 0.2), _record(0, 0.0, 0.9), _record(2, 2.0, 0.3), _record(3, 3.0, 0.1)]
+    sweep = SweepResult(ServeBenchConfig(), "m", "tok")
+    sweep.results.append(RateResult(None, records))  # type: ignore[arg-type]
+    cold = cold_start(sweep)
+    assert cold["first_ttft_s"] == pytest.approx(0.9)
+    assert cold["warm_ttft_p50_s"] == pytest.approx(0.2)
+    assert cold["ratio"] == pytest.approx(4.5)
