@@ -336,7 +336,11 @@ class Supervisor:
                 else:
                     managed.state = "exited"
             elif managed.state == "restarting" and now >= managed.restart_at:
-                self._spawn(managed)
+                try:
+                    self._spawn(managed)
+                except OSError as e:
+                    managed.state = "failed"
+                    logger.error("%s: could not be started again: %s", managed.spec.name, e)
         return exited
 
     def _after_exit(self, managed: ManagedProcess, now: float) -> None:
@@ -569,10 +573,16 @@ class LocalCluster:
         o = self.options
         logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health poll otherwise
         try:
+            if o.model == "default":  # converted here once, not by every process at the same time
+                from pd_cluster.default_model import default_model_path
+
+                default_model_path()
             self.plan()
-        except PlacementError as e:
+        except (PlacementError, FileNotFoundError) as e:
             logger.error("%s", e)
             return 2
+        if self._signals:  # interrupted while preparing: nothing was started
+            return 0
         cluster_token = os.environ.get("PD_CLUSTER_TOKEN") or secrets.token_urlsafe(24)
         self._admin_token = os.environ.get("PD_ADMIN_TOKEN") or secrets.token_urlsafe(24)
         token_file = write_admin_token(self._admin_token)
