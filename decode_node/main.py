@@ -61,7 +61,7 @@ class DecodeNode(NodeRuntime):
         )
 
     def status(self) -> protocol.NodeStatus:
-        return self.reporter.report(draining=self.lifecycle.draining)
+        return self.reporter.report(draining=self.lifecycle.draining, warm_peers=self.service.warmed_peers)
 
     async def on_message(self, message: BaseModel) -> None:
         if isinstance(message, protocol.Abort):

@@ -35,7 +35,10 @@ class DecodeCounters:
 
 
 class DecodeService:
-    """A decode engine on its own thread plus the data-plane listener prefill nodes dial."""
+    """A decode engine on its own thread plus the data-plane listener prefill nodes dial.
+
+    The listener answers prefill nodes' channel warm-ups itself (:attr:`warmed_peers`); this
+    service handles the handover messages."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class DecodeService:
         transfer_timeout_s: float = 60.0,
         engine: LLMEngine | None = None,
         kv_event_sink=None,
+        warm_up: bool = True,
     ) -> None:
         self.engine = engine or LLMEngine(config, kv_event_sink=kv_event_sink)
         self.handover = Handover(self.engine)
@@ -62,15 +66,25 @@ class DecodeService:
         #: Leases whose KV is landing layer by layer; an abort waits for the last layer.
         self._streaming: set[str] = set()
         self._aborted_streams: set[str] = set()
+        self._warm_up_engine = warm_up
 
     @property
     def data_address(self) -> str:
         return self.server.address
 
+    @property
+    def warmed_peers(self) -> list[str]:
+        """Prefill nodes with a live channel to this node that they warmed."""
+        return self.server.warmed_peers
+
     async def start(self) -> None:
+        """Warm the engine up (a tiny prefill and decode steps: kernels compile now, not on the
+        first request), then listen for prefill nodes."""
         self.worker.start()
         if self.engine.device.type == "cuda":
             await self.worker.call(torch.cuda.set_device, self.engine.device)
+        if self._warm_up_engine:
+            await self.worker.call(self.engine.warm_up, 16, 2, timeout=600.0)
         await self.server.start()
 
     async def stop(self) -> None:

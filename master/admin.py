@@ -59,6 +59,11 @@ def node_view(node: NodeRecord) -> dict[str, Any]:
             "hit_rate": node.prefix_hit_rate,
             "indexed_blocks": len(node.prefix),
         },
+        "data_plane": {
+            # P: decode nodes it holds a warmed channel to; D: prefill nodes that warmed one to it.
+            "warm_peers": list(status.warm_peers),
+            "channel_setup_s": status.channel_setup_s,
+        },
         "capacity": node.info.capacity.model_dump(),
         "kv_spec": node.info.kv_spec.model_dump(),
     }
@@ -68,7 +73,7 @@ def node_view(node: NodeRecord) -> dict[str, Any]:
 async def list_nodes(request: Request) -> dict[str, Any]:
     ctx = _authorize(request)
     nodes = sorted(ctx.registry.nodes.values(), key=lambda n: (n.role, n.node_id))
-    return {"object": "list", "data": [node_view(n) for n in nodes]}
+    return {"object": "list", "data": [node_view(n) for n in nodes], "warm_pairs": ctx.registry.warm_pairs()}
 
 
 @router.post("/nodes/{node_id}/drain")

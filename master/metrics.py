@@ -40,6 +40,10 @@ class MasterMetrics:
             "pdc_kv_transfer_seconds", "Time of one request's KV transfer", buckets=_TRANSFER_BUCKETS, registry=r
         )
         self.nodes = Gauge("pdc_nodes", "Registered nodes", ["role", "state"], registry=r)
+        self.warm_channels = Gauge(
+            "pdc_warm_channels", "Pairs of an active prefill and decode node whose data-plane channel is warm",
+            registry=r,
+        )
         for role in ROLES:
             for state in NODE_STATES:
                 self.nodes.labels(role=role, state=state).set(0)

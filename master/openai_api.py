@@ -48,10 +48,14 @@ async def livez() -> dict[str, str]:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
+    """Ready (200) once a prefill and a decode node are active and at least one such pair has a
+    warm data-plane channel, so the first request pays no channel setup; 503 before."""
     registry = _ctx(request).registry
     prefill, decode = len(registry.active("prefill")), len(registry.active("decode"))
-    ok = prefill > 0 and decode > 0
-    body = {"status": "ok" if ok else "unavailable", "prefill_nodes": prefill, "decode_nodes": decode}
+    warm_pairs = registry.warm_pairs()
+    ok = prefill > 0 and decode > 0 and warm_pairs > 0
+    body = {"status": "ok" if ok else "unavailable", "prefill_nodes": prefill, "decode_nodes": decode,
+            "warm_pairs": warm_pairs}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -2,7 +2,9 @@
 
 The registry is plain state on the event loop. It decides who may join (the cluster's model and
 KV spec), keeps each node's last status and prefix index, and tells its listeners when a node
-leaves so that the relay can settle the node's requests. Sockets live in :mod:`master.node_ws`;
+leaves so that the relay can settle the node's requests. It tells every prefill node which
+decode nodes take work (``DecodePeers``) whenever that set changes, and counts the warm pairs:
+a prefill node reports the decode nodes it holds a warmed data-plane channel to. Sockets live in :mod:`master.node_ws`;
 a node here only has an outbox of frames that its socket's writer drains.
 """
 
@@ -73,6 +75,15 @@ class NodeRecord:
     @property
     def active(self) -> bool:
         return self.state == "active" and not self.removed
+
+    @property
+    def warm_peers(self) -> list[str]:
+        """P: decode nodes it reports a live, warmed data-plane channel to."""
+        return self.status.warm_peers
+
+    def warm_with(self, decode_id: str) -> bool:
+        """P: whether its channel to ``decode_id`` is formed and warmed."""
+        return decode_id in self.status.warm_peers
 
     def send(self, message: BaseModel) -> bool:
         """Queue a frame for the node without waiting; False when the node is gone or not reading."""
@@ -203,6 +214,8 @@ class Registry:
             msg.node_id, msg.role, msg.device, capacity.max_total_tokens, capacity.max_model_len,
         )
         self._update_gauge()
+        if record.role == "decode":
+            self._announce_decodes()
         self._notify_capacity()
         return record
 
@@ -217,6 +230,8 @@ class Registry:
         if not self.nodes:
             self.cluster_spec = None
         self._update_gauge()
+        if record.role == "decode":
+            self._announce_decodes()
         for listener in list(self.on_removed):
             try:
                 listener(record, reason)
@@ -245,6 +260,8 @@ class Registry:
             record.state = "draining"
             logger.info("node %s is draining", record.node_id)
             self._update_gauge()
+            if record.role == "decode":
+                self._announce_decodes()
 
     def get(self, node_id: str | None) -> NodeRecord | None:
         return self.nodes.get(node_id) if node_id is not None else None
@@ -259,6 +276,18 @@ class Registry:
             limits.append(self.model.max_model_len)
         return min(limits) if limits else None
 
+    def warm_pairs(self) -> int:
+        """Pairs of an active P and an active D whose channel P reports warm."""
+        decodes = {d.node_id for d in self.active("decode")}
+        return sum(len(decodes.intersection(p.warm_peers)) for p in self.active("prefill"))
+
+    def decode_peers(self) -> protocol.DecodePeers:
+        """The decode nodes that take new work, as a prefill node needs them to form channels."""
+        return protocol.DecodePeers(peers=[
+            protocol.DecodePeer(node_id=d.node_id, data_address=d.info.data_address or "")
+            for d in sorted(self.active("decode"), key=lambda d: d.node_id)
+        ])
+
     def largest_decode_kv(self) -> int | None:
         totals = [n.kv_total for n in self.active("decode")]
         return max(totals) if totals else None
@@ -266,8 +295,12 @@ class Registry:
     # ---- reports -----------------------------------------------------------------------
 
     def handle_status(self, record: NodeRecord, msg: protocol.NodeStatus) -> None:
+        warmth_changed = record.role == "prefill" and msg.warm_peers != record.status.warm_peers
         record.status = msg
         record.last_status_at = time.monotonic()
+        if warmth_changed:
+            logger.info("prefill node %s: warm channels to %s", record.node_id, ", ".join(msg.warm_peers) or "none")
+            self.metrics.warm_channels.set(self.warm_pairs())
         for attempt_id in record.reported_kv:
             record.pending_kv.pop(attempt_id, None)
         record.reported_kv.clear()
@@ -287,9 +320,16 @@ class Registry:
             except Exception:
                 logger.exception("capacity listener failed")
 
+    def _announce_decodes(self) -> None:
+        message = self.decode_peers()
+        for record in self.nodes.values():
+            if record.role == "prefill":
+                record.send(message)
+
     def _update_gauge(self) -> None:
         counts = {(role, state): 0 for role in ROLES for state in NODE_STATES}
         for record in self.nodes.values():
             counts[(record.role, record.state)] += 1
         for (role, state), count in counts.items():
             self.metrics.nodes.labels(role=role, state=state).set(count)
+        self.metrics.warm_channels.set(self.warm_pairs())

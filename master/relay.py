@@ -348,10 +348,8 @@ class Relay:
             return False
         prefills = [p for p in prefills if p.node_id not in r.excluded] or prefills
         decodes = [d for d in decodes if d.node_id not in r.excluded] or decodes
-        decode = next((d for d in decodes if d.node_id == r.preferred_decode), None)
-        if decode is None:
-            decode = self.policy.pick_decode(r.route, decodes)
-        prefill = self.policy.pick_prefill(r.route, prefills)
+        preferred = next((d for d in decodes if d.node_id == r.preferred_decode), None)
+        prefill, decode = self.policy.pick_pair(r.route, prefills, decodes, preferred)
         self._start_attempt(r, prefill, decode)
         return True
 

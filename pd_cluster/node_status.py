@@ -17,7 +17,10 @@ class StatusReporter:
         self._last_time = time.monotonic()
         self._rate = 0.0
 
-    def report(self, *, draining: bool, queued_prefill_tokens: int = 0, extra_running: int = 0) -> NodeStatus:
+    def report(
+        self, *, draining: bool, queued_prefill_tokens: int = 0, extra_running: int = 0,
+        warm_peers: list[str] | None = None, channel_setup_s: float | None = None,
+    ) -> NodeStatus:
         engine = self.engine
         now = time.monotonic()
         generated = engine.stats.generation_tokens
@@ -36,4 +39,6 @@ class StatusReporter:
             prefix_hit_tokens=engine.stats.cached_prompt_tokens,
             prompt_tokens=engine.stats.prompt_tokens,
             draining=draining,
+            warm_peers=warm_peers or [],
+            channel_setup_s=None if channel_setup_s is None else round(channel_setup_s, 4),
         )

@@ -72,6 +72,14 @@ class NodeStatus(_Message):
     prefix_hit_tokens: int = Field(default=0, description="cumulative prompt tokens served from cache")
     prompt_tokens: int = Field(default=0, description="cumulative prompt tokens seen")
     draining: bool = False
+    warm_peers: list[str] = Field(
+        default_factory=list,
+        description="P: ids of the decode nodes it holds a live, warmed data-plane channel to (the master "
+        "routes to those pairs first); D: ids of the prefill nodes that warmed a channel to it",
+    )
+    channel_setup_s: float | None = Field(
+        default=None, ge=0, description="P: seconds its last data-plane channel took to form and warm"
+    )
 
 
 class KVEvents(_Message):
@@ -176,12 +184,31 @@ class Drain(_Message):
     type: Literal["drain"] = "drain"
 
 
+class DecodePeer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node_id: str
+    data_address: str = Field(min_length=1, description="host:port of its data plane")
+
+
+class DecodePeers(_Message):
+    """Master -> P: the decode nodes that take new work now (the whole list, not a change).
+
+    Sent right after ``Registered`` and whenever a decode node joins, drains or leaves. P forms
+    and warms a data-plane channel to each (up to its channel bound) in the background, closes
+    the ones to nodes no longer listed, and reports the warmed ones in ``NodeStatus.warm_peers``.
+    """
+
+    type: Literal["decode_peers"] = "decode_peers"
+    peers: list[DecodePeer] = Field(default_factory=list)
+
+
 NodeMessage = Annotated[
     Union[Register, NodeStatus, KVEvents, FirstToken, TokenDelta, RequestFailed, KVTransferred, Drained],
     Field(discriminator="type"),
 ]
 MasterMessage = Annotated[
-    Union[Registered, Refused, PrefillJob, Abort, Drain],
+    Union[Registered, Refused, PrefillJob, Abort, Drain, DecodePeers],
     Field(discriminator="type"),
 ]
 

@@ -23,7 +23,7 @@ class PrefillNode(NodeRuntime):
         super().__init__(settings)
         self.service = PrefillService(
             settings.engine, node_id=settings.node_id, cluster_token=settings.cluster_token.get_secret_value(),
-            lease_s=settings.lease_s, max_channels=settings.max_channels,
+            lease_s=settings.lease_s, max_channels=settings.max_channels, on_warm_change=self._on_warm_change,
         )
         self.reporter = StatusReporter(self.service.engine)
         self.jobs: dict[str, asyncio.Task] = {}
@@ -37,8 +37,15 @@ class PrefillNode(NodeRuntime):
 
     def status(self) -> protocol.NodeStatus:
         return self.reporter.report(
-            draining=self.lifecycle.draining, queued_prefill_tokens=self.service.counters.queued_prefill_tokens
+            draining=self.lifecycle.draining, queued_prefill_tokens=self.service.counters.queued_prefill_tokens,
+            warm_peers=self.service.warm_peers, channel_setup_s=self.service.keeper.setup_seconds,
         )
+
+    def _on_warm_change(self, warm_peers: list[str]) -> None:
+        # Tell the master at once (not at the next periodic report): it routes to warm pairs.
+        logger.info("warm data-plane channels to decode nodes: %s", ", ".join(warm_peers) or "none")
+        if self.agent is not None and self.agent.registered.is_set():
+            self.send(self.status())
 
     async def on_message(self, message: BaseModel) -> None:
         if isinstance(message, protocol.PrefillJob):
@@ -55,6 +62,8 @@ class PrefillNode(NodeRuntime):
                 task.cancel()
         elif isinstance(message, protocol.Drain):
             self.lifecycle.request_drain("the master asked")
+        elif isinstance(message, protocol.DecodePeers):
+            self.service.set_decode_peers({peer.node_id: peer.data_address for peer in message.peers})
 
     async def _run_job(self, job: protocol.PrefillJob) -> None:
         try:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from pd_cluster.handover_layers import CommitKV, StreamKV
 from pd_cluster.handover_messages import MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease
 from pd_cluster.model.llama import LayerHook
 from pd_cluster.protocol import FirstToken, PrefillJob
-from pd_cluster.transfer import ChannelPool, HandshakeRefused, PeerChannel, TransferError
+from pd_cluster.transfer import ChannelKeeper, ChannelPool, HandshakeRefused, PeerChannel, TransferError
 from prefill_node.layer_stream import LayerStream
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ class PrefillCounters:
 class PrefillService:
     """A prefill engine on its own thread plus the pool of channels to decode nodes.
 
+    :meth:`start` warms the engine up (kernels compiled before the node joins) and starts the
+    :class:`ChannelKeeper`, which forms and warms channels to the decode nodes that
+    :meth:`set_decode_peers` lists (the master's ``DecodePeers``), so a request finds its channel
+    ready; ``on_warm_change`` hears of every change of :attr:`warm_peers`.
+
     ``layerwise`` (default: on CUDA devices) streams each layer's KV to D while the prefill
     forward runs (:mod:`pd_cluster.handover_layers`); otherwise the whole KV goes in one push
     after the first token. On a GPU the engine thread computes on its own stream, so that
@@ -74,10 +80,17 @@ class PrefillService:
         engine: LLMEngine | None = None,
         layerwise: bool | None = None,
         layerwise_min_tokens: int = 2048,
+        on_warm_change: Callable[[list[str]], None] | None = None,
+        warm_up: bool = True,
     ) -> None:
         self.engine = engine or LLMEngine(config)
         self.worker = EngineWorker(self.engine, self._on_updates)
         self.pool = ChannelPool(cluster_token, self.engine.kv_spec, node_id, self.engine.device, max_channels)
+        #: Decode address -> jobs in flight to it (the keeper never closes those channels).
+        self._jobs_per_address: Counter[str] = Counter()
+        self.keeper = ChannelKeeper(self.pool, on_change=on_warm_change,
+                                    in_use=lambda address: self._jobs_per_address[address] > 0)
+        self._warm_up_engine = warm_up
         self.lease_s = lease_s
         self.counters = PrefillCounters()
         self._first_tokens: dict[str, asyncio.Future[TokenUpdate]] = {}
@@ -100,6 +113,9 @@ class PrefillService:
         self.worker.start()
         if self._compute_stream is not None:
             await self.worker.call(self._adopt_device)
+        if self._warm_up_engine:
+            await self.worker.call(self.engine.warm_up, 16, 0, timeout=600.0)
+        self.keeper.start()
 
     def _adopt_device(self) -> None:
         """Engine thread: its device, and a compute stream of its own."""
@@ -107,8 +123,18 @@ class PrefillService:
         torch.cuda.set_stream(self._compute_stream)
 
     async def stop(self) -> None:
+        await self.keeper.close()
         await self.pool.close()
         await self.worker.stop()
+
+    def set_decode_peers(self, peers: dict[str, str]) -> None:
+        """The decode nodes that take work now (node id -> data address): keep their channels warm."""
+        self.keeper.set_peers(peers)
+
+    @property
+    def warm_peers(self) -> list[str]:
+        """Listed decode nodes this node holds a live, warmed channel to."""
+        return self.keeper.warm_peers
 
     def _on_updates(self, updates: list[TokenUpdate]) -> None:
         for update in updates:
@@ -128,6 +154,7 @@ class PrefillService:
 
         self.counters.jobs += 1
         self.counters.queued_prefill_tokens += len(job.token_ids)
+        self._jobs_per_address[job.decode_address] += 1
         try:
             return await self._run(job, report_first_token, left)
         except PrefillFailed:
@@ -141,6 +168,9 @@ class PrefillService:
             raise PrefillFailed(f"lost decode node {job.decode_node_id}: {e or type(e).__name__}") from e
         finally:
             self.counters.queued_prefill_tokens -= len(job.token_ids)
+            self._jobs_per_address[job.decode_address] -= 1
+            if self._jobs_per_address[job.decode_address] <= 0:
+                del self._jobs_per_address[job.decode_address]
 
     async def _run(self, job: PrefillJob, report_first_token: FirstTokenSink, left) -> PrefillResult:
         channel = await wait_for(self.pool.get(job.decode_address), left())

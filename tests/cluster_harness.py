@@ -77,6 +77,19 @@ class Cluster:
         except httpx.HTTPError:
             return 0
 
+    def health(self) -> tuple[int, dict]:
+        """/health's status code and body ((0, {}) while the master does not answer)."""
+        try:
+            response = httpx.get(self.url + "/health", timeout=5)
+        except httpx.HTTPError:
+            return 0, {}
+        return response.status_code, response.json()
+
+    def warm_peers(self, name: str) -> list[str] | None:
+        """What node ``name`` last reported as warm data-plane peers (None: not registered)."""
+        node = self.node(name)
+        return None if node is None else node["data_plane"]["warm_peers"]
+
     def admin(self, method: str, path: str) -> httpx.Response:
         return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
 

@@ -159,10 +159,15 @@ class LiveMaster:
 
 
 class FakeNode:
-    """A node that speaks the control protocol; the test drives what it answers."""
+    """A node that speaks the control protocol; the test drives what it answers.
+
+    A fake prefill node warms its channels at once: from each ``DecodePeers`` on, its status
+    reports every listed decode node in ``warm_peers`` (``auto_warm=False``: the test sets
+    :attr:`warm_peers` itself; None sends ``status`` as it is)."""
 
     def __init__(
-        self, master: LiveMaster, node_id: str, role: str, token: str | None = CLUSTER_TOKEN, **register: Any
+        self, master: LiveMaster, node_id: str, role: str, token: str | None = CLUSTER_TOKEN,
+        auto_warm: bool = True, **register: Any,
     ) -> None:
         self.master = master
         self.register = register_msg(node_id, role, **register)
@@ -176,6 +181,11 @@ class FakeNode:
         self.jobs: asyncio.Queue[protocol.PrefillJob] = asyncio.Queue()
         self.aborts: list[str] = []
         self.drains = 0
+        self.auto_warm = auto_warm and role == "prefill"
+        #: The last DecodePeers the master sent (decode node id -> data address).
+        self.decode_peers: dict[str, str] | None = None
+        #: Sent as the status's warm_peers when not None.
+        self.warm_peers: list[str] | None = None
         self.closed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
@@ -205,11 +215,16 @@ class FakeNode:
     async def next_job(self, timeout: float = 5.0) -> protocol.PrefillJob:
         return await asyncio.wait_for(self.jobs.get(), timeout)
 
+    def current_status(self) -> protocol.NodeStatus:
+        if self.warm_peers is None:
+            return self.status
+        return self.status.model_copy(update={"warm_peers": list(self.warm_peers)})
+
     async def _heartbeat(self) -> None:
         with contextlib.suppress(Exception):
             while True:
                 if self.heartbeat:
-                    await self.send(self.status)
+                    await self.send(self.current_status())
                 await asyncio.sleep(0.05)
 
     async def _reader(self) -> None:
@@ -223,6 +238,10 @@ class FakeNode:
                     self.aborts.append(msg.request_id)
                 elif isinstance(msg, protocol.Drain):
                     self.drains += 1
+                elif isinstance(msg, protocol.DecodePeers):
+                    self.decode_peers = {p.node_id: p.data_address for p in msg.peers}
+                    if self.auto_warm:
+                        self.warm_peers = sorted(self.decode_peers)
         except websockets.ConnectionClosed:
             pass
         finally:
@@ -235,6 +254,11 @@ class FakeNode:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.ws.close(), 2.0)
         self.closed.set()
+
+
+async def wait_warm(master: LiveMaster, pairs: int = 1, timeout: float = 5.0) -> None:
+    """Wait until the master counts ``pairs`` warm (P, D) pairs."""
+    await wait_until(lambda: master.ctx.registry.warm_pairs() >= pairs, timeout, f"{pairs} warm pair(s)")
 
 
 async def serve_one(

@@ -162,3 +162,36 @@ def test_logprobs_report_the_chosen_token_and_top_alternatives(llm, chat_prompts
         assert lp.token_id == token_id
         assert len(lp.top) == 3
         assert lp.logprob == pytest.approx(max(lp.top.values()))  # greedy picks the most likely
+
+
+def test_warm_up_leaves_the_kv_pool_and_prefix_cache_as_they_were(default_model_dir, chat_prompts, hf_reference):
+    from pd_cluster.engine.outputs import EngineStats
+
+    llm = LLM(str(default_model_dir), max_total_tokens=2048, block_size=4)
+    engine = llm.engine
+    events: list = []
+    engine.cache.event_sink = lambda stored, evicted: events.append((stored, evicted))
+    free_stack = engine.pool._free_stack.clone()
+
+    assert engine.warm_up(prompt_tokens=16, decode_steps=2) > 0
+
+    assert engine.pool.num_free == engine.pool.capacity == 2048
+    assert set(engine.pool._free_stack.tolist()) == set(free_stack.tolist())
+    assert engine.cache.cached_tokens == 0 and not engine.cache.root.children and engine.cache.enabled
+    assert events == []  # the master hears of no block
+    assert engine.stats == EngineStats() and not engine.requests and not engine.has_unfinished()
+    assert engine.scheduler.num_preemptions == 0
+    # The engine serves as before, and caches what it serves.
+    [out] = llm.generate([chat_prompts[0]], greedy(8))
+    assert out.token_ids == hf_reference.greedy(chat_prompts[0], 8) and out.num_cached_tokens == 0
+    assert engine.cache.cached_tokens > 0 and events
+
+
+def test_warm_up_needs_an_idle_engine(llm, chat_prompts):
+    llm.engine.add_request("busy", chat_prompts[0], greedy(2))
+    try:
+        with pytest.raises(RuntimeError, match="idle"):
+            llm.engine.warm_up()
+    finally:
+        llm.engine.abort("busy")
+    assert not llm.engine.has_unfinished()

@@ -23,6 +23,7 @@ from tests.master_fakes import (
     serve_one,
     tiny_tokenizer,
     wait_until,
+    wait_warm,
     write_model_dir,
 )
 
@@ -216,6 +217,7 @@ async def cluster(tmp_path: Path):
         decode = FakeNode(master, "d0", "decode")
         assert isinstance(await prefill.join(), protocol.Registered)
         assert isinstance(await decode.join(), protocol.Registered)
+        await wait_warm(master)
         yield master, prefill, decode
         await prefill.close()
         await decode.close()

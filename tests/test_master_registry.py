@@ -22,6 +22,7 @@ from tests.master_fakes import (
     make_settings,
     serve_one,
     wait_until,
+    wait_warm,
     write_model_dir,
 )
 
@@ -118,14 +119,21 @@ async def test_first_frame_must_be_a_valid_register(master):
 
 
 async def test_registered_nodes_are_listed_and_make_the_cluster_healthy(master):
-    prefill = await _join(master, "p0", "prefill")
+    prefill = await _join(master, "p0", "prefill", auto_warm=False)
     assert (await master.http.get("/health")).status_code == 503
     decode = await _join(master, "d0", "decode")
     decode.status = protocol.NodeStatus(
         running=2, free_kv_tokens=1000, total_kv_tokens=4096, prefix_hit_tokens=30, prompt_tokens=120
     )
     await wait_until(lambda: master.ctx.registry.nodes["d0"].status.running == 2, what="status")
-    assert (await master.http.get("/health")).status_code == 200
+    # Both roles are here, but no channel is warm yet: not ready.
+    health = await master.http.get("/health")
+    assert health.status_code == 503 and health.json()["warm_pairs"] == 0
+    prefill.warm_peers = ["d0"]
+    await wait_warm(master)
+    health = await master.http.get("/health")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "warm_pairs": 1}
     nodes = await master.nodes()
     assert nodes["d0"]["role"] == "decode" and nodes["d0"]["state"] == "active"
     assert nodes["d0"]["load"]["running"] == 2
@@ -133,8 +141,58 @@ async def test_registered_nodes_are_listed_and_make_the_cluster_healthy(master):
     assert nodes["d0"]["prefix"]["hit_rate"] == 0.25
     metrics = (await master.http.get("/metrics")).text
     assert 'pdc_nodes{role="decode",state="active"} 1.0' in metrics
+    assert "pdc_warm_channels 1.0" in metrics
     await prefill.close()
     await decode.close()
+
+
+async def test_prefill_nodes_hear_of_every_change_in_the_decode_nodes(master):
+    d0 = await _join(master, "d0", "decode")
+    prefill = await _join(master, "p0", "prefill")
+    # At registration: the decode nodes already there.
+    await wait_until(lambda: prefill.decode_peers == {"d0": d0.register.data_address}, what="peers at join")
+    d1 = await _join(master, "d1", "decode")
+    await wait_until(lambda: prefill.decode_peers is not None and set(prefill.decode_peers) == {"d0", "d1"},
+                     what="peers after a join")
+    assert prefill.decode_peers["d1"] == d1.register.data_address
+    await wait_warm(master, 2)
+    nodes = await master.nodes()
+    assert nodes["p0"]["data_plane"]["warm_peers"] == ["d0", "d1"]
+    assert (await master.http.get("/admin/nodes", headers=ADMIN_HEADERS)).json()["warm_pairs"] == 2
+
+    # A draining decode node is no longer listed, nor counted warm.
+    assert (await master.http.post("/admin/nodes/d0/drain", headers=ADMIN_HEADERS)).status_code == 200
+    await wait_until(lambda: prefill.decode_peers is not None and set(prefill.decode_peers) == {"d1"},
+                     what="peers after a drain")
+    assert master.ctx.registry.warm_pairs() == 1
+    # Nor a decode node that left.
+    await d1.close()
+    await wait_until(lambda: prefill.decode_peers == {}, what="peers after a leave")
+    assert master.ctx.registry.warm_pairs() == 0
+    assert "pdc_warm_channels 0.0" in (await master.http.get("/metrics")).text
+    assert d0.decode_peers is None  # decode nodes get no list
+    await prefill.close()
+    await d0.close()
+
+
+async def test_requests_go_to_the_warm_pair_and_still_to_a_cold_one_when_none_is_warm(master):
+    cold = await _join(master, "p0", "prefill", auto_warm=False)
+    warm = await _join(master, "p1", "prefill", auto_warm=False)
+    decode = await _join(master, "d0", "decode")
+    # Nothing warm yet: still served (by the first P in id order), not queued.
+    call = asyncio.create_task(master.http.post("/v1/completions", json={"model": MODEL, "prompt": "a"}))
+    await serve_one(cold, decode, [(5, "a")])
+    assert (await call).status_code == 200
+    # p1 warms its channel to d0: p0, although idle and first by id, gets no more work.
+    warm.warm_peers = ["d0"]
+    await wait_warm(master)
+    for _ in range(3):
+        call = asyncio.create_task(master.http.post("/v1/completions", json={"model": MODEL, "prompt": "b"}))
+        await serve_one(warm, decode, [(5, "a")])
+        assert (await call).status_code == 200
+    assert cold.jobs.empty()
+    for node in (cold, warm, decode):
+        await node.close()
 
 
 async def test_malformed_and_oversized_frames_are_dropped_and_the_node_stays(master):
@@ -278,6 +336,7 @@ async def test_cache_aware_routing_follows_kv_events_to_the_decode_node(master):
     history = list(range(3, 43))
     await d1.send(protocol.KVEvents(stored=block_hashes(history, 4)))
     await wait_until(lambda: len(master.ctx.registry.nodes["d1"].prefix) == 10, what="kv events")
+    await wait_warm(master, 2)
     for prompt in (history + [50, 51], list(range(43, 3, -1))):
         call = asyncio.create_task(master.http.post("/v1/completions", json={"model": MODEL, "prompt": prompt}))
         job = await serve_one(prefill, d1, [(5, "a")])

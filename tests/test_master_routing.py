@@ -137,6 +137,99 @@ def test_round_robin_cycles_through_nodes_in_id_order():
     assert policy.pick_decode(request, [decodes[0], decodes[2]]).node_id == "d2"
 
 
+def _warm(prefill: NodeRecord, *decodes: NodeRecord) -> None:
+    prefill.status = prefill.status.model_copy(update={"warm_peers": [d.node_id for d in decodes]})
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "least_load", "round_robin"])
+def test_every_policy_routes_to_the_warm_pair(name):
+    registry = _registry()
+    d0, d1 = _decodes(registry, 2)
+    p0, p1 = _prefills(registry, 2)
+    _warm(p1, d1)  # the only warm pair: p1 -> d1, although d0 and p0 come first by id
+    policy = make_policy(name)
+    request = RouteRequest(list(range(20)), kv_need=40)
+    for _ in range(3):
+        prefill, decode = policy.pick_pair(request, [p0, p1], [d0, d1])
+        assert (prefill.node_id, decode.node_id) == ("p1", "d1")
+
+
+@pytest.mark.parametrize("name", ["cache_aware", "least_load", "round_robin"])
+def test_without_a_warm_pair_requests_still_route(name):
+    registry = _registry()
+    d0, d1 = _decodes(registry, 2)
+    (p0,) = _prefills(registry, 1)
+    policy = make_policy(name)
+    request = RouteRequest(list(range(20)), kv_need=40)
+    picks = {policy.pick_pair(request, [p0], [d0, d1])[1].node_id for _ in range(4)}
+    assert picks <= {"d0", "d1"} and picks  # the policy's own choice, warmth aside
+    if name == "round_robin":
+        assert picks == {"d0", "d1"}
+
+
+def test_a_cold_pair_wins_only_when_every_warm_pair_is_overloaded():
+    registry = _registry()
+    warm_d, cold_d = _decodes(registry, 2)
+    (p0,) = _prefills(registry, 1)
+    _warm(p0, warm_d)
+    request = RouteRequest(list(range(20)), kv_need=40)
+    for policy in (LeastLoadPolicy(), CacheAwarePolicy()):
+        _status(warm_d, running=6)  # busy (6 of 8) but not queueing: still the warm one
+        assert policy.pick_pair(request, [p0], [warm_d, cold_d])[1] is warm_d
+        _status(warm_d, running=8, waiting=12, free_kv_tokens=200)  # far past its batch
+        assert policy.pick_pair(request, [p0], [warm_d, cold_d])[1] is cold_d
+
+
+def test_prefill_choice_prefers_a_warm_channel_to_the_chosen_decode_unless_it_is_swamped():
+    registry = _registry()
+    (d0,) = _decodes(registry, 1)
+    p0, p1 = _prefills(registry, 2)
+    policy = CacheAwarePolicy()
+    request = RouteRequest(list(range(20)), kv_need=40)
+    _status(p1, queued_prefill_tokens=4000)  # busier than p0, but warm
+    _warm(p1, d0)
+    assert policy.pick_pair(request, [p0, p1], [d0]) == (p1, d0)
+    _status(p1, queued_prefill_tokens=100_000)
+    _warm(p1, d0)
+    assert policy.pick_pair(request, [p0, p1], [d0]) == (p0, d0)
+    # A retry that keeps its decode node still gets the P warm with it.
+    _status(p1)
+    _warm(p1, d0)
+    d1 = registry.add(register_msg("d1", "decode"))
+    assert policy.pick_pair(request, [p0, p1], [d0, d1], d0) == (p1, d0)
+
+
+def test_warm_pairs_count_only_active_nodes_and_reported_channels():
+    registry = _registry()
+    d0, d1 = _decodes(registry, 2)
+    p0, p1 = _prefills(registry, 2)
+    assert registry.warm_pairs() == 0
+    registry.handle_status(p0, protocol.NodeStatus(warm_peers=["d0", "d1", "gone"]))
+    registry.handle_status(p1, protocol.NodeStatus(warm_peers=["d1"]))
+    assert registry.warm_pairs() == 3
+    assert registry.metrics.registry.get_sample_value("pdc_warm_channels") == 3
+    registry.drain("d1")
+    assert registry.warm_pairs() == 1
+    assert registry.metrics.registry.get_sample_value("pdc_warm_channels") == 1
+    registry.remove("p0", "test")
+    assert registry.warm_pairs() == 0
+
+
+def test_prefill_nodes_are_told_the_active_decode_nodes():
+    registry = _registry()
+    (p0,) = _prefills(registry, 1)
+    _frames(p0)
+    d0, d1 = _decodes(registry, 2)
+    peers = [f for f in _frames(p0) if isinstance(f, protocol.DecodePeers)]
+    assert [[p.node_id for p in f.peers] for f in peers] == [["d0"], ["d0", "d1"]]
+    assert peers[-1].peers[1].data_address == d1.info.data_address
+    registry.drain("d0")
+    registry.remove("d1", "test")
+    peers = [f for f in _frames(p0) if isinstance(f, protocol.DecodePeers)]
+    assert [[p.node_id for p in f.peers] for f in peers] == [["d1"], []]
+    assert not [f for f in _frames(d0) if isinstance(f, protocol.DecodePeers)]
+
+
 def test_make_policy_rejects_unknown_names():
     assert make_policy("cache_aware").name == "cache_aware"
     with pytest.raises(ValueError):

@@ -24,6 +24,7 @@ from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer import (
     MAX_FRAME_BYTES,
     ChannelError,
+    ChannelKeeper,
     ChannelPool,
     DataMessage,
     DataPlaneServer,
@@ -96,6 +97,7 @@ class Stats(DataMessage):
 class StatsReply(DataMessage):
     type: Literal["test.stats_reply"] = "test.stats_reply"
     connections: int
+    warmed: list[str] = []
 
 
 class Boom(DataMessage):
@@ -129,7 +131,7 @@ def _make_handler(server_ref: list[DataPlaneServer]):
             await asyncio.sleep(msg.seconds)
             return Echoed(text="woke", peer_node_id=conn.peer_node_id, server_node_id=server.node_id)
         if isinstance(msg, Stats):
-            return StatsReply(connections=len(server.connections))
+            return StatsReply(connections=len(server.connections), warmed=server.warmed_peers)
         if isinstance(msg, Boom):
             raise RuntimeError("boom")
         raise ValueError(f"unexpected {msg.type}")
@@ -422,6 +424,135 @@ async def test_handler_failure_is_reported_and_closes_only_that_connection(decod
         assert isinstance(await fresh.request(Echo(text="after boom"), REQUEST_TIMEOUT), Echoed)
     finally:
         await p.close()
+
+
+# ---- warm channels ahead of requests -------------------------------------------------------
+
+
+async def test_warm_up_moves_one_block_through_the_pair_without_counting_it(decode_node: DecodeNode) -> None:
+    address = decode_node.addresses[0]
+    p = pool()
+    try:
+        channel = await p.warm(address, REQUEST_TIMEOUT)
+        assert channel.warmed and channel.alive and address in p
+        assert channel.bytes_sent == 0 and p.bytes_sent == 0  # a warm-up is not KV
+        assert await p.warm(address, REQUEST_TIMEOUT) is channel  # warm already: no new dial
+        log = await wait_for_log(decode_node, "channel from prefill node 'prefill-0' warmed")
+        block_bytes = 2 * SPEC.num_layers * SPEC.block_size * SPEC.num_kv_heads * SPEC.head_dim * 4
+        assert f"warmed ({block_bytes} bytes over gloo)" in log
+        stats = await channel.request(Stats(), REQUEST_TIMEOUT)
+        assert stats.warmed == ["prefill-0"]  # the handler never saw the warm-up: the server took it
+        # The channel carries KV as before, counted.
+        reply = await channel.request(PushTensors(shapes=[[3, 4]], dtypes=["float32"]), REQUEST_TIMEOUT,
+                                      tensors=torch.ones(3, 4))
+        assert isinstance(reply, Received) and reply.bytes_received == 48 and channel.bytes_sent == 48
+    finally:
+        await p.close()
+
+
+def _closed_port_address() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def _until(predicate, what: str, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+    return value
+
+
+async def test_keeper_warms_listed_nodes_within_the_bound_and_closes_unlisted_ones(decode_node: DecodeNode) -> None:
+    a, b, c = decode_node.addresses
+    p = pool(max_channels=2)
+    changes: list[list[str]] = []
+    keeper = ChannelKeeper(p, on_change=changes.append, retry_s=0.05, max_backoff_s=0.2, check_s=0.05, idle_close_s=0.0)
+    keeper.start()
+    try:
+        keeper.set_peers({"decode-0": a})
+        await _until(lambda: keeper.warm_peers == ["decode-0"], "the first node warm")
+        assert p.peek(a).warmed and keeper.setup_seconds is not None and changes[-1] == ["decode-0"]
+
+        # A node that joins later is warmed too, with nothing evicted.
+        keeper.set_peers({"decode-0": a, "decode-1": b})
+        await _until(lambda: keeper.warm_peers == ["decode-0", "decode-1"], "the second node warm")
+        first = p.peek(a)
+
+        # Beyond max_channels the keeper makes no room: requests would evict a warm channel.
+        keeper.set_peers({"decode-0": a, "decode-1": b, "decode-2": c})
+        await asyncio.sleep(0.5)
+        assert keeper.warm_peers == ["decode-0", "decode-1"] and c not in p and p.peek(a) is first
+
+        # Nodes no longer listed (drained, gone) get their channels closed, which makes room.
+        keeper.set_peers({"decode-2": c})
+        await _until(lambda: keeper.warm_peers == ["decode-2"], "the third node warm")
+        await _until(lambda: p.addresses == [c], "the unlisted channels closed")
+        assert first.closed and first.channel.closed
+        assert changes[-1] == ["decode-2"]
+        stats = await p.peek(c).request(Stats(), REQUEST_TIMEOUT)
+        assert stats.connections == 1 and stats.warmed == ["prefill-0"]
+    finally:
+        await keeper.close()
+        await p.close()
+
+
+async def test_keeper_leaves_channels_alone_before_its_first_list_and_while_requests_use_them(
+    decode_node: DecodeNode,
+) -> None:
+    a, b, _ = decode_node.addresses
+    p = pool()
+    busy = {b}
+    keeper = ChannelKeeper(p, in_use=lambda address: address in busy, check_s=0.05, idle_close_s=0.0)
+    keeper.start()
+    try:
+        dialed = await p.get(a)  # a request dialed it before the master said anything
+        await asyncio.sleep(0.3)
+        assert dialed.alive and p.addresses == [a] and not dialed.warmed
+        # Listed: the request's channel is warmed in place, not dialed again.
+        keeper.set_peers({"decode-0": a})
+        await _until(lambda: keeper.warm_peers == ["decode-0"], "the dialed channel warm")
+        assert p.peek(a) is dialed and dialed.warmed
+
+        # A request still runs on a channel to a node no longer listed: it stays open until it ends.
+        in_flight = await p.get(b)
+        keeper.set_peers({})
+        await _until(lambda: p.addresses == [b], "the idle unlisted channel closed")
+        await asyncio.sleep(0.3)
+        assert in_flight.alive
+        busy.clear()
+        await _until(lambda: len(p) == 0, "the channel closed once its request ended")
+    finally:
+        await keeper.close()
+        await p.close()
+
+
+async def test_keeper_retries_a_failed_warm_up_until_the_node_answers() -> None:
+    address = _closed_port_address()
+    port = int(address.rsplit(":", 1)[1])
+    p = pool()
+    keeper = ChannelKeeper(p, retry_s=0.05, max_backoff_s=0.2, check_s=0.05)
+    keeper.start()
+    ref: list[DataPlaneServer] = []
+    server = DataPlaneServer("127.0.0.1", port, TOKEN, SPEC, "decode-late", "cpu", _make_handler(ref))
+    ref.append(server)
+    try:
+        keeper.set_peers({"decode-late": address})
+        await _until(lambda: keeper.failures >= 3, "retries with backoff")
+        assert keeper.warm_peers == [] and len(p) == 0
+        await server.start()  # the node comes up at its listed address
+        await _until(lambda: keeper.warm_peers == ["decode-late"], "the late node warm")
+        assert server.warmed_peers == ["prefill-0"]
+        # A warm channel whose peer dies drops out at the next check.
+        await server.stop()
+        await _until(lambda: keeper.warm_peers == [], "the dead channel dropped")
+    finally:
+        await keeper.close()
+        await p.close()
+        await server.stop()
 
 
 # ---- server lifecycle (both ends in this process: only the server's own behaviour matters) ----

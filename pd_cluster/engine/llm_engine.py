@@ -239,3 +239,56 @@ class LLMEngine:
     def held_slots(self, req: Request) -> torch.Tensor:
         """KV slots of a finished ``hold_kv`` request's computed tokens (CPU int64)."""
         return self.table.read(req.row, req.num_computed)
+
+    # ---- warm-up ---------------------------------------------------------------------------
+
+    def warm_up(self, prompt_tokens: int = 16, decode_steps: int = 1) -> float:
+        """Run one tiny request through the real path before the node serves, so that kernels
+        compile (Triton JIT) and allocations settle before the first real request: a prefill of
+        ``prompt_tokens`` tokens, ``decode_steps`` decode steps (0 for a prefill node), and one
+        block of KV gathered and scattered back as a handover does. Returns its seconds.
+
+        Leaves the engine as it found it: every KV slot it took is free again, the prefix cache
+        is untouched (nothing inserted, no KV events), and the stats are unchanged. The engine
+        must be idle (no requests)."""
+        import kernels
+
+        if self.requests or self.scheduler.has_work():
+            raise RuntimeError("warm_up needs an idle engine")
+        budget = min(self.max_model_len, self.pool.num_free) - decode_steps - 1
+        if budget < 1:
+            logger.info("no warm-up: the KV pool or context is too small")
+            return 0.0
+        started = time.monotonic()
+        n = min(prompt_tokens, budget)
+        token_ids = [(7 * i + 3) % self.model_config.vocab_size for i in range(n)]
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        request_id = "engine-warm-up"
+        stats, preemptions, cache_enabled = self.stats, self.scheduler.num_preemptions, self.cache.enabled
+        self.stats = EngineStats()
+        self.cache.enabled = False  # the request's KV goes back to the pool, not into the cache
+        try:
+            self.add_request(request_id, token_ids, params)
+            for _ in range(n + decode_steps + 1):  # each step makes progress: bounded
+                if not self.has_unfinished():
+                    break
+                self.step()
+            slots = self.pool.alloc(min(self.kv_spec.block_size, self.pool.num_free))
+            if slots is not None and slots.numel():
+                try:
+                    device_slots = slots.to(self.device)
+                    buffer = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, device_slots)
+                    kernels.scatter_kv(buffer, self.pool.k_cache, self.pool.v_cache, device_slots)
+                finally:
+                    self.pool.free(slots)
+        finally:
+            if request_id in self.requests:
+                self.abort(request_id)
+            self.cache.enabled = cache_enabled
+            self.stats = stats
+            self.scheduler.num_preemptions = preemptions
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.monotonic() - started
+        logger.info("engine warmed up in %.2fs (prefill of %d tokens, %d decode steps)", seconds, n, decode_steps)
+        return seconds

@@ -15,11 +15,13 @@ from pd_cluster.transfer.errors import (
     TransferError,
 )
 from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply
+from pd_cluster.transfer.keeper import ChannelKeeper
 from pd_cluster.transfer.server import DataPlaneServer, Handler, PeerConnection
 
 __all__ = [
     "MAX_FRAME_BYTES",
     "ChannelError",
+    "ChannelKeeper",
     "ChannelPool",
     "ConnectionClosed",
     "DataMessage",

@@ -155,9 +155,10 @@ class TensorChannel:
 
     # ---- tensors --------------------------------------------------------------------------
 
-    async def send(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float) -> int:
+    async def send(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float, *, count: bool = True) -> int:
         """Send tensors to the peer, in order; returns the bytes sent. On a GPU the send is
-        ordered after the work already queued on the caller's current stream."""
+        ordered after the work already queued on the caller's current stream. ``count=False``
+        leaves :attr:`bytes_sent` alone (a warm-up is not KV)."""
         batch = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
         def _send() -> int:
@@ -168,13 +169,15 @@ class TensorChannel:
             for work, t in zip(works, wire):
                 self._wait(work, deadline)
                 sent += _nbytes(t)
-                self.bytes_sent += _nbytes(t)
+                if count:
+                    self.bytes_sent += _nbytes(t)
             return sent
 
         return await self._run(_send, timeout, f"sending {len(batch)} tensor(s)")
 
-    async def recv_into(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float) -> None:
-        """Receive into existing tensors (for example staging buffers), in order."""
+    async def recv_into(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float, *, count: bool = True) -> None:
+        """Receive into existing tensors (for example staging buffers), in order; ``count=False``
+        leaves :attr:`bytes_received` alone."""
         batch = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
         def _recv() -> None:
@@ -188,14 +191,15 @@ class TensorChannel:
                 self._wait(work, deadline)
                 if w is not t:
                     t.copy_(w)
-                self.bytes_received += _nbytes(w)
+                if count:
+                    self.bytes_received += _nbytes(w)
 
         await self._run(_recv, timeout, f"receiving {len(batch)} tensor(s)")
 
-    async def recv(self, specs: Sequence[TensorSpec], timeout: float) -> list[torch.Tensor]:
+    async def recv(self, specs: Sequence[TensorSpec], timeout: float, *, count: bool = True) -> list[torch.Tensor]:
         """Receive tensors of the given (shape, dtype), in order, on the channel's device."""
         out = [torch.empty(tuple(shape), dtype=as_dtype(dtype), device=self.device) for shape, dtype in specs]
-        await self.recv_into(out, timeout)
+        await self.recv_into(out, timeout, count=count)
         return out
 
     # ---- teardown ------------------------------------------------------------------------

@@ -1,9 +1,10 @@
 """The prefill node's side of the data plane: dial decode nodes, keep a bounded pool of channels.
 
 A :class:`PeerChannel` is one authenticated control connection plus its tensor channel to one
-decode node. :class:`ChannelPool` dials lazily, reuses, forgets channels that failed, and
-closes the least recently used one beyond ``max_channels`` (each pair group holds memory,
-about 100 MB of GPU memory for NCCL, so open channels must stay bounded).
+decode node. :class:`ChannelPool` dials on :meth:`~ChannelPool.get` (a request) or
+:meth:`~ChannelPool.warm` (ahead of any request, see :mod:`.keeper`), reuses, forgets channels
+that failed, and closes the least recently used one beyond ``max_channels`` (each pair group
+holds memory, about 100 MB of GPU memory for NCCL, so open channels must stay bounded).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from pd_cluster.aio import wait_for
 from pd_cluster.kv_spec import KVSpec
-from pd_cluster.transfer.channel import ChannelCounters, TensorChannel, TensorSpec
+from pd_cluster.transfer.channel import ChannelCounters, TensorChannel, TensorSpec, as_dtype
 from pd_cluster.transfer.errors import (
     ChannelError,
     ConnectionClosed,
@@ -27,7 +28,16 @@ from pd_cluster.transfer.errors import (
     RemoteError,
 )
 from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply, FramedStream
-from pd_cluster.transfer.handshake import SUPPORTED_DEVICE_TYPES, Hello, Refused, Welcome, device_identity
+from pd_cluster.transfer.handshake import (
+    SUPPORTED_DEVICE_TYPES,
+    Hello,
+    Refused,
+    WarmAck,
+    WarmUp,
+    Welcome,
+    device_identity,
+    warm_up_shape,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +73,8 @@ class PeerChannel(ChannelCounters):
         self._lock = asyncio.Lock()
         self._on_close = on_close
         self._closed = False
+        #: True once a warm-up moved a tensor through the pair and the peer acknowledged it.
+        self.warmed = False
 
     @property
     def closed(self) -> bool:
@@ -95,6 +107,37 @@ class PeerChannel(ChannelCounters):
         except (ChannelError, asyncio.CancelledError):
             # Half an exchange leaves the two ends out of step: never reuse the channel.
             self.close()
+            raise
+        finally:
+            self._lock.release()
+
+    async def warm_up(self, shape: Sequence[int], dtype: torch.dtype | str, timeout: float) -> int:
+        """Move one tensor of zeros (``shape``, ``dtype``) to the peer and wait for its ack, so
+        the pair's transport has done a real transfer before the first KV push; returns its
+        bytes (not counted in :attr:`bytes_sent`). Idempotent: a warm channel returns 0."""
+        deadline = time.monotonic() + timeout
+        try:
+            await wait_for(self._lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise ChannelError(f"channel to {self.address} busy for {timeout:.1f}s") from None
+        try:
+            if self.warmed:
+                return 0
+            dtype_name = str(dtype).removeprefix("torch.")
+            await self.send(WarmUp(shape=list(shape), dtype=dtype_name), _left(deadline))
+            self._check_open()
+            tensor = torch.zeros(tuple(shape), dtype=as_dtype(dtype), device=self.channel.device)
+            try:
+                sent = await self.channel.send(tensor, _left(deadline), count=False)
+            except ChannelError as e:
+                self._fail("sending the warm-up tensor", e)
+            reply = await self.receive(_left(deadline))
+            if not isinstance(reply, WarmAck) or reply.bytes != sent:
+                self._fail("warming up", ChannelError(f"peer answered the warm-up with {reply!r}"))
+            self.warmed = True
+            return sent
+        except (ChannelError, asyncio.CancelledError):
+            self.close()  # half a warm-up leaves the two ends out of step
             raise
         finally:
             self._lock.release()
@@ -284,6 +327,10 @@ class ChannelPool:
     def __contains__(self, address: str) -> bool:
         return address in self._channels
 
+    def peek(self, address: str) -> PeerChannel | None:
+        """The open channel to ``address`` if any, without dialing or counting a use."""
+        return self._channels.get(address)
+
     @property
     def bytes_sent(self) -> int:
         return self._retired_sent + sum(c.bytes_sent for c in self._channels.values())
@@ -315,6 +362,36 @@ class ChannelPool:
             self._channels[address] = channel
             await self._evict()
             return channel
+
+    async def warm(self, address: str, timeout: float) -> PeerChannel:
+        """The channel to ``address``, dialed if needed and warmed with one block of KV-shaped
+        zeros (:meth:`PeerChannel.warm_up`), all within ``timeout`` seconds. Raises like
+        :meth:`get`. Warming does not count as a use for the LRU order."""
+        deadline = time.monotonic() + timeout
+        channel = self._channels.get(address)
+        if channel is None or not channel.alive:
+            try:
+                channel = await wait_for(self.get(address), timeout)
+            except asyncio.TimeoutError:
+                raise ChannelError(f"dialing {address} took over {timeout:.1f}s") from None
+        last_used = channel.last_used
+        await channel.warm_up(warm_up_shape(self.kv_spec), self.kv_spec.dtype, max(deadline - time.monotonic(), 0.1))
+        channel.last_used = last_used
+        return channel
+
+    async def close_idle(self, address: str, idle_s: float) -> bool:
+        """Close the channel to ``address`` if it is dead, or if no exchange holds it and it was
+        not used for ``idle_s`` seconds; True when it was closed (or there was none)."""
+        channel = self._channels.get(address)
+        if channel is None:
+            return True
+        busy = channel.exclusive().locked() or time.monotonic() - channel.last_used < idle_s
+        if channel.alive and busy:
+            return False
+        del self._channels[address]
+        self._dial_locks.pop(address, None)
+        await channel.aclose()
+        return True
 
     async def close(self) -> None:
         """Close every channel (their process groups included)."""

@@ -1,8 +1,14 @@
-"""The first exchange on a data-plane connection: who dials, is it allowed, can the KV move.
+"""The first exchanges on a data-plane connection: who dials, is it allowed, can the KV move.
 
 P sends :class:`Hello`; D answers :class:`Welcome` (with what P needs to join the pairwise
 process group) or :class:`Refused` and closes. The token is compared in constant time and never
 appears in a repr, a log line or an error message.
+
+Once the group is formed, P may warm it: :class:`WarmUp` announces one block of KV-shaped
+zeros that follows through the tensor channel, and D answers :class:`WarmAck`. That moves real
+bytes of the KV's dtype through the pair (on NCCL the first send/recv sets up the communicator's
+connections), so the first request's KV push pays no setup. Warm-up bytes are not counted as
+KV bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from pd_cluster.transfer.framing import DataMessage
 
 #: Bumped when the handshake or the frame layout changes incompatibly.
 PROTOCOL_VERSION = 1
+#: Largest warm-up tensor D accepts (one block of a large model's KV is a few MiB).
+MAX_WARM_UP_BYTES = 64 * 2**20
 
 Backend = Literal["gloo", "nccl"]
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
@@ -54,6 +62,26 @@ class Refused(DataMessage):
 
     type: Literal["dp.refused"] = "dp.refused"
     reason: str
+
+
+class WarmUp(DataMessage):
+    """P -> D on a formed channel: a tensor of ``shape`` and ``dtype`` follows; answer WarmAck."""
+
+    type: Literal["dp.warm_up"] = "dp.warm_up"
+    shape: list[int] = Field(min_length=1, max_length=8)
+    dtype: str
+
+
+class WarmAck(DataMessage):
+    """D -> P: the warm-up tensor arrived; the channel is warm."""
+
+    type: Literal["dp.warm_ack"] = "dp.warm_ack"
+    bytes: int = Field(ge=0)
+
+
+def warm_up_shape(kv_spec: KVSpec) -> list[int]:
+    """One block of KV in the layout a push carries: ``[2, layers, block_size, kv_heads, head_dim]``."""
+    return [2, kv_spec.num_layers, kv_spec.block_size, kv_spec.num_kv_heads, kv_spec.head_dim]
 
 
 def device_identity(device: torch.device) -> tuple[str, str | None]:

@@ -5,6 +5,9 @@ channel, and then carries request/reply frames: the server reads a message, awai
 ``handler(conn, message)`` and writes the reply it returns (None: no reply). The handler moves
 tensors with ``conn.recv_tensor(...)``. A bad frame, a failed handler or a dead channel closes
 that one connection, logged; the server keeps serving the others.
+
+The transport's own warm-up (:class:`~.handshake.WarmUp`) is answered here, never reaching the
+handler: the tensor is received (not counted as KV) and the connection marked ``warmed``.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import torch
 
 from pd_cluster.aio import wait_for
 from pd_cluster.kv_spec import KVSpec
-from pd_cluster.transfer.channel import ChannelCounters, HOST_RANK, TensorChannel, TensorSpec
+from pd_cluster.transfer.channel import ChannelCounters, HOST_RANK, TensorChannel, TensorSpec, as_dtype
 from pd_cluster.transfer.errors import ChannelError, ConnectionClosed, FrameError
 from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply, FramedStream
 from pd_cluster.transfer.handshake import (
+    MAX_WARM_UP_BYTES,
     SUPPORTED_DEVICE_TYPES,
     Hello,
     Refused,
+    WarmAck,
+    WarmUp,
     Welcome,
     check_hello,
     choose_backend,
@@ -41,6 +47,8 @@ class PeerConnection(ChannelCounters):
         self.channel = channel
         self.peer_node_id = peer_node_id
         self.peer_address = stream.peer
+        #: True once the peer's warm-up tensor arrived through the channel.
+        self.warmed = False
 
     @property
     def closed(self) -> bool:
@@ -120,6 +128,11 @@ class DataPlaneServer:
     def connections(self) -> list[PeerConnection]:
         """Connections past the handshake, with a live tensor channel."""
         return [c for c in self._connections if not c.closed]
+
+    @property
+    def warmed_peers(self) -> list[str]:
+        """Node ids of the prefill nodes with a live connection whose channel they warmed."""
+        return sorted({c.peer_node_id for c in self.connections if c.warmed})
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
@@ -232,7 +245,10 @@ class DataPlaneServer:
                 logger.warning("connection to %s broke: %s", who, e)
                 return
             try:
-                reply = await self._handler(conn, message)
+                if isinstance(message, WarmUp):
+                    reply = await self._warm_up(conn, message)
+                else:
+                    reply = await self._handler(conn, message)
             except ChannelError as e:
                 logger.warning("tensor channel to %s failed during %r: %s; closing", who, message.type, e)
                 return
@@ -245,6 +261,23 @@ class DataPlaneServer:
             if conn.channel.closed:
                 logger.warning("tensor channel to %s was torn down; closing", who)
                 return
+
+    async def _warm_up(self, conn: PeerConnection, msg: WarmUp) -> WarmAck:
+        """Receive the peer's warm-up tensor (bounded in size) and acknowledge it."""
+        dtype = as_dtype(msg.dtype)
+        numel = 1
+        for dim in msg.shape:
+            if dim < 0:
+                raise ValueError(f"warm-up shape {msg.shape} has a negative dimension")
+            numel *= dim
+        nbytes = numel * dtype.itemsize
+        if nbytes > MAX_WARM_UP_BYTES:
+            raise ValueError(f"warm-up of {nbytes} bytes exceeds {MAX_WARM_UP_BYTES}")
+        await conn.channel.recv([(msg.shape, dtype)], self.group_timeout, count=False)
+        conn.warmed = True
+        logger.info("channel from prefill node %r warmed (%d bytes over %s)", conn.peer_node_id, nbytes,
+                    conn.channel.backend)
+        return WarmAck(bytes=nbytes)
 
     async def _send_quietly(self, conn: PeerConnection, reply: DataMessage, who: str) -> bool:
         try:
