@@ -68,9 +68,10 @@ def offline_answers(model: Path) -> list[str]:
     from pd_cluster import LLM, SamplingParams
 
     llm = LLM(model=str(model))
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    texts = [o.text for o in outputs]
-    del llm, outputs
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # One at a time, as the served test sends them: the same batch shapes, the same kernels.
+    texts = [llm.generate([prompt], params)[0].text for prompt in PROMPTS]
+    del llm
     gc.collect()
     torch.cuda.empty_cache()
     return texts
