@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-ttft", type=float, default=1.0)
     parser.add_argument("--slo-tpot", type=float, default=0.05)
     parser.add_argument("--ready-timeout", type=float, default=180.0)
+    parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--tag", default="", help="suffix of the result files (e.g. run2)")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.out / f"{stem}-local.log", args.port)
     base = ServeBenchConfig(base_url=cluster.url, model=None, tokenizer=args.model, input_len=args.input_len,
                             output_len=args.output_len, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                            save_requests=False, progress=False)
+                            save_requests=False, progress=False, request_timeout=args.request_timeout)
     doc: dict[str, Any] = {"device": kind, "date": date, "model_shape": args.model_shape,
                            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
     try:
