@@ -158,7 +158,9 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{'-' if kv is None else f'{kv:,.0f}'} |")
         lines.append("")
     if "max_rate_at_slo" in doc:
-        lines.append(f"Highest swept rate with >= 90% of requests within the SLO: {doc['max_rate_at_slo']} req/s.")
+        best = doc["max_rate_at_slo"]
+        lines.append("Highest swept rate with >= 90% of requests within the SLO: "
+                     + (f"{best} req/s." if best is not None else "none of the swept rates."))
     return "\n".join(lines) + "\n"
 
 

@@ -140,7 +140,7 @@ def test_drain_a_decode_node_under_load_fails_nothing(small_model, tmp_path):
     try:
         headers = {"Authorization": f"Bearer {admin_token()}"}
         nodes = httpx.get(cluster.url + "/admin/nodes", headers=headers, timeout=10).json()["data"]
-        decode = sorted(n["node_id"] for n in nodes if n["role"] == "decode")
+        decode = sorted(n["id"] for n in nodes if n["role"] == "decode")
         assert len(decode) == 2
         result: dict = {}
         load = threading.Thread(target=lambda: result.update(bench_serve(
