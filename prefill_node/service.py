@@ -25,6 +25,7 @@ from pd_cluster.handover_messages import MatchPrefix, MatchResult, PushAck, Push
 from pd_cluster.model.llama import LayerHook
 from pd_cluster.protocol import FirstToken, PrefillJob
 from pd_cluster.transfer import ChannelKeeper, ChannelPool, HandshakeRefused, PeerChannel, TransferError
+from prefill_node.admission import TokenAdmission
 from prefill_node.layer_stream import LayerStream
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class PrefillService:
         layerwise_min_tokens: int = 2048,
         on_warm_change: Callable[[list[str]], None] | None = None,
         warm_up: bool = True,
+        admission_tokens: int | None = None,
     ) -> None:
         self.engine = engine or LLMEngine(config)
         self.worker = EngineWorker(self.engine, self._on_updates)
@@ -91,6 +93,8 @@ class PrefillService:
         self.keeper = ChannelKeeper(self.pool, on_change=on_warm_change,
                                     in_use=lambda address: self._jobs_per_address[address] > 0)
         self._warm_up_engine = warm_up
+        # Jobs lease KV on D only once admitted: see prefill_node.admission.
+        self.admission = TokenAdmission(admission_tokens or 2 * self.engine.config.max_num_batched_tokens)
         self.lease_s = lease_s
         self.counters = PrefillCounters()
         self._first_tokens: dict[str, asyncio.Future[TokenUpdate]] = {}
@@ -156,7 +160,14 @@ class PrefillService:
         self.counters.queued_prefill_tokens += len(job.token_ids)
         self._jobs_per_address[job.decode_address] += 1
         try:
-            return await self._run(job, report_first_token, left)
+            try:
+                held = await wait_for(self.admission.acquire(len(job.token_ids)), left())
+            except asyncio.TimeoutError:
+                raise PrefillFailed(f"prefill of {job.request_id} waited past its deadline for admission") from None
+            try:
+                return await self._run(job, report_first_token, left)
+            finally:
+                self.admission.release(held)
         except PrefillFailed:
             self.counters.failed += 1
             raise

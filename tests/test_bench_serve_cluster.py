@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pd_cluster.bench.serve.plots import PLOT_FILES
 from pd_cluster.model.config import ModelConfig
-from tests.cluster_harness import Cluster, wait_until
+from pd_cluster.bench.served import LocalCluster
+from tests.cluster_harness import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 DISTRIBUTIONS = ("ttft", "tpot", "itl", "e2e")
@@ -23,15 +24,18 @@ NUMBERS = ("duration_s", "request_throughput", "output_throughput", "total_token
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
-    c = Cluster(default_model_dir, tmp_path_factory.mktemp("bench-serve-logs"))
+    """`pd-cluster local` on CPU, as a user starts it (master + 1 prefill + 1 decode node)."""
+    home = tmp_path_factory.mktemp("bench-serve-home")
+    env = {k: v for k, v in os.environ.items() if k not in ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN")}
+    env.update(PD_CLUSTER_HOME=str(home), PYTHONUNBUFFERED="1")
+    port = free_port()
+    c = LocalCluster(["--model", str(default_model_dir), "--port", str(port), "--device", "cpu",
+                      "--max-total-tokens", "4096"], home / "local.log", port, env=env)
     try:
-        c.start_master()
-        c.start_node("prefill", "p0")
-        c.start_node("decode", "d0", "--data-port", "0")
-        wait_until(lambda: httpx.get(c.url + "/health", timeout=5).status_code == 200, 30, "health")
+        c.start(timeout=180)
         yield c
     finally:
-        c.stop()
+        assert c.stop() == 0, c.log_tail()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +45,7 @@ def kv_bytes_per_token(default_model_dir) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
 
 
-def bench_serve(cluster: Cluster, out: Path, *args: str) -> tuple[dict, str]:
+def bench_serve(cluster: LocalCluster, out: Path, *args: str) -> tuple[dict, str]:
     cmd = [sys.executable, "-m", "pd_cluster.cli", "bench", "serve", "--base-url", cluster.url, "--model", MODEL,
            "--json", str(out), "--save-requests", "--no-progress", "--seed", "3", *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)

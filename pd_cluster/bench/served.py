@@ -48,8 +48,9 @@ def device_kind() -> str:
 class LocalCluster:
     """``pd-cluster local`` as a child process, stopped with SIGTERM (its documented stop)."""
 
-    def __init__(self, args: list[str], log_path: Path, port: int) -> None:
+    def __init__(self, args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None) -> None:
         self.args = args
+        self.env = env
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
@@ -59,7 +60,7 @@ class LocalCluster:
         log = open(self.log_path, "wb")
         started = time.monotonic()
         self.proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.cli", "local", *self.args],
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         deadline = started + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
