@@ -224,7 +224,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
 
 
 def _block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    from pd_cluster.engine.block_hash import block_hashes
+    from pd_cluster.block_hash import block_hashes
 
     return block_hashes(token_ids, block_size)
 

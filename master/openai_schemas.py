@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from master.errors import APIError, bad_request, validation_message
 from pd_cluster import protocol
-from pd_cluster.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pd_cluster.sampling_params import MAX_LOGPROBS, SamplingParams
 
 #: OpenAI's default max_tokens for the legacy completions API.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -1,7 +1,7 @@
 """An approximate picture of which prompt prefixes a node holds in its KV cache.
 
 Nodes announce blocks entering and leaving their radix cache as chained block hashes
-(:mod:`pd_cluster.engine.block_hash`); because each hash covers all tokens before its block,
+(:mod:`pd_cluster.block_hash`); because each hash covers all tokens before its block,
 the number of a prompt's leading hashes found here is the length of the prefix the node can
 reuse. The picture may lag the node by one status interval, which routing tolerates. The set is
 bounded (least recently stored first out) so a node that never reports evictions cannot grow it

@@ -33,7 +33,7 @@ from master.registry import NodeRecord, Registry
 from master.routing import RouteRequest, RoutingPolicy, admissible_decodes
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class RouteRequest:
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the prompt's full blocks (computed once per block size)."""
         if block_size not in self._hashes:
-            from pd_cluster.engine.block_hash import block_hashes
+            from pd_cluster.block_hash import block_hashes
 
             self._hashes[block_size] = block_hashes(self.token_ids, block_size)
         return self._hashes[block_size]

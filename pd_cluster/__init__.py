@@ -14,7 +14,7 @@ __all__ = ["LLM", "SamplingParams", "EngineConfig", "default_model_path", "__ver
 if TYPE_CHECKING:
     from pd_cluster.config import EngineConfig
     from pd_cluster.default_model import default_model_path
-    from pd_cluster.engine.sampling_params import SamplingParams
+    from pd_cluster.sampling_params import SamplingParams
     from pd_cluster.llm import LLM
 
 
@@ -24,7 +24,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from pd_cluster.engine.sampling_params import SamplingParams
+        from pd_cluster.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

@@ -33,7 +33,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pd_cluster.engine.llm_engine import LLMEngine
-    from pd_cluster.engine.sampling_params import SamplingParams
+    from pd_cluster.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config_from_args(args))
     tok = engine.tokenizer

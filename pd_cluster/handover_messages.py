@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.transfer import DataMessage
 
 

@@ -10,7 +10,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestOutput
 from pd_cluster.engine.request import Request
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.kv_spec import KVSpec
 
 #: Largest control frame either side accepts (a prompt of ~100k token ids fits).

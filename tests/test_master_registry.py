@@ -11,7 +11,7 @@ import pytest
 import websockets
 
 from pd_cluster import protocol
-from pd_cluster.engine.block_hash import block_hashes
+from pd_cluster.block_hash import block_hashes
 from tests.master_fakes import (
     ADMIN_HEADERS,
     CHAT_MESSAGES,

@@ -21,8 +21,8 @@ from master.routing import (
     make_policy,
 )
 from pd_cluster import protocol
-from pd_cluster.engine.block_hash import block_hashes
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.block_hash import block_hashes
+from pd_cluster.sampling_params import SamplingParams
 from tests.master_fakes import make_settings, register_msg
 
 BLOCK = 4

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from pd_cluster.engine.output_processor import OutputProcessor, OutputUpdate
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 
 EOS = "<|endoftext|>"
 IM_END = "<|im_end|>"

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.protocol import PrefillJob
 from tests.pd_harness import decode_main, prefill_main, start_node
 

@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from pd_cluster.engine.block_hash import block_hashes
+from pd_cluster.block_hash import block_hashes
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.radix_cache import PrefixMatch, RadixCache
 from pd_cluster.kv_spec import KVSpec

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pd_cluster.engine.sampler import SamplingState, sample
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 
 
 def _state(prompt: list[int] | None = None, output: list[int] | None = None, **kw) -> SamplingState:

@@ -48,7 +48,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine import llm_engine
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.sampler import SamplingState
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.handover_layers import CommitKV, StreamKV
 from pd_cluster.handover_messages import MatchPrefix, MatchResult, PushAck, PushKV
 from pd_cluster.model.config import ModelConfig

@@ -47,7 +47,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _bench_engine(llm, prompts, max_tokens: int) -> float:
-    from pd_cluster.engine.sampling_params import SamplingParams
+    from pd_cluster.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.engine.cache.flush()

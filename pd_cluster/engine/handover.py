@@ -18,7 +18,7 @@ import torch
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.radix_cache import RadixNode
 from pd_cluster.engine.request import Request, RequestStatus
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import Request, RequestStatus
 from pd_cluster.engine.sampler import SamplingState, sample
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig

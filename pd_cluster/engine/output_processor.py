@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_cluster.engine.block_hash import block_hashes
+from pd_cluster.block_hash import block_hashes
 from pd_cluster.engine.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.protocol import TokenLogprob
 
 logger = logging.getLogger(__name__)

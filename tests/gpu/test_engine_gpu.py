@@ -21,7 +21,7 @@ import torch
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.engine.sampling_params import SamplingParams
+from pd_cluster.sampling_params import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
