@@ -11,9 +11,9 @@ from pydantic import BaseModel
 from decode_node.service import DecodeService
 from pd_cluster import protocol
 from pd_cluster.engine.outputs import TokenUpdate
-from pd_cluster.node_config import NodeSettings
-from pd_cluster.node_runtime import NodeRuntime
-from pd_cluster.node_status import StatusReporter
+from pd_cluster.node.config import NodeSettings
+from pd_cluster.node.runtime import NodeRuntime
+from pd_cluster.node.status import StatusReporter
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
 def _node_settings(args: argparse.Namespace, role: str):
     from pd_cluster.cli import engine_config_from_args
     from pd_cluster.config import EngineConfig
-    from pd_cluster.node_config import NodeSettings
+    from pd_cluster.node.config import NodeSettings
 
     engine = EngineConfig.model_validate(
         {**engine_config_from_args(args).model_dump(), "gpu_memory_fraction": args.gpu_memory_fraction}
@@ -76,7 +76,7 @@ def _role_entry(role: str):
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from pd_cluster.node_agent import RegistrationRefused
+    from pd_cluster.node.agent import RegistrationRefused
 
     try:
         _role_entry(args.command)(_node_settings(args, args.command))

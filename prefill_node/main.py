@@ -8,9 +8,9 @@ import logging
 from pydantic import BaseModel
 
 from pd_cluster import protocol
-from pd_cluster.node_config import NodeSettings
-from pd_cluster.node_runtime import NodeRuntime
-from pd_cluster.node_status import StatusReporter
+from pd_cluster.node.config import NodeSettings
+from pd_cluster.node.runtime import NodeRuntime
+from pd_cluster.node.status import StatusReporter
 from prefill_node.service import PrefillFailed, PrefillService
 
 logger = logging.getLogger(__name__)

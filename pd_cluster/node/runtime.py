@@ -10,9 +10,9 @@ from pydantic import BaseModel
 
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
-from pd_cluster.node_agent import NodeAgent
-from pd_cluster.node_config import NodeSettings
-from pd_cluster.node_lifecycle import NodeLifecycle, serve_status
+from pd_cluster.node.agent import NodeAgent
+from pd_cluster.node.config import NodeSettings
+from pd_cluster.node.lifecycle import NodeLifecycle, serve_status
 
 logger = logging.getLogger(__name__)
 
