@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kernels import _tiles
 from kernels._triton import cdiv, dot_precision, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
 
 _LOG2E = math.log2(math.e)
@@ -152,17 +153,9 @@ def _context_attention_kernel(
     full_end = (first_pos // BLOCK_N) * BLOCK_N
     for start in range(0, full_end, BLOCK_N):
         slots = tl.load(table_row + start + n_offs).to(tl.int64)
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=d_ok[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, d_ok[None, :],
+                                   stride_ks, stride_kh, stride_vs, stride_vh)
+        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, None, None, None, DOT_PRECISION)
 
     # The diagonal: causal mask, and the context's end.
     kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)
@@ -170,22 +163,9 @@ def _context_attention_kernel(
         n = start + n_offs
         n_ok = n < kv_end
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows that have seen no key yet keep m = -inf; shift by 0 there to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
+                                   stride_ks, stride_kh, stride_vs, stride_vh)
+        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -338,19 +318,9 @@ def _decode_split_kernel(
         n = start + n_offs
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
+                                   stride_ks, stride_kh, stride_vs, stride_vh)
+        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0

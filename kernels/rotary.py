@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from kernels import _tiles
 from kernels._triton import last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
 
 
@@ -109,24 +110,10 @@ def _rotary_kernel(
     c2 = tl.load(cos_ptr + pos * stride_cos + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + pos * stride_sin + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     s2 = tl.load(sin_ptr + pos * stride_sin + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
-    for h0 in range(0, num_q_heads, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        m = (h < num_q_heads)[:, None] & dmask[None, :]
-        src = q_ptr + tok * stride_qt + h[:, None] * stride_qh + d[None, :]
-        dst = q_out_ptr + tok * stride_qot + h[:, None] * stride_qoh + d[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst, x1 * c1 - x2 * s1, mask=m)
-        tl.store(dst + HALF, x2 * c2 + x1 * s2, mask=m)
-    for h0 in range(0, num_kv_heads, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        m = (h < num_kv_heads)[:, None] & dmask[None, :]
-        src = k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :]
-        dst = k_out_ptr + tok * stride_kot + h[:, None] * stride_koh + d[None, :]
-        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
-        tl.store(dst, x1 * c1 - x2 * s1, mask=m)
-        tl.store(dst + HALF, x2 * c2 + x1 * s2, mask=m)
+    _tiles.rotate_heads(q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, num_q_heads, stride_qh, stride_qoh,
+                        d, dmask, c1, c2, s1, s2, HALF, BLOCK_H)
+    _tiles.rotate_heads(k_ptr + tok * stride_kt, k_out_ptr + tok * stride_kot, num_kv_heads, stride_kh, stride_koh,
+                        d, dmask, c1, c2, s1, s2, HALF, BLOCK_H)
 
 
 def apply_rotary_triton(

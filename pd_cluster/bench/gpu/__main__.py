@@ -1,0 +1,164 @@
+"""``python -m pd_cluster.bench.gpu``: the run, part by part, saved after each part."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import pd_cluster.bench.gpu as package
+from pd_cluster.bench.gpu.ceilings import measure_ceilings
+from pd_cluster.bench.gpu.decode import measure_decode
+from pd_cluster.bench.gpu.hf import measure_hf
+from pd_cluster.bench.gpu.models import build_engine
+from pd_cluster.bench.gpu.plan import Plan
+from pd_cluster.bench.gpu.prefill import measure_prefill
+from pd_cluster.bench.gpu.report import TARGETS, markdown, short_table, summarize, verdicts
+from pd_cluster.bench.gpu.timing import empty_cache
+from pd_cluster.bench.gpu.transfer import measure_pd
+
+logger = logging.getLogger("pd_cluster.bench.gpu")
+
+
+class Results:
+    """The results of one run, written to ``<out>/<stem>.json`` and ``.md`` after every part."""
+
+    def __init__(self, plan: Plan, out_dir: Path) -> None:
+        import transformers
+        import triton
+
+        on_gpu = torch.cuda.is_available()
+        date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+        kind = device_kind()
+        self.plan = plan
+        self.data: dict[str, Any] = {
+            "device_kind": kind,
+            "device_name": torch.cuda.get_device_name(0) if on_gpu else "cpu",
+            "device_count": torch.cuda.device_count(),
+            "date": date,
+            "quick": plan.quick,
+            "model": json.loads(plan.big_config.read_text())["_name_or_path"],
+            "versions": {"torch": torch.__version__, "triton": triton.__version__,
+                         "transformers": transformers.__version__, "python": sys.version.split()[0]},
+            "errors": {},
+        }
+        stem = f"gpu-{kind}-{date}" + ("-quick" if plan.quick else "")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.json_path, self.md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+
+    def save(self) -> None:
+        results = self.data
+        results["keys"] = summarize(results, self.plan)
+        results["verdicts"] = verdicts(results["keys"])
+        results["targets"] = {k: {"target": t, "sense": s} for k, (t, s) in TARGETS.items()}
+        self.json_path.write_text(json.dumps(results, indent=2, default=str))
+        self.md_path.write_text(markdown(results))
+
+    def part(self, name: str, fn: Callable[[], Any]) -> Any:
+        """``results[name] = fn()``, timed and saved; a failure is logged and recorded, not raised."""
+        started = time.monotonic()
+        try:
+            value = fn()
+            self.data[name] = value
+            return value
+        except Exception as e:  # one part failing must not lose the others
+            logger.error("part %s failed:\n%s", name, traceback.format_exc())
+            self.data["errors"][name] = f"{type(e).__name__}: {e}"
+            return None
+        finally:
+            self.data.setdefault("part_seconds", {})[name] = round(time.monotonic() - started, 1)
+            self.save()
+
+
+def device_kind() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower().replace("nvidia ", "nvidia-").replace(" ", "-")
+    return f"{name}-x{torch.cuda.device_count()}"
+
+
+def run(plan: Plan, out_dir: Path) -> dict:
+    on_gpu = torch.cuda.is_available()
+    dev0 = torch.device("cuda:0" if on_gpu else "cpu")
+    dev1 = torch.device("cuda:1") if on_gpu and torch.cuda.device_count() >= 2 else (None if on_gpu else dev0)
+    gen = torch.Generator().manual_seed(0)
+    results = Results(plan, out_dir)
+    ceilings = results.part("ceilings", lambda: measure_ceilings(dev0)) or {}
+    copy_bw = ceilings.get("copy_tb_per_s", 4.0)
+    matmul = ceilings.get("matmul_tflops", 800.0)
+    run_big_model(results, plan, dev0, dev1, copy_bw, matmul, gen)
+    empty_cache()
+    results.part("small_model", lambda: measure_small_model(plan, dev0, copy_bw, matmul, gen))
+    results.save()
+    return results.data
+
+
+def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.device | None, copy_bw: float,
+                  matmul: float, gen: torch.Generator) -> None:
+    """(a) to (e) on one engine of the big shape: decode, prefill, transformers, then P -> D."""
+    engine = results.part("engine_build", lambda: build_engine(
+        plan.big_config, str(dev0), max_total_tokens=plan.kv_tokens, max_model_len=plan.max_model_len,
+        max_running_requests=max(plan.decode_batches), max_num_batched_tokens=max(plan.transfer_lens + plan.prefill_lens),
+        enable_prefix_cache=False, block_size=plan.block_size))
+    if engine is None:
+        return
+    data = results.data
+    data["engine_build"] = {"kv_slots": engine.pool.capacity,
+                            "graph_sizes": engine.runner.graphs.batch_sizes if engine.runner.graphs else None}
+    results.part("decode", lambda: measure_decode(engine, plan, copy_bw, gen, eager_batches=(1, plan.key_batch)))
+    prefill = results.part("prefill", lambda: measure_prefill(engine, plan, plan.prefill_lens, matmul, gen)) or {}
+    results.part("hf", lambda: measure_hf(engine, plan, plan.big_config, data.get("decode", {})))
+    if dev1 is not None:
+        results.part("pd", lambda: asyncio.run(measure_pd(engine, plan, plan.big_config, dev0, dev1, prefill, gen)))
+    else:
+        data["errors"]["pd"] = "needs two GPUs"
+
+
+def measure_small_model(plan: Plan, dev0: torch.device, copy_bw: float, matmul: float, gen: torch.Generator) -> dict:
+    """(a), (b) and (c) at the key sizes on the default model's shape."""
+    small_plan = Plan(plan.quick)
+    small_plan.decode_batches = [1, plan.key_batch]
+    small_engine = build_engine(plan.small_config, str(dev0), max_total_tokens=131072, max_model_len=8192,
+                                max_running_requests=plan.key_batch, max_num_batched_tokens=8192,
+                                enable_prefix_cache=False)
+    out = {"model": json.loads(plan.small_config.read_text())["_name_or_path"],
+           "decode": measure_decode(small_engine, small_plan, copy_bw, gen, eager_batches=(1, plan.key_batch)),
+           "prefill": measure_prefill(small_engine, small_plan, [plan.key_len], matmul, gen)}
+    small_plan.hf_batches = [plan.key_batch]
+    out["hf"] = measure_hf(small_engine, small_plan, plan.small_config, out["decode"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pd_cluster.bench.gpu",
+                                     description=package.__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: checks every path in about a minute")
+    parser.add_argument("--cpu", action="store_true", help="dry run of the code paths without a GPU (with --quick)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not torch.cuda.is_available() and not args.cpu:
+        print("needs a CUDA device (or --cpu --quick for a dry run)", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    results = run(Plan(args.quick), args.out)
+    print(f"\n{results['device_kind']} {results['date']}  ({time.monotonic() - started:.0f} s; "
+          f"parts: {results.get('part_seconds')})")
+    if results["errors"]:
+        print("errors:", json.dumps(results["errors"], indent=1))
+    print(short_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

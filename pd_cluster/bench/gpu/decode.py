@@ -1,0 +1,130 @@
+"""(a) Decode: whole engine steps at each batch size against the floor, (weight bytes + KV bytes
+read) / device copy bandwidth; also the CUDA graph replayed alone, and eager steps."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from pd_cluster.bench.gpu.models import random_prompt
+from pd_cluster.bench.gpu.plan import Plan
+from pd_cluster.bench.gpu.timing import cuda_ms, sync
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: torch.Generator,
+                   eager_batches: tuple[int, ...] = ()) -> dict:
+    """Decode steps of the whole engine (schedule, graph replay, sampling), largest batch first;
+    requests are aborted down to the next batch size, so contexts stay near ``decode_ctx``."""
+    batches = sorted(plan.decode_batches, reverse=True)
+    reqs = start_decoding(engine, batches[0], plan.decode_ctx, gen)
+    w_bytes = weight_bytes(engine)
+    out: dict[str, Any] = {"weight_bytes": w_bytes, "context": plan.decode_ctx, "steps": plan.decode_steps}
+    for batch in batches:
+        for r in reqs[batch:]:
+            engine.abort(r.request_id)
+        reqs = reqs[:batch]
+        for _ in range(3):
+            engine.step()
+        row = time_decode_steps(engine, reqs, plan.decode_steps)
+        kv_bytes = row.pop("mean_ctx_sum") * engine.kv_spec.bytes_per_token
+        floor_ms = (w_bytes + kv_bytes) / copy_tb_per_s / 1e9
+        row.update(kv_bytes=kv_bytes, floor_ms=floor_ms, floor_ratio=row["step_ms"] / floor_ms,
+                   tokens_per_s=batch / row["step_ms"] * 1e3)
+        if engine.runner.graphs is not None:
+            row.update(time_graph_replay(engine, batch, floor_ms))
+            if batch in eager_batches:
+                row["eager_step_ms"] = time_eager_steps(engine, reqs, plan.decode_steps)
+        out[f"b{batch}"] = row
+        logger.info("decode b%d: %.3f ms/step, floor %.3f ms (%.2fx)", batch, row["step_ms"], floor_ms,
+                    row["floor_ratio"])
+    for r in reqs:
+        engine.abort(r.request_id)
+    return out
+
+
+def start_decoding(engine: LLMEngine, batch: int, context: int, gen: torch.Generator) -> list:
+    """``batch`` requests of ``context`` random tokens, stepped until every one has its first token."""
+    vocab = engine.model_config.vocab_size
+    # Enough tokens for every timed step; more would make admission wait for KV that is never used.
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    reqs = [engine.add_request(f"dec-{uuid.uuid4().hex}", random_prompt(vocab, context, gen), params)
+            for _ in range(batch)]
+    while any(not r.output_token_ids for r in reqs):
+        engine.step()
+    return reqs
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes a decode step reads from the weights: every matrix but the embedding table (a step
+    gathers only its rows), the lm_head counted once even when tied."""
+    w = engine.model.weights
+    tensors = [w.final_norm, w.lm_head]
+    for layer in w.layers:
+        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+        if layer.qkv_bias is not None:
+            tensors.append(layer.qkv_bias)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def time_decode_steps(engine: LLMEngine, reqs: list, steps: int) -> dict:
+    """Median step time, and where a step's host time goes: scheduling, the runner (inputs,
+    launch or graph replay; the GPU runs on) and the rest (sampling waits for the GPU, then
+    the tokens are accepted)."""
+    times, ctx_sums = [], []
+    spent = {"schedule": [], "run": []}
+
+    def timed(fn: Callable, key: str) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key].append((time.perf_counter() - start) * 1e3)
+
+        return wrapper
+
+    engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")  # type: ignore[method-assign]
+    engine.runner.run = timed(engine.runner.run, "run")  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            ctx_sums.append(sum(r.num_computed + 1 for r in reqs))
+            sync(engine.device)
+            start = time.perf_counter()
+            updates = engine.step()  # sampling reads the tokens back: the step is complete
+            times.append((time.perf_counter() - start) * 1e3)
+            assert len(updates) == len(reqs), f"{len(updates)} tokens for {len(reqs)} requests"
+    finally:
+        del engine.scheduler.schedule, engine.runner.run
+    return {"step_ms": statistics.median(times), "step_ms_min": min(times),
+            "host_schedule_ms": statistics.median(spent["schedule"]), "host_runner_ms": statistics.median(spent["run"]),
+            "mean_ctx_sum": statistics.mean(ctx_sums)}
+
+
+def time_graph_replay(engine: LLMEngine, batch: int, floor_ms: float) -> dict:
+    """The captured CUDA graph for ``batch`` replayed alone: the GPU's share of a step."""
+    graphs = engine.runner.graphs
+    size = graphs.graph_size(batch)
+    replay_ms = cuda_ms(lambda: graphs.run_graph(size), engine.device)
+    return {"graph_size": size, "graph_replay_ms": replay_ms, "graph_floor_ratio": replay_ms / floor_ms}
+
+
+def time_eager_steps(engine: LLMEngine, reqs: list, steps: int) -> float:
+    """Median step milliseconds with CUDA graphs off (restored after)."""
+    graphs = engine.runner.graphs
+    engine.runner.graphs = None
+    try:
+        for _ in range(2):
+            engine.step()
+        return time_decode_steps(engine, reqs, steps)["step_ms"]
+    finally:
+        engine.runner.graphs = graphs

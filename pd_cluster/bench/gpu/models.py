@@ -1,0 +1,84 @@
+"""Engines on random weights made on the GPU from a shape's ``config.json``: nothing is downloaded
+or written but the config. (``pd_cluster.bench.random_model`` writes a whole model directory to
+disk instead, for commands that take ``--model DIR``.)"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import torch
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine import llm_engine
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.weights import LayerWeights, ModelWeights
+
+
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
+    """Llama weights of ``cfg``'s shape, N(0, 0.02) like a fresh Hugging Face model, made on the device."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+
+    def normal(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=dtype, device=device)
+
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = [
+        LayerWeights(
+            input_norm=ones(h),
+            qkv=normal(q + 2 * kv, h),
+            qkv_bias=torch.zeros(q + 2 * kv, dtype=dtype, device=device) if cfg.attention_bias else None,
+            o=normal(h, q),
+            post_norm=ones(h),
+            gate_up=normal(2 * inter, h),
+            down=normal(h, inter),
+        )
+        for _ in range(cfg.num_layers)
+    ]
+    embed = normal(cfg.vocab_size, h)
+    lm_head = embed if cfg.tie_word_embeddings else normal(cfg.vocab_size, h)
+    return ModelWeights(embed=embed, layers=layers, final_norm=ones(h), lm_head=lm_head)
+
+
+@contextlib.contextmanager
+def random_model(config_file: Path, seed: int = 0) -> Iterator[str]:
+    """A model directory holding only ``config.json``; engines built inside get random weights."""
+    with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
+        shutil.copy(config_file, Path(tmp) / "config.json")
+
+        def load(path, config: ModelConfig, dtype: torch.dtype, device) -> ModelWeights:
+            return random_weights(config, dtype, torch.device(device), seed)
+
+        with mock.patch.object(llm_engine, "load_weights", load):
+            yield tmp
+
+
+class BlankTokenizer:
+    """Random weights have no vocabulary: every token decodes to "" (the detokenizer still runs)."""
+
+    eos_token_id = None
+    all_special_ids: list[int] = []
+
+    def decode(self, ids: list[int], **_: Any) -> str:
+        return ""
+
+
+def build_engine(config_file: Path, device: str, seed: int = 0, **options: Any) -> LLMEngine:
+    with random_model(config_file, seed) as path:
+        return LLMEngine(EngineConfig(model=path, device=device, dtype="bfloat16", **options),
+                         tokenizer=BlankTokenizer())
+
+
+def random_prompt(vocab: int, n: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=gen).tolist()

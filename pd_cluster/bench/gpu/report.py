@@ -1,0 +1,196 @@
+"""What a run reports: the six headline keys against their targets, the markdown file, the short
+table printed last."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pd_cluster.bench.gpu.plan import Plan
+
+TARGETS = {  # key: (target, "<=" lower is better / ">=" higher is better)
+    "decode_floor_ratio_b1": (1.5, "<="),
+    "decode_floor_ratio_b64": (1.3, "<="),
+    "prefill_mfu_4k": (0.65, ">="),
+    "hf_decode_speedup_b64": (8.0, ">="),
+    "transfer_vs_nccl_4k": (0.80, ">="),
+    "transfer_visible_fraction_4k": (0.25, "<="),
+}
+
+
+def summarize(results: dict, plan: Plan) -> dict:
+    """The six headline ratios (None where the part did not run)."""
+
+    def get(*path: str) -> Any:
+        node: Any = results
+        for key in path:
+            if not isinstance(node, dict) or key not in node:
+                return None
+            node = node[key]
+        return node
+
+    big = f"b{plan.key_batch}"
+    return {
+        "decode_floor_ratio_b1": get("decode", "b1", "floor_ratio"),
+        "decode_floor_ratio_b64": get("decode", big, "floor_ratio"),
+        "prefill_mfu_4k": get("prefill", str(plan.key_len), "mfu"),
+        "hf_decode_speedup_b64": get("hf", big, "speedup"),
+        "transfer_vs_nccl_4k": get("pd", "transfer", str(plan.key_len), "channel_vs_nccl"),
+        "transfer_visible_fraction_4k": get("pd", "ttft", str(plan.key_len), "layers_visible_fraction"),
+    }
+
+
+def verdicts(keys: dict) -> dict:
+    out = {}
+    for key, value in keys.items():
+        target, sense = TARGETS[key]
+        if value is None:
+            out[key] = "not run"
+        else:
+            ok = value <= target if sense == "<=" else value >= target
+            out[key] = "met" if ok else "missed"
+    return out
+
+
+def markdown(results: dict) -> str:
+    pd = results.get("pd", {})
+    lines = [
+        *_headline(results),
+        *_decode_section(results.get("decode", {})),
+        *_prefill_section(results.get("prefill", {})),
+        *_hf_section(results.get("hf", {})),
+        *_transfer_section(pd),
+        *_ttft_section(pd),
+        *_prefix_hit_section(pd),
+        *_small_model_section(results.get("small_model")),
+    ]
+    if results.get("errors"):
+        lines += ["", "## Errors", ""] + [f"- {part}: {msg}" for part, msg in results["errors"].items()]
+    lines += ["", "Definitions: see the docstring of `pd_cluster/bench/gpu/__init__.py` and `docs/benchmarks/README.md`.",
+              ""]
+    return "\n".join(lines)
+
+
+def short_table(results: dict) -> str:
+    rows = [f"{'key':34s} {'value':>9s}  target    verdict"]
+    for key, value in results["keys"].items():
+        target, sense = TARGETS[key]
+        shown = "-" if value is None else f"{value:.3f}"
+        rows.append(f"{key:34s} {shown:>9s}  {sense}{target:<6}  {results['verdicts'][key]}")
+    return "\n".join(rows)
+
+
+# ---- markdown sections ----------------------------------------------------------------------------
+
+
+def _headline(results: dict) -> list[str]:
+    keys, verdict = results["keys"], results["verdicts"]
+    ceil = results.get("ceilings", {})
+    lines = [
+        f"# GPU benchmark: {results['device_kind']} ({results['date']})",
+        "",
+        f"{results['device_name']}, torch {results['versions']['torch']}, triton {results['versions'].get('triton')}, "
+        f"transformers {results['versions'].get('transformers')}. Model: {results['model']} shape, random bf16 "
+        f"weights. Ceilings measured in this run: copy {ceil.get('copy_tb_per_s', float('nan')):.2f} TB/s "
+        f"(read + write), bf16 matmul {ceil.get('matmul_tflops', float('nan')):.0f} TFLOP/s.",
+        "",
+        "| key | value | target | verdict |",
+        "| --- | --- | --- | --- |",
+    ]
+    for key, value in keys.items():
+        target, sense = TARGETS[key]
+        shown = "—" if value is None else f"{value:.3f}"
+        lines.append(f"| {key} | {shown} | {sense} {target} | {verdict[key]} |")
+    return lines
+
+
+def _batch_rows(part: dict) -> list[tuple[str, dict]]:
+    """A decode-like part's per-batch rows (keys ``b<batch>``), as (batch, row)."""
+    return [(key[1:], row) for key, row in part.items() if key.startswith("b") and isinstance(row, dict)]
+
+
+def _table(title: str, header: list[str]) -> list[str]:
+    return ["", title, "", "| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * len(header)) + " |"]
+
+
+def _decode_section(dec: dict) -> list[str]:
+    if not dec:
+        return []
+    lines = _table(f"## Decode step (context ~{dec.get('context')} tokens, whole engine step)",
+                   ["batch", "step ms", "graph replay ms", "floor ms", "step / floor", "replay / floor",
+                    "host: schedule ms", "host: runner ms", "eager step ms"])
+    for batch, row in _batch_rows(dec):
+        lines.append(f"| {batch} | {row['step_ms']:.3f} | {_fmt(row.get('graph_replay_ms'))} | "
+                     f"{row['floor_ms']:.3f} | {row['floor_ratio']:.2f} | {_fmt(row.get('graph_floor_ratio'), '.2f')} | "
+                     f"{row['host_schedule_ms']:.3f} | {row['host_runner_ms']:.3f} | {_fmt(row.get('eager_step_ms'))} |")
+    return lines
+
+
+def _prefill_section(pre: dict) -> list[str]:
+    if not pre:
+        return []
+    lines = _table("## Prefill (one fresh prompt per step)", ["tokens", "ms", "tokens/s", "TFLOP/s", "MFU"])
+    for n, row in pre.items():
+        lines.append(f"| {n} | {row['ms']:.2f} | {row['tokens_per_s']:.0f} | {row['tflops']:.0f} | {row['mfu']:.3f} |")
+    return lines
+
+
+def _hf_section(hf: dict) -> list[str]:
+    if not hf:
+        return []
+    lines = _table("## transformers generate() on the same weights", ["batch", "HF step ms", "our step ms", "speedup"])
+    for batch, row in _batch_rows(hf):
+        lines.append(f"| {batch} | {row['step_ms']:.2f} | {_fmt(row.get('our_step_ms'))} | "
+                     f"{_fmt(row.get('speedup'), '.1f')} |")
+    return lines
+
+
+def _transfer_section(pd: dict) -> list[str]:
+    if not pd.get("transfer"):
+        return []
+    lines = _table(f"## KV transfer {pd.get('p_device')} -> {pd.get('d_device')} ({pd.get('backend')})",
+                   ["tokens", "MB", "raw NCCL ms", "channel ms", "channel / raw", "whole handover ms",
+                    "layer-wise handover ms", "P gather ms"])
+    for n, row in pd["transfer"].items():
+        lines.append(f"| {n} | {row['bytes'] / 1e6:.0f} | {row['raw_nccl_ms']:.3f} | {row['channel_ms']:.3f} | "
+                     f"{row['channel_vs_nccl']:.2f} | {row['handover_whole_ms']:.3f} | "
+                     f"{row['handover_layers_ms']:.3f} | {row['gather_ms']:.3f} |")
+    return lines
+
+
+def _ttft_section(pd: dict) -> list[str]:
+    if not pd.get("ttft"):
+        return []
+    lines = _table("## Transfer visible in the handover (job start -> KV committed on D)",
+                   ["tokens", "prefill ms", "layer-wise ms", "whole ms", "transfer alone ms", "visible, layer-wise",
+                    "visible, whole", "first token ms"])
+    for n, row in pd["ttft"].items():
+        lines.append(f"| {n} | {_fmt(row.get('prefill_ms'))} | {row['layers_handover_ms']:.2f} | "
+                     f"{row['whole_handover_ms']:.2f} | {_fmt(row.get('standalone_transfer_ms'))} | "
+                     f"{_fmt(row.get('layers_visible_fraction'))} | {_fmt(row.get('whole_visible_fraction'))} | "
+                     f"{row['layers_first_token_ms']:.2f} |")
+    return lines
+
+
+def _prefix_hit_section(pd: dict) -> list[str]:
+    hit = pd.get("prefix_hit_75")
+    if not hit:
+        return []
+    return ["", f"75% prefix hit on D ({hit['tokens']} tokens): {hit['bytes'] / 1e6:.0f} MB moved instead of "
+            f"{hit['bytes_no_hit'] / 1e6:.0f} MB ({hit['bytes_fraction']:.2f}); transfer pool to pool "
+            f"{_fmt(hit['transfer_ms'])} ms vs {_fmt(hit['transfer_ms_no_hit'])} ms; handover "
+            f"{hit['handover_ms']:.1f} ms vs {hit['handover_ms_no_hit']:.1f} ms."]
+
+
+def _small_model_section(small: dict | None) -> list[str]:
+    if not small or "decode" not in small:
+        return []
+    lines = _table(f"## {small['model']} shape (the default model), random weights",
+                   ["batch", "step ms", "floor ms", "step / floor", "eager step ms"])
+    for batch, row in _batch_rows(small["decode"]):
+        lines.append(f"| {batch} | {row['step_ms']:.3f} | {row['floor_ms']:.3f} | {row['floor_ratio']:.2f} | "
+                     f"{_fmt(row.get('eager_step_ms'))} |")
+    return lines
+
+
+def _fmt(value: Any, spec: str = ".3f") -> str:
+    return "—" if value is None else format(value, spec)
