@@ -1,94 +1,11 @@
-"""Decode node process: a DecodeService joined to the master."""
+"""Entry point of a decode node process (``pd-cluster decode``)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections import defaultdict
 
-from pydantic import BaseModel
-
-from decode_node.service import DecodeService
-from pd_cluster import protocol
-from pd_cluster.engine.outputs import TokenUpdate
+from decode_node.node import DecodeNode
 from pd_cluster.node.config import NodeSettings
-from pd_cluster.node.runtime import NodeRuntime
-from pd_cluster.node.status import StatusReporter
-
-logger = logging.getLogger(__name__)
-
-
-class DecodeNode(NodeRuntime):
-    role = "decode"
-
-    def __init__(self, settings: NodeSettings) -> None:
-        super().__init__(settings)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self.service = DecodeService(
-            settings.engine, node_id=settings.node_id, cluster_token=settings.cluster_token.get_secret_value(),
-            data_host=settings.data_bind or settings.data_host, data_port=settings.data_port,
-            on_tokens=self._on_tokens, kv_event_sink=self._on_kv_events,
-        )
-        self.reporter = StatusReporter(self.service.engine)
-
-    def _on_kv_events(self, stored: list[int], evicted: list[int]) -> None:
-        # Called on the engine thread: hop to the event loop.
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.send, protocol.KVEvents(stored=stored, evicted=evicted))
-
-    def _on_tokens(self, updates: list[TokenUpdate]) -> None:
-        by_request: dict[str, list[TokenUpdate]] = defaultdict(list)
-        for update in updates:
-            by_request[update.request_id].append(update)
-        for request_id, items in by_request.items():
-            logprobs = [u.logprob for u in items if u.logprob is not None]
-            self.send(
-                protocol.TokenDelta(
-                    request_id=request_id,
-                    token_ids=[u.token_id for u in items],
-                    text="".join(u.text_delta for u in items),
-                    logprobs=logprobs or None,
-                    finish_reason=items[-1].finish_reason,
-                )
-            )
-
-    def register_message(self) -> protocol.Register:
-        engine = self.service.engine
-        return protocol.Register(
-            node_id=self.settings.node_id, role="decode", model=engine.kv_spec.model, kv_spec=engine.kv_spec,
-            data_address=f"{self.settings.data_host}:{self.service.server.port}",
-            capacity=self.capacity(engine), device=str(engine.device),
-        )
-
-    def status(self) -> protocol.NodeStatus:
-        return self.reporter.report(draining=self.lifecycle.draining, warm_peers=self.service.warmed_peers)
-
-    async def on_message(self, message: BaseModel) -> None:
-        if isinstance(message, protocol.Abort):
-            await self.service.abort(message.request_id)
-        elif isinstance(message, protocol.Drain):
-            self.lifecycle.request_drain("the master asked")
-        elif isinstance(message, protocol.PrefillJob):
-            self.send(protocol.RequestFailed(request_id=message.request_id, retryable=True,
-                                             message="a decode node does not prefill"))
-
-    async def start_service(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        await self.service.start()
-
-    async def stop_service(self) -> None:
-        await self.service.stop()
-
-    def _busy(self) -> bool:
-        return bool(self.service.engine.scheduler.running or self.service.handover.reservations)
-
-    async def wait_idle(self, timeout: float) -> bool:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while await self.service.worker.call(self._busy):
-            if asyncio.get_running_loop().time() > deadline:
-                return False
-            await asyncio.sleep(0.1)  # requests end at their own pace; check ten times a second
-        return True
 
 
 def run_decode_node(settings: NodeSettings) -> None:

@@ -259,8 +259,6 @@ class Relay:
             decode.reported_kv.add(msg.request_id)
             self.metrics.prefix_hit_tokens.inc(msg.hit_blocks_decode * decode.info.kv_spec.block_size)
         self.metrics.kv_transfer_bytes.inc(msg.transfer_bytes)
-        if msg.transfer_seconds:
-            self.metrics.kv_transfer_seconds.observe(msg.transfer_seconds)
         r.cached_tokens = msg.cached_tokens_prefill
         logprobs = [msg.logprob] if msg.logprob is not None else None
         self._emit(r, [msg.token_id], msg.text, logprobs, msg.finish_reason)

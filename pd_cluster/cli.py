@@ -1,10 +1,16 @@
-"""The ``pd-cluster`` command line."""
+"""The ``pd-cluster`` command line: the parser and every command (``ray`` comes from
+:mod:`pd_cluster.ray_launcher.cli`).
+
+Roles are imported inside the commands that start them, so ``pd-cluster generate`` or ``bench``
+loads no role and a role loads none of the others."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 
 logger = logging.getLogger("pd_cluster")
@@ -93,6 +99,192 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- cluster processes ----------------------------------------------------------------
+
+
+def _node_args(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument("--master", required=True, help="the master's HTTP address, e.g. http://127.0.0.1:8000")
+    p.add_argument("--node-id", default=None, help="unique node name (default: host-pid)")
+    p.add_argument("--status-host", default="127.0.0.1")
+    p.add_argument("--status-port", type=int, default=0, help="serve /livez, /readyz, /drain here (0: off)")
+    p.add_argument("--drain-timeout", type=float, default=600.0)
+    p.add_argument("--lease-s", type=float, default=30.0, help="KV reservation lease on decode nodes")
+    if role == "decode":
+        p.add_argument("--data-host", default="127.0.0.1", help="address prefill nodes dial (advertised)")
+        p.add_argument("--data-bind", default=None, help="bind address of the data plane (default: --data-host)")
+        p.add_argument("--data-port", type=int, default=0)
+    else:
+        p.add_argument("--max-channels", type=int, default=8)
+    _add_engine_args(p)
+    p.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
+                   help="share of the GPU's total memory this node may use (weights, headroom and KV); for nodes "
+                        "sharing a GPU (default: the KV pool takes a fraction of the memory free at start)")
+
+
+def _node_settings(args: argparse.Namespace, role: str):
+    from pd_cluster.config import EngineConfig
+    from pd_cluster.node.config import NodeSettings
+
+    engine = EngineConfig.model_validate(
+        {**engine_config_from_args(args).model_dump(), "gpu_memory_fraction": args.gpu_memory_fraction}
+    )
+    fields = {"master": args.master, "engine": engine, "status_host": args.status_host,
+              "status_port": args.status_port, "drain_timeout_s": args.drain_timeout, "lease_s": args.lease_s}
+    if args.node_id:
+        fields["node_id"] = args.node_id
+    if role == "decode":
+        fields.update(data_host=args.data_host, data_bind=args.data_bind, data_port=args.data_port)
+    else:
+        fields["max_channels"] = args.max_channels
+    if not os.environ.get("PD_CLUSTER_TOKEN"):
+        raise SystemExit("PD_CLUSTER_TOKEN is not set: nodes authenticate to the master with it")
+    return NodeSettings(**fields)
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from pd_cluster.node.agent import RegistrationRefused
+
+    settings = _node_settings(args, args.command)
+    try:
+        if args.command == "prefill":
+            from prefill_node.main import run_prefill_node
+
+            run_prefill_node(settings)
+        else:
+            from decode_node.main import run_decode_node
+
+            run_decode_node(settings)
+    except RegistrationRefused as e:
+        logger.error("the master refused this node: %s", e)
+        return 2
+    return 0
+
+
+def cmd_master(args: argparse.Namespace) -> int:
+    from master.app import ConfigError
+    from master.config import MasterSettings
+    from master.server import run_master
+
+    given = {k: v for k, v in {
+        "host": args.host, "port": args.port, "model": args.model, "policy": args.policy,
+        "max_model_len": args.max_model_len, "request_timeout_s": args.request_timeout,
+        "served_model_name": args.served_model_name,
+    }.items() if v is not None}
+    try:
+        run_master(MasterSettings(**given))
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    return 0
+
+
+def cmd_node_drain(args: argparse.Namespace) -> int:
+    import httpx
+
+    base = f"http://127.0.0.1:{args.status_port}"
+    deadline = time.monotonic() + args.timeout
+    try:
+        httpx.post(f"{base}/drain", timeout=5).raise_for_status()
+        while time.monotonic() < deadline:
+            if httpx.get(f"{base}/drain", timeout=5).json().get("done"):
+                logger.info("node drained")
+                return 0
+            time.sleep(0.5)
+    except httpx.HTTPError as e:
+        logger.info("node status server gone (%s): treating the node as stopped", e)
+        return 0
+    logger.warning("node still busy after %.0fs", args.timeout)
+    return 1
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 (got {text!r})") from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (got {text!r})") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (got {text!r})")
+    return value
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    """Master + P prefill + D decode nodes as supervised processes on this machine."""
+    from pd_cluster.local_cluster import LocalCluster, LocalOptions, PlacementError
+
+    options = LocalOptions(
+        host=args.host, port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
+        device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
+        max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
+        stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
+        echo_logs=args.echo_logs, log_level=args.log_level,
+    )
+    try:
+        cluster = LocalCluster(options)
+    except PlacementError as e:
+        logger.error("%s", e)
+        return 2
+    return cluster.run()
+
+
+def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands that start cluster processes: master, prefill, decode, local, node-drain."""
+    m = sub.add_parser("master", help="run the master (OpenAI API, node registry, routing)")
+    m.add_argument("--host", default=None)
+    m.add_argument("--port", type=int, default=None)
+    m.add_argument("--model", default=None, help='"default" or an HF model directory (tokenizer, chat template)')
+    m.add_argument("--served-model-name", default=None)
+    m.add_argument("--policy", default=None, choices=["cache_aware", "least_load", "round_robin"])
+    m.add_argument("--max-model-len", type=int, default=None)
+    m.add_argument("--request-timeout", type=float, default=None)
+    m.set_defaults(func=cmd_master)
+
+    p = sub.add_parser("prefill", help="run a prefill node that joins --master")
+    _node_args(p, "prefill")
+    p.set_defaults(func=cmd_node)
+
+    d = sub.add_parser("decode", help="run a decode node that joins --master")
+    _node_args(d, "decode")
+    d.set_defaults(func=cmd_node)
+
+    loc = sub.add_parser(
+        "local", help="master + prefill + decode nodes on this machine, supervised (crashes are restarted)")
+    loc.add_argument("--host", default="127.0.0.1")
+    loc.add_argument("--port", type=int, default=8000)
+    loc.add_argument("--prefill", type=int, default=1, help="prefill nodes to keep running")
+    loc.add_argument("--decode", type=int, default=1, help="decode nodes to keep running")
+    loc.add_argument("--model", default="default")
+    loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
+    loc.add_argument("--gpus", type=_gpu_list, default=None,
+                     help="GPUs to spread the nodes over, e.g. 0,1 (default: every visible GPU); nodes sharing a "
+                          "GPU split its free memory")
+    loc.add_argument("--dtype", default="auto")
+    loc.add_argument("--block-size", type=int, default=1)
+    loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
+    loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"])
+    loc.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the cluster to serve")
+    loc.add_argument("--stop-timeout", type=float, default=30.0,
+                     help="seconds Ctrl-C/SIGTERM waits for the nodes to drain and the master to stop")
+    loc.add_argument("--log-dir", default=None, help="per-process log files (default: $PD_CLUSTER_HOME/local/logs)")
+    loc.add_argument("--echo-logs", action="store_true", help="also print every process's output here")
+    loc.set_defaults(func=cmd_local)
+
+    drain = sub.add_parser("node-drain", help="ask the node on this host to drain and wait for it (preStop)")
+    drain.add_argument("--status-port", type=int, default=9000)
+    drain.add_argument("--timeout", type=float, default=600.0)
+    drain.set_defaults(func=cmd_node_drain)
+
+    from pd_cluster.ray_launcher.cli import add_ray_commands
+
+    add_ray_commands(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-cluster", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="INFO")
@@ -127,9 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_arguments(serve)
     serve.set_defaults(func=cmd_bench_serve)
 
-    from pd_cluster import cli_serve
-
-    cli_serve.add_commands(sub)
+    _add_cluster_commands(sub)
     return parser
 
 

@@ -100,11 +100,9 @@ class FirstToken(_Message):
     text: str = ""
     logprob: TokenLogprob | None = None
     finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
     cached_tokens_prefill: int = 0
     hit_blocks_decode: int = 0
     transfer_bytes: int = 0
-    transfer_seconds: float = 0.0
 
 
 class TokenDelta(_Message):
@@ -116,7 +114,6 @@ class TokenDelta(_Message):
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
-    completion_tokens: int = 0
 
 
 class RequestFailed(_Message):

@@ -20,8 +20,7 @@ from pd_cluster.engine.outputs import TokenUpdate
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.worker import EngineWorker
-from pd_cluster.handover_layers import CommitKV, StreamKV
-from pd_cluster.handover_messages import MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease
+from pd_cluster.handover import CommitKV, MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease, StreamKV
 from pd_cluster.model.llama import LayerHook
 from pd_cluster.protocol import FirstToken, PrefillJob
 from pd_cluster.transfer import ChannelKeeper, ChannelPool, HandshakeRefused, PeerChannel, TransferError
@@ -65,8 +64,8 @@ class PrefillService:
     ready; ``on_warm_change`` hears of every change of :attr:`warm_peers`.
 
     ``layerwise`` (default: on CUDA devices) streams each layer's KV to D while the prefill
-    forward runs (:mod:`pd_cluster.handover_layers`); otherwise the whole KV goes in one push
-    after the first token. On a GPU the engine thread computes on its own stream, so that
+    forward runs (``StreamKV`` of :mod:`pd_cluster.handover`, sent by :mod:`prefill_node.layer_stream`);
+    otherwise the whole KV goes in one push after the first token. On a GPU the engine thread computes on its own stream, so that
     what the event loop queues for the network never waits behind later layers.
     """
 
@@ -107,7 +106,7 @@ class PrefillService:
         self._side_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
         self._streams: dict[str, LayerStream] = {}
         self._held: dict[str, Request] = {}
-        self.engine.runner.step_hook = self._layer_hook_for
+        self.engine.set_layer_hook_factory(self._layer_hook_for)
 
     @property
     def block_size(self) -> int:
@@ -306,7 +305,6 @@ class PrefillService:
             text=first.text_delta,
             logprob=first.logprob,
             finish_reason=first.finish_reason,
-            prompt_tokens=len(job.token_ids),
             cached_tokens_prefill=req.num_cached_tokens,
             hit_blocks_decode=hit_blocks,
             transfer_bytes=transfer_bytes,

@@ -275,7 +275,7 @@ async def serve_one(
     await prefill.send(
         protocol.FirstToken(
             request_id=job.request_id, token_id=first_id, text=first_text,
-            finish_reason=None if rest else finish_reason, prompt_tokens=len(job.token_ids), **first_token,
+            finish_reason=None if rest else finish_reason, **first_token,
         )
     )
     for i, (token_id, text) in enumerate(rest):
@@ -283,7 +283,7 @@ async def serve_one(
         await decode.send(
             protocol.TokenDelta(
                 request_id=job.request_id, token_ids=[token_id], text=text,
-                finish_reason=finish_reason if last else None, completion_tokens=i + 2,
+                finish_reason=finish_reason if last else None,
             )
         )
     return job

@@ -38,7 +38,7 @@ def decode_main(conn, config: dict, token: str, lease_check: bool = True, stall_
 async def _decode(conn, config: dict, token: str, stall_push: bool) -> None:
     from decode_node.service import DecodeService
     from pd_cluster.config import EngineConfig
-    from pd_cluster.handover_messages import PushKV
+    from pd_cluster.handover import PushKV
 
     send_lock = threading.Lock()
 
@@ -75,7 +75,7 @@ async def _decode(conn, config: dict, token: str, stall_push: bool) -> None:
                     "free": service.engine.pool.num_free,
                     "capacity": service.engine.pool.capacity,
                     "evictable": service.engine.cache.evictable_tokens,
-                    "reservations": len(service.handover.reservations),
+                    "reservations": len(service.reservations.pending),
                     "running": len(service.engine.scheduler.running),
                     "bytes_received": service.counters.kv_bytes_received,
                     "expired_leases": service.counters.expired_leases,
@@ -101,7 +101,7 @@ def prefill_main(conn, config: dict, token: str, lease_s: float) -> None:
 
 async def _prefill(conn, config: dict, token: str, lease_s: float) -> None:
     from pd_cluster.config import EngineConfig
-    from pd_cluster.handover_messages import MatchPrefix
+    from pd_cluster.handover import MatchPrefix
     from pd_cluster.protocol import PrefillJob
     from prefill_node.service import PrefillFailed, PrefillService
 

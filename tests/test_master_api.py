@@ -255,7 +255,7 @@ async def test_non_streaming_completion_returns_text_and_usage(cluster):
     master, prefill, decode = cluster
     call = asyncio.create_task(master.http.post("/v1/completions", json={"model": MODEL, "prompt": "abc"}))
     job = await serve_one(prefill, decode, [(20, "x"), (21, "y")], finish_reason="length", hit_blocks_decode=1,
-                          transfer_bytes=1024, transfer_seconds=0.01)
+                          transfer_bytes=1024)
     assert job.sampling.max_tokens == 16  # OpenAI's legacy default
     response = await call
     assert response.status_code == 200, response.text

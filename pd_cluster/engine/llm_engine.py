@@ -13,7 +13,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import resolve_model_path
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.length_predictor import OutputLengthPredictor
-from pd_cluster.engine.model_runner import ModelRunner
+from pd_cluster.engine.model_runner import ModelRunner, StepHook
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.outputs import EngineStats, TokenUpdate
 from pd_cluster.engine.radix_cache import RadixCache
@@ -24,7 +24,7 @@ from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.model.llama import LayerHook, LlamaModel
+from pd_cluster.model.llama import LlamaModel
 from pd_cluster.model.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ class LLMEngine:
         self.predictor = OutputLengthPredictor()
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
         self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config)
+        self._layer_hooks: StepHook | None = None
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         logger.info(
@@ -182,11 +183,16 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    def step(self, layer_hook: LayerHook | None = None) -> list[TokenUpdate]:
+    def set_layer_hook_factory(self, factory: StepHook | None) -> None:
+        """Before each step's forward, ``factory(step)`` may return a hook called after each
+        layer's KV is stored (a prefill node streams its prompts' KV that way); None: no hooks."""
+        self._layer_hooks = factory
+
+    def step(self) -> list[TokenUpdate]:
         step = self.scheduler.schedule()
         if not step.requests:
             return []
-        logits = self.runner.run(step, layer_hook)
+        logits = self.runner.run(step, self._layer_hooks)
         self.stats.steps += 1
         self.stats.computed_tokens += step.num_tokens
         sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]

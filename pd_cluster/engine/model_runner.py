@@ -31,8 +31,6 @@ class ModelRunner:
         self.pool = pool
         self.table = table
         self.device = device
-        #: Set by a prefill node to see each layer of the steps that complete its prompts.
-        self.step_hook: StepHook | None = None
         self.graphs: DecodeGraphs | None = None
         if config is not None and config.cuda_graphs and device.type == "cuda":
             self.graphs = self._capture(config)
@@ -89,13 +87,13 @@ class ModelRunner:
             and self.graphs.graph_size(len(step.requests)) is not None
         )
 
-    def run(self, step: ScheduledStep, layer_hook: LayerHook | None = None) -> torch.Tensor:
+    def run(self, step: ScheduledStep, layer_hooks: StepHook | None = None) -> torch.Tensor:
         """Logits ``[K, vocab]`` for the requests of the step that sample (in step order).
 
-        Pure-decode steps without a layer hook replay a CUDA graph when one was captured."""
+        ``layer_hooks(step)`` may give a hook for this step's layers. Pure-decode steps without a
+        layer hook replay a CUDA graph when one was captured."""
         with self._on_device():
-            if layer_hook is None and self.step_hook is not None:
-                layer_hook = self.step_hook(step)
+            layer_hook = layer_hooks(step) if layer_hooks is not None else None
             if layer_hook is None and self._graph_fits(step):
                 return self._replay(step)
             batch = self.prepare(step)

@@ -7,18 +7,26 @@ from :mod:`kernels` (Triton on CUDA, torch references elsewhere).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 import kernels
-from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.weights import LayerWeights, ModelWeights
 
 #: Called after each layer's KV is stored, e.g. to start sending it to a decode node.
 LayerHook = Callable[[int], None]
+
+
+class KVLayers(Protocol):
+    """Where the model stores and reads KV: the engine's pool (:class:`pd_cluster.engine.kv_pool.KVPool`)."""
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s key and value caches, ``[slots, kv_heads, head_dim]`` each."""
+        ...
 
 
 class LlamaModel:
@@ -34,7 +42,7 @@ class LlamaModel:
         self._kv_size = config.num_kv_heads * config.head_dim
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVPool, layer_hook: LayerHook | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVLayers, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Run one step; store the new tokens' KV; return float32 logits ``[K, vocab]``."""
         hidden = F.embedding(batch.input_ids, self.weights.embed)
         residual: torch.Tensor | None = None
@@ -54,7 +62,7 @@ class LlamaModel:
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
-        kv: KVPool,
+        kv: KVLayers,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual)

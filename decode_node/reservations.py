@@ -1,4 +1,4 @@
-"""A decode engine's side of the P -> D handover: reserve KV for an incoming prompt, commit it.
+"""D's reservations for the P -> D handover: reserve KV for an incoming prompt, commit it.
 
 ``reserve`` matches the prompt against the prefix cache at block granularity, pins the hit,
 and allocates slots for the rest, so P can send only the missing blocks. The reservation is
@@ -49,12 +49,13 @@ class NoCapacity(RuntimeError):
     """The decode engine cannot take this request now (another node may)."""
 
 
-class Handover:
-    """Reservations of one decode engine. Call only from the engine's thread."""
+class Reservations:
+    """Reservations of one decode engine, by lease id. Call only from the engine's thread."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.reservations: dict[str, Reservation] = {}
+        #: Lease id -> reservation not yet committed or cancelled.
+        self.pending: dict[str, Reservation] = {}
 
     @property
     def block_size(self) -> int:
@@ -65,12 +66,12 @@ class Handover:
     ) -> Reservation:
         engine = self.engine
         engine.validate(prompt_token_ids, params)
-        if request_id in engine.requests or any(r.request_id == request_id for r in self.reservations.values()):
+        if request_id in engine.requests or any(r.request_id == request_id for r in self.pending.values()):
             raise ValueError(f"request_id: {request_id!r} is already on this node")
         sched = engine.scheduler
         n = len(prompt_token_ids)
         left = sched.predicted_left(params, generated=1)
-        busy = len(sched.running) + len(self.reservations)
+        busy = len(sched.running) + len(self.pending)
         if busy >= engine.config.max_running_requests or not sched.fits(n + 1, left):
             raise NoCapacity(f"decode node is full ({len(sched.running)} running, {engine.pool.num_free} free KV slots)")
         match = engine.cache.match_prefix(prompt_token_ids)
@@ -90,12 +91,12 @@ class Handover:
             node=match.node,
             expires_at=time.monotonic() + lease_s,
         )
-        self.reservations[res.lease_id] = res
+        self.pending[res.lease_id] = res
         sched.external_held += res.held
         return res
 
     def cancel(self, lease_id: str) -> bool:
-        res = self.reservations.pop(lease_id, None)
+        res = self.pending.pop(lease_id, None)
         if res is None:
             return False
         self.engine.scheduler.external_held -= res.held
@@ -109,7 +110,7 @@ class Handover:
     def expire(self, now: float | None = None) -> list[Reservation]:
         """Cancel every reservation whose lease ran out (its P died or gave up)."""
         now = time.monotonic() if now is None else now
-        gone = [r for r in self.reservations.values() if r.expires_at <= now]
+        gone = [r for r in self.pending.values() if r.expires_at <= now]
         for res in gone:
             logger.warning("lease %s of request %s expired before commit; freeing %d KV slots",
                            res.lease_id, res.request_id, res.held)
@@ -118,7 +119,7 @@ class Handover:
 
     def commit(self, lease_id: str, first_token: int, rng_state: str) -> Request:
         """The prompt's KV has arrived: cache the prompt and join the request to the batch."""
-        res = self.reservations.pop(lease_id, None)
+        res = self.pending.pop(lease_id, None)
         if res is None:
             raise KeyError(f"lease {lease_id} is unknown or expired")
         engine = self.engine

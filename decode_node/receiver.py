@@ -1,0 +1,185 @@
+"""D's side of the KV move: answer P's handover messages (:mod:`pd_cluster.handover`).
+
+``MatchPrefix`` reserves slots (:mod:`decode_node.reservations`); the KV then lands whole
+(``PushKV``) or layer by layer (``StreamKV`` then ``CommitKV``) and is scattered into the
+reserved slots; the commit joins the request to the decode batch. P's side is
+:mod:`prefill_node.service` with :mod:`prefill_node.layer_stream`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+from decode_node.reservations import NoCapacity, Reservations
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.worker import EngineWorker
+from pd_cluster.handover import CommitKV, MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease, StreamKV
+from pd_cluster.transfer import DataMessage, ErrorReply, PeerConnection
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeCounters:
+    kv_bytes_received: int = 0
+    kv_transfers: int = 0
+    hit_tokens: int = 0
+    expired_leases: int = 0
+
+
+class KVReceiver:
+    """Receives prompts' KV from prefill nodes into one decode engine's reserved slots."""
+
+    def __init__(
+        self, engine: LLMEngine, worker: EngineWorker, reservations: Reservations, counters: DecodeCounters,
+        transfer_timeout_s: float,
+    ) -> None:
+        self.engine = engine
+        self.worker = worker
+        self.reservations = reservations
+        self.counters = counters
+        self.transfer_timeout_s = transfer_timeout_s
+        #: Leases whose KV is landing layer by layer; an abort waits for the last layer.
+        self._streaming: set[str] = set()
+        self._aborted_streams: set[str] = set()
+
+    async def handle(self, conn: PeerConnection, msg: DataMessage) -> DataMessage | None:
+        if isinstance(msg, MatchPrefix):
+            return await self.match(msg)
+        if isinstance(msg, PushKV):
+            return await self.push(conn, msg)
+        if isinstance(msg, StreamKV):
+            return await self.stream(conn, msg)
+        if isinstance(msg, CommitKV):
+            return await self.commit(msg)
+        if isinstance(msg, ReleaseLease):
+            return Released(existed=await self.worker.call(self.reservations.cancel, msg.lease_id))
+        return ErrorReply(message=f"unexpected message {msg.type!r}")
+
+    def abort_reserved(self, request_id: str) -> bool | None:
+        """Engine thread: free a request still reserved (not yet committed); None if it is not."""
+        for res in list(self.reservations.pending.values()):
+            if res.request_id == request_id:
+                if res.lease_id in self._streaming:
+                    # Its slots are being written from the loop: freed after the last layer.
+                    self._aborted_streams.add(res.lease_id)
+                    return True
+                return self.reservations.cancel(res.lease_id)
+        return None
+
+    async def match(self, msg: MatchPrefix) -> MatchResult:
+        try:
+            res = await self.worker.call(
+                self.reservations.reserve, msg.request_id, msg.token_ids, msg.sampling, msg.lease_s
+            )
+        except NoCapacity as e:
+            return MatchResult(error=str(e), retryable=True)
+        except ValueError as e:
+            return MatchResult(error=str(e), retryable=False)
+        self.counters.hit_tokens += res.hit_tokens
+        return MatchResult(lease_id=res.lease_id, hit_blocks=res.hit_tokens // self.reservations.block_size)
+
+    # ---- whole push --------------------------------------------------------------------------
+
+    async def push(self, conn: PeerConnection, msg: PushKV) -> PushAck:
+        deadline = time.monotonic() + self.transfer_timeout_s
+
+        def _extend() -> int | None:
+            res = self.reservations.pending.get(msg.lease_id)
+            if res is None:
+                return None
+            res.expires_at = max(res.expires_at, deadline)  # no expiry while the bytes arrive
+            return res.held
+
+        held = await self.worker.call(_extend)
+        # Receive even when the lease is gone: the tensor is on the wire and must be drained.
+        buffer = await conn.recv_tensor(msg.shape, msg.dtype, max(deadline - time.monotonic(), 0.1))
+        self.counters.kv_bytes_received += buffer.numel() * buffer.element_size()
+        if held is None:
+            return PushAck(ok=False, error=f"lease {msg.lease_id} expired before the KV arrived")
+        if msg.shape[2] < held:
+            await self.worker.call(self.reservations.cancel, msg.lease_id)
+            return PushAck(ok=False, error=f"KV for {msg.shape[2]} tokens cannot fill {held} reserved slots")
+
+        def _commit() -> None:
+            res = self.reservations.pending.get(msg.lease_id)
+            if res is None:
+                raise KeyError(f"lease {msg.lease_id} expired")
+            if held:
+                kernels.scatter_kv(buffer[:, :, :held], self.engine.pool.k_cache, self.engine.pool.v_cache,
+                                   res.new_slots.to(self.engine.device))
+            self.reservations.commit(msg.lease_id, msg.first_token, msg.rng_state)
+
+        try:
+            await self.worker.call(_commit)
+        except (KeyError, NoCapacity, ValueError) as e:
+            return PushAck(ok=False, error=str(e))
+        self.counters.kv_transfers += 1
+        return PushAck(ok=True)
+
+    # ---- layer-wise stream -------------------------------------------------------------------
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        device = self.engine.device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+    async def stream(self, conn: PeerConnection, msg: StreamKV) -> PushAck:
+        """Receive one tensor per layer and scatter each into the reserved slots as it lands."""
+        deadline = time.monotonic() + self.transfer_timeout_s
+        spec = self.engine.kv_spec
+        tokens = msg.layer_shape[1]
+        expected = [2, tokens, spec.num_kv_heads, spec.head_dim]
+        if msg.num_layers != spec.num_layers or msg.layer_shape != expected or msg.dtype != spec.dtype:
+            raise ValueError(f"KV stream of {msg.num_layers} x {msg.layer_shape} {msg.dtype} does not fit "
+                             f"{spec.num_layers} x {expected} {spec.dtype}")
+
+        def _extend() -> torch.Tensor | None:
+            res = self.reservations.pending.get(msg.lease_id)
+            if res is None:
+                return None
+            res.expires_at = max(res.expires_at, deadline)  # no expiry while the bytes arrive
+            self._streaming.add(msg.lease_id)
+            return res.new_slots
+
+        new_slots = await self.worker.call(_extend)
+        held = 0 if new_slots is None else new_slots.numel()
+        scatter = new_slots is not None and 0 < held <= tokens
+        pool = self.engine.pool
+        try:
+            # Receive even when the lease is gone: the tensors are on the wire and must be drained.
+            with self._on_device():
+                buffer = torch.empty(expected, dtype=pool.k_cache.dtype, device=pool.device)
+                slots = new_slots.to(pool.device) if scatter else None
+            for layer in range(spec.num_layers):
+                # One buffer serves every layer: the next receive is ordered after this scatter.
+                await conn.recv_into(buffer, max(deadline - time.monotonic(), 0.1))
+                self.counters.kv_bytes_received += buffer.numel() * buffer.element_size()
+                if slots is not None:
+                    with self._on_device():
+                        kernels.scatter_kv(buffer[:, :held].unsqueeze(1), pool.k_cache[layer : layer + 1],
+                                           pool.v_cache[layer : layer + 1], slots)
+        finally:
+            self._streaming.discard(msg.lease_id)
+            if msg.lease_id in self._aborted_streams:
+                self._aborted_streams.discard(msg.lease_id)
+                await self.worker.call(self.reservations.cancel, msg.lease_id)
+        if new_slots is None or msg.lease_id not in self.reservations.pending:
+            return PushAck(ok=False, error=f"lease {msg.lease_id} expired or was aborted before the KV arrived")
+        if tokens < held:
+            await self.worker.call(self.reservations.cancel, msg.lease_id)
+            return PushAck(ok=False, error=f"KV for {tokens} tokens cannot fill {held} reserved slots")
+        return PushAck(ok=True)
+
+    async def commit(self, msg: CommitKV) -> PushAck:
+        try:
+            await self.worker.call(self.reservations.commit, msg.lease_id, msg.first_token, msg.rng_state)
+        except (KeyError, NoCapacity, ValueError) as e:
+            return PushAck(ok=False, error=str(e))
+        self.counters.kv_transfers += 1
+        return PushAck(ok=True)

@@ -1,0 +1,99 @@
+"""P <-> D data-plane messages: the KV handover (the meaning layered on :mod:`pd_cluster.transfer`).
+
+P's side lives in ``prefill_node`` (sending), D's in ``decode_node`` (reservations, receiving).
+
+1. P -> D ``MatchPrefix``: D pins its cached leading blocks of the prompt, reserves slots for
+   the rest under a lease, and answers ``MatchResult`` (hit_blocks).
+2. The KV of blocks [hit_blocks, n_blocks) moves one of two ways (a partial last block is sent
+   whole, zero-padded); the bytes on the wire are the same: (n_blocks - hit_blocks) x bytes per block.
+
+   Whole (push): P -> D ``PushKV`` + the tensor of those blocks, carrying the first token and
+   sampling state: D scatters the KV, caches the prompt, joins the request to its batch, answers
+   ``PushAck``.
+
+   Layer by layer (stream, GPU nodes: P sends each layer's KV while its prefill still runs):
+
+   a. P -> D ``StreamKV`` before the prefill: the KV follows as ``num_layers`` tensors of
+      ``layer_shape`` = [2, tokens, kv_heads, head_dim] (keys, then values), one per layer, in
+      layer order. D scatters each layer into its reserved slots as it lands and answers
+      ``PushAck`` once all have.
+   b. P -> D ``CommitKV`` with the first token and sampling state, sent as soon as P has them
+      (without waiting for the stream's ack): D caches the prompt, joins the request to its
+      batch and answers ``PushAck``.
+
+   Either way, ``ReleaseLease`` instead when the request ended at its first token (``Released``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.transfer import DataMessage
+
+
+class MatchPrefix(DataMessage):
+    type: Literal["kv.match"] = "kv.match"
+    request_id: str = Field(min_length=1, max_length=256)
+    token_ids: list[int]
+    sampling: SamplingParams
+    lease_s: float = Field(gt=0, le=3600)
+
+
+class MatchResult(DataMessage):
+    type: Literal["kv.match_result"] = "kv.match_result"
+    lease_id: str | None = None
+    hit_blocks: int = 0
+    error: str | None = None
+    retryable: bool = True
+
+
+# ---- whole push --------------------------------------------------------------------------
+
+
+class PushKV(DataMessage):
+    type: Literal["kv.push"] = "kv.push"
+    lease_id: str
+    shape: list[int]
+    dtype: str
+    first_token: int
+    rng_state: str
+
+
+class PushAck(DataMessage):
+    type: Literal["kv.push_ack"] = "kv.push_ack"
+    ok: bool = True
+    error: str | None = None
+
+
+# ---- layer-wise stream -------------------------------------------------------------------
+
+
+class StreamKV(DataMessage):
+    type: Literal["kv.stream"] = "kv.stream"
+    lease_id: str
+    num_layers: int = Field(gt=0)
+    layer_shape: list[int] = Field(min_length=4, max_length=4)
+    dtype: str
+
+
+class CommitKV(DataMessage):
+    type: Literal["kv.commit"] = "kv.commit"
+    lease_id: str
+    first_token: int
+    rng_state: str
+
+
+# ---- early end ---------------------------------------------------------------------------
+
+
+class ReleaseLease(DataMessage):
+    type: Literal["kv.release"] = "kv.release"
+    lease_id: str
+
+
+class Released(DataMessage):
+    type: Literal["kv.released"] = "kv.released"
+    existed: bool
