@@ -16,13 +16,15 @@ from master.config import MasterSettings
 from master.context import MasterContext
 from master.errors import install_error_handlers
 from master.metrics import MasterMetrics
-from master.model_info import ModelInfo, read_model_info, resolve_model_path
+from master.model_info import ModelInfo, read_model_info
 from master.node_ws import node_socket
 from master.registry import CLOSE_GOING_AWAY, Registry
 from master.relay import Relay
 from master.routing import make_policy
-from master.tokenization import Tokenizer, load_tokenizer
+from master.tokenization import Tokenizer
 from pd_cluster import protocol
+from pd_cluster.default_model import resolve_model_path
+from pd_cluster.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -20,20 +20,6 @@ class ModelInfo:
     max_model_len: int
 
 
-def resolve_model_path(model: str) -> Path:
-    """A model directory from ``--model``: a path, or "default" for the converted default model."""
-    if model == "default":
-        try:
-            from pd_cluster import default_model_path  # type: ignore[attr-defined]
-        except ImportError:
-            from pd_cluster.default_model import default_model_path
-        return Path(default_model_path())
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
-    return path
-
-
 def read_model_info(path: Path) -> ModelInfo:
     """Read config.json the way the nodes do, so names and shapes agree by construction."""
     from pd_cluster.model.config import ModelConfig

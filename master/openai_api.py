@@ -6,7 +6,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -165,6 +166,64 @@ async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[An
     return req, token_ids, sampling
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What differs between a chat and a completion answer: where the text goes and how its
+    logprobs read. Both routes share everything else."""
+
+    id_prefix: str
+    object: str
+    chunk_object: str
+    #: The choice's text field for the whole answer (non-streaming).
+    content: Callable[[str], dict[str, Any]]
+    #: The choice's text field for one streamed piece.
+    delta: Callable[[str], dict[str, Any]]
+    #: A first streamed choice, sent before any token (chat announces the role); None: none.
+    opening: dict[str, Any] | None
+    wants_logprobs: Callable[[Any], bool]
+    #: (entries, token id -> text, offset in the answer's text they start at) -> OpenAI's logprobs.
+    logprobs: Callable[[list[Any], Callable[[int], str], int], Any]
+
+
+_SHAPES: dict[Kind, _Shape] = {
+    "chat": _Shape(
+        id_prefix="chatcmpl",
+        object="chat.completion",
+        chunk_object="chat.completion.chunk",
+        content=lambda text: {"message": {"role": "assistant", "content": text}},
+        delta=lambda text: {"delta": {"content": text} if text else {}},
+        opening={"delta": {"role": "assistant", "content": ""}},
+        wants_logprobs=lambda req: bool(req.logprobs),
+        logprobs=lambda entries, token_text, _offset: oa.chat_logprobs(entries, token_text),
+    ),
+    "completion": _Shape(
+        id_prefix="cmpl",
+        object="text_completion",
+        chunk_object="text_completion",
+        content=lambda text: {"text": text},
+        delta=lambda text: {"text": text},
+        opening=None,
+        wants_logprobs=lambda req: req.logprobs is not None,
+        logprobs=oa.completion_logprobs,
+    ),
+}
+
+
+def _choice(body: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _prefix_block_size(ctx: MasterContext) -> int | None:
+    """The block size to hash prompts by when routing will look them up in decode nodes'
+    prefix indexes; None when it will not."""
+    spec = ctx.registry.cluster_spec
+    if ctx.settings.policy == "cache_aware" and spec is not None and any(
+        len(d.prefix) for d in ctx.registry.active("decode")
+    ):
+        return spec.block_size
+    return None
+
+
 async def _generate(request: Request, kind: Kind) -> Response:
     ctx = _ctx(request)
     arrival = time.monotonic()
@@ -173,19 +232,13 @@ async def _generate(request: Request, kind: Kind) -> Response:
     except APIError as exc:
         ctx.metrics.requests_total.labels(status="invalid" if exc.status < 500 else "unavailable").inc()
         raise
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    spec = ctx.registry.cluster_spec
-    if ctx.settings.policy == "cache_aware" and spec is not None and any(
-        len(d.prefix) for d in ctx.registry.active("decode")
-    ):
-        # Hash the prompt's blocks off the event loop; routing then finds them computed.
-        route_hashes = await ctx.tokenizer.run(_block_hashes, token_ids, spec.block_size)
-    else:
-        route_hashes = None
-    r = ctx.relay.create(f"{prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
-    if route_hashes is not None:
-        r.route.set_block_hashes(spec.block_size, route_hashes)  # type: ignore[union-attr]
+    shape = _SHAPES[kind]
+    block_size = _prefix_block_size(ctx)
+    r = ctx.relay.create(f"{shape.id_prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
     try:
+        if block_size is not None:
+            # Hash the prompt's blocks off the event loop; routing then finds them computed.
+            await ctx.tokenizer.run(r.route.block_hashes, block_size)
         await ctx.relay.admit(r, request.is_disconnected)
     except ClientDisconnected:
         ctx.relay.release(r)
@@ -196,7 +249,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
     created = oa.now()
     model = ctx.model_name or req.model
     if req.stream:
-        body = _chat_stream(ctx, r, req, created, model) if kind == "chat" else _completion_stream(ctx, r, req, created, model)
+        body = _stream(ctx, r, req, shape, created, model)
         return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
     try:
         await ctx.relay.wait(r, request.is_disconnected)
@@ -205,94 +258,41 @@ async def _generate(request: Request, kind: Kind) -> Response:
     finally:
         ctx.relay.release(r)
     usage = oa.usage(len(r.token_ids), r.completion_tokens, r.cached_tokens)
-    if kind == "chat":
-        logprobs = oa.chat_logprobs(r.logprobs, ctx.tokenizer.token_text) if req.logprobs else None
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": r.text},
-            "logprobs": logprobs,
-            "finish_reason": r.finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        logprobs = oa.completion_logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if req.logprobs is not None else None
-        choice = {"index": 0, "text": r.text, "logprobs": logprobs, "finish_reason": r.finish_reason}
-        obj = "text_completion"
+    logprobs = shape.logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if shape.wants_logprobs(req) else None
+    choice = _choice(shape.content(r.text), r.finish_reason, logprobs)
     return JSONResponse(
-        {"id": r.request_id, "object": obj, "created": created, "model": model, "choices": [choice], "usage": usage}
+        {"id": r.request_id, "object": shape.object, "created": created, "model": model, "choices": [choice], "usage": usage}
     )
 
 
-def _block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    from pd_cluster.block_hash import block_hashes
-
-    return block_hashes(token_ids, block_size)
-
-
-async def _chat_stream(
-    ctx: MasterContext, r: RelayRequest, req: oa.ChatCompletionRequest, created: int, model: str
+async def _stream(
+    ctx: MasterContext, r: RelayRequest, req: Any, shape: _Shape, created: int, model: str
 ) -> AsyncIterator[str]:
     include_usage = req.include_usage
+    wants_logprobs = shape.wants_logprobs(req)
+    offset = 0  # of the next piece in the answer's text
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        doc = {"id": r.request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        doc = {"id": r.request_id, "object": shape.chunk_object, "created": created, "model": model, "choices": choices}
         if include_usage:
             doc["usage"] = None
         doc.update(extra)
         return doc
 
-    def choice(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
-
     try:
-        yield _sse(chunk(choice({"role": "assistant", "content": ""})))
+        if shape.opening is not None:
+            yield _sse(chunk([_choice(shape.opening)]))
         try:
             async for piece in ctx.relay.events(r):
                 logprobs = None
-                if req.logprobs and piece.logprobs:
-                    logprobs = oa.chat_logprobs(piece.logprobs, ctx.tokenizer.token_text)
-                if not piece.text and logprobs is None and piece.finish_reason is None:
-                    continue
-                delta = {"content": piece.text} if piece.text else {}
-                yield _sse(chunk(choice(delta, piece.finish_reason, logprobs)))
-        except StreamFailed as exc:
-            yield _sse(chunk(choice({}, "error")))
-            yield _sse(oa.error_event(exc.error))
-        if include_usage:
-            yield _sse(chunk([], usage=oa.usage(len(r.token_ids), r.completion_tokens, r.cached_tokens)))
-        yield "data: [DONE]\n\n"
-    finally:
-        ctx.relay.release(r)
-
-
-async def _completion_stream(
-    ctx: MasterContext, r: RelayRequest, req: oa.CompletionRequest, created: int, model: str
-) -> AsyncIterator[str]:
-    include_usage = req.include_usage
-    offset = 0
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        doc = {"id": r.request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
-        if include_usage:
-            doc["usage"] = None
-        doc.update(extra)
-        return doc
-
-    def choice(text: str, finish_reason: str | None = None, logprobs: Any = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
-
-    try:
-        try:
-            async for piece in ctx.relay.events(r):
-                logprobs = None
-                if req.logprobs is not None and piece.logprobs:
-                    logprobs = oa.completion_logprobs(piece.logprobs, ctx.tokenizer.token_text, offset)
+                if wants_logprobs and piece.logprobs:
+                    logprobs = shape.logprobs(piece.logprobs, ctx.tokenizer.token_text, offset)
                 if not piece.text and logprobs is None and piece.finish_reason is None:
                     continue
                 offset += len(piece.text)
-                yield _sse(chunk(choice(piece.text, piece.finish_reason, logprobs)))
+                yield _sse(chunk([_choice(shape.delta(piece.text), piece.finish_reason, logprobs)]))
         except StreamFailed as exc:
-            yield _sse(chunk(choice("", "error")))
+            yield _sse(chunk([_choice(shape.delta(""), "error")]))
             yield _sse(oa.error_event(exc.error))
         if include_usage:
             yield _sse(chunk([], usage=oa.usage(len(r.token_ids), r.completion_tokens, r.cached_tokens)))

@@ -58,11 +58,9 @@ class RouteRequest:
     def prompt_tokens(self) -> int:
         return len(self.token_ids)
 
-    def set_block_hashes(self, block_size: int, hashes: list[int]) -> None:
-        self._hashes[block_size] = hashes
-
     def block_hashes(self, block_size: int) -> list[int]:
-        """Chained hashes of the prompt's full blocks (computed once per block size)."""
+        """Chained hashes of the prompt's full blocks (computed once per block size; the API
+        handler computes them off the event loop before routing asks)."""
         if block_size not in self._hashes:
             from pd_cluster.block_hash import block_hashes
 

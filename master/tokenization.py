@@ -11,7 +11,6 @@ import functools
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -21,13 +20,6 @@ T = TypeVar("T")
 
 class ChatTemplateError(ValueError):
     """The messages could not be rendered with the model's chat template."""
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """Load the Hugging Face tokenizer of a model directory."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class Tokenizer:

@@ -107,10 +107,13 @@ def _convert(gguf: Path, out_dir: Path) -> None:
 
 
 def resolve_model_path(model: str | os.PathLike[str]) -> Path:
-    """``"default"`` -> the converted default model; anything else must be an HF directory."""
+    """A model directory from ``--model``: ``"default"`` -> the converted default model; anything
+    else must be a Hugging Face directory (one with a config.json)."""
     if str(model) == "default":
         return default_model_path()
     path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     return path

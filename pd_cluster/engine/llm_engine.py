@@ -26,18 +26,13 @@ from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
 from pd_cluster.model.weights import load_weights
+from pd_cluster.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_TOKENS = 16384
 GPU_HEADROOM_BYTES = 512 * 2**20  # activations and CUDA graphs, kept out of the KV pool
 KVEventSink = Callable[[list[int], list[int]], None]
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
