@@ -12,7 +12,7 @@ import pytest
 
 from pd_cluster.bench.serve.plots import PLOT_FILES
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.bench.served import LocalCluster
+from pd_cluster.bench.served import LocalClusterProcess
 from tests.cluster_harness import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,7 +29,7 @@ def cluster(default_model_dir, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN")}
     env.update(PD_CLUSTER_HOME=str(home), PYTHONUNBUFFERED="1")
     port = free_port()
-    c = LocalCluster(["--model", str(default_model_dir), "--port", str(port), "--device", "cpu",
+    c = LocalClusterProcess(["--model", str(default_model_dir), "--port", str(port), "--device", "cpu",
                       "--max-total-tokens", "4096"], home / "local.log", port, env=env)
     try:
         c.start(timeout=180)
@@ -45,7 +45,7 @@ def kv_bytes_per_token(default_model_dir) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
 
 
-def bench_serve(cluster: LocalCluster, out: Path, *args: str) -> tuple[dict, str]:
+def bench_serve(cluster: LocalClusterProcess, out: Path, *args: str) -> tuple[dict, str]:
     cmd = [sys.executable, "-m", "pd_cluster.cli", "bench", "serve", "--base-url", cluster.url, "--model", MODEL,
            "--json", str(out), "--save-requests", "--no-progress", "--seed", "3", *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=180)

@@ -45,7 +45,7 @@ def device_kind() -> str:
     return f"nvidia-{chip}-x{torch.cuda.device_count()}"
 
 
-class LocalCluster:
+class LocalClusterProcess:
     """``pd-cluster local`` as a child process, stopped with SIGTERM (its documented stop)."""
 
     def __init__(self, args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None) -> None:
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     kind, date = device_kind(), dt.date.today().isoformat()
     stem = f"serve-{kind}-{date}" + (f"-{args.tag}" if args.tag else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    cluster = LocalCluster(["--model", args.model, "--port", str(args.port), *args.local_args.split()],
+    cluster = LocalClusterProcess(["--model", args.model, "--port", str(args.port), *args.local_args.split()],
                            args.out / f"{stem}-local.log", args.port)
     base = ServeBenchConfig(base_url=cluster.url, model=None, tokenizer=args.model, input_len=args.input_len,
                             output_len=args.output_len, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,

@@ -27,7 +27,7 @@ import openai
 import pytest
 import torch
 
-from pd_cluster.bench.served import LocalCluster, placement_table
+from pd_cluster.bench.served import LocalClusterProcess, placement_table
 from tests.cluster_harness import free_port, wait_until
 
 pytestmark = [
@@ -77,9 +77,9 @@ def offline_answers(model: Path) -> list[str]:
     return texts
 
 
-def start_local(model: Path, log_dir: Path, *extra: str) -> LocalCluster:
+def start_local(model: Path, log_dir: Path, *extra: str) -> LocalClusterProcess:
     port = free_port()
-    cluster = LocalCluster(["--model", str(model), "--port", str(port), *extra], log_dir / "local.log", port)
+    cluster = LocalClusterProcess(["--model", str(model), "--port", str(port), *extra], log_dir / "local.log", port)
     cluster.start(timeout=180)
     return cluster
 
@@ -90,7 +90,7 @@ def admin_token() -> str:
     return (cache_home() / "local" / "admin-token").read_text().strip()
 
 
-def served_answers(cluster: LocalCluster) -> list[str]:
+def served_answers(cluster: LocalClusterProcess) -> list[str]:
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     answers = []
@@ -101,7 +101,7 @@ def served_answers(cluster: LocalCluster) -> list[str]:
     return answers
 
 
-def bench_serve(cluster: LocalCluster, model: Path, out: Path, *args: str) -> dict:
+def bench_serve(cluster: LocalClusterProcess, model: Path, out: Path, *args: str) -> dict:
     cmd = [sys.executable, "-m", "pd_cluster.cli", "bench", "serve", "--base-url", cluster.url, "--tokenizer",
            str(model), "--json", str(out), "--no-progress", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
