@@ -46,6 +46,12 @@ class MasterSettings(BaseSettings):
     node_send_timeout_s: float = Field(default=10.0, gt=0, description="a node that takes longer to read a frame is dropped")
     node_outbox_frames: int = Field(default=4096, gt=0, description="frames queued for a node before it is dropped")
 
+    first_token_via: Literal["prefill", "decode"] = Field(
+        default="prefill",
+        description="who delivers the first token: P as soon as its prefill samples it (lower TTFT, see "
+        "docs/architecture.md), or D with its first decoded tokens (measurement of the alternative)",
+    )
+
     shutdown_timeout_s: float = Field(default=30.0, gt=0, description="grace for open requests on shutdown")
     log_level: str = "info"
     access_log: bool = False

@@ -92,6 +92,8 @@ class RelayRequest:
     prefill_id: str | None = None
     decode_id: str | None = None
     first_token_seen: bool = False
+    #: P's first token, withheld until D's first tokens when ``first_token_via`` is "decode".
+    withheld_first: protocol.FirstToken | None = None
     early_deltas: list[protocol.TokenDelta] = field(default_factory=list)
     excluded: set[str] = field(default_factory=set)
     preferred_decode: str | None = None
@@ -260,8 +262,10 @@ class Relay:
             self.metrics.prefix_hit_tokens.inc(msg.hit_blocks_decode * decode.info.kv_spec.block_size)
         self.metrics.kv_transfer_bytes.inc(msg.transfer_bytes)
         r.cached_tokens = msg.cached_tokens_prefill
-        logprobs = [msg.logprob] if msg.logprob is not None else None
-        self._emit(r, [msg.token_id], msg.text, logprobs, msg.finish_reason)
+        if self.settings.first_token_via == "decode" and msg.finish_reason is None and not r.early_deltas:
+            r.withheld_first = msg
+        else:
+            self._emit_first(r, msg)
         if msg.finish_reason is not None:
             self._finish(r, msg.finish_reason, abort_decode=True)
             return
@@ -270,6 +274,10 @@ class Relay:
             if r.terminal:
                 break
             self._apply_delta(r, delta)
+
+    def _emit_first(self, r: RelayRequest, msg: protocol.FirstToken) -> None:
+        logprobs = [msg.logprob] if msg.logprob is not None else None
+        self._emit(r, [msg.token_id], msg.text, logprobs, msg.finish_reason)
 
     def on_kv_transferred(self, node: NodeRecord, msg: protocol.KVTransferred) -> None:
         """P finished moving a request's KV (the bytes were counted with its FirstToken)."""
@@ -286,6 +294,9 @@ class Relay:
                 return
             r.early_deltas.append(msg)
             return
+        if r.withheld_first is not None:
+            first, r.withheld_first = r.withheld_first, None
+            self._emit_first(r, first)
         self._apply_delta(r, msg)
 
     def on_request_failed(self, node: NodeRecord, msg: protocol.RequestFailed) -> None:
@@ -357,6 +368,7 @@ class Relay:
         attempt_id = r.request_id if r.attempt == 1 else f"{r.request_id}-r{r.attempt - 1}"
         r.attempt_id, r.prefill_id, r.decode_id = attempt_id, prefill.node_id, decode.node_id
         r.first_token_seen = False
+        r.withheld_first = None
         r.early_deltas = []
         r.preferred_decode = None
         r.state = "running"

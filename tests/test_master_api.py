@@ -348,3 +348,33 @@ async def test_official_openai_client_works_unchanged(cluster):
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="nope", prompt="hi")
     await client.close()
+
+
+async def test_first_token_via_decode_holds_p_token_until_d_speaks(tmp_path: Path):
+    """The measured alternative output path: the client's first chunk waits for D's tokens."""
+    async with LiveMaster(make_settings(write_model_dir(tmp_path), first_token_via="decode")) as master:
+        prefill = FakeNode(master, "p0", "prefill")
+        decode = FakeNode(master, "d0", "decode")
+        await prefill.join()
+        await decode.join()
+        await wait_warm(master)
+        body = {"model": MODEL, "prompt": "q", "stream": True}
+        async with master.http.stream("POST", "/v1/completions", json=body) as response:
+            job = await prefill.next_job()
+            await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=6, text="A"))
+            lines = response.aiter_lines()
+            r = master.ctx.relay.requests[job.request_id]
+            await wait_until(lambda: r.withheld_first is not None, 5.0, "P's first token to be withheld")
+            assert r.output_ids == []  # nothing reached the client yet
+            await decode.send(protocol.TokenDelta(request_id=job.request_id, token_ids=[7], text="B"))
+            first = ""
+            async for line in lines:
+                if line.startswith("data: "):
+                    first = json.loads(line[len("data: "):])["choices"][0]["text"]
+                    break
+            await decode.send(protocol.TokenDelta(request_id=job.request_id, token_ids=[8], text="C", finish_reason="stop"))
+            rest = [json.loads(line[6:]) for line in [x async for x in lines] if line.startswith("data: {")]
+        assert first == "A"
+        assert first + "".join(c["choices"][0]["text"] for c in rest) == "ABC"
+        await prefill.close()
+        await decode.close()
