@@ -15,7 +15,7 @@ from master.body_limit import BodyLimitMiddleware
 from master.config import MasterSettings
 from master.context import MasterContext
 from master.errors import install_error_handlers
-from master.metrics import MasterMetrics
+from master.metrics import MasterMetrics, status_of_http
 from master.model_info import ModelInfo, read_model_info
 from master.node_ws import node_socket
 from master.registry import CLOSE_GOING_AWAY, Registry
@@ -76,5 +76,10 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
         await node_socket(websocket, ctx)
 
     app.add_api_websocket_route(protocol.NODE_WS_PATH, nodes_endpoint)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    def count_refused(path: str, status: int) -> None:
+        if path in openai_api.GENERATION_PATHS:
+            metrics.requests_total.labels(status=status_of_http(status)).inc()
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
+                       on_refused=count_refused)
     return app

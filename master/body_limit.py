@@ -23,11 +23,14 @@ class BodyLimitMiddleware:
     """
 
     def __init__(
-        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int, timeout_s: float = 60.0
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], max_bytes: int, timeout_s: float = 60.0,
+        on_refused: Callable[[str, int], None] | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
+        #: Told (path, status) of every body this middleware refuses, so the app can count it.
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -35,7 +38,7 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._reply(send, 413, f"Request body exceeds {self.max_bytes} bytes.", "request_too_large")
+            await self._reply(scope, send, 413, f"Request body exceeds {self.max_bytes} bytes.", "request_too_large")
             return
         chunks: list[bytes] = []
         size = 0
@@ -46,7 +49,7 @@ class BodyLimitMiddleware:
             try:
                 message = await wait_for(receive(), max(deadline - loop.time(), 0.0))
             except asyncio.TimeoutError:
-                await self._reply(send, 408, "Timed out reading the request body.", "request_timeout")
+                await self._reply(scope, send, 408, "Timed out reading the request body.", "request_timeout")
                 return
             if message["type"] != "http.request":
                 first = message  # a disconnect: hand it on
@@ -54,7 +57,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._reply(send, 413, f"Request body exceeds {self.max_bytes} bytes.", "request_too_large")
+                await self._reply(scope, send, 413, f"Request body exceeds {self.max_bytes} bytes.", "request_too_large")
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -71,8 +74,9 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replaying_receive, send)
 
-    @staticmethod
-    async def _reply(send: Send, status: int, message: str, code: str) -> None:
+    async def _reply(self, scope: Scope, send: Send, status: int, message: str, code: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(scope.get("path", ""), status)
         body = json.dumps(error_body(message, "invalid_request_error", None, code)).encode()
         await send(
             {

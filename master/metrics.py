@@ -13,8 +13,23 @@ NODE_STATES = ("active", "draining")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+#: ``pdc_requests_total`` status of a request answered with an HTTP error before or instead of
+#: being served (a served request's status is its outcome: ok, error, aborted, timeout...).
+_STATUS_OF_HTTP = {401: "unauthorized", 408: "timeout", 413: "too_large", 429: "rate_limited",
+                   503: "unavailable", 504: "timeout"}
+
+
+def status_of_http(code: int) -> str:
+    """The ``pdc_requests_total`` status for an answer with HTTP status ``code``."""
+    if code in _STATUS_OF_HTTP:
+        return _STATUS_OF_HTTP[code]
+    return "invalid" if 400 <= code < 500 else "error"
+
+
 class MasterMetrics:
-    """The ``pdc_*`` series; ``requests_total`` statuses: ok, error, aborted, timeout, unavailable, invalid."""
+    """The ``pdc_*`` series. ``requests_total`` counts every generation request once, by status:
+    ok, error, aborted, timeout, unavailable, invalid (400/404), unauthorized (401), too_large
+    (413), rate_limited (429)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

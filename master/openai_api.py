@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,8 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from master import openai_schemas as oa
 from master.context import MasterContext
-from master.errors import APIError, bad_request, unavailable
-from master.metrics import CONTENT_TYPE
+from master.errors import APIError, bad_request, internal_error, unavailable
+from master.metrics import CONTENT_TYPE, status_of_http
 from master.relay import ClientDisconnected, RelayRequest, StreamFailed
 from master.tokenization import ChatTemplateError
 
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 Kind = Literal["chat", "completion"]
+#: Routes whose every request counts once in ``pdc_requests_total``.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: Status for a client that left before its answer (nginx's convention; nobody reads it).
@@ -101,14 +104,43 @@ async def completions(request: Request) -> Response:
     return await _generate(request, "completion")
 
 
+#: Deepest nesting of arrays and objects a request body may have (OpenAI's bodies need < 10).
+MAX_JSON_DEPTH = 64
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 async def _read_json(request: Request) -> Any:
     body = await request.body()
     if not body.strip():
         raise bad_request("The request body is empty; send a JSON object.")
     try:
-        return json.loads(body)
+        doc = json.loads(body)
+    except RecursionError:
+        raise bad_request(f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.") from None
     except ValueError:
         raise bad_request("We could not parse the JSON body of your request.") from None
+    _check_json(doc)
+    return doc
+
+
+def _check_json(doc: Any) -> None:
+    """Refuse what no tokenizer can read before any model sees it: nesting deeper than
+    ``MAX_JSON_DEPTH`` and strings holding lone UTF-16 surrogates (``"\\ud800"`` is valid JSON
+    but not Unicode text). Iterative, so no input can exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise bad_request("The body holds a lone UTF-16 surrogate (e.g. \\ud800), which is not valid text.")
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise bad_request(f"The JSON body nests deeper than {MAX_JSON_DEPTH} levels.")
+            items = value.items() if isinstance(value, dict) else ((None, v) for v in value)
+            for key, item in items:
+                if key is not None:
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
 
 
 async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[Any, list[int], Any]:
@@ -230,8 +262,13 @@ async def _generate(request: Request, kind: Kind) -> Response:
     try:
         req, token_ids, sampling = await _prepare(ctx, request, kind)
     except APIError as exc:
-        ctx.metrics.requests_total.labels(status="invalid" if exc.status < 500 else "unavailable").inc()
-        raise
+        ctx.metrics.requests_total.labels(status=status_of_http(exc.status)).inc()
+        return exc.response()
+    except Exception:
+        # Answered here, not by the app's handler: the connection stays usable and the 500 is counted.
+        logger.exception("preparing a %s request failed", kind)
+        ctx.metrics.requests_total.labels(status="error").inc()
+        return internal_error().response()
     shape = _SHAPES[kind]
     block_size = _prefix_block_size(ctx)
     r = ctx.relay.create(f"{shape.id_prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
@@ -243,6 +280,15 @@ async def _generate(request: Request, kind: Kind) -> Response:
     except ClientDisconnected:
         ctx.relay.release(r)
         return Response(status_code=_CLIENT_CLOSED)
+    except APIError as exc:
+        ctx.relay.fail(r, exc, status_of_http(exc.status))  # no-op when the relay already failed it
+        ctx.relay.release(r)
+        return exc.response()
+    except Exception:
+        logger.exception("admitting request %s failed", r.request_id)
+        ctx.relay.fail(r, internal_error(), "error")
+        ctx.relay.release(r)
+        return internal_error().response()
     except BaseException:
         ctx.relay.release(r)
         raise

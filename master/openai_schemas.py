@@ -1,7 +1,8 @@
 """OpenAI request bodies (plus vLLM's sampling extras) and the response documents built from them.
 
 Unknown fields are ignored, as vLLM does; fields we understand but cannot honour (n > 1, echo,
-tools, ...) are refused with 400 rather than silently dropped.
+tools, ...) are refused with 400 rather than silently dropped. Types are strict: a string is never
+read as a number or a boolean (``"max_tokens": "8"`` and ``"stream": "yes"`` are 400s).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -84,14 +85,14 @@ class _GenerationRequest(BaseModel):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

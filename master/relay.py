@@ -229,6 +229,10 @@ class Relay:
             assert r.failure is not None
             raise r.failure
 
+    def fail(self, r: RelayRequest, error: APIError, outcome: str) -> None:
+        """End ``r`` with ``error`` (the handler could not go on with it); no-op once it ended."""
+        self._fail(r, error, outcome)  # type: ignore[arg-type]
+
     def release(self, r: RelayRequest) -> None:
         """The handler is done with ``r``: abort whatever still runs and record the outcome."""
         if r.released:
