@@ -28,8 +28,22 @@ class DecodeNode(NodeRuntime):
             settings.engine, node_id=settings.node_id, cluster_token=settings.cluster_token.get_secret_value(),
             data_host=settings.data_bind or settings.data_host, data_port=settings.data_port,
             on_tokens=self._on_tokens, kv_event_sink=self._on_kv_events,
+            share_kv_pool=settings.kv_ipc, share_kv_across_gpus=settings.kv_ipc_across_gpus,
         )
         self.reporter = StatusReporter(self.service.engine)
+        self.service.on_lease_expired = self._on_lease_expired
+
+    def _on_lease_expired(self, request_ids: list[str]) -> None:
+        # Engine thread: the master must hear it, or a request whose P died after its first token
+        # would wait for its deadline.
+        if self._loop is None:
+            return
+        for request_id in request_ids:
+            failed = protocol.RequestFailed(
+                request_id=request_id, retryable=True,
+                message="the KV lease ran out before the prefill node handed the request over",
+            )
+            self._loop.call_soon_threadsafe(self.send, failed)
 
     def _on_kv_events(self, stored: list[int], evicted: list[int]) -> None:
         # Called on the engine thread: hop to the event loop.
@@ -61,7 +75,8 @@ class DecodeNode(NodeRuntime):
         )
 
     def status(self) -> protocol.NodeStatus:
-        return self.reporter.report(draining=self.lifecycle.draining, warm_peers=self.service.warmed_peers)
+        return self.reporter.report(draining=self.lifecycle.draining, warm_peers=self.service.warmed_peers,
+                                    request_ids=self.service.request_ids())
 
     async def on_message(self, message: BaseModel) -> None:
         if isinstance(message, protocol.Abort):

@@ -2,12 +2,15 @@
 
 ``MatchPrefix`` reserves slots (:mod:`decode_node.reservations`); the KV then lands whole
 (``PushKV``) or layer by layer (``StreamKV`` then ``CommitKV``) and is scattered into the
-reserved slots; the commit joins the request to the decode batch. P's side is
+reserved slots, or a P on this host that was handed the pool writes it in place and sends
+``CommitKV`` alone; the commit joins the request to the decode batch. Leases of a P that
+disconnects end after a short grace (its writes in flight die with its process). P's side is
 :mod:`prefill_node.service` with :mod:`prefill_node.layer_stream`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -20,9 +23,13 @@ from decode_node.reservations import NoCapacity, Reservations
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.worker import EngineWorker
 from pd_cluster.handover import CommitKV, MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease, StreamKV
-from pd_cluster.transfer import DataMessage, ErrorReply, PeerConnection
+from pd_cluster.transfer import DataMessage, ErrorReply, PeerConnection, encode_slots
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a disconnected P's leases live on: long enough for its process (and any write it
+#: had queued on a shared GPU) to be gone before the slots can be handed out again.
+DISCONNECT_GRACE_S = 2.0
 
 
 @dataclass
@@ -48,10 +55,15 @@ class KVReceiver:
         #: Leases whose KV is landing layer by layer; an abort waits for the last layer.
         self._streaming: set[str] = set()
         self._aborted_streams: set[str] = set()
+        #: Lease id -> the connection that took it (leases end with their P's connection).
+        self._owners: dict[str, PeerConnection] = {}
+        #: Leases whose KV the owner writes into the pool in place.
+        self._direct: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
 
     async def handle(self, conn: PeerConnection, msg: DataMessage) -> DataMessage | None:
         if isinstance(msg, MatchPrefix):
-            return await self.match(msg)
+            return await self.match(conn, msg)
         if isinstance(msg, PushKV):
             return await self.push(conn, msg)
         if isinstance(msg, StreamKV):
@@ -73,7 +85,9 @@ class KVReceiver:
                 return self.reservations.cancel(res.lease_id)
         return None
 
-    async def match(self, msg: MatchPrefix) -> MatchResult:
+    async def match(self, conn: PeerConnection, msg: MatchPrefix) -> MatchResult:
+        if msg.direct and not conn.shares_kv:
+            return MatchResult(error="this connection was not handed the KV pool", retryable=False)
         try:
             res = await self.worker.call(
                 self.reservations.reserve, msg.request_id, msg.token_ids, msg.sampling, msg.lease_s
@@ -83,7 +97,52 @@ class KVReceiver:
         except ValueError as e:
             return MatchResult(error=str(e), retryable=False)
         self.counters.hit_tokens += res.hit_tokens
-        return MatchResult(lease_id=res.lease_id, hit_blocks=res.hit_tokens // self.reservations.block_size)
+        self._forget_settled()
+        self._owners[res.lease_id] = conn
+        slots = None
+        if msg.direct:
+            self._direct.add(res.lease_id)
+            slots = encode_slots(res.new_slots)
+        return MatchResult(lease_id=res.lease_id, hit_blocks=res.hit_tokens // self.reservations.block_size, slots=slots)
+
+    def _forget_settled(self) -> None:
+        """Drop ownership records of leases that were committed, cancelled or expired."""
+        if len(self._owners) > 2 * len(self.reservations.pending) + 64:
+            for lease_id in [k for k in self._owners if k not in self.reservations.pending]:
+                self._owners.pop(lease_id, None)
+                self._direct.discard(lease_id)
+
+    def peer_gone(self, conn: PeerConnection) -> None:
+        """A P's connection ended: its leases end after :data:`DISCONNECT_GRACE_S`."""
+        leases = [lease for lease, owner in self._owners.items() if owner is conn]
+        for lease in leases:
+            self._owners.pop(lease, None)
+        if not leases:
+            return
+
+        def shorten() -> int:
+            until = time.monotonic() + DISCONNECT_GRACE_S
+            shortened = 0
+            for lease in leases:
+                res = self.reservations.pending.get(lease)
+                if res is not None and res.expires_at > until:
+                    res.expires_at = until
+                    shortened += 1
+            return shortened
+
+        async def run() -> None:
+            try:
+                n = await self.worker.call(shorten)
+            except Exception as e:  # the engine is stopping
+                logger.debug("could not shorten leases of %r: %s", conn.peer_node_id, e)
+                return
+            if n:
+                logger.warning("prefill node %r disconnected holding %d lease(s); they end in %.0f s",
+                               conn.peer_node_id, n, DISCONNECT_GRACE_S)
+
+        task = asyncio.ensure_future(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ---- whole push --------------------------------------------------------------------------
 
@@ -114,7 +173,7 @@ class KVReceiver:
             if held:
                 kernels.scatter_kv(buffer[:, :, :held], self.engine.pool.k_cache, self.engine.pool.v_cache,
                                    res.new_slots.to(self.engine.device))
-            self.reservations.commit(msg.lease_id, msg.first_token, msg.rng_state)
+            self.reservations.commit(msg.lease_id, msg.first_token)
 
         try:
             await self.worker.call(_commit)
@@ -177,9 +236,28 @@ class KVReceiver:
         return PushAck(ok=True)
 
     async def commit(self, msg: CommitKV) -> PushAck:
+        direct = msg.lease_id in self._direct
+        if direct != (msg.written_tokens is not None):
+            return PushAck(ok=False, error=f"lease {msg.lease_id}: a commit {'without' if direct else 'with'} "
+                                           "written_tokens does not fit how its KV moves")
+
+        def _commit() -> int:
+            res = self.reservations.pending.get(msg.lease_id)
+            held = res.held if res is not None else 0
+            if direct and res is not None and msg.written_tokens != held:
+                self.reservations.cancel(msg.lease_id)
+                raise ValueError(f"{msg.written_tokens} tokens written into {held} reserved slots")
+            self.reservations.commit(msg.lease_id, msg.first_token)
+            return held
+
         try:
-            await self.worker.call(self.reservations.commit, msg.lease_id, msg.first_token, msg.rng_state)
+            held = await self.worker.call(_commit)
         except (KeyError, NoCapacity, ValueError) as e:
             return PushAck(ok=False, error=str(e))
+        finally:
+            self._direct.discard(msg.lease_id)
+            self._owners.pop(msg.lease_id, None)
+        if direct:
+            self.counters.kv_bytes_received += held * self.engine.kv_spec.bytes_per_token
         self.counters.kv_transfers += 1
         return PushAck(ok=True)

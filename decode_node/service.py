@@ -24,7 +24,9 @@ class DecodeService:
     """A decode engine on its own thread plus the data-plane listener prefill nodes dial.
 
     The listener answers prefill nodes' channel warm-ups itself (:attr:`warmed_peers`); the
-    :class:`KVReceiver` answers the handover messages."""
+    :class:`KVReceiver` answers the handover messages. ``share_kv_pool`` hands the KV pool to
+    prefill nodes on this GPU (``share_kv_across_gpus``: on any GPU of this host), which then
+    write KV in place instead of sending it."""
 
     def __init__(
         self,
@@ -39,6 +41,8 @@ class DecodeService:
         engine: LLMEngine | None = None,
         kv_event_sink=None,
         warm_up: bool = True,
+        share_kv_pool: bool = True,
+        share_kv_across_gpus: bool = False,
     ) -> None:
         self.engine = engine or LLMEngine(config, kv_event_sink=kv_event_sink)
         self.reservations = Reservations(self.engine)
@@ -46,10 +50,15 @@ class DecodeService:
         self.worker.after_step.append(self._expire_leases)
         self.counters = DecodeCounters()
         self.receiver = KVReceiver(self.engine, self.worker, self.reservations, self.counters, transfer_timeout_s)
+        pool = self.engine.pool
         self.server = DataPlaneServer(
-            data_host, data_port, cluster_token, self.engine.kv_spec, node_id, self.engine.device, self._handle
+            data_host, data_port, cluster_token, self.engine.kv_spec, node_id, self.engine.device, self._handle,
+            kv_pool=(pool.k_cache, pool.v_cache) if share_kv_pool else None, share_across_gpus=share_kv_across_gpus,
+            on_disconnect=self.receiver.peer_gone,
         )
         self._warm_up_engine = warm_up
+        #: Told (on the engine thread) the requests whose lease ran out before P handed them over.
+        self.on_lease_expired: Callable[[list[str]], None] | None = None
 
     @property
     def data_address(self) -> str:
@@ -74,9 +83,23 @@ class DecodeService:
         await self.server.stop()
         await self.worker.stop()
 
+    def request_ids(self) -> list[str]:
+        """Requests this node holds (decoding or reserved), read from the event loop: the engine
+        thread may change the dicts meanwhile, so a torn read is retried and at worst skipped."""
+        for _ in range(3):
+            try:
+                reserved = [res.request_id for res in list(self.reservations.pending.values())]
+                return list(self.engine.requests) + reserved
+            except RuntimeError:  # changed size during the copy
+                continue
+        return []
+
     def _expire_leases(self) -> None:
         if self.reservations.pending:
-            self.counters.expired_leases += len(self.reservations.expire())
+            expired = self.reservations.expire()
+            self.counters.expired_leases += len(expired)
+            if expired and self.on_lease_expired is not None:
+                self.on_lease_expired([res.request_id for res in expired])
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request (client gone): free its KV whether it is decoding or still reserved."""

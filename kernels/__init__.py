@@ -8,7 +8,7 @@ token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shap
 """
 
 from kernels.attention import context_attention, decode_attention
-from kernels.kv_transfer import gather_kv, scatter_kv
+from kernels.kv_transfer import copy_kv_slots, gather_kv, scatter_kv
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary, rotary_cos_sin
 from kernels.silu_mul import silu_mul
@@ -17,6 +17,7 @@ from kernels.store_kv import store_kv
 __all__ = [
     "apply_rotary",
     "context_attention",
+    "copy_kv_slots",
     "decode_attention",
     "gather_kv",
     "rms_norm",

@@ -136,3 +136,86 @@ def scatter_kv(buffer: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         scatter_kv_ref(buffer, k_cache, v_cache, slots)
 
+
+
+# ---- pool to pool ------------------------------------------------------------------------------
+
+
+def copy_kv_slots_ref(
+    src_k: torch.Tensor, src_v: torch.Tensor, src_slots: torch.Tensor,
+    dst_k: torch.Tensor, dst_v: torch.Tensor, dst_slots: torch.Tensor,
+) -> None:
+    """Copy every layer's keys and values of ``src_slots`` into ``dst_slots`` of other caches.
+
+    Caches: ``[L, S, Hkv, D]`` (the two pools may differ in S); slots: ``[N]`` int64 each. The
+    direct move of a prompt's KV into the slots another process reserved for it, with no
+    buffer in between. Across devices the rows pass through a buffer on the source device.
+    """
+    if src_k.device == dst_k.device:
+        dst_k[:, dst_slots] = src_k[:, src_slots]
+        dst_v[:, dst_slots] = src_v[:, src_slots]
+        return
+    rows = gather_kv_ref(src_k, src_v, src_slots).to(dst_k.device, non_blocking=True)
+    scatter_kv_ref(rows, dst_k, dst_v, dst_slots.to(dst_k.device, non_blocking=True))
+
+
+@triton.jit
+def _copy_slots_kernel(
+    src_k_ptr, src_v_ptr, src_slots_ptr, dst_k_ptr, dst_v_ptr, dst_slots_ptr,
+    num_heads, head_dim,
+    s_kl, s_ks, s_kh, s_vl, s_vs, s_vh,
+    d_kl, d_ks, d_kh, d_vl, d_vs, d_vh,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Program (token, layer): one slot's keys and values of one layer, source pool to target pool.
+    i = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
+    src = tl.load(src_slots_ptr + i).to(tl.int64)
+    dst = tl.load(dst_slots_ptr + i).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    for h0 in range(0, num_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        m = (h < num_heads)[:, None] & (d < head_dim)[None, :]
+        k = tl.load(src_k_ptr + layer * s_kl + src * s_ks + h[:, None] * s_kh + d[None, :], mask=m)
+        tl.store(dst_k_ptr + layer * d_kl + dst * d_ks + h[:, None] * d_kh + d[None, :], k, mask=m)
+        v = tl.load(src_v_ptr + layer * s_vl + src * s_vs + h[:, None] * s_vh + d[None, :], mask=m)
+        tl.store(dst_v_ptr + layer * d_vl + dst * d_vs + h[:, None] * d_vh + d[None, :], v, mask=m)
+
+
+def copy_kv_slots_triton(
+    src_k: torch.Tensor, src_v: torch.Tensor, src_slots: torch.Tensor,
+    dst_k: torch.Tensor, dst_v: torch.Tensor, dst_slots: torch.Tensor,
+) -> None:
+    """Triton version of :func:`copy_kv_slots_ref` for two pools on one device: one launch."""
+    require_triton()
+    if src_k.device != dst_k.device:
+        copy_kv_slots_ref(src_k, src_v, src_slots, dst_k, dst_v, dst_slots)
+        return
+    for t in (src_k, src_v, dst_k, dst_v):
+        if t.stride(-1) != 1:
+            raise ValueError("caches must be contiguous in head_dim")
+    num_layers, _, num_heads, head_dim = src_k.shape
+    n = src_slots.shape[0]
+    if n != dst_slots.shape[0]:
+        raise ValueError(f"{n} source slots for {dst_slots.shape[0]} target slots")
+    if n == 0 or num_layers == 0:
+        return
+    block_d = next_pow2(head_dim)
+    block_h = min(next_pow2(num_heads), max(1, 4096 // block_d))
+    _copy_slots_kernel[(n, num_layers)](
+        src_k, src_v, src_slots, dst_k, dst_v, dst_slots, num_heads, head_dim,
+        src_k.stride(0), src_k.stride(1), src_k.stride(2), src_v.stride(0), src_v.stride(1), src_v.stride(2),
+        dst_k.stride(0), dst_k.stride(1), dst_k.stride(2), dst_v.stride(0), dst_v.stride(1), dst_v.stride(2),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def copy_kv_slots(
+    src_k: torch.Tensor, src_v: torch.Tensor, src_slots: torch.Tensor,
+    dst_k: torch.Tensor, dst_v: torch.Tensor, dst_slots: torch.Tensor,
+) -> None:
+    """Triton on CUDA tensors when Triton is installed, else :func:`copy_kv_slots_ref`."""
+    if use_triton(src_k, dst_k):
+        copy_kv_slots_triton(src_k, src_v, src_slots, dst_k, dst_v, dst_slots)
+    else:
+        copy_kv_slots_ref(src_k, src_v, src_slots, dst_k, dst_v, dst_slots)

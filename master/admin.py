@@ -1,4 +1,4 @@
-"""Operator API: list nodes, drain one, drop one. Every call needs ``Authorization: Bearer <PD_ADMIN_TOKEN>``."""
+"""Operator API: list nodes, drain one, remove one (its id stays refused until allowed). Every call needs ``Authorization: Bearer <PD_ADMIN_TOKEN>``."""
 
 from __future__ import annotations
 
@@ -88,7 +88,16 @@ async def drain_node(node_id: str, request: Request) -> dict[str, Any]:
 @router.delete("/nodes/{node_id}")
 async def delete_node(node_id: str, request: Request) -> dict[str, Any]:
     ctx = _authorize(request)
-    node = ctx.registry.remove(node_id, "removed by an operator", CLOSE_NORMAL)
+    node = ctx.registry.remove(node_id, "removed by an operator", CLOSE_NORMAL, ban=True)
     if node is None:
         raise _unknown(node_id)
-    return {"id": node_id, "deleted": True}
+    return {"id": node_id, "deleted": True, "banned": True}
+
+
+@router.post("/nodes/{node_id}/allow")
+async def allow_node(node_id: str, request: Request) -> dict[str, Any]:
+    """Let a node id that an operator removed join again."""
+    ctx = _authorize(request)
+    if not ctx.registry.allow(node_id):
+        raise APIError(404, f"Node id {node_id!r} is not removed.", "invalid_request_error", "node_id", "node_not_banned")
+    return {"id": node_id, "allowed": True}

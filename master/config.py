@@ -37,6 +37,10 @@ class MasterSettings(BaseSettings):
     queue_size: int = Field(default=256, ge=0, description="requests waiting for KV capacity; 0: none wait")
     queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait in the admission queue")
     max_attempts: int = Field(default=3, ge=1, description="tries of one request across node failures")
+    handoff_timeout_s: float = Field(
+        default=30.0, gt=0, description="longest time from P's first token to the KV reaching D; past it the "
+        "request is re-run on another pair (P is stuck or gone)",
+    )
     retry_after_s: int = Field(default=1, ge=0, description="Retry-After of 429/503 answers")
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     body_timeout_s: float = Field(default=60.0, gt=0, description="longest upload of one request body")

@@ -54,6 +54,9 @@ class MasterMetrics:
         self.kv_transfer_seconds = Histogram(
             "pdc_kv_transfer_seconds", "Time of one request's KV transfer", buckets=_TRANSFER_BUCKETS, registry=r
         )
+        self.migrations = Counter(
+            "pdc_stream_migrations", "Streams continued on another pair after their node was lost", registry=r
+        )
         self.nodes = Gauge("pdc_nodes", "Registered nodes", ["role", "state"], registry=r)
         self.warm_channels = Gauge(
             "pdc_warm_channels", "Pairs of an active prefill and decode node whose data-plane channel is warm",

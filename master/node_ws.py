@@ -80,7 +80,9 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
     reason = ctx.registry.refusal(msg)
     if reason is not None:
         logger.warning("refused node %s (%s): %s", msg.node_id, msg.role, reason)
-        await _refuse(ws, reason, retryable=msg.node_id in ctx.registry.nodes)
+        # A removed id may be allowed again, and a held id freed: the node keeps knocking.
+        retryable = msg.node_id in ctx.registry.nodes or msg.node_id in ctx.registry.banned
+        await _refuse(ws, reason, retryable=retryable)
         return
 
     record = ctx.registry.add(msg)
@@ -133,6 +135,7 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
     try:
         if isinstance(msg, protocol.NodeStatus):
             ctx.registry.handle_status(record, msg)
+            ctx.relay.on_status(record, msg)
         elif isinstance(msg, protocol.TokenDelta):
             ctx.relay.on_token_delta(record, msg)
         elif isinstance(msg, protocol.FirstToken):

@@ -61,6 +61,8 @@ class NodeRecord:
     pending_prefill: dict[str, int] = field(default_factory=dict)
     #: Attempts (any phase) that involve this node.
     inflight: set[str] = field(default_factory=set)
+    #: Ended attempts this node still reported holding -> when the master last told it to abort.
+    stale_aborts: dict[str, float] = field(default_factory=dict)
     #: Frames from this node that could not be parsed (logged sparingly).
     malformed_frames: int = 0
 
@@ -154,6 +156,8 @@ class Registry:
         self.outbox_frames = outbox_frames
         self.nodes: dict[str, NodeRecord] = {}
         self.cluster_spec: KVSpec | None = None
+        #: Node ids an operator removed: refused until allowed again (:meth:`allow`).
+        self.banned: set[str] = set()
         self.on_removed: list[Callable[[NodeRecord, str], None]] = []
         self.on_capacity: list[Callable[[], None]] = []
 
@@ -167,6 +171,9 @@ class Registry:
 
     def refusal(self, msg: protocol.Register) -> str | None:
         """Why a node may not join, or None when it may."""
+        if msg.node_id in self.banned:
+            return (f"node id {msg.node_id!r} was removed by an operator; it may rejoin after "
+                    f"POST /admin/nodes/{msg.node_id}/allow, or under a new id")
         if msg.node_id in self.nodes:
             return f"node id {msg.node_id!r} is already registered"
         if msg.role == "decode" and not msg.data_address:
@@ -219,11 +226,20 @@ class Registry:
         self._notify_capacity()
         return record
 
-    def remove(self, node_id: str, reason: str, code: int = CLOSE_NORMAL) -> NodeRecord | None:
-        """Forget a node, close its socket and let listeners settle its requests (idempotent)."""
+    def remove(
+        self, node_id: str, reason: str, code: int = CLOSE_NORMAL, ban: bool = False
+    ) -> NodeRecord | None:
+        """Forget a node, abort what it holds, close its socket and let listeners settle its
+        requests (idempotent). ``ban``: refuse its id until :meth:`allow` (an operator's removal)."""
         record = self.nodes.pop(node_id, None)
+        if ban and record is not None:
+            self.banned.add(node_id)
         if record is None or record.removed:
             return None
+        # Aborts go out before the close frame, while the record still sends: a node that is only
+        # cut off (or comes back) must not go on with work the master is settling elsewhere.
+        for attempt_id in sorted(record.inflight):
+            record.send(protocol.Abort(request_id=attempt_id))
         record.removed = True
         record.request_close(code, reason)
         logger.info("node %s left: %s", node_id, reason)
@@ -239,6 +255,14 @@ class Registry:
                 logger.exception("settling the requests of node %s failed", node_id)
         self._notify_capacity()
         return record
+
+    def allow(self, node_id: str) -> bool:
+        """Let a removed node id join again; False when it was not banned."""
+        if node_id not in self.banned:
+            return False
+        self.banned.discard(node_id)
+        logger.info("node id %s may rejoin", node_id)
+        return True
 
     def discard(self, record: NodeRecord, reason: str, code: int = CLOSE_NORMAL) -> None:
         """Remove this very record (not a newer node that reused its id)."""

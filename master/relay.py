@@ -6,14 +6,17 @@ The HTTP handler only waits on a request's ``wakeup`` event and reads its buffer
 
 Each dispatch of a request is an *attempt* with its own id on the wire (the request id, then
 ``<id>-r1``, ``<id>-r2``...), so frames and aborts of an abandoned attempt can never touch the
-next one. When a node is lost:
+next one. An attempt belongs to its P until the handover (P's KVTransferred or D's first tokens),
+and to its D until it ends; the master knows both all along. When a node is lost (removed,
+evicted, or it reports the request failed, e.g. D's lease ran out) or the handover misses its
+deadline, the attempt is re-run on another pair:
 
-* P lost before its FirstToken: the attempt is retried on another P (same D if it is active).
-* D lost (or either node failed the request) before any token reached the client: the request
-  restarts on another pair. A non-streaming request has shown the client nothing until it
-  finishes, so it always restarts.
-* Otherwise the stream ends with finish_reason "error" and an error event.
-After ``max_attempts`` dispatches a request fails with 503.
+* nothing reached the client yet (always the case for a non-streaming request): the request
+  restarts from its prompt (on the same D when only P was lost);
+* tokens reached the client: the stream *migrates*: prompt + the tokens generated so far are
+  prefilled on the new pair (prefix reuse makes it cheap) and its D continues the same stream, so
+  a greedy stream is what an uninterrupted run would have produced. The client only sees a pause.
+After ``max_attempts`` dispatches the request fails with an error that says why.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -46,6 +49,10 @@ MAX_EARLY_DELTAS = 4096
 DISCONNECT_POLL_S = 0.5
 #: After its deadline, how long a request waits for its handler before the relay releases it.
 ORPHAN_GRACE_S = 30.0
+#: Ended attempt ids remembered, so a node that still reports one is told to abort it.
+ENDED_MEMORY = 65536
+#: Least time between two aborts of the same stale attempt to one node.
+STALE_ABORT_EVERY_S = 2.0
 
 
 @dataclass
@@ -92,6 +99,11 @@ class RelayRequest:
     prefill_id: str | None = None
     decode_id: str | None = None
     first_token_seen: bool = False
+    #: The attempt's KV reached its D (P's KVTransferred or D's first tokens): P is out of it.
+    handed_over: bool = False
+    handoff_timer: asyncio.TimerHandle | None = None
+    #: Why the last attempt was given up (told to the client if the request fails for good).
+    last_failure: str | None = None
     #: P's first token, withheld until D's first tokens when ``first_token_via`` is "decode".
     withheld_first: protocol.FirstToken | None = None
     early_deltas: list[protocol.TokenDelta] = field(default_factory=list)
@@ -149,6 +161,8 @@ class Relay:
         self.requests: dict[str, RelayRequest] = {}
         self.attempts: dict[str, RelayRequest] = {}
         self.queue: deque[RelayRequest] = deque()
+        #: Attempt ids that ended here (oldest first), for aborting them on nodes that still hold them.
+        self.ended: OrderedDict[str, None] = OrderedDict()
         self._pumping = False
         registry.on_removed.append(self.on_node_removed)
         registry.on_capacity.append(self.pump)
@@ -258,8 +272,7 @@ class Relay:
             logger.debug("first token for unknown attempt %s from %s", msg.request_id, node.node_id)
             return
         r.first_token_seen = True
-        node.pending_prefill.pop(msg.request_id, None)
-        node.inflight.discard(msg.request_id)
+        node.pending_prefill.pop(msg.request_id, None)  # P still owns the attempt until the handover
         decode = self.registry.get(r.decode_id)
         if decode is not None:
             decode.reported_kv.add(msg.request_id)
@@ -273,6 +286,9 @@ class Relay:
         if msg.finish_reason is not None:
             self._finish(r, msg.finish_reason, abort_decode=True)
             return
+        if not r.handed_over:
+            loop = asyncio.get_running_loop()
+            r.handoff_timer = loop.call_later(self.settings.handoff_timeout_s, self._handoff_expired, r, r.attempt_id)
         early, r.early_deltas = r.early_deltas, []
         for delta in early:
             if r.terminal:
@@ -286,6 +302,27 @@ class Relay:
     def on_kv_transferred(self, node: NodeRecord, msg: protocol.KVTransferred) -> None:
         """P finished moving a request's KV (the bytes were counted with its FirstToken)."""
         self.metrics.kv_transfer_seconds.observe(msg.seconds)
+        r = self.attempts.get(msg.request_id)
+        if r is not None and r.prefill_id == node.node_id:
+            self._handed_over(r)
+
+    def _handed_over(self, r: RelayRequest) -> None:
+        """The attempt's KV is on its D: P's loss no longer touches it."""
+        if r.handed_over:
+            return
+        r.handed_over = True
+        self._cancel_handoff_timer(r)
+        prefill = self.registry.get(r.prefill_id)
+        if prefill is not None and r.attempt_id is not None:
+            prefill.inflight.discard(r.attempt_id)
+
+    def _handoff_expired(self, r: RelayRequest, attempt_id: str | None) -> None:
+        r.handoff_timer = None
+        if r.terminal or r.attempt_id != attempt_id or r.handed_over:
+            return
+        reason = f"prefill node {r.prefill_id} did not hand the request over within {self.settings.handoff_timeout_s:g} s"
+        logger.warning("re-running %s: %s", r.request_id, reason)
+        self._reroute(r, r.prefill_id, reason, keep_decode=False)
 
     def on_token_delta(self, node: NodeRecord, msg: protocol.TokenDelta) -> None:
         r = self.attempts.get(msg.request_id)
@@ -298,6 +335,7 @@ class Relay:
                 return
             r.early_deltas.append(msg)
             return
+        self._handed_over(r)  # D decodes it, so the KV arrived
         if r.withheld_first is not None:
             first, r.withheld_first = r.withheld_first, None
             self._emit_first(r, first)
@@ -310,30 +348,45 @@ class Relay:
         logger.warning(
             "node %s failed attempt %s (retryable=%s): %s", node.node_id, msg.request_id, msg.retryable, msg.message
         )
+        why = f"{node.role} node {node.node_id} failed it: {msg.message}"
         if not msg.retryable:
-            self._fail(r, internal_error(), "error")
+            self._fail(r, internal_error(), "error")  # the node's words stay in the log
         elif node.node_id == r.prefill_id and not r.first_token_seen:
-            self._retry(r, node.node_id, keep_decode=True)
-        elif not r.sent:
-            self._retry(r, node.node_id, keep_decode=False)
+            self._reroute(r, node.node_id, why, keep_decode=True)
         else:
-            self._fail(r, _lost_error(), "error")
+            self._reroute(r, node.node_id, why, keep_decode=False)
 
     def on_node_removed(self, node: NodeRecord, reason: str) -> None:
-        for attempt_id in list(node.inflight):
+        for attempt_id in sorted(node.inflight):
             r = self.attempts.get(attempt_id)
             if r is None or r.attempt_id != attempt_id:
                 continue
-            if node.node_id == r.prefill_id and not r.first_token_seen:
-                logger.info("retrying %s: prefill node %s left (%s)", r.request_id, node.node_id, reason)
-                self._retry(r, node.node_id, keep_decode=True)
-            elif node.node_id == r.decode_id:
-                if not r.sent:
-                    logger.info("restarting %s: decode node %s left (%s)", r.request_id, node.node_id, reason)
-                    self._retry(r, node.node_id, keep_decode=False)
-                else:
-                    logger.warning("ending %s: decode node %s left mid-stream (%s)", r.request_id, node.node_id, reason)
-                    self._fail(r, _lost_error(), "error")
+            why = f"{node.role} node {node.node_id} was lost ({reason})"
+            if node.node_id == r.decode_id:
+                logger.info("re-running %s: %s", r.request_id, why)
+                self._reroute(r, node.node_id, why, keep_decode=False)
+            elif node.node_id == r.prefill_id and not r.handed_over:
+                logger.info("re-running %s: %s before the handover", r.request_id, why)
+                self._reroute(r, node.node_id, why, keep_decode=not r.first_token_seen)
+
+    def on_status(self, node: NodeRecord, msg: protocol.NodeStatus) -> None:
+        """Abort what a node still holds of attempts that ended here (it was cut off, or missed
+        the abort): its KV and batch slots go back to live requests."""
+        if not msg.request_ids:
+            return
+        now = time.monotonic()
+        for attempt_id in msg.request_ids:
+            if attempt_id in node.inflight or attempt_id not in self.ended:
+                continue
+            last = node.stale_aborts.get(attempt_id)
+            if last is not None and now - last < STALE_ABORT_EVERY_S:
+                continue
+            logger.info("node %s still holds ended attempt %s: aborting it", node.node_id, attempt_id)
+            node.stale_aborts[attempt_id] = now
+            node.send(protocol.Abort(request_id=attempt_id))
+        if len(node.stale_aborts) > 4 * len(msg.request_ids) + 64:
+            held = set(msg.request_ids)
+            node.stale_aborts = {k: v for k, v in node.stale_aborts.items() if k in held}
 
     def pump(self) -> None:
         """Dispatch queued requests, oldest first, while capacity lasts."""
@@ -362,7 +415,8 @@ class Relay:
         prefills = [p for p in prefills if p.node_id not in r.excluded] or prefills
         decodes = [d for d in decodes if d.node_id not in r.excluded] or decodes
         preferred = next((d for d in decodes if d.node_id == r.preferred_decode), None)
-        prefill, decode = self.policy.pick_pair(r.route, prefills, decodes, preferred)
+        route = r.route if not r.output_ids else RouteRequest(r.token_ids + r.output_ids, r.kv_need)
+        prefill, decode = self.policy.pick_pair(route, prefills, decodes, preferred)
         self._start_attempt(r, prefill, decode)
         return True
 
@@ -372,20 +426,26 @@ class Relay:
         attempt_id = r.request_id if r.attempt == 1 else f"{r.request_id}-r{r.attempt - 1}"
         r.attempt_id, r.prefill_id, r.decode_id = attempt_id, prefill.node_id, decode.node_id
         r.first_token_seen = False
+        r.handed_over = False
         r.withheld_first = None
         r.early_deltas = []
         r.preferred_decode = None
         r.state = "running"
         r.dispatched = True
         self.attempts[attempt_id] = r
-        prefill.pending_prefill[attempt_id] = len(r.token_ids)
+        # A migrated stream goes on from what the client has: prompt + output so far, the rest to generate.
+        token_ids = r.token_ids + r.output_ids if r.output_ids else r.token_ids
+        sampling = r.sampling
+        if r.output_ids:
+            sampling = sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(r.output_ids)})
+        prefill.pending_prefill[attempt_id] = len(token_ids)
         prefill.inflight.add(attempt_id)
         decode.pending_kv[attempt_id] = r.kv_need
         decode.inflight.add(attempt_id)
         job = protocol.PrefillJob(
             request_id=attempt_id,
-            token_ids=r.token_ids,
-            sampling=r.sampling,
+            token_ids=token_ids,
+            sampling=sampling,
             decode_node_id=decode.node_id,
             decode_address=decode.info.data_address or "",
             deadline_s=max(r.deadline - time.monotonic(), 0.001),
@@ -402,6 +462,10 @@ class Relay:
             return
         self.attempts.pop(attempt_id, None)
         r.attempt_id = None
+        self._cancel_handoff_timer(r)
+        self.ended[attempt_id] = None
+        while len(self.ended) > ENDED_MEMORY:
+            self.ended.popitem(last=False)
         for node_id in (r.prefill_id, r.decode_id):
             node = self.registry.get(node_id)
             if node is None:
@@ -460,16 +524,31 @@ class Relay:
         r.buffer.append(error)
         r.wakeup.set()
 
-    def _retry(self, r: RelayRequest, failed_node: str, keep_decode: bool) -> None:
+    def _reroute(self, r: RelayRequest, failed_node: str | None, why: str, keep_decode: bool) -> None:
+        """Give up the current attempt (aborting it on both nodes) and run the request again:
+        from its prompt when the client has seen nothing, else from where its stream stands."""
+        if r.terminal:
+            return
         preferred = r.decode_id if keep_decode else None
         self._end_attempt(r, abort=True)
-        r.excluded.add(failed_node)
+        r.last_failure = why
+        if failed_node is not None:
+            r.excluded.add(failed_node)
         if r.attempt >= self.settings.max_attempts:
-            message = f"The request failed on {r.attempt} attempts; try again later."
-            self._fail(r, unavailable(message, self.settings.retry_after_s), "error")
+            message = f"The request failed on {r.attempt} attempts; the last one because {why}."
+            if r.sent:
+                self._fail(r, _failed_error(message, lost=True), "error")
+            else:  # nothing shown yet: the client may simply try again
+                self._fail(r, unavailable(message, self.settings.retry_after_s), "error")
             return
         if not r.sent:
             r.reset_output()
+        elif len(r.output_ids) >= r.sampling.max_tokens:
+            self._finish(r, "length")  # the lost node had nothing left to generate
+            return
+        else:
+            logger.info("migrating the stream of %s after %d tokens", r.request_id, len(r.output_ids))
+            self.metrics.migrations.inc()
         r.preferred_decode = preferred
         if not self._dispatch(r):
             self._enqueue(r, front=True)
@@ -485,9 +564,14 @@ class Relay:
 
     def _queue_expired(self, r: RelayRequest) -> None:
         r.queue_timer = None
-        if r.state == "queued":
-            message = "Timed out waiting for capacity; try again later."
-            self._fail(r, unavailable(message, self.settings.retry_after_s), "unavailable")
+        if r.state != "queued":
+            return
+        if r.sent:  # a migrating stream: say why it had to move
+            message = f"No node could take the stream over within {self.settings.queue_timeout_s:g} s after {r.last_failure}."
+            self._fail(r, _failed_error(message, lost=True), "error")
+            return
+        message = "Timed out waiting for capacity; try again later."
+        self._fail(r, unavailable(message, self.settings.retry_after_s), "unavailable")
 
     def _deadline_expired(self, r: RelayRequest) -> None:
         if not r.terminal:
@@ -504,6 +588,12 @@ class Relay:
                 self.queue.remove(r)
             except ValueError:
                 pass
+
+    @staticmethod
+    def _cancel_handoff_timer(r: RelayRequest) -> None:
+        if r.handoff_timer is not None:
+            r.handoff_timer.cancel()
+            r.handoff_timer = None
 
     def _cancel_queue_timer(self, r: RelayRequest) -> None:
         if r.queue_timer is not None:
@@ -528,5 +618,6 @@ class Relay:
                 m.time_per_output_token.observe((r.finished_at - r.first_token_at) / (r.completion_tokens - 1))
 
 
-def _lost_error() -> APIError:
-    return APIError(502, "The node serving this request was lost.", "server_error", None, "node_lost")
+def _failed_error(message: str, lost: bool = True) -> APIError:
+    """A request that no node could finish: 502 with the cause in the message."""
+    return APIError(502, message, "server_error", None, "node_lost" if lost else "node_failed")

@@ -7,9 +7,10 @@ P's side lives in ``prefill_node`` (sending), D's in ``decode_node`` (reservatio
 2. The KV of blocks [hit_blocks, n_blocks) moves one of two ways (a partial last block is sent
    whole, zero-padded); the bytes on the wire are the same: (n_blocks - hit_blocks) x bytes per block.
 
-   Whole (push): P -> D ``PushKV`` + the tensor of those blocks, carrying the first token and
-   sampling state: D scatters the KV, caches the prompt, joins the request to its batch, answers
-   ``PushAck``.
+   Whole (push): P -> D ``PushKV`` + the tensor of those blocks, carrying the first token: D
+   scatters the KV, caches the prompt, joins the request to its batch, answers ``PushAck``.
+   No sampling state travels: a request's random stream is a function of its seed and the
+   output position, so D continues it at position 1.
 
    Layer by layer (stream, GPU nodes: P sends each layer's KV while its prefill still runs):
 
@@ -17,11 +18,18 @@ P's side lives in ``prefill_node`` (sending), D's in ``decode_node`` (reservatio
       ``layer_shape`` = [2, tokens, kv_heads, head_dim] (keys, then values), one per layer, in
       layer order. D scatters each layer into its reserved slots as it lands and answers
       ``PushAck`` once all have.
-   b. P -> D ``CommitKV`` with the first token and sampling state, sent as soon as P has them
+   b. P -> D ``CommitKV`` with the first token, sent as soon as P has them
       (without waiting for the stream's ack): D caches the prompt, joins the request to its
       batch and answers ``PushAck``.
 
-   Either way, ``ReleaseLease`` instead when the request ended at its first token (``Released``).
+   In place (P and D on one host, D shared its KV pool in the handshake, ``MatchPrefix.direct``):
+   ``MatchResult.slots`` lists D's reserved slots; P writes the missing tokens' KV straight into
+   them (no padding, nothing on the wire; layer by layer during the prefill, or whole after it),
+   waits until the writes are done, then sends ``CommitKV`` with ``written_tokens``. D never
+   hands those slots to anyone else before the commit, a release, or the lease's end; a P that
+   disconnects loses its leases after a short grace.
+
+   Every way, ``ReleaseLease`` instead when the request ended at its first token (``Released``).
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ class MatchPrefix(DataMessage):
     token_ids: list[int]
     sampling: SamplingParams
     lease_s: float = Field(gt=0, le=3600)
+    direct: bool = Field(default=False, description="P writes into D's shared pool: answer the reserved slots")
 
 
 class MatchResult(DataMessage):
     type: Literal["kv.match_result"] = "kv.match_result"
     lease_id: str | None = None
     hit_blocks: int = 0
+    slots: str | None = Field(default=None, description="base64 int64 slots reserved for the missing tokens")
     error: str | None = None
     retryable: bool = True
 
@@ -59,7 +69,6 @@ class PushKV(DataMessage):
     shape: list[int]
     dtype: str
     first_token: int
-    rng_state: str
 
 
 class PushAck(DataMessage):
@@ -83,7 +92,7 @@ class CommitKV(DataMessage):
     type: Literal["kv.commit"] = "kv.commit"
     lease_id: str
     first_token: int
-    rng_state: str
+    written_tokens: int | None = Field(default=None, ge=0, description="in place: tokens P wrote into D's pool")
 
 
 # ---- early end ---------------------------------------------------------------------------

@@ -80,6 +80,11 @@ class NodeStatus(_Message):
     channel_setup_s: float | None = Field(
         default=None, ge=0, description="P: seconds its last data-plane channel took to form and warm"
     )
+    request_ids: list[str] = Field(
+        default_factory=list,
+        description="ids of the requests the node holds now (P: jobs; D: reserved or decoding); a master "
+        "aborts those it has already ended, so a node that was cut off drops stale work when it returns",
+    )
 
 
 class KVEvents(_Message):

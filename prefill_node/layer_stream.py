@@ -1,4 +1,6 @@
-"""One request's KV on its way to a decode node, layer by layer, while the prefill forward runs.
+"""One request's KV on its way to a decode node, layer by layer, while the prefill forward runs:
+sent through the tensor channel (:class:`LayerStream`), or written in place into a decode
+node's pool on this host (:class:`DirectWrite`).
 
 The engine thread calls :meth:`LayerStream.capture` after each layer's KV is stored: on a GPU
 it queues a copy of that layer's slots into a send buffer on a side stream, behind an event
@@ -16,11 +18,14 @@ from collections.abc import Callable
 
 import torch
 
+import kernels
 from pd_cluster.aio import wait_for
 from pd_cluster.engine.kv_pool import KVPool
-from pd_cluster.transfer import ChannelError, PeerChannel
+from pd_cluster.transfer import ChannelError, PeerChannel, SharedPool
 
 ReadyEvent = torch.cuda.Event | None
+#: How often the event loop looks whether a direct write has landed (it costs microseconds).
+_POLL_S = 0.0002
 
 
 class LayerStream:
@@ -111,3 +116,102 @@ class LayerStream:
             sent += await channel.send_tensor(self.buffer[layer], left())
         return sent
 
+
+
+class DirectWrite:
+    """KV of tokens [start, n_tokens) of one request written straight into the slots D reserved
+    in its pool (shared on this host, :mod:`pd_cluster.transfer.ipc`): nothing is sent.
+
+    Layer by layer during the prefill (:meth:`begin`/:meth:`capture`, the same hook as
+    :class:`LayerStream`: each layer's copy is queued on a side stream behind the compute
+    stream's store of that layer, so it runs while later layers compute), or whole after it
+    (:meth:`write_all`). Nothing is queued once the lease's safe end has passed: D may hand
+    those slots to another request after it.
+    """
+
+    def __init__(
+        self, request_id: str, start: int, n_tokens: int, pool: KVPool, target: SharedPool, target_slots: torch.Tensor,
+        side_stream: torch.cuda.Stream | None, write_until: float,
+    ) -> None:
+        if target_slots.numel() != n_tokens - start:
+            raise ValueError(f"D reserved {target_slots.numel()} slots for {n_tokens - start} missing tokens")
+        self.request_id = request_id
+        self.start = start
+        self.n_tokens = n_tokens
+        self.pool = pool
+        self.target = target
+        self.target_slots = target_slots
+        self.num_layers = pool.spec.num_layers
+        self._side = side_stream
+        self.write_until = write_until
+        self._slots: torch.Tensor | None = None
+        self._last: ReadyEvent = None
+        self.layers_written = 0
+        self.expired = False
+
+    @property
+    def tokens(self) -> int:
+        return self.n_tokens - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.pool.spec.bytes_per_token
+
+    @property
+    def complete(self) -> bool:
+        return self.layers_written == self.num_layers and not self.expired
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def begin(self, slots: torch.Tensor) -> None:
+        self._slots = slots
+
+    def capture(self, layer: int) -> None:
+        """Layer ``layer``'s KV is stored (in stream order): queue its copy into D's slots."""
+        assert self._slots is not None, "begin() first"
+        if self.expired or time.monotonic() >= self.write_until:
+            self.expired = True
+            return
+        if self._side is not None:
+            stored = torch.cuda.Event()
+            stored.record()
+            self._side.wait_event(stored)
+        with self._on_side():
+            k_cache, v_cache = self.pool.k_cache[layer : layer + 1], self.pool.v_cache[layer : layer + 1]
+            kernels.copy_kv_slots(k_cache, v_cache, self._slots, self.target.k_cache[layer : layer + 1],
+                                  self.target.v_cache[layer : layer + 1], self.target_slots)
+            self._last = self._record(self._side)
+        self.layers_written += 1
+
+    def write_all(self, slots: torch.Tensor) -> None:
+        """Every layer at once, after the prefill (one launch), on the current stream."""
+        if time.monotonic() >= self.write_until:
+            self.expired = True
+            return
+        kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, slots, self.target.k_cache,
+                              self.target.v_cache, self.target_slots)
+        self._last = self._record(None)
+        self.layers_written = self.num_layers
+
+    def _record(self, stream: torch.cuda.Stream | None) -> ReadyEvent:
+        if self.pool.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(stream) if stream is not None else event.record()
+        return event
+
+    def _on_side(self):
+        return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+
+    # ---- event loop --------------------------------------------------------------------------
+
+    async def settle(self, timeout: float) -> bool:
+        """Wait until every queued write has landed in D's pool; False if not within ``timeout``.
+        Before a commit (D reads what it commits), and before a lease is given back on failure
+        (D may reuse the slots at once)."""
+        give_up = time.monotonic() + timeout
+        while self._last is not None and not self._last.query():
+            if time.monotonic() >= give_up:
+                return False
+            await asyncio.sleep(_POLL_S)
+        return True

@@ -24,6 +24,7 @@ class PrefillNode(NodeRuntime):
         self.service = PrefillService(
             settings.engine, node_id=settings.node_id, cluster_token=settings.cluster_token.get_secret_value(),
             lease_s=settings.lease_s, max_channels=settings.max_channels, on_warm_change=self._on_warm_change,
+            kv_ipc=settings.kv_ipc,
         )
         self.reporter = StatusReporter(self.service.engine)
         self.jobs: dict[str, asyncio.Task] = {}
@@ -39,6 +40,7 @@ class PrefillNode(NodeRuntime):
         return self.reporter.report(
             draining=self.lifecycle.draining, queued_prefill_tokens=self.service.counters.queued_prefill_tokens,
             warm_peers=self.service.warm_peers, channel_setup_s=self.service.keeper.setup_seconds,
+            request_ids=list(self.jobs),
         )
 
     def _on_warm_change(self, warm_peers: list[str]) -> None:

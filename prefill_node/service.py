@@ -23,13 +23,17 @@ from pd_cluster.engine.worker import EngineWorker
 from pd_cluster.handover import CommitKV, MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease, StreamKV
 from pd_cluster.model.llama import LayerHook
 from pd_cluster.protocol import FirstToken, PrefillJob
-from pd_cluster.transfer import ChannelKeeper, ChannelPool, HandshakeRefused, PeerChannel, TransferError
+from pd_cluster.transfer import ChannelKeeper, ChannelPool, HandshakeRefused, PeerChannel, TransferError, decode_slots
 from prefill_node.admission import TokenAdmission
-from prefill_node.layer_stream import LayerStream
+from prefill_node.layer_stream import DirectWrite, LayerStream
 
 logger = logging.getLogger(__name__)
 
 FirstTokenSink = Callable[[FirstToken], Awaitable[None]]
+#: A direct write stops being queued this long before D's lease on the slots ends.
+LEASE_MARGIN_S = 5.0
+#: Longest wait for queued direct writes to land (they take milliseconds).
+SETTLE_S = 10.0
 
 
 class PrefillFailed(RuntimeError):
@@ -45,6 +49,9 @@ class PrefillResult:
     transfer_bytes: int
     transfer_seconds: float
     committed: bool
+    #: Seconds from the first token to the KV being in D's memory (the transfer time not hidden
+    #: behind the prefill); measured on the in-place path, None elsewhere.
+    visible_seconds: float | None = None
 
 
 @dataclass
@@ -62,6 +69,11 @@ class PrefillService:
     :class:`ChannelKeeper`, which forms and warms channels to the decode nodes that
     :meth:`set_decode_peers` lists (the master's ``DecodePeers``), so a request finds its channel
     ready; ``on_warm_change`` hears of every change of :attr:`warm_peers`.
+
+    A decode node on this host may share its KV pool (``kv_ipc``, :mod:`pd_cluster.transfer.ipc`):
+    then the missing KV is written straight into its reserved slots (:class:`DirectWrite`),
+    layer by layer during the prefill from ``direct_layerwise_min_tokens`` missing tokens on,
+    else in one launch after it, and nothing goes through the tensor channel.
 
     ``layerwise`` (default: on CUDA devices) streams each layer's KV to D while the prefill
     forward runs (``StreamKV`` of :mod:`pd_cluster.handover`, sent by :mod:`prefill_node.layer_stream`);
@@ -83,10 +95,13 @@ class PrefillService:
         on_warm_change: Callable[[list[str]], None] | None = None,
         warm_up: bool = True,
         admission_tokens: int | None = None,
+        kv_ipc: bool = True,
+        direct_layerwise_min_tokens: int = 512,
     ) -> None:
         self.engine = engine or LLMEngine(config)
         self.worker = EngineWorker(self.engine, self._on_updates)
-        self.pool = ChannelPool(cluster_token, self.engine.kv_spec, node_id, self.engine.device, max_channels)
+        self.pool = ChannelPool(cluster_token, self.engine.kv_spec, node_id, self.engine.device, max_channels,
+                                kv_ipc=kv_ipc)
         #: Decode address -> jobs in flight to it (the keeper never closes those channels).
         self._jobs_per_address: Counter[str] = Counter()
         self.keeper = ChannelKeeper(self.pool, on_change=on_warm_change,
@@ -102,9 +117,10 @@ class PrefillService:
         # Per-layer sends cost a round trip each: below ~2k tokens to send (measured on H200
         # pairs: 1k tokens lost 28 ms, 4k gained the whole transfer) one push after prefill wins.
         self.layerwise_min_tokens = layerwise_min_tokens
+        self.direct_layerwise_min_tokens = direct_layerwise_min_tokens
         self._compute_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
         self._side_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
-        self._streams: dict[str, LayerStream] = {}
+        self._streams: dict[str, LayerStream | DirectWrite] = {}
         self._held: dict[str, Request] = {}
         self.engine.set_layer_hook_factory(self._layer_hook_for)
 
@@ -184,8 +200,11 @@ class PrefillService:
 
     async def _run(self, job: PrefillJob, report_first_token: FirstTokenSink, left) -> PrefillResult:
         channel = await wait_for(self.pool.get(job.decode_address), left())
+        direct = channel.shared_pool is not None
+        write_until = time.monotonic() + self.lease_s - LEASE_MARGIN_S
         match = await channel.request(
-            MatchPrefix(request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling, lease_s=self.lease_s),
+            MatchPrefix(request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling, lease_s=self.lease_s,
+                        direct=direct),
             left(),
         )
         if not isinstance(match, MatchResult):
@@ -193,6 +212,8 @@ class PrefillService:
         if match.error is not None or match.lease_id is None:
             raise PrefillFailed(f"decode node {job.decode_node_id}: {match.error}", retryable=match.retryable)
         lease_id = match.lease_id
+        if direct:
+            return await self._run_direct(job, channel, match, report_first_token, left, write_until)
         n = len(job.token_ids)
         send_blocks = math.ceil(n / self.block_size) - match.hit_blocks
         req: Request | None = None
@@ -223,7 +244,7 @@ class PrefillService:
                 torch.cuda.current_stream(self.engine.device).wait_event(ready)
             ack = await channel.request(
                 PushKV(lease_id=lease_id, shape=list(buffer.shape), dtype=str(buffer.dtype).removeprefix("torch."),
-                       first_token=first.token_id, rng_state=req.sampling.export_rng()),
+                       first_token=first.token_id),
                 left(),
                 tensors=buffer,
             )
@@ -272,8 +293,7 @@ class PrefillService:
             if finished:
                 await channel.send(ReleaseLease(lease_id=lease_id), left())
             else:
-                await channel.send(CommitKV(lease_id=lease_id, first_token=first.token_id,
-                                            rng_state=req.sampling.export_rng()), left())
+                await channel.send(CommitKV(lease_id=lease_id, first_token=first.token_id), left())
             stream_ack = await channel.receive(left())
             final = await channel.receive(left())
         except BaseException:
@@ -297,6 +317,83 @@ class PrefillService:
         if finished:
             return PrefillResult(report, match.hit_blocks, 0, seconds, committed=False)
         return PrefillResult(report, match.hit_blocks, sent, seconds, committed=True)
+
+    async def _run_direct(
+        self, job: PrefillJob, channel: PeerChannel, match: MatchResult, report_first_token: FirstTokenSink, left,
+        write_until: float,
+    ) -> PrefillResult:
+        """D shares its pool: write the missing KV into its reserved slots, then commit."""
+        lease_id = match.lease_id
+        assert lease_id is not None
+        if match.slots is None:
+            await self._release_lease(channel, lease_id)
+            raise PrefillFailed(f"decode node {job.decode_node_id} reserved no slots for an in-place write")
+        pool = self.engine.pool
+        assert channel.shared_pool is not None
+        start = match.hit_blocks * self.block_size
+        n = len(job.token_ids)
+        try:
+            writer = DirectWrite(job.request_id, start, n, pool, channel.shared_pool,
+                                 decode_slots(match.slots).to(channel.shared_pool.device), self._side_stream, write_until)
+        except ValueError as e:
+            await self._release_lease(channel, lease_id)
+            raise PrefillFailed(f"decode node {job.decode_node_id}: {e}", retryable=False) from e
+        layerwise = self._compute_stream is not None and writer.tokens >= self.direct_layerwise_min_tokens
+        if layerwise and writer.tokens:
+            self._streams[job.request_id] = writer
+        req: Request | None = None
+        lease_settled = False
+        try:
+            req = await self._add(job)
+            first = await self._first_token(job, left)
+            finished = first.finish_reason is not None
+            report = self._report(job, req, first, match.hit_blocks, 0 if finished else writer.nbytes)
+            await report_first_token(report)  # TTFT does not wait for the write
+            if finished:
+                lease_settled = True
+                await channel.request(ReleaseLease(lease_id=lease_id), left())
+                return PrefillResult(report, match.hit_blocks, 0, 0.0, committed=False)
+            started = time.monotonic()
+            if not layerwise and writer.tokens:
+                await self.worker.call(self._write_whole, req, writer)
+            elif not writer.tokens:
+                writer.layers_written = writer.num_layers
+            if not await writer.settle(left()):
+                raise PrefillFailed(f"the KV write into {job.decode_node_id} did not finish in time")
+            visible = time.monotonic() - started
+            if not writer.complete:
+                raise PrefillFailed(f"the KV lease on {job.decode_node_id} ran short before the write")
+            ack = await channel.request(
+                CommitKV(lease_id=lease_id, first_token=first.token_id, written_tokens=writer.tokens),
+                left(),
+            )
+            seconds = time.monotonic() - started
+            if not isinstance(ack, PushAck) or not ack.ok:
+                raise PrefillFailed(f"decode node {job.decode_node_id} did not take the KV: "
+                                    f"{getattr(ack, 'error', ack.type)}")
+            lease_settled = True
+            channel.bytes_written += writer.nbytes
+            self.counters.kv_bytes_sent += writer.nbytes
+            return PrefillResult(report, match.hit_blocks, writer.nbytes, seconds, committed=True, visible_seconds=visible)
+        finally:
+            self._streams.pop(job.request_id, None)
+            self._held.pop(job.request_id, None)
+            if req is not None:
+                await self._release(req)
+            else:
+                await self._abort_engine(job.request_id)
+            if not lease_settled:
+                # Nothing may land in D's slots once it can hand them out again.
+                if not await writer.settle(SETTLE_S):
+                    logger.error("a KV write into %s did not land in %.0f s; its lease runs out instead",
+                                 job.decode_node_id, SETTLE_S)
+                elif channel.alive:
+                    await self._release_lease(channel, lease_id)
+
+    def _write_whole(self, req: Request, writer: DirectWrite) -> None:
+        """Engine thread: the prompt's missing KV into D's slots in one launch."""
+        slots = self.engine.held_slots(req)[writer.start : writer.n_tokens].to(self.engine.device)
+        writer.write_all(slots)
 
     def _report(self, job: PrefillJob, req: Request, first: TokenUpdate, hit_blocks: int, transfer_bytes: int) -> FirstToken:
         return FirstToken(

@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 import kernels
 from kernels.attention import context_attention_ref, decode_attention_ref
-from kernels.kv_transfer import gather_kv_ref, scatter_kv_ref
+from kernels.kv_transfer import copy_kv_slots_ref, gather_kv_ref, scatter_kv_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref, rotary_cos_sin
 from kernels.silu_mul import silu_mul_ref
@@ -398,6 +398,19 @@ def test_scatter_kv_inverts_gather_into_other_slots() -> None:
     assert torch.equal(gather_kv_ref(dst_k, dst_v, dst_slots), gather_kv_ref(src_k, src_v, src_slots))
 
 
+def test_copy_kv_slots_moves_only_the_listed_slots_between_pools() -> None:
+    gen = torch.Generator().manual_seed(10)
+    src_k, src_v = torch.randn(4, 32, 3, 8, generator=gen), torch.randn(4, 32, 3, 8, generator=gen)
+    dst_k, dst_v = torch.randn(4, 24, 3, 8, generator=gen), torch.randn(4, 24, 3, 8, generator=gen)
+    untouched_k, untouched_v = dst_k.clone(), dst_v.clone()
+    src_slots, dst_slots = torch.tensor([3, 31, 0, 8]), torch.tensor([23, 1, 7, 4])
+    copy_kv_slots_ref(src_k, src_v, src_slots, dst_k, dst_v, dst_slots)
+    assert torch.equal(gather_kv_ref(dst_k, dst_v, dst_slots), gather_kv_ref(src_k, src_v, src_slots))
+    rest = torch.ones(24, dtype=torch.bool)
+    rest[dst_slots] = False
+    assert torch.equal(dst_k[:, rest], untouched_k[:, rest]) and torch.equal(dst_v[:, rest], untouched_v[:, rest])
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +424,7 @@ def test_public_ops_run_the_reference_on_cpu_tensors(monkeypatch: pytest.MonkeyP
 
     for module, launchers in {
         "kernels.attention": ["context_attention_triton", "decode_attention_triton"],
-        "kernels.kv_transfer": ["gather_kv_triton", "scatter_kv_triton"],
+        "kernels.kv_transfer": ["gather_kv_triton", "scatter_kv_triton", "copy_kv_slots_triton"],
         "kernels.rms_norm": ["rms_norm_triton"],
         "kernels.rotary": ["apply_rotary_triton"],
         "kernels.silu_mul": ["silu_mul_triton"],
@@ -431,6 +444,8 @@ def test_public_ops_run_the_reference_on_cpu_tensors(monkeypatch: pytest.MonkeyP
     kernels.store_kv(batch.q[:, :2], batch.q[:, :2], batch.k_cache, batch.v_cache, torch.arange(5))
     buffer = kernels.gather_kv(batch.k_cache[None], batch.v_cache[None], torch.arange(3))
     kernels.scatter_kv(buffer, batch.k_cache[None], batch.v_cache[None], torch.arange(3))
+    kernels.copy_kv_slots(batch.k_cache[None], batch.v_cache[None], torch.arange(3),
+                          batch.k_cache[None], batch.v_cache[None], torch.arange(3))
     assert out.shape == (2, 8)
 
 

@@ -39,7 +39,14 @@ from kernels.attention import (
     decode_attention_ref,
     decode_attention_triton,
 )
-from kernels.kv_transfer import gather_kv_ref, gather_kv_triton, scatter_kv_ref, scatter_kv_triton
+from kernels.kv_transfer import (
+    copy_kv_slots_ref,
+    copy_kv_slots_triton,
+    gather_kv_ref,
+    gather_kv_triton,
+    scatter_kv_ref,
+    scatter_kv_triton,
+)
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
@@ -179,6 +186,18 @@ class InterpretedCases:
         dst_slots = torch.randperm(12, generator=gen)[:7]
         scatter_kv_triton(buffer, dst[0], dst[1], dst_slots)
         scatter_kv_ref(buffer, expected[0], expected[1], dst_slots)
+        assert torch.equal(dst[0], expected[0]) and torch.equal(dst[1], expected[1])
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_copy_kv_slots_triton_matches_reference(self, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(6)
+        src = [torch.randn(3, 30, 5, 24, generator=gen).to(dtype) for _ in range(2)]
+        src_slots = torch.randperm(30, generator=gen)[:9]
+        dst = [torch.randn(3, 16, 5, 24, generator=gen).to(dtype) for _ in range(2)]
+        expected = [t.clone() for t in dst]
+        dst_slots = torch.randperm(16, generator=gen)[:9]
+        copy_kv_slots_triton(src[0], src[1], src_slots, dst[0], dst[1], dst_slots)
+        copy_kv_slots_ref(src[0], src[1], src_slots, expected[0], expected[1], dst_slots)
         assert torch.equal(dst[0], expected[0]) and torch.equal(dst[1], expected[1])
 
     # ---------------------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ async def test_decode_lost_before_any_token_restarts_a_non_streaming_request(mas
     await d1.close()
 
 
-async def test_decode_lost_mid_stream_ends_the_stream_with_an_error(master):
+async def test_decode_lost_mid_stream_with_no_other_decode_ends_the_stream_with_its_cause(master):
     prefill = await _join(master, "p0", "prefill")
     decode = await _join(master, "d0", "decode")
     body = {"model": MODEL, "messages": CHAT_MESSAGES, "stream": True, "max_tokens": 5}
@@ -305,6 +305,7 @@ async def test_decode_lost_mid_stream_ends_the_stream_with_an_error(master):
     payloads = [json.loads(line[6:]) for line in response.text.split("\n\n") if line.startswith("data: {")]
     assert payloads[-2]["choices"][0]["finish_reason"] == "error"
     assert payloads[-1]["error"]["code"] == "node_lost"
+    assert "decode node d0 was lost" in payloads[-1]["error"]["message"]
     assert response.text.rstrip().endswith("data: [DONE]")
     metrics = (await master.http.get("/metrics")).text
     assert 'pdc_requests_total{status="error"} 1.0' in metrics

@@ -126,6 +126,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if n + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
@@ -280,6 +282,8 @@ class LLMEngine:
                     device_slots = slots.to(self.device)
                     buffer = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, device_slots)
                     kernels.scatter_kv(buffer, self.pool.k_cache, self.pool.v_cache, device_slots)
+                    kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, device_slots,
+                                          self.pool.k_cache, self.pool.v_cache, device_slots)
                 finally:
                     self.pool.free(slots)
         finally:

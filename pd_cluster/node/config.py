@@ -28,4 +28,8 @@ class NodeSettings(BaseSettings):
     lease_s: float = Field(default=30.0, gt=0, description="how long D holds KV reserved for a P that went quiet")
     max_channels: int = Field(default=8, gt=0, description="prefill: open data-plane channels (LRU beyond)")
     drain_timeout_s: float = Field(default=600.0, gt=0)
+    kv_ipc: bool = Field(default=True, description="on one GPU, KV is written in place into D's pool (CUDA IPC) "
+                                                   "instead of sent through the tensor channel")
+    kv_ipc_across_gpus: bool = Field(default=False, description="decode: also share the pool with P on other GPUs "
+                                                                "of this host")
     reconnect_s: float = Field(default=1.0, gt=0, description="first retry delay after losing the master")

@@ -20,6 +20,7 @@ class StatusReporter:
     def report(
         self, *, draining: bool, queued_prefill_tokens: int = 0, extra_running: int = 0,
         warm_peers: list[str] | None = None, channel_setup_s: float | None = None,
+        request_ids: list[str] | None = None,
     ) -> NodeStatus:
         engine = self.engine
         now = time.monotonic()
@@ -41,4 +42,5 @@ class StatusReporter:
             draining=draining,
             warm_peers=warm_peers or [],
             channel_setup_s=None if channel_setup_s is None else round(channel_setup_s, 4),
+            request_ids=request_ids or [],
         )

@@ -1,9 +1,10 @@
 """The prefill node's side of the data plane: dial decode nodes, keep a bounded pool of channels.
 
 A :class:`PeerChannel` is one authenticated control connection plus its tensor channel to one
-decode node. :class:`ChannelPool` dials on :meth:`~ChannelPool.get` (a request) or
-:meth:`~ChannelPool.warm` (ahead of any request, see :mod:`.keeper`), reuses, forgets channels
-that failed, and closes the least recently used one beyond ``max_channels`` (each pair group
+decode node, and, when D shares its KV pool with this host (:mod:`.ipc`), the opened pool
+(:attr:`PeerChannel.shared_pool`) that P writes KV into directly. :class:`ChannelPool` dials on
+:meth:`~ChannelPool.get` (a request) or :meth:`~ChannelPool.warm` (ahead of any request, see
+:mod:`.keeper`), reuses, forgets channels that failed, and closes the least recently used one beyond ``max_channels`` (each pair group
 holds memory, about 100 MB of GPU memory for NCCL, so open channels must stay bounded).
 """
 
@@ -38,6 +39,7 @@ from pd_cluster.transfer.handshake import (
     device_identity,
     warm_up_shape,
 )
+from pd_cluster.transfer.ipc import SharedPool, host_identity, open_pool, openable_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +65,8 @@ class PeerChannel(ChannelCounters):
     """
 
     def __init__(
-        self, address: str, stream: FramedStream, channel: TensorChannel, peer_node_id: str, on_close: Callable[["PeerChannel"], None] | None = None
+        self, address: str, stream: FramedStream, channel: TensorChannel, peer_node_id: str,
+        on_close: Callable[["PeerChannel"], None] | None = None, shared_pool: SharedPool | None = None,
     ) -> None:
         self.address = address
         self.peer_node_id = peer_node_id
@@ -75,6 +78,19 @@ class PeerChannel(ChannelCounters):
         self._closed = False
         #: True once a warm-up moved a tensor through the pair and the peer acknowledged it.
         self.warmed = False
+        #: D's key and value caches, opened in place (same host), or None.
+        self.shared_pool = shared_pool
+        #: KV bytes written straight into D's pool.
+        self.bytes_written = 0
+
+    @property
+    def transport(self) -> str:
+        """How KV reaches D: ``ipc`` (written into its pool in place) or the tensor channel's backend."""
+        return "ipc" if self.shared_pool is not None else self.channel.backend
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.channel.bytes_sent + self.bytes_written
 
     @property
     def closed(self) -> bool:
@@ -243,6 +259,7 @@ async def dial(
     connect_timeout: float = 10.0,
     max_frame_bytes: int = MAX_FRAME_BYTES,
     on_close: Callable[[PeerChannel], None] | None = None,
+    kv_ipc: bool = True,
 ) -> PeerChannel:
     """Connect, authenticate and form the pair group with the decode node at ``address``.
 
@@ -261,7 +278,8 @@ async def dial(
     channel: TensorChannel | None = None
     try:
         device_type, device_uuid = device_identity(device)
-        hello = Hello(token=token, node_id=node_id, kv_spec=kv_spec, device_type=device_type, device_uuid=device_uuid)
+        hello = Hello(token=token, node_id=node_id, kv_spec=kv_spec, device_type=device_type, device_uuid=device_uuid,
+                      host_id=host_identity() if kv_ipc else None, kv_ipc_kinds=openable_kinds(device) if kv_ipc else [])
         await stream.send(hello, connect_timeout)
         answer = await stream.receive(connect_timeout)
         if isinstance(answer, Refused):
@@ -283,8 +301,15 @@ async def dial(
         if isinstance(e, (OSError, asyncio.TimeoutError, ConnectionClosed, FrameError)):
             raise ChannelError(f"handshake with {address} failed: {e or type(e).__name__}") from e
         raise
-    logger.info("data-plane channel to %s (%s) open over %s", answer.node_id, address, channel.backend)
-    return PeerChannel(address, stream, channel, answer.node_id, on_close)
+    shared_pool = None
+    if answer.kv_pool is not None:
+        try:
+            shared_pool = open_pool(answer.kv_pool)
+        except Exception as e:  # the tensor channel still carries the KV
+            logger.warning("could not open the KV pool of %s (%s): %s", answer.node_id, answer.kv_pool.kind, e)
+    logger.info("data-plane channel to %s (%s) open over %s%s", answer.node_id, address, channel.backend,
+                f", writing into its KV pool ({answer.kv_pool.kind})" if shared_pool is not None else "")
+    return PeerChannel(address, stream, channel, answer.node_id, on_close, shared_pool)
 
 
 class ChannelPool:
@@ -300,6 +325,7 @@ class ChannelPool:
         *,
         connect_timeout: float = 10.0,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        kv_ipc: bool = True,
     ) -> None:
         if max_channels < 1:
             raise ValueError("max_channels must be at least 1")
@@ -310,6 +336,8 @@ class ChannelPool:
         self.max_channels = max_channels
         self.connect_timeout = connect_timeout
         self.max_frame_bytes = max_frame_bytes
+        #: Accept D's KV pool when it is on this host (write in place instead of sending).
+        self.kv_ipc = kv_ipc
         self._channels: dict[str, PeerChannel] = {}
         self._dial_locks: dict[str, asyncio.Lock] = {}
         # Totals over every channel this pool ever held, for metrics.
@@ -358,6 +386,7 @@ class ChannelPool:
                 connect_timeout=self.connect_timeout,
                 max_frame_bytes=self.max_frame_bytes,
                 on_close=self._forget,
+                kv_ipc=self.kv_ipc,
             )
             self._channels[address] = channel
             await self._evict()

@@ -21,6 +21,7 @@ from pydantic import Field, SecretStr, field_serializer
 
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.framing import DataMessage
+from pd_cluster.transfer.ipc import KVPoolHandle
 
 #: Bumped when the handshake or the frame layout changes incompatibly.
 PROTOCOL_VERSION = 1
@@ -41,6 +42,9 @@ class Hello(DataMessage):
     kv_spec: KVSpec
     device_type: str
     device_uuid: str | None = Field(default=None, description="GPU identity, to spot two ends on one GPU")
+    host_id: str | None = Field(default=None, max_length=512, description="host identity, to spot two ends on one host")
+    kv_ipc_kinds: list[str] = Field(default_factory=list, max_length=8,
+                                    description="kinds of KV pool handle P can open (transfer.ipc)")
 
     @field_serializer("token", when_used="json")
     def _reveal_token(self, token: SecretStr) -> str:
@@ -55,6 +59,7 @@ class Welcome(DataMessage):
     backend: Backend
     store_port: int = Field(gt=0, lt=65536)
     group_timeout_s: float = Field(gt=0)
+    kv_pool: KVPoolHandle | None = Field(default=None, description="D's caches, for a P on its host to write into")
 
 
 class Refused(DataMessage):
@@ -106,6 +111,14 @@ def check_hello(hello: Hello, token: str, kv_spec: KVSpec, device_type: str) -> 
         details = ", ".join(f"{name} {getattr(hello.kv_spec, name)} != {getattr(kv_spec, name)}" for name in fields)
         return f"KV spec mismatch: {details}"
     return None
+
+
+def share_pool_with(hello: Hello, host_id: str, local_uuid: str | None, across_gpus: bool) -> bool:
+    """Whether D offers its KV pool to this P: same host, a handle kind P can open, and (on
+    GPUs) the same GPU unless sharing across the GPUs of a host is enabled."""
+    if not hello.kv_ipc_kinds or hello.host_id != host_id:
+        return False
+    return across_gpus or local_uuid is None or hello.device_uuid == local_uuid
 
 
 def choose_backend(local: torch.device, local_uuid: str | None, peer_uuid: str | None) -> Backend:

@@ -6,6 +6,10 @@ channel, and then carries request/reply frames: the server reads a message, awai
 tensors with ``conn.recv_tensor(...)``. A bad frame, a failed handler or a dead channel closes
 that one connection, logged; the server keeps serving the others.
 
+On one host the Welcome can also carry handles to D's KV pool (:mod:`.ipc`), so P writes the
+KV straight into the slots D reserved; ``PeerConnection.shares_kv`` says it was offered. When a
+connection ends, ``on_disconnect`` hears of it (D then frees what that peer left reserved).
+
 The transport's own warm-up (:class:`~.handshake.WarmUp`) is answered here, never reaching the
 handler: the tensor is received (not counted as KV) and the connection marked ``warmed``.
 """
@@ -34,7 +38,9 @@ from pd_cluster.transfer.handshake import (
     check_hello,
     choose_backend,
     device_identity,
+    share_pool_with,
 )
+from pd_cluster.transfer.ipc import export_pool, host_identity
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +48,15 @@ logger = logging.getLogger(__name__)
 class PeerConnection(ChannelCounters):
     """One connected prefill node as the handler sees it: its identity and the tensor channel."""
 
-    def __init__(self, stream: FramedStream, channel: TensorChannel, peer_node_id: str) -> None:
+    def __init__(self, stream: FramedStream, channel: TensorChannel, peer_node_id: str, shares_kv: bool = False) -> None:
         self.stream = stream
         self.channel = channel
         self.peer_node_id = peer_node_id
         self.peer_address = stream.peer
         #: True once the peer's warm-up tensor arrived through the channel.
         self.warmed = False
+        #: True when the peer was handed this node's KV pool (it writes KV in place).
+        self.shares_kv = shares_kv
 
     @property
     def closed(self) -> bool:
@@ -97,6 +105,9 @@ class DataPlaneServer:
         reply_timeout: float = 10.0,
         idle_timeout: float = 600.0,
         max_frame_bytes: int = MAX_FRAME_BYTES,
+        kv_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+        share_across_gpus: bool = False,
+        on_disconnect: Callable[[PeerConnection], None] | None = None,
     ) -> None:
         if not token:
             raise ValueError("a data-plane server needs a non-empty token")
@@ -115,6 +126,10 @@ class DataPlaneServer:
         self.reply_timeout = reply_timeout
         self.idle_timeout = idle_timeout
         self.max_frame_bytes = max_frame_bytes
+        #: Key and value caches offered to prefill nodes on this host (None: never offered).
+        self.kv_pool = kv_pool
+        self.share_across_gpus = share_across_gpus
+        self.on_disconnect = on_disconnect
         self._server: asyncio.Server | None = None
         self._connections: set[PeerConnection] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -178,6 +193,11 @@ class DataPlaneServer:
             if conn is not None:
                 conn.close()
                 self._connections.discard(conn)
+                if self.on_disconnect is not None:
+                    try:
+                        self.on_disconnect(conn)
+                    except Exception:
+                        logger.exception("disconnect hook failed for %r", conn.peer_node_id)
                 await conn.channel.aclose()
             await stream.aclose()
             self._tasks.discard(task)
@@ -205,9 +225,16 @@ class DataPlaneServer:
         backend = choose_backend(self.device, self._device_uuid, hello.device_uuid)
         channel = TensorChannel(self.device, backend, HOST_RANK, self.group_timeout)
         channel.peer_gone = stream.peer_gone
+        pool_handle = None
+        if self.kv_pool is not None and share_pool_with(hello, host_identity(), self._device_uuid, self.share_across_gpus):
+            try:
+                pool_handle = export_pool(*self.kv_pool, hello.kv_ipc_kinds)
+            except Exception as e:  # the tensor channel still works: share nothing
+                logger.warning("could not export the KV pool to %r: %s", hello.node_id, e)
         try:
             port = await channel.host_store(stream.local_host, self.handshake_timeout)
-            welcome = Welcome(node_id=self.node_id, backend=backend, store_port=port, group_timeout_s=self.group_timeout)
+            welcome = Welcome(node_id=self.node_id, backend=backend, store_port=port, group_timeout_s=self.group_timeout,
+                              kv_pool=pool_handle)
             await stream.send(welcome, self.handshake_timeout)
             await channel.form_group(stream.local_host, self.group_timeout)
         except (ChannelError, OSError, asyncio.TimeoutError) as e:
@@ -217,8 +244,9 @@ class DataPlaneServer:
         except BaseException:
             channel.close()
             raise
-        logger.info("prefill node %r connected from %s over %s", hello.node_id, stream.peer, backend)
-        return PeerConnection(stream, channel, hello.node_id)
+        logger.info("prefill node %r connected from %s over %s%s", hello.node_id, stream.peer, backend,
+                    f", sharing the KV pool ({pool_handle.kind})" if pool_handle is not None else "")
+        return PeerConnection(stream, channel, hello.node_id, shares_kv=pool_handle is not None)
 
     async def _refuse(self, stream: FramedStream, reason: str, peer_node_id: str) -> None:
         logger.warning("refused data-plane peer %s (node %r): %s", stream.peer, peer_node_id, reason)

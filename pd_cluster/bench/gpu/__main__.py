@@ -24,6 +24,7 @@ from pd_cluster.bench.gpu.models import build_engine
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.bench.gpu.prefill import measure_prefill
 from pd_cluster.bench.gpu.report import TARGETS, markdown, short_table, summarize, verdicts
+from pd_cluster.bench.gpu.same_gpu import measure_same_gpu
 from pd_cluster.bench.gpu.timing import empty_cache
 from pd_cluster.bench.gpu.transfer import measure_pd
 
@@ -87,6 +88,9 @@ def device_kind() -> str:
     return f"{name}-x{torch.cuda.device_count()}"
 
 
+PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "small_model")
+
+
 def run(plan: Plan, out_dir: Path) -> dict:
     on_gpu = torch.cuda.is_available()
     dev0 = torch.device("cuda:0" if on_gpu else "cpu")
@@ -98,7 +102,8 @@ def run(plan: Plan, out_dir: Path) -> dict:
     matmul = ceilings.get("matmul_tflops", 800.0)
     run_big_model(results, plan, dev0, dev1, copy_bw, matmul, gen)
     empty_cache()
-    results.part("small_model", lambda: measure_small_model(plan, dev0, copy_bw, matmul, gen))
+    if "small_model" in plan.parts:
+        results.part("small_model", lambda: measure_small_model(plan, dev0, copy_bw, matmul, gen))
     results.save()
     return results.data
 
@@ -115,13 +120,20 @@ def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.
     data = results.data
     data["engine_build"] = {"kv_slots": engine.pool.capacity,
                             "graph_sizes": engine.runner.graphs.batch_sizes if engine.runner.graphs else None}
-    results.part("decode", lambda: measure_decode(engine, plan, copy_bw, gen, eager_batches=(1, plan.key_batch)))
-    prefill = results.part("prefill", lambda: measure_prefill(engine, plan, plan.prefill_lens, matmul, gen)) or {}
-    results.part("hf", lambda: measure_hf(engine, plan, plan.big_config, data.get("decode", {})))
-    if dev1 is not None:
-        results.part("pd", lambda: asyncio.run(measure_pd(engine, plan, plan.big_config, dev0, dev1, prefill, gen)))
-    else:
-        data["errors"]["pd"] = "needs two GPUs"
+    if "decode" in plan.parts:
+        results.part("decode", lambda: measure_decode(engine, plan, copy_bw, gen, eager_batches=(1, plan.key_batch)))
+    prefill = {}
+    if "prefill" in plan.parts or "pd" in plan.parts:
+        prefill = results.part("prefill", lambda: measure_prefill(engine, plan, plan.prefill_lens, matmul, gen)) or {}
+    if "hf" in plan.parts:
+        results.part("hf", lambda: measure_hf(engine, plan, plan.big_config, data.get("decode", {})))
+    if "pd" in plan.parts:
+        if dev1 is not None:
+            results.part("pd", lambda: asyncio.run(measure_pd(engine, plan, plan.big_config, dev0, dev1, prefill, gen)))
+        else:
+            data["errors"]["pd"] = "needs two GPUs"
+    if "same_gpu" in plan.parts and dev0.type == "cuda":
+        results.part("same_gpu", lambda: asyncio.run(measure_same_gpu(engine, plan, plan.big_config, dev0, gen)))
 
 
 def measure_small_model(plan: Plan, dev0: torch.device, copy_bw: float, matmul: float, gen: torch.Generator) -> dict:
@@ -145,13 +157,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks every path in about a minute")
     parser.add_argument("--cpu", action="store_true", help="dry run of the code paths without a GPU (with --quick)")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run (default: all of {', '.join(PARTS)})")
     args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; expected some of {PARTS}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available() and not args.cpu:
         print("needs a CUDA device (or --cpu --quick for a dry run)", file=sys.stderr)
         return 2
     started = time.monotonic()
-    results = run(Plan(args.quick), args.out)
+    plan = Plan(args.quick)
+    plan.parts = parts
+    results = run(plan, args.out)
     print(f"\n{results['device_kind']} {results['date']}  ({time.monotonic() - started:.0f} s; "
           f"parts: {results.get('part_seconds')})")
     if results["errors"]:

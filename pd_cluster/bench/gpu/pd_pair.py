@@ -63,11 +63,17 @@ class PDPair:
 
     async def lease(self, n: int, gen: torch.Generator) -> tuple[str, list[int]]:
         """A KV lease on D for a fresh ``n``-token random prompt (no prefix hit)."""
+        match, prompt = await self.match(n, gen)
+        assert match.lease_id is not None
+        return match.lease_id, prompt
+
+    async def match(self, n: int, gen: torch.Generator, direct: bool = False) -> tuple[MatchResult, list[int]]:
+        """D's answer to a fresh ``n``-token random prompt; ``direct``: with its reserved slots."""
         prompt = random_prompt(self.vocab, n, gen)
         match = await self.channel.request(MatchPrefix(request_id=uuid.uuid4().hex, token_ids=prompt,
-                                                       sampling=self.greedy, lease_s=120.0), 30.0)
+                                                       sampling=self.greedy, lease_s=120.0, direct=direct), 30.0)
         assert isinstance(match, MatchResult) and match.lease_id and match.hit_blocks == 0, match
-        return match.lease_id, prompt
+        return match, prompt
 
     async def job(self, prompt: list[int]) -> dict:
         """One whole prefill job P -> D, as the master would send it: handover and first-token times."""
@@ -84,7 +90,7 @@ class PDPair:
         assert result.committed
         return {"handover_ms": (end - start) * 1e3, "first_token_ms": (marks["first"] - start) * 1e3,
                 "bytes": result.transfer_bytes, "hit_blocks": result.hit_blocks,
-                "transfer_s": result.transfer_seconds}
+                "transfer_s": result.transfer_seconds, "visible_s": result.visible_seconds}
 
 
 @contextlib.asynccontextmanager

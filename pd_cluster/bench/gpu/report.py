@@ -14,6 +14,8 @@ TARGETS = {  # key: (target, "<=" lower is better / ">=" higher is better)
     "hf_decode_speedup_b64": (8.0, ">="),
     "transfer_vs_nccl_4k": (0.80, ">="),
     "transfer_visible_fraction_4k": (0.25, "<="),
+    "same_gpu_transfer_vs_copy_4k": (0.70, ">="),
+    "same_gpu_transfer_visible_fraction_4k": (0.25, "<="),
 }
 
 
@@ -36,6 +38,9 @@ def summarize(results: dict, plan: Plan) -> dict:
         "hf_decode_speedup_b64": get("hf", big, "speedup"),
         "transfer_vs_nccl_4k": get("pd", "transfer", str(plan.key_len), "channel_vs_nccl"),
         "transfer_visible_fraction_4k": get("pd", "ttft", str(plan.key_len), "layers_visible_fraction"),
+        "same_gpu_transfer_vs_copy_4k": get("same_gpu", "write", str(plan.key_len), "write_vs_copy"),
+        "same_gpu_transfer_visible_fraction_4k": get("same_gpu", "handover", str(plan.key_len),
+                                                     "layers_visible_fraction"),
     }
 
 
@@ -61,6 +66,7 @@ def markdown(results: dict) -> str:
         *_transfer_section(pd),
         *_ttft_section(pd),
         *_prefix_hit_section(pd),
+        *_same_gpu_section(results.get("same_gpu", {})),
         *_small_model_section(results.get("small_model")),
     ]
     if results.get("errors"):
@@ -68,6 +74,24 @@ def markdown(results: dict) -> str:
     lines += ["", "Definitions: see the docstring of `pd_cluster/bench/gpu/__init__.py` and `docs/benchmarks/README.md`.",
               ""]
     return "\n".join(lines)
+
+
+def _same_gpu_section(same: dict) -> list[str]:
+    if not same:
+        return []
+    lines = _table(f"## P and D on one GPU ({same.get('transport')}): the in-place write",
+                   ["tokens", "MB", "write ms", "copy ms", "write / copy speed", "GB/s"])
+    for row in same.get("write", {}).values():
+        lines.append(f"| {row['tokens']} | {row['bytes'] / 1e6:.0f} | {_fmt(row['write_ms'])} | {_fmt(row['copy_ms'])} | "
+                     f"{_fmt(row['write_vs_copy'])} | {_fmt(row['write_gb_per_s'])} |")
+    lines += _table("## P and D on one GPU: first token, KV in D, commit (ms from the job's start)",
+                    ["tokens", "first token", "KV committed (layer-wise)", "visible after first token (layer-wise)",
+                     "visible (whole)", "visible fraction (layer-wise)", "first token ahead of commit"])
+    for row in same.get("handover", {}).values():
+        lines.append(f"| {row['tokens']} | {_fmt(row['layers_first_token_ms'])} | {_fmt(row['layers_handover_ms'])} | "
+                     f"{_fmt(row['layers_visible_ms'])} | {_fmt(row['whole_visible_ms'])} | "
+                     f"{_fmt(row.get('layers_visible_fraction'))} | {_fmt(row['first_token_lead_ms'])} |")
+    return lines
 
 
 def short_table(results: dict) -> str:

@@ -18,7 +18,6 @@ from pd_cluster.bench.gpu.pd_pair import BenchAck, BenchSink, PDPair, RawNccl, p
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.bench.gpu.timing import async_ms, cuda_ms, wall_ms
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.engine.sampler import SamplingState
 from pd_cluster.handover import CommitKV, PushAck, PushKV, StreamKV
 
 logger = logging.getLogger(__name__)
@@ -98,10 +97,9 @@ async def transfer_row(pair: PDPair, raw: RawNccl | None, n: int, p_dev: torch.d
 async def push_whole(pair: PDPair, whole: torch.Tensor, n: int, gen: torch.Generator) -> float:
     """Milliseconds of one whole-KV handover (``PushKV`` of ``[2, L, n, H, D]``) into a fresh lease."""
     lease_id, prompt = await pair.lease(n, gen)
-    rng = SamplingState.create(pair.greedy, prompt).export_rng()
     start = time.perf_counter()
     ack = await pair.channel.request(PushKV(lease_id=lease_id, shape=list(whole.shape), dtype="bfloat16",
-                                            first_token=5, rng_state=rng), 60.0, tensors=whole)
+                                            first_token=5), 60.0, tensors=whole)
     elapsed = (time.perf_counter() - start) * 1e3
     assert isinstance(ack, PushAck) and ack.ok, ack
     return elapsed
@@ -110,7 +108,6 @@ async def push_whole(pair: PDPair, whole: torch.Tensor, n: int, gen: torch.Gener
 async def push_layers(pair: PDPair, layers: torch.Tensor, n: int, nbytes: int, gen: torch.Generator) -> float:
     """Milliseconds of one layer-wise handover (``StreamKV``, a tensor per layer, ``CommitKV``)."""
     lease_id, prompt = await pair.lease(n, gen)
-    rng = SamplingState.create(pair.greedy, prompt).export_rng()
     stream = _layer_stream(pair, n)
     stream.fill_from(layers)
     channel = pair.channel
@@ -120,7 +117,7 @@ async def push_layers(pair: PDPair, layers: torch.Tensor, n: int, nbytes: int, g
         await channel.send(StreamKV(lease_id=lease_id, num_layers=pair.p_engine.kv_spec.num_layers,
                                     layer_shape=stream.layer_shape, dtype="bfloat16"), 30.0)
         sent = await stream.send(channel, lambda: deadline - time.monotonic())
-        await channel.send(CommitKV(lease_id=lease_id, first_token=5, rng_state=rng), 30.0)
+        await channel.send(CommitKV(lease_id=lease_id, first_token=5), 30.0)
         acks = [await channel.receive(30.0), await channel.receive(30.0)]
     elapsed = (time.perf_counter() - start) * 1e3
     assert sent == nbytes and all(isinstance(a, PushAck) and a.ok for a in acks), acks
