@@ -40,6 +40,7 @@ def node_view(node: NodeRecord) -> dict[str, Any]:
         "data_address": node.info.data_address,
         "registered_at": int(node.registered_at),
         "last_status_age_s": round(time.monotonic() - node.last_status_at, 3),
+        "kv_transfer_bytes": node.kv_transfer_bytes,
         "load": {
             "running": status.running,
             "waiting": status.waiting,

@@ -20,6 +20,7 @@ from master.model_info import ModelInfo, read_model_info
 from master.node_ws import node_socket
 from master.registry import CLOSE_GOING_AWAY, Registry
 from master.relay import Relay
+from master.request_log import RequestIdMiddleware, RequestLog
 from master.routing import make_policy
 from master.tokenization import Tokenizer
 from pd_cluster import protocol
@@ -57,7 +58,10 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
     metrics = MasterMetrics()
     registry = Registry(metrics, model, settings.node_outbox_frames)
     relay = Relay(registry, make_policy(settings.policy), metrics, settings)
-    ctx = MasterContext(settings=settings, metrics=metrics, registry=registry, relay=relay, tokenizer=tok, model=model)
+    request_log = RequestLog(registry, settings.policy)
+    relay.on_end.append(request_log.record)
+    ctx = MasterContext(settings=settings, metrics=metrics, registry=registry, relay=relay, tokenizer=tok, model=model,
+                        request_log=request_log)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -80,6 +84,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
         if path in openai_api.GENERATION_PATHS:
             metrics.requests_total.labels(status=status_of_http(status)).inc()
 
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
                        on_refused=count_refused)
     return app

@@ -58,4 +58,7 @@ class MasterSettings(BaseSettings):
 
     shutdown_timeout_s: float = Field(default=30.0, gt=0, description="grace for open requests on shutdown")
     log_level: str = "info"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="json: every log line one JSON object (a request's fields at its top level)"
+    )
     access_log: bool = False

@@ -9,6 +9,7 @@ from master.metrics import MasterMetrics
 from master.model_info import ModelInfo
 from master.registry import Registry
 from master.relay import Relay
+from master.request_log import RequestLog
 from master.tokenization import Tokenizer
 
 
@@ -20,6 +21,7 @@ class MasterContext:
     relay: Relay
     tokenizer: Tokenizer
     model: ModelInfo | None
+    request_log: RequestLog
 
     @property
     def model_name(self) -> str | None:

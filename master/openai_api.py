@@ -19,6 +19,7 @@ from master.context import MasterContext
 from master.errors import APIError, bad_request, internal_error, unavailable
 from master.metrics import CONTENT_TYPE, status_of_http
 from master.relay import ClientDisconnected, RelayRequest, StreamFailed
+from master.request_log import REQUEST_ID_HEADER
 from master.tokenization import ChatTemplateError
 
 logger = logging.getLogger(__name__)
@@ -272,6 +273,8 @@ async def _generate(request: Request, kind: Kind) -> Response:
     shape = _SHAPES[kind]
     block_size = _prefix_block_size(ctx)
     r = ctx.relay.create(f"{shape.id_prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
+    r.client_request_id = request.headers.get(REQUEST_ID_HEADER)
+    request.state.request_id = r.request_id  # answered in the X-Request-Id header (RequestIdMiddleware)
     try:
         if block_size is not None:
             # Hash the prompt's blocks off the event loop; routing then finds them computed.

@@ -53,6 +53,8 @@ class NodeRecord:
     last_status_at: float = field(default_factory=time.monotonic)
     state: NodeState = "active"
     removed: bool = False
+    #: KV bytes this node sent (P) or received (D), counted as requests end.
+    kv_transfer_bytes: int = 0
     #: D: attempt id -> KV tokens routed here that the node's status does not show yet.
     pending_kv: dict[str, int] = field(default_factory=dict)
     #: D: attempts whose first token arrived; their KV shows from the next status on.

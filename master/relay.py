@@ -115,6 +115,9 @@ class RelayRequest:
     logprobs: list[protocol.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    #: The current attempt's FirstToken (D's prefix hit, bytes moved), for the request log.
+    first_token: protocol.FirstToken | None = None
+    client_request_id: str | None = None
     sent: bool = False
     dispatched: bool = False
     first_token_at: float | None = None
@@ -164,6 +167,8 @@ class Relay:
         #: Attempt ids that ended here (oldest first), for aborting them on nodes that still hold them.
         self.ended: OrderedDict[str, None] = OrderedDict()
         self._pumping = False
+        #: Called with each request as it ends (the request log).
+        self.on_end: list[Callable[[RelayRequest], None]] = []
         registry.on_removed.append(self.on_node_removed)
         registry.on_capacity.append(self.pump)
 
@@ -279,6 +284,7 @@ class Relay:
             self.metrics.prefix_hit_tokens.inc(msg.hit_blocks_decode * decode.info.kv_spec.block_size)
         self.metrics.kv_transfer_bytes.inc(msg.transfer_bytes)
         r.cached_tokens = msg.cached_tokens_prefill
+        r.first_token = msg
         if self.settings.first_token_via == "decode" and msg.finish_reason is None and not r.early_deltas:
             r.withheld_first = msg
         else:
@@ -606,6 +612,8 @@ class Relay:
         return loop.time() + (monotonic_deadline - time.monotonic())
 
     def _record(self, r: RelayRequest) -> None:
+        for hook in self.on_end:
+            hook(r)
         m = self.metrics
         m.requests_total.labels(status=r.outcome or "error").inc()
         if r.dispatched:

@@ -6,6 +6,7 @@ import logging
 
 from master.app import ConfigError, create_app
 from master.config import MasterSettings
+from master.request_log import use_json_logs
 from pd_cluster import protocol
 
 __all__ = ["ConfigError", "create_app", "run_master"]
@@ -26,6 +27,8 @@ def run_master(settings: MasterSettings | None = None) -> None:
         logging.basicConfig(
             level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    if settings.log_format == "json":
+        use_json_logs()  # uvicorn's own lines too: it then configures no handlers of its own
     app = create_app(settings)
     uvicorn.run(
         app,
@@ -33,6 +36,7 @@ def run_master(settings: MasterSettings | None = None) -> None:
         port=settings.port,
         log_level=settings.log_level.lower(),
         access_log=settings.access_log,
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
         ws_max_size=protocol.MAX_MESSAGE_BYTES + _WS_FRAME_SLACK,
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
     )

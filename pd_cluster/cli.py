@@ -168,7 +168,7 @@ def cmd_master(args: argparse.Namespace) -> int:
     given = {k: v for k, v in {
         "host": args.host, "port": args.port, "model": args.model, "policy": args.policy,
         "max_model_len": args.max_model_len, "request_timeout_s": args.request_timeout,
-        "served_model_name": args.served_model_name,
+        "served_model_name": args.served_model_name, "log_format": args.log_format,
     }.items() if v is not None}
     try:
         run_master(MasterSettings(**given))
@@ -243,6 +243,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--policy", default=None, choices=["cache_aware", "least_load", "round_robin"])
     m.add_argument("--max-model-len", type=int, default=None)
     m.add_argument("--request-timeout", type=float, default=None)
+    m.add_argument("--log-format", default=None, choices=["text", "json"],
+                   help="json: every log line one JSON object, a request's fields at its top level (default: text)")
     m.set_defaults(func=cmd_master)
 
     p = sub.add_parser("prefill", help="run a prefill node that joins --master")
@@ -320,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_bench_serve)
 
     _add_cluster_commands(sub)
+    from pd_cluster.admin_cli import add_admin_commands
+
+    add_admin_commands(sub)
     return parser
 
 

@@ -452,11 +452,16 @@ class LocalOptions:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
-def write_admin_token(token: str) -> Path:
-    """Keep the local cluster's admin token in a file only the user can read (never printed)."""
+def admin_token_path() -> Path:
+    """Where ``pd-cluster local`` keeps its admin token (``pd-cluster nodes`` and ``status`` read it)."""
     from pd_cluster.default_model import cache_home
 
-    path = cache_home() / "local" / "admin-token"
+    return cache_home() / "local" / "admin-token"
+
+
+def write_admin_token(token: str) -> Path:
+    """Keep the local cluster's admin token in a file only the user can read (never printed)."""
+    path = admin_token_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -124,8 +124,9 @@ async def _prefill(conn, config: dict, token: str, lease_s: float) -> None:
                     firsts.append(first.model_dump())
 
                 result = await service.run_job(job, report)
+                channel = service.pool.peek(job.decode_address)
                 value = {"first": firsts[0], "hit_blocks": result.hit_blocks, "transfer_bytes": result.transfer_bytes,
-                         "committed": result.committed}
+                         "committed": result.committed, "transport": channel.transport if channel else None}
             elif cmd[0] == "match_only":
                 job = PrefillJob.model_validate_json(cmd[1])
                 channel = await service.pool.get(job.decode_address)

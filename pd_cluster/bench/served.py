@@ -1,5 +1,8 @@
 """The served system, measured as users run it: ``pd-cluster local`` started with its default
-flags, then ``bench serve`` through the master (cold start, a rate sweep, multi-turn).
+flags, then ``bench serve`` through the master (cold start, a rate sweep, multi-turn), beside
+the same engine colocated on the same GPU (offline ``LLM``, every request at once: the ceiling a
+P/D split on that GPU is held to), and the output path (TTFT with the first token sent by P, as
+the master does by default, against a master that waits for D's first tokens).
 
     python -m pd_cluster.bench.served --model DIR --out docs/benchmarks --sweep 2,4,8,16
 
@@ -24,6 +27,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import math
 
 import httpx
 
@@ -115,6 +120,48 @@ def placement_table(log: str) -> str:
     return "\n".join(block)
 
 
+def colocated_baseline(model: str, input_len: int, output_len: int, requests: int, seed: int = 7) -> dict[str, Any]:
+    """The same engine alone on the GPU, no HTTP: every request submitted at once; requests and
+    output tokens per second. The GPU is left empty for the cluster afterwards."""
+    import gc
+    import random
+
+    import torch
+
+    from pd_cluster.llm import LLM
+    from pd_cluster.sampling_params import SamplingParams
+
+    llm = LLM(model)
+    try:
+        vocab = llm.engine.model_config.vocab_size
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(100, vocab - 100) for _ in range(input_len)] for _ in range(requests)]
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        llm.generate(prompts[: min(8, requests)], params)  # warm: graphs, kernels
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(o.token_ids) for o in outs)
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return {"requests": requests, "input_len": input_len, "output_len": output_len, "seconds": seconds,
+            "request_throughput": requests / seconds, "output_throughput": tokens / seconds}
+
+
+def ttft_probe(base: ServeBenchConfig, lens: list[int], requests: int, out_dir: Path, name: str) -> dict[str, Any]:
+    """TTFT p50/p90 at each prompt length, one request at a time (no queueing in the figure)."""
+    out: dict[str, Any] = {}
+    for n in lens:
+        sweep = _run(replace(base, num_requests=requests, input_len=n, output_len=16, rates=[math.inf],
+                             max_concurrency=1, seed=4000 + n), f"{name} {n} tokens", out_dir)
+        result = results_document(sweep)["results"][0]
+        out[str(n)] = {"ttft_p50_s": result["ttft"].get("p50"), "ttft_p90_s": result["ttft"].get("p90"),
+                       "completed": result["completed"], "failed": result["failed"]}
+    return out
+
+
 def cold_start(sweep: SweepResult) -> dict[str, Any]:
     """First request's TTFT (by send time) against the p50 TTFT of the rest, in one run."""
     records = sorted((r for r in sweep.results[0].records if r.ok and r.ttft is not None), key=lambda r: r.start)
@@ -138,9 +185,10 @@ def markdown(doc: dict[str, Any]) -> str:
              f"`pd-cluster local --model <{doc['model_shape']} random weights>` with default flags; "
              f"ready after {doc['ready_s']:.0f} s. SLO: TTFT <= {doc['slo']['ttft_s']:g} s, "
              f"TPOT <= {doc['slo']['tpot_s'] * 1000:g} ms.", "", "```", doc["placement"] or "(no table)", "```", ""]
-    cold = doc["cold_start"]
-    lines += [f"Cold start: first request TTFT {cold['first_ttft_s'] * 1000:.0f} ms, warm p50 "
-              f"{cold['warm_ttft_p50_s'] * 1000:.0f} ms (ratio {cold['ratio']:.2f}).", ""]
+    cold = doc.get("cold_start")
+    if cold:
+        lines += [f"Cold start: first request TTFT {cold['first_ttft_s'] * 1000:.0f} ms, warm p50 "
+                  f"{cold['warm_ttft_p50_s'] * 1000:.0f} ms (ratio {cold['ratio']:.2f}).", ""]
     for key, title in (("sweep", "Random workload, rate sweep"), ("multi_turn", "Multi-turn")):
         if key not in doc:
             continue
@@ -157,6 +205,22 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{ms(r['ttft'], 'p50')}/{ms(r['ttft'], 'p99')} | {ms(r['tpot'], 'p50')}/{ms(r['tpot'], 'p99')} | "
                 f"{ms(r['itl'], 'p50')} | {'-' if cached is None else f'{cached:.0%}'} | "
                 f"{'-' if kv is None else f'{kv:,.0f}'} |")
+        lines.append("")
+    if "colocated" in doc:
+        co = doc["colocated"]
+        lines += [f"Colocated (the same engine alone on the GPU, offline, {co['requests']} requests at once): "
+                  f"{co['request_throughput']:.2f} req/s, {co['output_throughput']:.0f} out tok/s. P and D sharing the "
+                  f"GPU saturate at {doc['saturation_request_throughput']:.2f} req/s = "
+                  f"{doc['saturation_vs_colocated']:.2f}x of it.", ""]
+    if "output_path" in doc:
+        lines += ["## Output path: TTFT one request at a time", "", "| prompt tokens | first token from P, p50 ms | "
+                  "master waits for D, p50 ms | P's lead |", "|---|---|---|---|"]
+        for n, row in doc["output_path"].get("prefill", {}).items():
+            alt = doc["output_path"].get("decode", {}).get(n, {})
+            p50, alt50 = row.get("ttft_p50_s"), alt.get("ttft_p50_s")
+            lead = f"{(alt50 - p50) * 1000:.1f} ms" if p50 and alt50 else "-"
+            lines.append(f"| {n} | {'-' if p50 is None else f'{p50 * 1000:.1f}'} | "
+                         f"{'-' if alt50 is None else f'{alt50 * 1000:.1f}'} | {lead} |")
         lines.append("")
     if "max_rate_at_slo" in doc:
         best = doc["max_rate_at_slo"]
@@ -185,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-timeout", type=float, default=180.0)
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--tag", default="", help="suffix of the result files (e.g. run2)")
+    parser.add_argument("--colocated-requests", type=int, default=0,
+                        help="first measure the same engine colocated (offline, all at once) with this many "
+                             "requests of the sweep's shape (0: skip)")
+    parser.add_argument("--output-path-lens", default="",
+                        help="comma-separated prompt lengths: TTFT with P sending the first token (default) and, "
+                             "after a restart, with the master waiting for D's (empty: skip)")
+    parser.add_argument("--output-path-requests", type=int, default=12)
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -199,28 +270,50 @@ def main(argv: list[str] | None = None) -> int:
                             save_requests=False, progress=False, request_timeout=args.request_timeout)
     doc: dict[str, Any] = {"device": kind, "date": date, "model_shape": args.model_shape,
                            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
+    if args.colocated_requests:
+        doc["colocated"] = colocated_baseline(args.model, args.input_len, args.output_len, args.colocated_requests)
+        logger.info("colocated: %s", doc["colocated"])
+    lens = [int(n) for n in args.output_path_lens.split(",") if n]
     try:
         doc["ready_s"] = cluster.start(args.ready_timeout)
         doc["placement"] = placement_table(cluster.wait_for_line("NODE  ", 60))
-        cold = _run(replace(base, num_requests=args.cold_requests, rates=[args.cold_rate], seed=1000,
-                            save_requests=True), "cold start", args.out)
-        doc["cold_start"] = cold_start(cold)
+        if args.cold_requests:
+            cold = _run(replace(base, num_requests=args.cold_requests, rates=[args.cold_rate], seed=1000,
+                                save_requests=True), "cold start", args.out)
+            doc["cold_start"] = cold_start(cold)
         sweep = _run(replace(base, num_requests=args.requests_per_rate,
                              rates=[float(r) for r in args.sweep.split(",")]), "sweep", args.out)
         doc["sweep"] = results_document(sweep)
         ok = [r["rate"] for r in doc["sweep"]["results"] if r["slo_attainment"] >= 0.9 and not r["failed"]]
         doc["max_rate_at_slo"] = max(ok) if ok else None
+        best = max(r["request_throughput"] for r in doc["sweep"]["results"])
+        doc["saturation_request_throughput"] = best
+        if "colocated" in doc:
+            doc["saturation_vs_colocated"] = best / doc["colocated"]["request_throughput"]
         try:
             from pd_cluster.bench.serve.plots import write_plots
 
             doc["plots"] = [str(p) for p in write_plots(sweep, args.out / f"{stem}-plots")]
         except RuntimeError as e:  # matplotlib missing
             logger.warning("no plots: %s", e)
-        turns = _run(replace(base, workload="multi-turn", num_conversations=args.conversations, turns=args.turns,
-                             input_len=256, output_len=64, rates=[2.0]), "multi-turn", args.out)
-        doc["multi_turn"] = results_document(turns)
+        if args.conversations:
+            turns = _run(replace(base, workload="multi-turn", num_conversations=args.conversations, turns=args.turns,
+                                 input_len=256, output_len=64, rates=[2.0]), "multi-turn", args.out)
+            doc["multi_turn"] = results_document(turns)
+        if lens:
+            doc["output_path"] = {"prefill": ttft_probe(base, lens, args.output_path_requests, args.out, "first token from P")}
     finally:
         doc["launcher_exit"] = cluster.stop()
+    if lens:
+        # The alternative output path: the same cluster, its master waiting for D's first tokens.
+        env = {**os.environ, "PD_FIRST_TOKEN_VIA": "decode"}
+        alt = LocalClusterProcess(cluster.args, args.out / f"{stem}-local-decode-first.log", args.port, env=env)
+        try:
+            alt.start(args.ready_timeout)
+            doc["output_path"]["decode"] = ttft_probe(base, lens, args.output_path_requests, args.out,
+                                                      "first token from D")
+        finally:
+            alt.stop()
         (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(doc))
     sys.stdout.write(f"\nresults: {args.out / stem}.json\n")

@@ -24,6 +24,22 @@ MessageHandler = Callable[[BaseModel], Awaitable[None]]
 StatusSource = Callable[[], protocol.NodeStatus]
 
 
+def log_request_frame(direction: str, message: BaseModel) -> None:
+    """A line in the node's log where a request starts or ends here, with the request id the
+    master's request log and its ``X-Request-Id`` answer carry (a retry's id ends in ``-rN``)."""
+    if isinstance(message, protocol.PrefillJob):
+        what = f"prefill job ({len(message.token_ids)} prompt tokens, decode node {message.decode_node_id})"
+    elif isinstance(message, (protocol.FirstToken, protocol.TokenDelta)) and message.finish_reason is not None:
+        what = f"finished ({message.finish_reason})"
+    elif isinstance(message, protocol.RequestFailed):
+        what = f"failed ({message.message})"
+    elif isinstance(message, protocol.Abort):
+        what = "abort"
+    else:
+        return
+    logger.info("request %s: %s, %s", message.request_id, what, direction)
+
+
 class RegistrationRefused(RuntimeError):
     """The master will never take this node as configured."""
 
@@ -61,6 +77,7 @@ class NodeAgent:
 
     def send_nowait(self, message: BaseModel) -> None:
         """Queue a frame for the master; dropped (logged) only when the link is down for long."""
+        log_request_frame("to the master", message)
         try:
             self._outbox.put_nowait(message)
         except asyncio.QueueFull:
@@ -163,6 +180,7 @@ class NodeAgent:
             except ValueError as e:
                 logger.error("malformed frame from the master dropped: %s", str(e)[:300])
                 continue
+            log_request_frame("from the master", message)
             try:
                 await self._on_message(message)
             except Exception:

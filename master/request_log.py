@@ -1,0 +1,211 @@
+"""One structured line per request when it ends, and the recent ones kept for the status page.
+
+The relay calls :meth:`RequestLog.record` once per request (``Relay.on_end``). The line carries
+what an operator asks about one request: its id and the client's ``X-Request-Id``, the P and D
+that served it and why they were chosen, how much of the prompt was cached or moved, TTFT, TPOT,
+and how it ended. ``--log-format json`` makes every line of the master's log one JSON object
+(:class:`JSONFormatter`); the request line's fields then sit at the top level of the object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from master.registry import Registry
+    from master.relay import RelayRequest
+
+logger = logging.getLogger("master.requests")
+
+#: Ended requests kept for the status page (recent errors and routing decisions).
+RECENT_REQUESTS = 200
+#: Header a client may send to find its request in the logs; the master answers with its own id in it.
+REQUEST_ID_HEADER = "X-Request-Id"
+#: The LogRecord attribute that carries a request's fields to :class:`JSONFormatter`.
+FIELDS_ATTR = "request_fields"
+
+
+@dataclass
+class RequestRecord:
+    """What one request did, from arrival to its end."""
+
+    request_id: str
+    client_request_id: str | None
+    outcome: str
+    finish_reason: str | None
+    error: str | None
+    prefill: str | None
+    decode: str | None
+    attempts: int
+    routing: str
+    prompt_tokens: int
+    cached_tokens: int  # found in P's prefix cache
+    decode_hit_tokens: int  # D already held: not moved
+    transferred_tokens: int
+    transfer_bytes: int
+    completion_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+    stream: bool
+    ended_at: float  # wall clock (epoch seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def text(self) -> str:
+        """The ``key=value`` form of the text log."""
+        parts = []
+        for key, value in self.as_dict().items():
+            if key == "ended_at" or value is None:
+                continue
+            if isinstance(value, float):
+                value = f"{value:.4f}"
+            elif isinstance(value, str) and (" " in value or not value):
+                value = json.dumps(value)
+            parts.append(f"{key}={value}")
+        return "request " + " ".join(parts)
+
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+class RequestLog:
+    """Turns ended relay requests into :class:`RequestRecord` lines and keeps the latest ones."""
+
+    def __init__(self, registry: Registry, policy: str, keep: int = RECENT_REQUESTS) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.recent: deque[RequestRecord] = deque(maxlen=keep)
+
+    def record(self, r: RelayRequest) -> RequestRecord:
+        record = self.build(r)
+        self._count_transfer(record)
+        self.recent.append(record)
+        level = logging.INFO if record.outcome == "ok" else logging.WARNING
+        logger.log(level, "%s", record.text(), extra={FIELDS_ATTR: record.as_dict()})
+        return record
+
+    def build(self, r: RelayRequest) -> RequestRecord:
+        first = r.first_token
+        block_size = self._block_size(r.decode_id)
+        prompt = len(r.token_ids)
+        hit = min(first.hit_blocks_decode * block_size, prompt) if first is not None else 0
+        ttft = tpot = e2e = None
+        if r.first_token_at is not None:
+            ttft = r.first_token_at - r.arrival
+            if r.finished_at is not None and r.completion_tokens > 1:
+                tpot = (r.finished_at - r.first_token_at) / (r.completion_tokens - 1)
+        if r.finished_at is not None:
+            e2e = r.finished_at - r.arrival
+        return RequestRecord(
+            request_id=r.request_id,
+            client_request_id=r.client_request_id,
+            outcome=r.outcome or "error",
+            finish_reason=r.finish_reason,
+            error=r.failure.message if r.failure is not None else None,
+            prefill=r.prefill_id,
+            decode=r.decode_id,
+            attempts=r.attempt,
+            routing=self._reason(r, hit, prompt),
+            prompt_tokens=prompt,
+            cached_tokens=r.cached_tokens,
+            decode_hit_tokens=hit,
+            transferred_tokens=prompt - hit if first is not None else 0,
+            transfer_bytes=first.transfer_bytes if first is not None else 0,
+            completion_tokens=r.completion_tokens,
+            ttft_s=_seconds(ttft),
+            tpot_s=_seconds(tpot),
+            e2e_s=_seconds(e2e),
+            stream=r.stream,
+            ended_at=time.time(),
+        )
+
+    def _block_size(self, decode_id: str | None) -> int:
+        node = self.registry.get(decode_id) if decode_id else None
+        spec = node.info.kv_spec if node is not None else self.registry.cluster_spec
+        return spec.block_size if spec is not None else 1
+
+    def _reason(self, r: RelayRequest, hit: int, prompt: int) -> str:
+        """Why this pair, in a phrase: the policy, whether the pair was warm, what D held, retries."""
+        if not r.dispatched:
+            return "not routed: no pair could take it"
+        parts = [self.policy]
+        prefill = self.registry.get(r.prefill_id) if r.prefill_id else None
+        if prefill is not None:
+            parts.append("warm pair" if prefill.warm_with(r.decode_id or "") else "cold pair")
+        if r.first_token is not None:
+            parts.append(f"D held {hit}/{prompt} prompt tokens")
+        if r.attempt > 1:
+            parts.append(f"attempt {r.attempt} after {', '.join(sorted(r.excluded)) or 'a failure'}")
+        return "; ".join(parts)
+
+    def _count_transfer(self, record: RequestRecord) -> None:
+        """KV bytes each node moved: P sent them, D received them (shown per node by the admin API)."""
+        if not record.transfer_bytes:
+            return
+        for node_id in (record.prefill, record.decode):
+            node = self.registry.get(node_id) if node_id else None
+            if node is not None:
+                node.kv_transfer_bytes += record.transfer_bytes
+
+
+class JSONFormatter(logging.Formatter):
+    """Every log record as one JSON object: time, level, logger, message, and a request's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        fields = getattr(record, FIELDS_ATTR, None)
+        if fields:
+            doc["event"] = "request"
+            doc.update(fields)
+        else:
+            doc["message"] = record.getMessage()
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False, default=str)
+
+
+def use_json_logs(root: logging.Logger | None = None) -> None:
+    """Make every handler of the root logger write JSON lines (adding one if there is none)."""
+    root = root or logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler())
+    for handler in root.handlers:
+        handler.setFormatter(JSONFormatter())
+
+
+class RequestIdMiddleware:
+    """Answers a generation request with its id in ``X-Request-Id`` (the id its log line and the
+    nodes' logs carry), on success, error and streamed answers alike. The handler names the id
+    in ``request.state.request_id``; requests without one pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                request_id = scope.get("state", {}).get("request_id")
+                if request_id:
+                    headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                    headers.append((b"x-request-id", request_id.encode("latin-1")))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -1,0 +1,165 @@
+"""One structured log line per request, the X-Request-Id answer header, and the id in the nodes' logs.
+
+A real master (with ``--log-format json``) and one P and one D on loopback, the official openai
+client; the lines are read back from the processes' log files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import httpx
+import openai
+import pytest
+
+from master.errors import APIError
+from master.relay import RelayRequest
+from master.request_log import JSONFormatter, RequestLog
+from master.routing import RouteRequest
+from pd_cluster import protocol
+from pd_cluster.sampling_params import SamplingParams
+from tests.cluster_harness import Cluster, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir, tmp_path_factory):
+    c = Cluster(default_model_dir, tmp_path_factory.mktemp("request-log"))
+    try:
+        c._spawn("master", ["master", "--host", "127.0.0.1", "--port", str(c.port), "--model", str(default_model_dir),
+                            "--log-format", "json"])
+        wait_until(lambda: c._get("/livez") == 200, 60, "the master to serve")
+        c.start_node("prefill", "p0")
+        c.start_node("decode", "d0", "--data-port", "0")
+        wait_until(lambda: c.health()[0] == 200, 60, "a warm pair")
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def request_line(cluster: Cluster, request_id: str) -> dict:
+    """The master's JSON log line for ``request_id`` (waits for it: it is written as the request ends)."""
+
+    def find() -> dict | None:
+        for line in cluster.log("master").splitlines():
+            if request_id in line and '"event": "request"' in line:
+                return json.loads(line)
+        return None
+
+    return wait_until(find, 30, f"the request line of {request_id}")
+
+
+def test_every_request_ends_in_one_json_line_with_its_route_tokens_and_latency(cluster, client):
+    messages = [{"role": "user", "content": "Name three colors of the rainbow."}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+        extra_headers={"X-Request-Id": "client-id-42"},
+    )
+    reply = raw.parse()
+    assert raw.headers["x-request-id"] == reply.id  # the master's id, the one its logs carry
+
+    line = request_line(cluster, reply.id)
+    assert line["level"] == "info" and line["logger"] == "master.requests"
+    assert line["client_request_id"] == "client-id-42"
+    assert (line["prefill"], line["decode"], line["attempts"]) == ("p0", "d0", 1)
+    assert line["routing"].startswith("cache_aware; warm pair; D held ")
+    assert line["prompt_tokens"] == reply.usage.prompt_tokens
+    assert line["completion_tokens"] == reply.usage.completion_tokens == 6
+    assert line["cached_tokens"] == reply.usage.prompt_tokens_details.cached_tokens
+    assert line["transferred_tokens"] == line["prompt_tokens"] - line["decode_hit_tokens"]
+    assert line["transfer_bytes"] > 0
+    assert 0 < line["ttft_s"] < line["e2e_s"] and line["tpot_s"] > 0
+    assert (line["outcome"], line["finish_reason"], line["error"], line["stream"]) == ("ok", "length", None, False)
+
+    # The same prompt again, streamed: D holds its prefix now, so less KV moves.
+    with client.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+    ) as response:
+        stream_id = response.headers["x-request-id"]
+        chunks = list(response.parse())
+    assert chunks[0].id == stream_id
+    again = request_line(cluster, stream_id)
+    assert again["stream"] is True and again["client_request_id"] is None
+    assert again["decode_hit_tokens"] > 0
+    assert again["transferred_tokens"] < line["transferred_tokens"]
+    assert f"D held {again['decode_hit_tokens']}/{again['prompt_tokens']} prompt tokens" in again["routing"]
+
+    # The id reached both nodes' logs: where the job started on P and where it ended on D.
+    wait_until(lambda: f"request {reply.id}: prefill job" in cluster.log("p0"), 10, "P's line")
+    wait_until(lambda: f"request {reply.id}: finished (length)" in cluster.log("d0"), 10, "D's line")
+
+
+def test_json_log_format_makes_every_master_line_json(cluster, client):
+    client.completions.create(model=MODEL, prompt="One, two,", max_tokens=2)
+    lines = [line for line in cluster.log("master").splitlines() if line.strip()]
+    assert len(lines) > 3
+    docs = [json.loads(line) for line in lines]  # raises on any plain-text line
+    assert all({"time", "level", "logger"} <= doc.keys() for doc in docs)
+    assert any(doc.get("message", "").startswith("node d0 joined") for doc in docs)
+
+
+def test_rejected_requests_carry_no_id_and_get_no_line(cluster):
+    response = httpx.post(cluster.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
+    assert response.status_code == 404
+    assert "x-request-id" not in response.headers
+
+
+# ---- the line's content, without a cluster ---------------------------------------------------------
+
+
+class _NoNodes:
+    cluster_spec = None
+
+    def get(self, node_id):
+        return None
+
+
+def _request(**fields) -> RelayRequest:
+    r = RelayRequest(request_id="cmpl-1", token_ids=list(range(10)), sampling=SamplingParams(max_tokens=4),
+                     stream=False, arrival=100.0, deadline=200.0, route=RouteRequest(list(range(10)), 14))
+    for key, value in fields.items():
+        setattr(r, key, value)
+    return r
+
+
+def test_a_failed_retried_request_says_why(caplog):
+    log = RequestLog(_NoNodes(), "least_load")
+    r = _request(attempt=3, prefill_id="p1", decode_id="d1", dispatched=True, excluded={"p0", "d0"},
+                 outcome="unavailable", finish_reason="error", finished_at=101.5, client_request_id="abc",
+                 failure=APIError(503, "The request failed on 3 attempts; try again later.", "server_error", None,
+                                  None))
+    with caplog.at_level(logging.INFO, logger="master.requests"):
+        record = log.record(r)
+    assert record.routing == "least_load; attempt 3 after d0, p0"
+    assert (record.outcome, record.error, record.ttft_s, record.e2e_s) == (
+        "unavailable", "The request failed on 3 attempts; try again later.", None, 1.5)
+    assert record.transferred_tokens == 0 and record.transfer_bytes == 0
+    [logged] = caplog.records
+    assert logged.levelno == logging.WARNING
+    text = logged.getMessage()
+    assert text.startswith("request request_id=cmpl-1 client_request_id=abc outcome=unavailable")
+    assert 'error="The request failed on 3 attempts; try again later."' in text
+    doc = json.loads(JSONFormatter().format(logged))
+    assert doc["event"] == "request" and doc["request_id"] == "cmpl-1" and doc["attempts"] == 3
+    assert list(log.recent) == [record]
+
+
+def test_token_counts_come_from_the_first_token_report():
+    first = protocol.FirstToken(request_id="cmpl-1", token_id=5, cached_tokens_prefill=4, hit_blocks_decode=6,
+                                transfer_bytes=4096)
+    r = _request(prefill_id="p0", decode_id="d0", dispatched=True, first_token=first, cached_tokens=4,
+                 outcome="ok", finish_reason="stop", first_token_at=100.25, finished_at=101.25,
+                 output_ids=[1, 2, 3, 4, 5])
+    record = RequestLog(_NoNodes(), "cache_aware").build(r)
+    assert (record.decode_hit_tokens, record.transferred_tokens, record.transfer_bytes) == (6, 4, 4096)
+    assert (record.ttft_s, record.tpot_s, record.e2e_s) == (0.25, 0.25, 1.25)
+    assert record.routing == "cache_aware; D held 6/10 prompt tokens"
+    assert time.time() - record.ended_at < 5
