@@ -19,12 +19,14 @@ logger = logging.getLogger("pd_cluster")
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help='"default" (SmolLM2-135M-Instruct) or an HF model directory')
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots (default: from free memory)")
     p.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
-    p.add_argument("--max-running-requests", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=64, help="requests in one batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens in one forward pass at most (chunked prefill splits longer prompts)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="never reuse the KV of an earlier prompt")
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -105,16 +107,18 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--master", required=True, help="the master's HTTP address, e.g. http://127.0.0.1:8000")
     p.add_argument("--node-id", default=None, help="unique node name (default: host-pid)")
-    p.add_argument("--status-host", default="127.0.0.1")
+    p.add_argument("--status-host", default="127.0.0.1", help="bind address of the status server (--status-port)")
     p.add_argument("--status-port", type=int, default=0, help="serve /livez, /readyz, /drain here (0: off)")
-    p.add_argument("--drain-timeout", type=float, default=600.0)
+    p.add_argument("--drain-timeout", type=float, default=600.0,
+                   help="seconds a draining node waits for its requests before it leaves anyway")
     p.add_argument("--lease-s", type=float, default=30.0, help="KV reservation lease on decode nodes")
     if role == "decode":
         p.add_argument("--data-host", default="127.0.0.1", help="address prefill nodes dial (advertised)")
         p.add_argument("--data-bind", default=None, help="bind address of the data plane (default: --data-host)")
-        p.add_argument("--data-port", type=int, default=0)
+        p.add_argument("--data-port", type=int, default=0, help="port of the data plane (0: any free one)")
     else:
-        p.add_argument("--max-channels", type=int, default=8)
+        p.add_argument("--max-channels", type=int, default=8,
+                       help="data-plane channels to decode nodes kept open (least recently used closed first)")
     _add_engine_args(p)
     p.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
                    help="share of the GPU's total memory this node may use (weights, headroom and KV); for nodes "
@@ -236,13 +240,17 @@ def cmd_local(args: argparse.Namespace) -> int:
 def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     """Commands that start cluster processes: master, prefill, decode, local, node-drain."""
     m = sub.add_parser("master", help="run the master (OpenAI API, node registry, routing)")
-    m.add_argument("--host", default=None)
-    m.add_argument("--port", type=int, default=None)
+    m.add_argument("--host", default=None, help="bind address (default: $PD_HOST, else 0.0.0.0)")
+    m.add_argument("--port", type=int, default=None, help="HTTP port (default: $PD_PORT, else 8000)")
     m.add_argument("--model", default=None, help='"default" or an HF model directory (tokenizer, chat template)')
-    m.add_argument("--served-model-name", default=None)
-    m.add_argument("--policy", default=None, choices=["cache_aware", "least_load", "round_robin"])
-    m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--request-timeout", type=float, default=None)
+    m.add_argument("--served-model-name", default=None,
+                   help="the name clients put in `model` (default: the model's own name)")
+    m.add_argument("--policy", default=None, choices=["cache_aware", "least_load", "round_robin"],
+                   help="how a (prefill, decode) pair is chosen per request (default: cache_aware)")
+    m.add_argument("--max-model-len", type=int, default=None,
+                   help="cap on prompt + output tokens (default: what the nodes and the model allow)")
+    m.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds one request may take end to end (default: 600)")
     m.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="json: every log line one JSON object, a request's fields at its top level (default: text)")
     m.set_defaults(func=cmd_master)
@@ -257,19 +265,21 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
 
     loc = sub.add_parser(
         "local", help="master + prefill + decode nodes on this machine, supervised (crashes are restarted)")
-    loc.add_argument("--host", default="127.0.0.1")
-    loc.add_argument("--port", type=int, default=8000)
+    loc.add_argument("--host", default="127.0.0.1", help="the master's bind address")
+    loc.add_argument("--port", type=int, default=8000, help="the master's HTTP port (the OpenAI API)")
     loc.add_argument("--prefill", type=int, default=1, help="prefill nodes to keep running")
     loc.add_argument("--decode", type=int, default=1, help="decode nodes to keep running")
-    loc.add_argument("--model", default="default")
+    loc.add_argument("--model", default="default", help='"default" (SmolLM2-135M-Instruct) or an HF model directory')
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
     loc.add_argument("--gpus", type=_gpu_list, default=None,
                      help="GPUs to spread the nodes over, e.g. 0,1 (default: every visible GPU); nodes sharing a "
                           "GPU split its free memory")
-    loc.add_argument("--dtype", default="auto")
-    loc.add_argument("--block-size", type=int, default=1)
+    loc.add_argument("--dtype", default="auto",
+                     help="auto, float32, bfloat16 or float16 (auto: bfloat16 on a GPU, float32 on CPU)")
+    loc.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
-    loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"])
+    loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
+                     help="how the master chooses a (prefill, decode) pair per request")
     loc.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the cluster to serve")
     loc.add_argument("--stop-timeout", type=float, default=30.0,
                      help="seconds Ctrl-C/SIGTERM waits for the nodes to drain and the master to stop")
@@ -278,8 +288,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.set_defaults(func=cmd_local)
 
     drain = sub.add_parser("node-drain", help="ask the node on this host to drain and wait for it (preStop)")
-    drain.add_argument("--status-port", type=int, default=9000)
-    drain.add_argument("--timeout", type=float, default=600.0)
+    drain.add_argument("--status-port", type=int, default=9000, help="the node's --status-port")
+    drain.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the node to finish")
     drain.set_defaults(func=cmd_node_drain)
 
     from pd_cluster.ray_launcher.cli import add_ray_commands
@@ -289,27 +299,28 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-cluster", description="Disaggregated prefill/decode LLM serving")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion offline with one engine")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the text to continue (or, with --chat, the user's message)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampling stream (same seed, same text)")
     _add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_kind", required=True)
     offline = bench_sub.add_parser("offline", help="engine vs transformers generate(), batch 1 and 16")
-    offline.add_argument("--model", default="default")
-    offline.add_argument("--device", default="auto")
-    offline.add_argument("--max-tokens", type=int, default=64)
-    offline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
-    offline.add_argument("--out-dir", default="docs/benchmarks")
+    offline.add_argument("--model", default="default",
+                         help='"default" (SmolLM2-135M-Instruct) or an HF model directory')
+    offline.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    offline.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    offline.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16], help="batch sizes to measure")
+    offline.add_argument("--out-dir", default="docs/benchmarks", help="where the results JSON is written")
     offline.set_defaults(func=cmd_bench)
     from pd_cluster.bench.serve.options import add_arguments as add_bench_serve_arguments
 

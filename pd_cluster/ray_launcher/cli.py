@@ -203,33 +203,36 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
 
     start = ray_sub.add_parser("start", help="place the master and the nodes as detached Ray actors")
     _common(start)
-    start.add_argument("--prefill", type=int, default=1)
-    start.add_argument("--decode", type=int, default=1)
+    start.add_argument("--prefill", type=int, default=1, help="prefill nodes to start")
+    start.add_argument("--decode", type=int, default=1, help="decode nodes to start")
     start.add_argument("--model", default="default", help='"default" or a model directory on every Ray node')
-    start.add_argument("--served-model-name", default=None)
-    start.add_argument("--policy", default="cache_aware", choices=POLICIES)
+    start.add_argument("--served-model-name", default=None, help="the name clients put in `model`")
+    start.add_argument("--policy", default="cache_aware", choices=POLICIES,
+                       help="how the master chooses a (prefill, decode) pair per request")
     start.add_argument("--host", default="0.0.0.0", help="the master's bind address")
     start.add_argument("--port", type=int, default=8000, help="the master's port")
     start.add_argument("--device", default=None, help="node device (default: cuda if --gpus-per-node > 0, else cpu)")
-    start.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    start.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)")
     start.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node")
-    start.add_argument("--block-size", type=int, default=1)
+    start.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
     start.add_argument("--gpus-per-node", type=float, default=1.0,
                        help="Ray GPUs per P/D actor (0: CPU nodes; 0.5: a P and a D share each GPU)")
     start.add_argument("--gpu-memory-fraction", type=float, default=None,
                        help="share of its GPU's memory each node may use (default: from a fractional "
                             "--gpus-per-node, e.g. 0.5 -> 0.45)")
-    start.add_argument("--cpus-per-node", type=float, default=1.0)
-    start.add_argument("--master-cpus", type=float, default=1.0)
+    start.add_argument("--cpus-per-node", type=float, default=1.0, help="Ray CPUs each node actor reserves")
+    start.add_argument("--master-cpus", type=float, default=1.0, help="Ray CPUs the master actor reserves")
     start.add_argument("--master-resource", default=None,
                        help="custom Ray resource that pins the master, e.g. pd_master on the head node")
     start.add_argument("--prefill-resource", default=None,
                        help="custom Ray resource each prefill actor takes 1 of (e.g. pd_prefill: its node type)")
     start.add_argument("--decode-resource", default=None,
                        help="custom Ray resource each decode actor takes 1 of (e.g. pd_decode)")
-    start.add_argument("--drain-timeout", type=float, default=600.0)
+    start.add_argument("--drain-timeout", type=float, default=600.0,
+                       help="seconds a draining node waits for its requests before it leaves anyway")
     start.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed process")
-    start.add_argument("--ready-timeout", type=float, default=900.0)
+    start.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the cluster to serve")
     start.add_argument("--node-arg", action="append", default=[],
                        help="extra argument for every node's command (repeat; e.g. --node-arg=--lease-s=60)")
     start.set_defaults(func=cmd_ray_start)
@@ -249,25 +252,25 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
 
     status = ray_sub.add_parser("status", help="the master, the nodes and their load")
     _common(status)
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print JSON for scripts instead of text")
     status.set_defaults(func=cmd_ray_status)
 
     token = ray_sub.add_parser("token", help="print the admin token (or --cluster: the node token)")
     _common(token)
-    token.add_argument("--cluster", action="store_true")
+    token.add_argument("--cluster", action="store_true", help="print the node (cluster) token instead")
     token.set_defaults(func=cmd_ray_token)
 
     logs = ray_sub.add_parser("logs", help="the last lines a process printed (master, prefill-0, ...)")
     _common(logs)
-    logs.add_argument("name")
-    logs.add_argument("--lines", type=int, default=100)
+    logs.add_argument("name", help="the process: master, prefill-0, decode-0, ...")
+    logs.add_argument("--lines", type=int, default=100, help="how many of the last lines to print")
     logs.set_defaults(func=cmd_ray_logs)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """A parser with only the ``ray`` command (``python -m pd_cluster.ray_launcher ray ...``)."""
     parser = argparse.ArgumentParser(prog="pd-cluster")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_ray_commands(parser.add_subparsers(dest="command", required=True))
     return parser
 

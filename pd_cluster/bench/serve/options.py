@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
     work = p.add_argument_group("workload")
-    work.add_argument("--workload", choices=WORKLOADS, default="random")
+    work.add_argument("--workload", choices=WORKLOADS, default="random",
+                      help="random prompts, a shared prefix, multi-turn chats, or a mix")
     work.add_argument("--num-requests", "--num-prompts", type=int, default=100,
                       help="requests per rate (random, shared-prefix, mixed)")
     work.add_argument("--input-len", type=int, default=1024, help="prompt tokens (per turn for multi-turn)")
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help="completions prompts as decoded text or as token-id lists")
     work.add_argument("--no-ignore-eos", action="store_true",
                       help="do not send ignore_eos (for servers that refuse it); outputs may then end early")
-    work.add_argument("--temperature", type=float, default=0.0)
+    work.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     work.add_argument("--seed", type=int, default=0, help="prompts and arrivals; the same seed repeats a run")
 
     load = p.add_argument_group("load")
