@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, WebSocket
 
 from master import admin, openai_api
+from master.auth import ApiKeys, read_keys_file
 from master.body_limit import BodyLimitMiddleware
 from master.config import MasterSettings
 from master.context import MasterContext
@@ -32,6 +33,21 @@ logger = logging.getLogger(__name__)
 
 class ConfigError(ValueError):
     """The master cannot start with these settings."""
+
+
+def api_keys_from(settings: MasterSettings) -> ApiKeys:
+    """The client keys of ``--api-key`` and ``--api-keys-file`` (a key's own limit wins)."""
+    limits: dict[str, int | None] = {key.get_secret_value(): None for key in settings.api_keys}
+    if settings.api_keys_file is not None:
+        try:
+            limits.update(read_keys_file(settings.api_keys_file))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read the API keys file: {exc}") from exc
+    if "" in limits:
+        raise ConfigError("an API key must not be empty")
+    if limits:
+        logger.info("clients must send one of %d API keys", len(limits))
+    return ApiKeys(limits, settings.max_concurrent_per_key, settings.retry_after_s)
 
 
 def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
@@ -72,6 +88,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
 
     app = FastAPI(title="pd-cluster master", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
+    app.state.api_keys = api_keys_from(settings)
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(admin.router)

@@ -1,10 +1,18 @@
-"""Bearer-token checks for nodes (cluster token) and operators (admin token)."""
+"""Bearer-token checks for nodes (cluster token), operators (admin token) and clients (API keys),
+and the per-key bound on a client's concurrent requests."""
 
 from __future__ import annotations
 
 import hmac
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import SecretStr
+
+from master.errors import APIError, unauthorized
+
+logger = logging.getLogger(__name__)
 
 
 def bearer_matches(authorization: str | None, expected: SecretStr | None) -> bool:
@@ -15,3 +23,82 @@ def bearer_matches(authorization: str | None, expected: SecretStr | None) -> boo
     if scheme.lower() != "bearer":
         return False
     return hmac.compare_digest(token.strip().encode(), expected.get_secret_value().encode())
+
+
+def _bearer(authorization: str | None) -> str | None:
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
+
+
+def read_keys_file(path: Path) -> dict[str, int | None]:
+    """API keys, one a line: ``KEY`` or ``KEY MAX_CONCURRENT``; blank lines and ``#`` comments skipped."""
+    keys: dict[str, int | None] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) > 2 or (len(words) == 2 and not words[1].isdigit()):
+            raise ValueError(f"{path}:{number}: expected `KEY` or `KEY MAX_CONCURRENT`")
+        keys[words[0]] = int(words[1]) if len(words) == 2 else None
+    return keys
+
+
+@dataclass
+class ClientSlot:
+    """One admitted request of one key; :meth:`release` (idempotent) gives its place back."""
+
+    keys: "ApiKeys"
+    key: str | None
+    released: bool = False
+    #: A relay request took it over (and releases it when it ends).
+    handed: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.keys.release(self.key)
+
+
+@dataclass
+class ApiKeys:
+    """The keys clients must send (``Authorization: Bearer <key>``) and how many requests each may
+    have open at once. No keys configured: the API is open (and per-key limits do not apply)."""
+
+    limits: dict[str, int | None] = field(default_factory=dict)
+    default_limit: int | None = None
+    retry_after_s: float = 1.0
+    open_requests: dict[str | None, int] = field(default_factory=dict)
+
+    @property
+    def required(self) -> bool:
+        return bool(self.limits)
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The caller's key (None when keys are not required); raises a 401 APIError otherwise."""
+        if not self.required:
+            return None
+        given = _bearer(authorization)
+        if given is None:
+            raise unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+        for key in self.limits:
+            if hmac.compare_digest(given.encode(), key.encode()):
+                return key
+        raise unauthorized("Incorrect API key provided.")
+
+    def acquire(self, key: str | None) -> ClientSlot:
+        """Count one more open request of ``key``; raises a 429 APIError past its limit."""
+        limit = self.limits.get(key) if key is not None else None
+        limit = limit if limit is not None else self.default_limit
+        count = self.open_requests.get(key, 0)
+        if limit is not None and key is not None and count >= limit:
+            raise APIError(429, f"Too many concurrent requests for this API key (limit {limit}).",
+                           "rate_limit_error", None, "rate_limit_exceeded", self.retry_after_s)
+        self.open_requests[key] = count + 1
+        return ClientSlot(self, key)
+
+    def release(self, key: str | None) -> None:
+        count = self.open_requests.get(key, 0) - 1
+        if count > 0:
+            self.open_requests[key] = count
+        else:
+            self.open_requests.pop(key, None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr
@@ -31,10 +32,17 @@ class MasterSettings(BaseSettings):
     policy: PolicyName = "cache_aware"
     cluster_token: SecretStr | None = None
     admin_token: SecretStr | None = None
+    api_keys: list[SecretStr] = Field(default_factory=list, description="keys clients must send; none: open API")
+    api_keys_file: Path | None = Field(default=None, description="more keys, one a line: KEY [MAX_CONCURRENT]")
+    max_concurrent_per_key: int | None = Field(
+        default=None, gt=0, description="open requests one API key may have (a key's own limit in the file wins)"
+    )
 
     max_model_len: int | None = Field(default=None, gt=0, description="cap on context length; default: nodes' and model's")
     request_timeout_s: float = Field(default=600.0, gt=0, description="end-to-end deadline of one request")
-    queue_size: int = Field(default=256, ge=0, description="requests waiting for KV capacity; 0: none wait")
+    queue_size: int = Field(
+        default=256, ge=0, description="requests waiting for KV capacity; past it: 429 with Retry-After; 0: none wait"
+    )
     queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait in the admission queue")
     max_attempts: int = Field(default=3, ge=1, description="tries of one request across node failures")
     handoff_timeout_s: float = Field(

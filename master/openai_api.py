@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from master import openai_schemas as oa
+from master.auth import ApiKeys
 from master.context import MasterContext
 from master.errors import APIError, bad_request, internal_error, unavailable
 from master.metrics import CONTENT_TYPE, status_of_http
@@ -76,6 +77,7 @@ def _model_card(ctx: MasterContext, name: str) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
+    _client_key(request)
     name = ctx.model_name
     return {"object": "list", "data": [_model_card(ctx, name)] if name else []}
 
@@ -83,6 +85,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict[str, Any]:
     ctx = _ctx(request)
+    _client_key(request)
     if ctx.model_name is None or not ctx.knows_model(model_id):
         raise _model_not_found(model_id)
     return _model_card(ctx, ctx.model_name)
@@ -257,7 +260,30 @@ def _prefix_block_size(ctx: MasterContext) -> int | None:
     return None
 
 
+def _client_key(request: Request) -> str | None:
+    """The caller's API key (None when the master needs none); raises 401."""
+    keys: ApiKeys = request.app.state.api_keys
+    return keys.authenticate(request.headers.get("authorization"))
+
+
 async def _generate(request: Request, kind: Kind) -> Response:
+    """Authenticate the client and hold its place under its key's limit, then serve."""
+    ctx = _ctx(request)
+    keys: ApiKeys = request.app.state.api_keys
+    try:
+        slot = keys.acquire(_client_key(request))
+    except APIError as exc:
+        ctx.metrics.requests_total.labels(status=status_of_http(exc.status)).inc()
+        return exc.response()
+    request.state.client_slot = slot
+    try:
+        return await _serve(request, kind)
+    finally:
+        if not slot.handed:
+            slot.release()
+
+
+async def _serve(request: Request, kind: Kind) -> Response:
     ctx = _ctx(request)
     arrival = time.monotonic()
     try:
@@ -273,6 +299,8 @@ async def _generate(request: Request, kind: Kind) -> Response:
     shape = _SHAPES[kind]
     block_size = _prefix_block_size(ctx)
     r = ctx.relay.create(f"{shape.id_prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
+    r.client_slot = request.state.client_slot
+    r.client_slot.handed = True
     r.client_request_id = request.headers.get(REQUEST_ID_HEADER)
     request.state.request_id = r.request_id  # answered in the X-Request-Id header (RequestIdMiddleware)
     try:

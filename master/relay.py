@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from master.auth import ClientSlot
 from master.config import MasterSettings
 from master.errors import APIError, internal_error, unavailable
 from master.metrics import MasterMetrics
@@ -41,7 +42,7 @@ from pd_cluster.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 RequestState = Literal["new", "queued", "running", "finished", "failed"]
-Outcome = Literal["ok", "error", "aborted", "timeout", "unavailable"]
+Outcome = Literal["ok", "error", "aborted", "timeout", "unavailable", "rate_limited"]
 
 #: Frames a D may send before P's FirstToken arrives (they are held back to keep order).
 MAX_EARLY_DELTAS = 4096
@@ -127,6 +128,8 @@ class RelayRequest:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     queue_timer: asyncio.TimerHandle | None = None
+    #: The client's place under its API key's concurrency limit, given back on release.
+    client_slot: ClientSlot | None = None
 
     @property
     def kv_need(self) -> int:
@@ -199,7 +202,9 @@ class Relay:
         if not self.queue and self._dispatch(r):
             return
         if len(self.queue) >= self.settings.queue_size:
-            self._fail(r, unavailable("The cluster is at capacity; try again later.", self.settings.retry_after_s), "unavailable")
+            message = f"The admission queue is full ({self.settings.queue_size} requests wait for capacity); try again later."
+            full = APIError(429, message, "rate_limit_error", None, "queue_full", self.settings.retry_after_s)
+            self._fail(r, full, "rate_limited")
             raise r.failure  # type: ignore[misc]
         self._enqueue(r)
         while r.state == "queued":
@@ -257,6 +262,8 @@ class Relay:
         if r.released:
             return
         r.released = True
+        if r.client_slot is not None:
+            r.client_slot.release()
         for timer in r.timers:
             timer.cancel()
         self._cancel_queue_timer(r)

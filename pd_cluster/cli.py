@@ -173,6 +173,8 @@ def cmd_master(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "model": args.model, "policy": args.policy,
         "max_model_len": args.max_model_len, "request_timeout_s": args.request_timeout,
         "served_model_name": args.served_model_name, "log_format": args.log_format,
+        "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
+        "max_concurrent_per_key": args.max_concurrent_per_key,
     }.items() if v is not None}
     try:
         run_master(MasterSettings(**given))
@@ -253,6 +255,11 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                    help="seconds one request may take end to end (default: 600)")
     m.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="json: every log line one JSON object, a request's fields at its top level (default: text)")
+    m.add_argument("--api-key", action="append", default=None,
+                   help="a key clients must send as `Authorization: Bearer KEY` (repeatable; default: open API)")
+    m.add_argument("--api-keys-file", default=None, help="more keys, one a line: KEY [MAX_CONCURRENT]")
+    m.add_argument("--max-concurrent-per-key", type=int, default=None,
+                   help="open requests one API key may have (a key's own limit in the file wins)")
     m.set_defaults(func=cmd_master)
 
     p = sub.add_parser("prefill", help="run a prefill node that joins --master")

@@ -276,7 +276,7 @@ async def test_request_waits_in_queue_until_decode_kv_frees():
     assert d.pending_kv == {} and "req-1" in [f.request_id for f in _frames(d) if isinstance(f, protocol.Abort)]
 
 
-async def test_full_queue_answers_503_with_retry_after():
+async def test_full_queue_answers_429_with_retry_after():
     relay, registry = _relay(queue_size=1, queue_timeout_s=5.0)
     _prefills(registry, 1)
     (d,) = _decodes(registry, 1)
@@ -287,7 +287,7 @@ async def test_full_queue_answers_503_with_retry_after():
     second = relay.create("b", [5] * 20, SamplingParams(max_tokens=5), False, time.monotonic())
     with pytest.raises(APIError) as err:
         await relay.admit(second)
-    assert err.value.status == 503 and err.value.headers()["Retry-After"] == "1"
+    assert err.value.status == 429 and err.value.headers()["Retry-After"] == "1"
     waiting.cancel()
     relay.release(first)
     relay.release(second)

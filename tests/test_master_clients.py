@@ -1,0 +1,136 @@
+"""Clients of the OpenAI API: API keys (401 in OpenAI's shape), a per-key bound on open requests
+and a bounded admission queue (429 with Retry-After), every answer counted by status."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import openai
+import pytest
+
+from master.app import ConfigError
+from master.server import create_app
+from pd_cluster import protocol
+from tests.master_fakes import (
+    CHAT_MESSAGES,
+    MODEL,
+    FakeNode,
+    LiveMaster,
+    make_settings,
+    serve_one,
+    tiny_tokenizer,
+    wait_until,
+    wait_warm,
+    write_model_dir,
+)
+
+CHAT = {"model": MODEL, "messages": CHAT_MESSAGES, "max_tokens": 2}
+
+
+def _counts(text: str) -> dict[str, float]:
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'pdc_requests_total\{status="(\w+)"\} (\S+)', text)}
+
+
+async def _pair(master: LiveMaster) -> tuple[FakeNode, FakeNode]:
+    prefill, decode = FakeNode(master, "p0", "prefill"), FakeNode(master, "d0", "decode")
+    assert isinstance(await prefill.join(), protocol.Registered)
+    assert isinstance(await decode.join(), protocol.Registered)
+    await wait_warm(master)
+    return prefill, decode
+
+
+@pytest.fixture
+async def keyed(tmp_path: Path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# team keys\nsk-file-one 1\nsk-file-two\n\n")
+    settings = make_settings(write_model_dir(tmp_path), api_keys=["sk-flag"], api_keys_file=keys_file,
+                             max_concurrent_per_key=3)
+    async with LiveMaster(settings) as master:
+        prefill, decode = await _pair(master)
+        yield master, prefill, decode
+        await prefill.close()
+        await decode.close()
+
+
+async def test_missing_or_wrong_api_key_is_401_in_openai_shape(keyed):
+    master, _, _ = keyed
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-flag"}):
+        response = await master.http.post("/v1/chat/completions", json=CHAT, headers=headers)
+        assert response.status_code == 401
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_api_key"
+    assert (await master.http.get("/v1/models")).status_code == 401
+    assert (await master.http.get("/health")).status_code == 200  # probes need no key
+    assert _counts((await master.http.get("/metrics")).text)["unauthorized"] == 3.0  # generation requests
+    client = openai.AsyncOpenAI(base_url=f"{master.base_url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await client.models.list()
+    await client.close()
+
+
+async def test_keys_from_the_flag_and_the_file_are_accepted_by_the_openai_client(keyed):
+    master, prefill, decode = keyed
+    for key in ("sk-flag", "sk-file-one", "sk-file-two"):
+        client = openai.AsyncOpenAI(base_url=f"{master.base_url}/v1", api_key=key, max_retries=0)
+        answer = asyncio.create_task(serve_one(prefill, decode, [(10, "o"), (11, "k")]))
+        reply = await client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=2)
+        await answer
+        assert reply.choices[0].message.content == "ok"
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+        await client.close()
+
+
+async def test_a_key_past_its_concurrency_limit_gets_429_with_retry_after(keyed):
+    master, prefill, decode = keyed
+    one = {"Authorization": "Bearer sk-file-one"}  # its own limit: 1 open request
+    first = asyncio.create_task(master.http.post("/v1/chat/completions", json=CHAT, headers=one))
+    job = await prefill.next_job()
+    response = await master.http.post("/v1/chat/completions", json=CHAT, headers=one)
+    assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+    assert response.json()["error"]["code"] == "rate_limit_exceeded"
+    # Another key is not held back by it.
+    other = asyncio.create_task(master.http.post("/v1/chat/completions", json=CHAT,
+                                                 headers={"Authorization": "Bearer sk-flag"}))
+    other_job = await prefill.next_job()
+    await serve_one(prefill, decode, [(10, "o"), (11, "k")], job=job)
+    await serve_one(prefill, decode, [(10, "o"), (11, "k")], job=other_job)
+    assert (await first).status_code == 200 and (await other).status_code == 200
+    # The place is given back when the request ends, streaming or not.
+    keys = master.app.state.api_keys
+    await wait_until(lambda: not keys.open_requests, what="open requests to be released")
+    streamed = asyncio.create_task(master.http.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=one))
+    await serve_one(prefill, decode, [(10, "o")])
+    assert (await streamed).status_code == 200
+    await wait_until(lambda: not keys.open_requests, what="the stream's place to be released")
+    assert _counts((await master.http.get("/metrics")).text)["rate_limited"] == 1.0
+
+
+async def test_a_full_admission_queue_answers_429_with_retry_after(tmp_path: Path):
+    settings = make_settings(write_model_dir(tmp_path), queue_size=1, queue_timeout_s=10.0)
+    async with LiveMaster(settings) as master:
+        prefill, decode = await _pair(master)
+        decode.status = decode.status.model_copy(update={"free_kv_tokens": 0})  # no room: requests wait
+        await wait_until(lambda: master.ctx.registry.nodes["d0"].status.free_kv_tokens == 0, what="a full D")
+        waiting = asyncio.create_task(master.http.post("/v1/chat/completions", json=CHAT))
+        await wait_until(lambda: len(master.ctx.relay.queue) == 1, what="one request in the queue")
+        response = await master.http.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == 429 and response.headers["Retry-After"] == "1"
+        assert response.json()["error"]["code"] == "queue_full"
+        decode.status = decode.status.model_copy(update={"free_kv_tokens": 4096})
+        await serve_one(prefill, decode, [(10, "o"), (11, "k")])
+        assert (await waiting).status_code == 200
+        counts = _counts((await master.http.get("/metrics")).text)
+        assert counts["rate_limited"] == 1.0 and counts["ok"] == 1.0
+        await prefill.close()
+        await decode.close()
+
+
+def test_an_unreadable_keys_file_stops_the_master(tmp_path: Path):
+    bad = tmp_path / "keys"
+    bad.write_text("sk-a lots of words\n")
+    with pytest.raises(ConfigError):
+        create_app(make_settings(api_keys_file=bad), tokenizer=tiny_tokenizer())
+    with pytest.raises(ConfigError):
+        create_app(make_settings(api_keys_file=tmp_path / "missing"), tokenizer=tiny_tokenizer())
