@@ -96,7 +96,9 @@ def run_offline_bench(
     # Warm up both (allocator, kernels) on one short request.
     _bench_engine(llm, _prompts(tokenizer, 1), 4)
     _bench_transformers(hf, tokenizer, _prompts(tokenizer, 1), 4, dev)
-    for batch in batch_sizes:
+    from tqdm.auto import tqdm
+
+    for batch in tqdm(batch_sizes, desc="offline bench", unit="batch size", disable=None):
         prompts = _prompts(tokenizer, batch)
         ours = _bench_engine(llm, prompts, max_tokens)
         theirs = _bench_transformers(hf, tokenizer, prompts, max_tokens, dev)

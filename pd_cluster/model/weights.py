@@ -70,8 +70,11 @@ def load_weights(
     def maybe(name: str) -> torch.Tensor | None:
         return take(name) if name in state else None
 
+    from tqdm.auto import tqdm
+
     layers = []
-    for i in range(config.num_layers):
+    # A bar only on a terminal (disable=None): node processes write to log files.
+    for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", disable=None, leave=False):
         p = f"model.layers.{i}."
         q, k, v = take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"), take(p + "self_attn.v_proj.weight")
         biases = [maybe(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
