@@ -117,8 +117,9 @@ class Reservations:
             self.cancel(res.lease_id)
         return gone
 
-    def commit(self, lease_id: str, first_token: int, rng_state: str) -> Request:
-        """The prompt's KV has arrived: cache the prompt and join the request to the batch."""
+    def commit(self, lease_id: str, first_token: int) -> Request:
+        """The prompt's KV has arrived: cache the prompt and join the request to the batch. The
+        request continues the seed's random stream at output position 1, as P left it."""
         res = self.pending.pop(lease_id, None)
         if res is None:
             raise KeyError(f"lease {lease_id} is unknown or expired")
@@ -141,7 +142,6 @@ class Reservations:
             node = match.node
 
         req = engine.make_request(res.request_id, res.prompt_token_ids, res.params)
-        req.sampling.restore_rng(rng_state)
         req.sampling.output_token_ids.append(first_token)
         req.output.append(first_token)  # P already reported this token's text
         req.row = row

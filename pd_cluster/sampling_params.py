@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+#: Most entries a logit_bias map may hold (it travels with every prefill job and handover).
+MAX_LOGIT_BIAS = 1024
+#: OpenAI's range for one logit_bias value.
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class SamplingParams(BaseModel):
     """Sampling settings of one request (the names and defaults users know from vLLM).
 
     Invalid values raise ``ValueError`` (pydantic's ``ValidationError``) naming the field.
-    ``temperature == 0`` means greedy.
+    ``temperature == 0`` means greedy. ``seed`` names the request's random stream: a token's
+    draw is a function of (seed, output position) only, so any node continues the same stream.
+    ``logit_bias`` maps token ids to a value added to their logits before sampling (token ids
+    are checked against the vocabulary by the engine and the master, which know it).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -31,6 +40,16 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_ids_non_negative(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("token ids must be non-negative")
+        return value or None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Sampler: greedy, temperature, filters, penalties, seeds, logprobs, RNG handoff."""
+"""Sampler: greedy, temperature, filters, penalties, logit_bias, seeds, logprobs, the counter-based stream."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from pd_cluster.engine.sampler import SamplingState, sample
+from pd_cluster.engine.sampler import (
+    SamplingState, processed_logits, random_bits, sample, stream_key, target_probs, uniform,
+)
 from pd_cluster.sampling_params import SamplingParams
 
 
@@ -44,15 +46,49 @@ def test_different_seeds_give_different_tokens() -> None:
     assert _generate(seed=None) != _generate(seed=None)
 
 
-def test_sampling_is_the_exponential_race_on_the_cpu_generator() -> None:
+def test_sampling_is_the_inverse_transform_of_the_seeds_counter_stream() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
-    states = [_state(seed=s, temperature=0.7) for s in (11, 12, 13)]
+    states = [_state(seed=s, temperature=0.7, output=[1] * s) for s in (11, 12, 13)]
     got = [t.token_id for t in sample(logits, states)]
     expected = []
     for row, seed in zip(logits, (11, 12, 13)):
-        q = torch.empty(40).exponential_(generator=torch.Generator().manual_seed(seed))
-        expected.append(int((torch.softmax(row / 0.7, -1) / q).argmax()))
+        # Output position = tokens generated so far (here: the seed's value).
+        u = (random_bits(*stream_key(seed), seed) >> 8) / 2**24
+        cdf = torch.softmax(row.double() / 0.7, -1).cumsum(-1).tolist()
+        expected.append(next(i for i, c in enumerate(cdf) if c > u * cdf[-1]))
     assert got == expected
+
+
+def test_stream_bits_are_the_same_for_python_ints_and_int64_tensors() -> None:
+    seeds = [0, 1, 2, 12345, 2**32 - 1, 2**32, 2**62 + 7, 2**63 - 1]
+    positions = [0, 1, 2, 100, 4095, 2**31 - 1, 2**32 - 1]
+    keys = [stream_key(s) for s in seeds]
+    k0 = torch.tensor([k[0] for k in keys for _ in positions])
+    k1 = torch.tensor([k[1] for k in keys for _ in positions])
+    pos = torch.tensor(positions * len(seeds))
+    as_tensor = random_bits(k0, k1, pos).tolist()
+    as_int = [random_bits(*k, p) for k in keys for p in positions]
+    assert as_tensor == as_int
+    assert all(0 <= b < 2**32 for b in as_int)
+    # Pinned values: a change of the stream (which would change every seeded output) fails here.
+    assert stream_key(1234) == (2190147994, 2215584770)
+    assert [random_bits(*stream_key(1234), p) for p in range(4)] == [3240560389, 821304957, 2456681152, 3662215685]
+
+
+def test_stream_bits_are_uniform_and_uncorrelated_across_positions_and_seeds() -> None:
+    # 64 seeds (consecutive, as choices of one request use) x 512 positions.
+    k = torch.tensor([stream_key(s) for s in range(1000, 1064)])
+    pos = torch.arange(512)
+    bits = random_bits(k[:, :1], k[:, 1:], pos.unsqueeze(0))  # [64, 512]
+    u = uniform(bits).double()
+    # Each of 16 buckets holds 1/16 of the 32768 draws: chi-square with 15 degrees of freedom.
+    counts = torch.bincount((u * 16).long().flatten(), minlength=16).double()
+    expected = u.numel() / 16
+    assert ((counts - expected) ** 2 / expected).sum() < 37.7  # p = 0.001
+    # Neighbouring positions and neighbouring seeds are not correlated.
+    centered = u - 0.5
+    assert abs((centered[:, 1:] * centered[:, :-1]).mean()) < 0.004
+    assert abs((centered[1:] * centered[:-1]).mean()) < 0.004
 
 
 def test_greedy_equals_argmax_with_first_index_on_ties() -> None:
@@ -95,11 +131,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits
 
 def _penalized_logits(state: SamplingState, logits: torch.Tensor) -> torch.Tensor:
     """The logits after penalties, read from the sampler's own penalty step."""
-    from pd_cluster.engine.sampler import _apply_penalties
-
-    x = logits.clone()
-    _apply_penalties(x, [state])
-    return x
+    return processed_logits(logits, [state])
 
 
 def test_penalties_change_exactly_the_right_logits() -> None:
@@ -203,24 +235,26 @@ def test_logprobs_are_from_raw_logits_with_top_n() -> None:
     assert out[2].logprob is None
 
 
-def test_exported_rng_continues_the_same_stream() -> None:
+def test_a_state_on_another_node_continues_the_same_stream() -> None:
+    """P samples position 0; D builds a fresh state from the same params and the first token."""
     logits = torch.randn(1, 80, generator=torch.Generator().manual_seed(9))
-    original = _state(seed=123, temperature=0.9)
-    sample(logits, [original])
-    saved = original.export_rng()
-    assert isinstance(saved, str)
-    expected = [sample(logits, [original])[0].token_id for _ in range(10)]
+    params = dict(seed=123, temperature=0.9, frequency_penalty=0.3)
+    original = _state(**params)
+    tokens = []
+    for _ in range(11):
+        tokens.append(sample(logits, [original])[0].token_id)
+        original.output_token_ids.append(tokens[-1])
 
-    handed_off = _state(seed=999, temperature=0.9)
-    handed_off.restore_rng(saved)
-    assert [sample(logits, [handed_off])[0].token_id for _ in range(10)] == expected
+    on_decode = _state(**params, output=tokens[:1])
+    continued = []
+    for _ in range(10):
+        continued.append(sample(logits, [on_decode])[0].token_id)
+        on_decode.output_token_ids.append(continued[-1])
+    assert continued == tokens[1:]
 
 
-def test_restore_rng_rejects_garbage() -> None:
-    with pytest.raises(ValueError):
-        _state().restore_rng("not base64!")
-    with pytest.raises(ValueError):
-        _state().restore_rng("AAAA")
+def test_unseeded_states_get_distinct_random_seeds() -> None:
+    assert len({_state().seed for _ in range(20)}) == 20
 
 
 def test_mixed_batch_equals_each_row_alone() -> None:
@@ -247,8 +281,7 @@ def test_mixed_batch_equals_each_row_alone() -> None:
             s.output_token_ids.append(t.token_id)
 
 
-def test_large_batch_noise_matches_per_row_generators() -> None:
-    # Enough rows for the threaded noise path; each row must still follow its own seed.
+def test_large_batch_draws_match_each_row_alone() -> None:
     logits = torch.randn(1, 200, generator=torch.Generator().manual_seed(12)).expand(16, -1)
     batched = [t.token_id for t in sample(logits, [_state(seed=i) for i in range(16)])]
     alone = [sample(logits[:1], [_state(seed=i)])[0].token_id for i in range(16)]
@@ -272,3 +305,162 @@ def test_tiny_top_p_still_keeps_the_top_token_despite_rounding() -> None:
     logits = torch.randn(32, 5000, generator=torch.Generator().manual_seed(14))
     out = sample(logits, [_state(seed=i, top_p=1e-9) for i in range(32)])
     assert [t.token_id for t in out] == logits.argmax(dim=-1).tolist()
+
+
+# ---- each logits processor against a straightforward reference ------------------------------
+
+
+def _reference_logits(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """logit_bias, then repetition, frequency and presence penalties, one token at a time."""
+    p = state.params
+    x = row.double().clone()
+    for token, bias in (p.logit_bias or {}).items():
+        x[token] += bias
+    for token in set(state.prompt_token_ids) | set(state.output_token_ids):
+        x[token] = x[token] / p.repetition_penalty if x[token] > 0 else x[token] * p.repetition_penalty
+    for token in set(state.output_token_ids):
+        x[token] -= p.frequency_penalty * state.output_token_ids.count(token) + p.presence_penalty
+    return x
+
+
+def _reference_probs(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """Temperature, top-k (ties at the cut kept), top-p (the smallest set of the most likely
+    tokens holding at least top_p), min-p, written out with sorted Python lists."""
+    p = state.params
+    x = _reference_logits(row, state) / p.temperature
+    vocab = x.numel()
+    keep = set(range(vocab))
+    if 0 < p.top_k < vocab:
+        kth = sorted(x.tolist(), reverse=True)[p.top_k - 1]
+        keep = {t for t in keep if x[t] >= kth}
+    if p.top_p < 1.0:
+        probs = torch.softmax(x.masked_fill(~_mask(keep, vocab), float("-inf")), -1)
+        mass, kept = 0.0, set()
+        for t in sorted(keep, key=lambda t: -probs[t].item()):
+            if mass >= p.top_p:
+                break
+            kept.add(t)
+            mass += probs[t].item()
+        keep = kept
+    probs = torch.softmax(x.masked_fill(~_mask(keep, vocab), float("-inf")), -1)
+    if p.min_p > 0.0:
+        floor = p.min_p * probs.max().item()
+        keep = {t for t in keep if probs[t] >= floor}
+        probs = torch.softmax(x.masked_fill(~_mask(keep, vocab), float("-inf")), -1)
+    return probs
+
+
+def _mask(keep: set[int], vocab: int) -> torch.Tensor:
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[list(keep)] = True
+    return mask
+
+
+_PROCESSOR_CASES = [
+    dict(logit_bias={0: 5.0, 7: -100.0, 31: 0.5}),
+    dict(repetition_penalty=1.7),
+    dict(repetition_penalty=0.6),
+    dict(frequency_penalty=0.8),
+    dict(frequency_penalty=-1.5),
+    dict(presence_penalty=1.2),
+    dict(presence_penalty=-0.7),
+    dict(temperature=0.35),
+    dict(temperature=2.5),
+    dict(top_k=5),
+    dict(top_k=1),
+    dict(top_p=0.6),
+    dict(top_p=0.05),
+    dict(min_p=0.2),
+    dict(top_k=12, top_p=0.8, min_p=0.05, temperature=0.9, repetition_penalty=1.3, frequency_penalty=0.4,
+         presence_penalty=0.3, logit_bias={3: 2.0, 4: -3.0}),
+]
+
+
+@pytest.mark.parametrize("settings", _PROCESSOR_CASES, ids=lambda s: "+".join(s))
+def test_each_processor_matches_the_reference(settings: dict) -> None:
+    vocab = 32
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(21)) * 2
+    gen = torch.Generator().manual_seed(22)
+    states = []
+    for i in range(6):
+        prompt = torch.randint(vocab, (5,), generator=gen).tolist()
+        output = torch.randint(vocab, (i * 2,), generator=gen).tolist()
+        states.append(_state(prompt=prompt, output=output, seed=i, **settings))
+    # Every row in one batch, next to rows with other settings, as the engine batches them.
+    neighbours = [_state(seed=9, temperature=0.0, output=[1, 1]), _state(seed=8, top_k=3, output=[2])]
+    batch = torch.cat([logits, torch.randn(2, vocab, generator=gen)])
+    processed = processed_logits(batch, states + neighbours)
+    probs = target_probs(batch, states + neighbours)
+    for i, state in enumerate(states):
+        torch.testing.assert_close(processed[i].double(), _reference_logits(logits[i], state), atol=1e-5, rtol=1e-5)
+        if state.params.greedy:
+            continue
+        reference = _reference_probs(logits[i], state)
+        # The same support (a -100 bias leaves float64 a mass float32 rounds to zero).
+        assert torch.equal(probs[i] > 1e-30, reference > 1e-30), (i, probs[i], reference)
+        torch.testing.assert_close(probs[i].double(), reference, atol=1e-5, rtol=1e-4)
+
+
+def test_logit_bias_steers_greedy_and_sampled_rows() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    assert sample(logits, [_state(temperature=0, logit_bias={3: 3.5})])[0].token_id == 3
+    # -100 makes a token practically impossible, +100 practically certain.
+    assert set(_draw(logits[0], 500, logit_bias={0: -100.0})) == {1, 2, 3}
+    assert set(_draw(logits[0], 500, logit_bias={2: 100.0})) == {2}
+    # Logprobs stay those of the raw logits (the bias changes the choice, not the report).
+    out = sample(logits, [_state(temperature=0, logit_bias={3: 3.5}, logprobs=1)])[0]
+    assert out.logprob.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[3].item(), abs=1e-6)
+
+
+# ---- sampling statistics ----------------------------------------------------------------------
+
+
+def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of ``counts`` against ``probs`` (zero-probability
+    tokens must not occur at all)."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token outside the target's support was drawn"
+    n = counts.sum()
+    expected = probs[support] * n
+    stat = ((counts[support] - expected) ** 2 / expected).sum()
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+_DISTRIBUTION_CASES = {
+    "temperature": (dict(temperature=0.7), dict(temperature=1.0)),
+    "top_k": (dict(temperature=1.5, top_k=4), dict(temperature=1.5)),
+    "top_p": (dict(top_p=0.8), dict(top_p=1.0)),
+    "min_p": (dict(min_p=0.15), dict()),
+    "penalties": (dict(frequency_penalty=0.9, presence_penalty=0.4, repetition_penalty=1.3),
+                  dict(frequency_penalty=0.9, presence_penalty=0.4)),
+    "logit_bias": (dict(logit_bias={2: 1.0, 5: -2.0}), dict(logit_bias={2: 1.0})),
+}
+
+
+@pytest.mark.parametrize("case", list(_DISTRIBUTION_CASES))
+def test_sampled_frequencies_pass_a_chi_square_test_that_a_wrong_target_fails(case: str) -> None:
+    """20,000 draws over 8 tokens: each from its own seed and position, as requests draw them.
+    The counts fit the target distribution (p > 0.001) and fail a nearby wrong one (p < 1e-6)."""
+    settings, wrong = _DISTRIBUTION_CASES[case]
+    vocab, seeds, positions = 8, 400, 50
+    logits = torch.tensor([1.2, 0.3, -0.4, 0.9, -1.0, 0.1, 0.6, -0.2])
+    prompt, history = [3, 6], [0, 0, 3, 1]
+
+    def states(params: dict, seed: int, position: int) -> SamplingState:
+        # The output so far: the same penalized history, then padding to reach the position.
+        return _state(prompt=prompt, output=history + [7] * position, seed=seed, **params)
+
+    counts = torch.zeros(vocab, dtype=torch.float64)
+    for position in range(positions):
+        batch = [states(settings, seed, position) for seed in range(seeds)]
+        tokens = torch.tensor([t.token_id for t in sample(logits.expand(seeds, -1), batch)])
+        counts += torch.bincount(tokens, minlength=vocab).double()
+    # The penalties see the padding tokens too, so the target changes with the position: average it.
+    target = torch.stack([target_probs(logits.unsqueeze(0), [states(settings, 0, p)])[0] for p in range(positions)])
+    target = target.double().mean(0)
+    reference = torch.stack([_reference_probs(logits, states(settings, 0, p)) for p in range(positions)]).mean(0)
+    torch.testing.assert_close(target, reference, atol=1e-6, rtol=1e-5)
+    assert _chi_square_p_value(counts, target) > 1e-3
+    wrong_target = torch.stack([_reference_probs(logits, states(wrong, 0, p)) for p in range(positions)]).mean(0)
+    assert _chi_square_p_value(counts, wrong_target) < 1e-6

@@ -1,77 +1,199 @@
 """Turns a batch of next-token logits into tokens, one request's sampling settings per row.
 
-Order of operations (vLLM's): logprobs from the raw logits; then repetition, frequency and
-presence penalties; then greedy rows take the argmax, and the other rows are scaled by their
-temperature, cut by top-k, top-p and min-p, and drawn with the exponential race
-``argmax(probs / q)``, ``q ~ Exp(1)`` drawn from the request's own CPU generator. A CPU generator
-makes a seeded request give the same tokens on any device and lets a prefill node hand the
-generator's state to a decode node.
+Everything runs as batched tensor ops on the logits' device; the host only packs each row's
+settings into two small tensors and reads back one tensor per step (the ids, plus logprobs when a
+row asks for them).
+
+Order of operations (vLLM's): logprobs from the raw logits; then logit_bias; then repetition,
+frequency and presence penalties; then greedy rows take the argmax, and the other rows are scaled
+by their temperature, cut by top-k, top-p and min-p, and drawn by inverse transform: one uniform
+``u`` per row picks the first token whose cumulative probability exceeds ``u`` (in vocabulary
+order, so a row's token does not depend on the rest of the batch).
+
+The uniform is counter-based: a hash of (the request's seed, the output position), computed with
+exact int64 tensor ops (32-bit lanes, no overflow), so CPU and CUDA give the same bits. A seeded
+request therefore draws the same stream on a prefill node, a decode node and after a retry, with
+no generator state to ship: a node only needs the seed and how many tokens came before.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
-import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import torch
 
-from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.protocol import TokenLogprob
+from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 #: Temperatures below this are treated as greedy (dividing by them would overflow).
 _MIN_TEMPERATURE = 1e-5
-#: Noise for fewer rows than this is drawn on the calling thread.
-_PARALLEL_NOISE_MIN_ROWS = 4
-_noise_pool: ThreadPoolExecutor | None = None
+
+# ---- the counter-based random stream ------------------------------------------------------
+
+_MASK32 = 0xFFFFFFFF
+#: Odd multipliers as signed 32-bit values, so ``x * c`` of a 32-bit ``x`` never leaves int64.
+_FMIX_C1 = 0x85EBCA6B - 2**32
+_FMIX_C2 = 0xC2B2AE35 - 2**32
+_GOLDEN = 0x9E3779B1 - 2**32
+_SEED_SALT = 0x243F6A88
+
+Int = TypeVar("Int", int, torch.Tensor)
+
+
+def _mul32(x: Int, c: int) -> Int:
+    """``x * c mod 2**32`` for ``0 <= x < 2**32`` and ``|c| < 2**31`` (Python int or int64 tensor)."""
+    return (x * c) & _MASK32
+
+
+def _fmix32(h: Int) -> Int:
+    """MurmurHash3's finalizer: a bijection of 32-bit values that mixes every bit into every bit."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, _FMIX_C1)
+    h = h ^ (h >> 13)
+    h = _mul32(h, _FMIX_C2)
+    return h ^ (h >> 16)
+
+
+def stream_key(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of a seed's stream (computed once per request, on the host)."""
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+    k0 = _fmix32(lo ^ _fmix32(hi ^ _SEED_SALT))
+    k1 = _fmix32(hi ^ _fmix32(k0 ^ _SEED_SALT))
+    return k0, k1
+
+
+def random_bits(k0: Int, k1: Int, position: Int) -> Int:
+    """32 random bits for output ``position`` of the stream keyed ``(k0, k1)``.
+
+    The same arithmetic on Python ints and on int64 tensors (any device) gives the same bits.
+    """
+    h = _fmix32(k0 ^ _mul32(position & _MASK32, _GOLDEN))
+    return _fmix32(h ^ k1)
+
+
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in [0, 1) from 32-bit values (their top 24 bits: exact in float32)."""
+    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+# ---- per-request state --------------------------------------------------------------------
 
 
 @dataclass
 class SamplingState:
-    """One request's sampling settings, its random stream and the tokens penalties look at."""
+    """One request's sampling settings, its random stream's seed and the tokens penalties see."""
 
     params: SamplingParams
-    generator: torch.Generator
+    seed: int
     prompt_token_ids: list[int]
     output_token_ids: list[int] = field(default_factory=list)
-    # Unique prompt ids as a tensor, built once: prompts do not change.
+    key: tuple[int, int] = field(init=False)
+    # Built once: prompts and biases do not change.
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.key = stream_key(self.seed)
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: list[int]) -> "SamplingState":
-        """A state seeded from ``params.seed``, or from a fresh random seed when it is None."""
-        generator = torch.Generator(device="cpu")
-        generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
-        return cls(params=params, generator=generator, prompt_token_ids=list(prompt_token_ids))
-
-    def export_rng(self) -> str:
-        """The generator's state as base64 text, to continue the same stream elsewhere."""
-        return base64.b64encode(self.generator.get_state().numpy().tobytes()).decode("ascii")
-
-    def restore_rng(self, state: str) -> None:
-        """Continue the stream that :meth:`export_rng` saved; raises ValueError if malformed."""
-        try:
-            raw = base64.b64decode(state.encode("ascii"), validate=True)
-            self.generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        except (ValueError, RuntimeError) as exc:
-            raise ValueError(f"invalid generator state: {exc}") from exc
+        """A state on ``params.seed``'s stream, or on a fresh random seed when it is None
+        (the master picks one for every request, so only offline use lands here)."""
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        return cls(params=params, seed=seed, prompt_token_ids=list(prompt_token_ids))
 
     def prompt_ids_tensor(self) -> torch.Tensor:
         if self._prompt_ids is None:
             self._prompt_ids = torch.tensor(sorted(set(self.prompt_token_ids)), dtype=torch.int64)
         return self._prompt_ids
 
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, values) of ``params.logit_bias`` (CPU)."""
+        if self._bias is None:
+            bias = self.params.logit_bias or {}
+            self._bias = (torch.tensor(list(bias), dtype=torch.int64),
+                          torch.tensor(list(bias.values()), dtype=torch.float32))
+        return self._bias
+
 
 @dataclass
 class SampledToken:
     token_id: int
     logprob: TokenLogprob | None = None
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.greedy or params.temperature < _MIN_TEMPERATURE
+
+
+# ---- the batch -----------------------------------------------------------------------------
+
+# Columns of the per-row float settings.
+_TEMP, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(6)
+# Columns of the per-row integer settings.
+_K0, _K1, _POS, _TOP_K, _GREEDY = range(5)
+
+
+@dataclass
+class _Batch:
+    """What ``sample`` needs to know about the rows, gathered in one pass over the states."""
+
+    floats: torch.Tensor  # [B, 6] on the device
+    ints: torch.Tensor  # [B, 5] on the device
+    any_random: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+    max_top_k: int
+    bias_rows: list[int]
+    rep_rows: list[int]
+    count_rows: list[int]
+    logprob_rows: list[int]
+    max_logprobs: int
+
+
+def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -> _Batch:
+    floats: list[tuple[float, ...]] = []
+    ints: list[tuple[int, ...]] = []
+    bias_rows, rep_rows, count_rows, logprob_rows = [], [], [], []
+    any_random = use_top_p = use_min_p = False
+    max_top_k = 0
+    max_logprobs = 0
+    for i, s in enumerate(states):
+        p = s.params
+        greedy = is_greedy(p)
+        top_k = p.top_k if 0 < p.top_k < vocab and not greedy else vocab
+        top_p = p.top_p if not greedy else 1.0
+        min_p = p.min_p if not greedy else 0.0
+        floats.append((1.0 if greedy else p.temperature, top_p, min_p,
+                       p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+        ints.append((s.key[0], s.key[1], len(s.output_token_ids), top_k, int(greedy)))
+        any_random |= not greedy
+        use_top_p |= top_p < 1.0
+        use_min_p |= min_p > 0.0
+        if top_k < vocab:
+            max_top_k = max(max_top_k, top_k)
+        if p.logit_bias:
+            bias_rows.append(i)
+        if p.repetition_penalty != 1.0:
+            rep_rows.append(i)
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_token_ids:
+            count_rows.append(i)
+        if p.logprobs is not None:
+            logprob_rows.append(i)
+            max_logprobs = max(max_logprobs, p.logprobs)
+    return _Batch(
+        floats=torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True),
+        ints=torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True),
+        any_random=any_random, use_top_k=max_top_k > 0, use_top_p=use_top_p, use_min_p=use_min_p,
+        max_top_k=max_top_k, bias_rows=bias_rows, rep_rows=rep_rows, count_rows=count_rows,
+        logprob_rows=logprob_rows, max_logprobs=max_logprobs,
+    )
 
 
 def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
@@ -85,168 +207,159 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> list[Sample
     if batch == 0:
         return []
     device = logits.device
+    rows = _gather(states, vocab, device)
     x = logits.to(torch.float32, copy=True)
 
-    logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
-    logprobs = torch.log_softmax(x[logprob_rows], dim=-1) if logprob_rows else None
+    logprobs = None
+    if rows.logprob_rows:
+        index = torch.tensor(rows.logprob_rows, device=device)
+        logprobs = torch.log_softmax(x.index_select(0, index), dim=-1)
 
-    _apply_penalties(x, states)
+    apply_logit_bias(x, states, rows.bias_rows)
+    apply_penalties(x, states, rows.floats, rows.rep_rows, rows.count_rows)
 
-    tokens = torch.empty(batch, dtype=torch.int64, device=device)
-    greedy_rows = [i for i, s in enumerate(states) if _is_greedy(s.params)]
-    random_rows = [i for i, s in enumerate(states) if not _is_greedy(s.params)]
-    if greedy_rows:
-        rows = torch.tensor(greedy_rows, device=device)
-        tokens[rows] = x[rows].argmax(dim=-1)
-    if random_rows:
-        rows = torch.tensor(random_rows, device=device)
-        tokens[rows] = _sample_random(x[rows], [states[i] for i in random_rows])
-
-    if logprobs is None:
-        return [SampledToken(token_id=t) for t in tokens.tolist()]
-    return _with_logprobs(tokens, logprobs, logprob_rows, states)
+    tokens = x.argmax(dim=-1)
+    if rows.any_random:
+        sampled = _sample_random(x, rows)
+        tokens = torch.where(rows.ints[:, _GREEDY].bool(), tokens, sampled)
+    return _to_host(tokens, logprobs, rows, states)
 
 
-def _is_greedy(params: SamplingParams) -> bool:
-    return params.greedy or params.temperature < _MIN_TEMPERATURE
-
-
-def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    """Repetition (HF-style, prompt + output) and frequency/presence (OpenAI-style, output)."""
+def apply_logit_bias(x: torch.Tensor, states: Sequence[SamplingState], bias_rows: list[int]) -> None:
+    """Add each row's logit_bias to its logits, in place (one scatter for the batch)."""
+    if not bias_rows:
+        return
     vocab = x.shape[1]
+    ids, values = zip(*(states[i].bias_tensors() for i in bias_rows))
+    flat = torch.cat([i * vocab + t for i, t in zip(bias_rows, ids)]).to(x.device, non_blocking=True)
+    x.view(-1).index_add_(0, flat, torch.cat(values).to(x.device, non_blocking=True))
+
+
+def apply_penalties(
+    x: torch.Tensor, states: Sequence[SamplingState], floats: torch.Tensor, rep_rows: list[int], count_rows: list[int]
+) -> None:
+    """Repetition (HF-style, over prompt + output) and frequency/presence (OpenAI-style, over the
+    output), in place; ``floats`` holds each row's settings on ``x``'s device."""
+    batch, vocab = x.shape
     device = x.device
-    rep_rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
     if rep_rows:
-        seen = torch.zeros(len(rep_rows), vocab, dtype=torch.bool)
-        for j, i in enumerate(rep_rows):
-            seen[j, states[i].prompt_ids_tensor()] = True
-            seen[j, torch.tensor(states[i].output_token_ids, dtype=torch.int64)] = True
-        rows = torch.tensor(rep_rows, device=device)
-        penalty = torch.tensor(
-            [states[i].params.repetition_penalty for i in rep_rows], device=device
-        ).unsqueeze(1)
-        sub = x[rows]
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        x[rows] = torch.where(seen.to(device), penalized, sub)
-
-    count_rows = [
-        i
-        for i, s in enumerate(states)
-        if (s.params.frequency_penalty != 0.0 or s.params.presence_penalty != 0.0)
-        and s.output_token_ids
-    ]
+        flat = torch.cat([
+            torch.cat((states[i].prompt_ids_tensor(), torch.tensor(states[i].output_token_ids, dtype=torch.int64)))
+            + i * vocab
+            for i in rep_rows
+        ]).to(device, non_blocking=True)
+        seen = torch.zeros(batch * vocab, dtype=torch.bool, device=device)
+        seen[flat] = True
+        penalty = floats[:, _REP : _REP + 1]
+        penalized = torch.where(x > 0, x / penalty, x * penalty)
+        torch.where(seen.view(batch, vocab), penalized, x, out=x)
     if count_rows:
-        ids = [torch.tensor(states[i].output_token_ids, dtype=torch.int64) for i in count_rows]
-        flat = torch.cat([j * vocab + t for j, t in enumerate(ids)])
-        counts = torch.bincount(flat.to(device), minlength=len(count_rows) * vocab)
-        counts = counts.view(len(count_rows), vocab).to(torch.float32)
-        freq = torch.tensor([states[i].params.frequency_penalty for i in count_rows], device=device)
-        pres = torch.tensor([states[i].params.presence_penalty for i in count_rows], device=device)
-        rows = torch.tensor(count_rows, device=device)
-        x[rows] -= freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0).to(torch.float32)
+        flat = torch.cat([
+            torch.tensor(states[i].output_token_ids, dtype=torch.int64) + i * vocab for i in count_rows
+        ]).to(device, non_blocking=True)
+        counts = torch.bincount(flat, minlength=batch * vocab).view(batch, vocab).to(torch.float32)
+        x -= floats[:, _FREQ : _FREQ + 1] * counts + floats[:, _PRES : _PRES + 1] * (counts > 0).to(torch.float32)
 
 
-def _sample_random(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then the exponential race, for rows ``x`` ``[R, V]``."""
-    rows, vocab = x.shape
-    device = x.device
-    temperature = torch.tensor([s.params.temperature for s in states], device=device)
-    x = x / temperature.unsqueeze(1)
+def _sample_random(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
+    """The inverse-transform draw from each row's filtered distribution (greedy rows run with
+    neutral settings and are replaced by the caller)."""
+    bits = random_bits(rows.ints[:, _K0], rows.ints[:, _K1], rows.ints[:, _POS])
+    return inverse_transform(_filtered_probs(x, rows), uniform(bits))
 
-    top_k = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in states]
-    top_p = [s.params.top_p for s in states]
-    use_k = any(k < vocab for k in top_k)
-    use_p = any(p < 1.0 for p in top_p)
-    if use_p:
-        x = _top_k_top_p(x, top_k if use_k else None, top_p)
-    elif use_k:
-        x = _top_k(x, top_k)
 
-    min_p = [s.params.min_p for s in states]
-    if any(m > 0.0 for m in min_p):
-        probs = torch.softmax(x, dim=-1)
-        floor = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-        x = x.masked_fill(probs < floor, float("-inf"))
-
+def _filtered_probs(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p: the distribution a row draws from."""
+    x = x / rows.floats[:, _TEMP : _TEMP + 1]
+    top_k = rows.ints[:, _TOP_K : _TOP_K + 1]
+    if rows.use_top_p:
+        x = top_k_top_p(x, top_k if rows.use_top_k else None, rows.floats[:, _TOP_P : _TOP_P + 1])
+    elif rows.use_top_k:
+        x = top_k_only(x, top_k, rows.max_top_k)
     probs = torch.softmax(x, dim=-1)
-    q = _exponential_noise(states, vocab).to(device, non_blocking=True)
-    # Filtered tokens have probability exactly 0, so 0 / q = 0 never beats the kept top token.
-    return (probs / q).argmax(dim=-1)
+    if rows.use_min_p:
+        floor = rows.floats[:, _MIN_P : _MIN_P + 1] * probs.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(x.masked_fill(probs < floor, float("-inf")), dim=-1)
+    return probs
 
 
-def _top_k(x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keep logits at least the k-th largest of their row (ties at the cut are kept)."""
-    k = torch.tensor(top_k, device=x.device).unsqueeze(1)
-    values = x.topk(max(top_k), dim=-1).values
-    kth = values.gather(1, k - 1)
-    return x.masked_fill(x < kth, float("-inf"))
+def processed_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """The logits after logit_bias and penalties: what a greedy row takes the argmax of."""
+    rows = _gather(states, logits.shape[1], logits.device)
+    x = logits.to(torch.float32, copy=True)
+    apply_logit_bias(x, states, rows.bias_rows)
+    apply_penalties(x, states, rows.floats, rows.rep_rows, rows.count_rows)
+    return x
 
 
-def _top_k_top_p(x: torch.Tensor, top_k: list[int] | None, top_p: list[float]) -> torch.Tensor:
-    """Top-k then nucleus over one ascending sort; the top token always survives."""
+def target_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """The distribution each non-greedy row of :func:`sample` draws its token from."""
+    rows = _gather(states, logits.shape[1], logits.device)
+    return _filtered_probs(processed_logits(logits, states), rows)
+
+
+def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds ``u * total``: token ``i``
+    is drawn with probability ``probs[i] / total``, and a zero-probability token never is."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    drawn = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
+    # u * total may round up to total; the first index reaching total holds the last mass.
+    last = torch.searchsorted(cdf, total, right=False)
+    return torch.minimum(drawn, last).squeeze(1)
+
+
+def top_k_only(x: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
+    """Keep logits at least the k-th largest of their row (ties at the cut are kept);
+    ``top_k`` ``[B, 1]``, equal to the vocabulary size for rows without a cut."""
     vocab = x.shape[1]
-    device = x.device
+    values = x.topk(max_k, dim=-1).values
+    kth = values.gather(1, (top_k.clamp(max=max_k) - 1))
+    return x.masked_fill((x < kth) & (top_k < vocab), float("-inf"))
+
+
+def top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then nucleus over one ascending sort; the top token always survives.
+    ``top_k`` ``[B, 1]`` (the vocabulary size: no cut) or None; ``top_p`` ``[B, 1]``."""
+    vocab = x.shape[1]
     sorted_x, order = x.sort(dim=-1)
     if top_k is not None:
-        k = torch.tensor(top_k, device=device).unsqueeze(1)
-        kth = sorted_x.gather(1, vocab - k)
+        kth = sorted_x.gather(1, vocab - top_k)
         sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    p = torch.tensor(top_p, device=device).unsqueeze(1)
     cumulative = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
     # Drop a token when the tokens above it already hold at least top_p of the mass.
-    drop = (cumulative <= 1.0 - p) & (p < 1.0)
+    drop = (cumulative <= 1.0 - top_p) & (top_p < 1.0)
     drop[:, -1] = False
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 
 
-def _exponential_noise(states: Sequence[SamplingState], vocab: int) -> torch.Tensor:
-    """``[R, V]`` Exp(1) draws on the CPU, row r from ``states[r].generator``.
-
-    Rows use separate generators, so large batches fill them on a few threads (torch releases
-    the GIL), which keeps this off the critical path for big vocabularies.
-    """
-    noise = torch.empty(len(states), vocab, dtype=torch.float32)
-
-    def fill(row: int) -> None:
-        noise[row].exponential_(generator=states[row].generator)
-
-    if len(states) < _PARALLEL_NOISE_MIN_ROWS:
-        for row in range(len(states)):
-            fill(row)
-    else:
-        list(_get_noise_pool().map(fill, range(len(states))))
-    # exponential_ may return 0; keep the division finite (0 / 0 would be NaN and win argmax).
-    return noise.clamp_(min=torch.finfo(torch.float32).tiny)
-
-
-def _get_noise_pool() -> ThreadPoolExecutor:
-    global _noise_pool
-    if _noise_pool is None:
-        workers = max(1, min(8, (os.cpu_count() or 1) // 2))
-        _noise_pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sampler-noise")
-    return _noise_pool
-
-
-def _with_logprobs(
-    tokens: torch.Tensor,
-    logprobs: torch.Tensor,
-    logprob_rows: list[int],
-    states: Sequence[SamplingState],
+def _to_host(
+    tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: _Batch, states: Sequence[SamplingState]
 ) -> list[SampledToken]:
-    """Attach the chosen token's logprob and the row's top-N (N = params.logprobs)."""
-    rows = torch.tensor(logprob_rows, device=tokens.device)
-    chosen = logprobs.gather(1, tokens[rows].unsqueeze(1)).squeeze(1)
-    max_n = max(states[i].params.logprobs or 0 for i in logprob_rows)
-    if max_n > 0:
-        top = logprobs.topk(min(max_n, logprobs.shape[1]), dim=-1)
-        top_values, top_ids = top.values.cpu().tolist(), top.indices.cpu().tolist()
-    token_list = tokens.tolist()
-    chosen_list = chosen.cpu().tolist()
+    """One device-to-host copy: the ids, then (for logprob rows) the chosen token's logprob and
+    the top-N values and ids (N = params.logprobs)."""
+    batch = tokens.shape[0]
+    if logprobs is None:
+        return [SampledToken(token_id=t) for t in tokens.tolist()]
+    index = torch.tensor(rows.logprob_rows, device=tokens.device)
+    chosen = logprobs.gather(1, tokens.index_select(0, index).unsqueeze(1))
+    parts = [tokens.to(torch.float64), chosen.to(torch.float64).flatten()]
+    n_top = min(rows.max_logprobs, logprobs.shape[1])
+    if n_top > 0:
+        top = logprobs.topk(n_top, dim=-1)
+        parts += [top.values.to(torch.float64).flatten(), top.indices.to(torch.float64).flatten()]
+    flat = torch.cat(parts).tolist()
+    token_list = [int(t) for t in flat[:batch]]
+    n_rows = len(rows.logprob_rows)
+    chosen_list = flat[batch : batch + n_rows]
+    top_values = flat[batch + n_rows : batch + n_rows + n_rows * n_top]
+    top_ids = flat[batch + n_rows + n_rows * n_top :]
 
     out = [SampledToken(token_id=t) for t in token_list]
-    for j, i in enumerate(logprob_rows):
-        n = states[i].params.logprobs or 0
-        top_n = dict(zip(top_ids[j][:n], top_values[j][:n])) if n > 0 else {}
+    for j, i in enumerate(rows.logprob_rows):
+        n = min(states[i].params.logprobs or 0, n_top)
+        start = j * n_top
+        top_n = {int(t): v for t, v in zip(top_ids[start : start + n], top_values[start : start + n])}
         out[i].logprob = TokenLogprob(token_id=token_list[i], logprob=chosen_list[j], top=top_n)
     return out
