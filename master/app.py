@@ -18,6 +18,7 @@ from master.context import MasterContext
 from master.errors import install_error_handlers
 from master.metrics import MasterMetrics, status_of_http
 from master.model_info import ModelInfo, read_model_info
+from master.node_metrics import NodeCollector
 from master.node_ws import node_socket
 from master.registry import CLOSE_GOING_AWAY, Registry
 from master.relay import Relay
@@ -74,6 +75,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
     metrics = MasterMetrics()
     registry = Registry(metrics, model, settings.node_outbox_frames)
     relay = Relay(registry, make_policy(settings.policy), metrics, settings)
+    metrics.registry.register(NodeCollector(registry))
     request_log = RequestLog(registry, settings.policy)
     relay.on_end.append(request_log.record)
     ctx = MasterContext(settings=settings, metrics=metrics, registry=registry, relay=relay, tokenizer=tok, model=model,
