@@ -105,7 +105,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _node_args(p: argparse.ArgumentParser, role: str) -> None:
-    p.add_argument("--master", required=True, help="the master's HTTP address, e.g. http://127.0.0.1:8000")
+    p.add_argument("--master", required=True,
+                   help="the master's HTTP address, e.g. http://127.0.0.1:8000; several masters: comma-separated "
+                        "(the node registers with each)")
     p.add_argument("--node-id", default=None, help="unique node name (default: host-pid)")
     p.add_argument("--status-host", default="127.0.0.1", help="bind address of the status server (--status-port)")
     p.add_argument("--status-port", type=int, default=0, help="serve /livez, /readyz, /drain here (0: off)")

@@ -575,7 +575,7 @@ def test_upgrade_scales_nodes_and_keeps_generated_tokens(helm: Helm) -> None:
     deployments = helm.api.objects("deployments")
     assert deployments["keep-pd-cluster-decode"]["spec"]["replicas"] == 3
     assert deployments["keep-pd-cluster-prefill"]["spec"]["replicas"] == 2
-    assert deployments["keep-pd-cluster-master"]["spec"]["replicas"] == 1
+    assert deployments["keep-pd-cluster-master"]["spec"]["replicas"] == 2
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 5), (0, 0)])
@@ -584,8 +584,20 @@ def test_replica_counts_come_from_values(helm: Helm, prefill: int, decode: int) 
     assert release.deployment("prefill")["spec"]["replicas"] == prefill
     assert release.deployment("decode")["spec"]["replicas"] == decode
     master = release.deployment("master")["spec"]
-    assert master["replicas"] == 1
-    assert master["strategy"] == {"type": "Recreate"}
+    assert master["replicas"] == 2
+    assert master["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 1}}
+
+
+def test_masters_are_peers_behind_a_headless_control_service(helm: Helm) -> None:
+    release = helm.install({"master": {"replicas": 3}})
+    assert release.deployment("master")["spec"]["replicas"] == 3
+    control = release.one("Service", "-control")["spec"]
+    # Its name resolves to every master pod: a node registers with each.
+    assert control["clusterIP"] == "None" and control["publishNotReadyAddresses"] is True
+    (api,) = [s for s in release.kinds("Service") if s["metadata"]["labels"].get("pd-cluster/service") == "api"]
+    assert api["spec"].get("clusterIP") != "None"  # clients reach one ready master through one address
+    single = helm.install({"master": {"replicas": 1}}, name="single").deployment("master")["spec"]
+    assert single["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
 
 
 @pytest.mark.parametrize("role", NODE_ROLES)

@@ -1,13 +1,20 @@
-"""A node's link to the master: dial the websocket, register, report status, relay messages.
+"""A node's links to its masters: dial each one's websocket, register, report status, relay messages.
 
-The link reconnects (with backoff) when the master restarts or the socket drops, and
-re-registers; a refusal that cannot change (wrong model, wrong token) stops the node.
+A node registers with every master it is given (a list of URLs, or a DNS name that resolves to
+several addresses), so any master can route to it. Each link reconnects when its master restarts
+or the socket drops, with a short first delay and a capped, jittered backoff (a restarted master
+is found again within about a second), and re-registers; a refusal that cannot change (wrong
+model, wrong token) stops the node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import random
+import socket
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -59,11 +66,14 @@ class NodeAgent:
         status: StatusSource,
         on_message: MessageHandler,
         *,
-        reconnect_s: float = 1.0,
-        max_backoff_s: float = 10.0,
+        reconnect_s: float = 0.1,
+        max_backoff_s: float = 1.0,
         outbox_size: int = 65536,
+        on_link_change: Callable[[], None] | None = None,
     ) -> None:
         self.url = node_ws_url(master)
+        #: Told when the link registers or drops (the node's view over all its masters).
+        self._on_link_change = on_link_change
         self._token = token
         self.register_msg = register
         self._status = status
@@ -104,14 +114,21 @@ class NodeAgent:
                 logger.warning("master at %s unreachable: %s", self.url, e or type(e).__name__)
             except Exception as e:  # websockets' own errors: closed, invalid status...
                 logger.warning("link to the master dropped: %s", e or type(e).__name__)
-            self.registered.clear()
+            if self.registered.is_set():
+                self.registered.clear()
+                self._link_changed()
             if self._closing:
                 break
             try:
-                await wait_for(self.stopped.wait(), backoff)
+                # Jitter: many nodes that lost one master do not knock on it in step.
+                await wait_for(self.stopped.wait(), backoff * random.uniform(0.5, 1.0))
             except asyncio.TimeoutError:
                 pass
             backoff = min(backoff * 2, self._max_backoff_s)
+
+    def _link_changed(self) -> None:
+        if self._on_link_change is not None:
+            self._on_link_change()
 
     async def _session(self) -> None:
         from websockets.asyncio.client import connect
@@ -120,7 +137,7 @@ class NodeAgent:
         headers = {"Authorization": f"Bearer {self._token}"}
         async with connect(
             self.url, additional_headers=headers, max_size=protocol.MAX_MESSAGE_BYTES + 65536,
-            open_timeout=10, ping_interval=20, ping_timeout=20, close_timeout=5,
+            open_timeout=5, ping_interval=20, ping_timeout=20, close_timeout=5,
         ) as ws:
             try:
                 await ws.send(protocol.encode(self.register_msg))
@@ -139,6 +156,7 @@ class NodeAgent:
             logger.info("registered with the master at %s as %s (%s)", self.url, self.register_msg.node_id,
                         self.register_msg.role)
             self.registered.set()
+            self._link_changed()
             tasks = [asyncio.create_task(self._sender(ws)), asyncio.create_task(self._receiver(ws)),
                      asyncio.create_task(self._reporter())]
             stop = asyncio.create_task(self.stopped.wait())
@@ -174,6 +192,7 @@ class NodeAgent:
             await asyncio.sleep(protocol.STATUS_INTERVAL_S)
 
     async def _receiver(self, ws) -> None:
+        """Hand each frame from the master to the node, in order."""
         async for frame in ws:
             try:
                 message = protocol.parse_master_message(frame)
@@ -185,3 +204,156 @@ class NodeAgent:
                 await self._on_message(message)
             except Exception:
                 logger.exception("handling %s from the master failed", message.type)
+
+
+def master_urls(masters: str | list[str]) -> list[str]:
+    """The masters a node was given: a list, or one string of comma-separated URLs."""
+    items = masters.split(",") if isinstance(masters, str) else masters
+    urls = list(dict.fromkeys(item.strip() for item in items if item.strip()))
+    if not urls:
+        raise ValueError("no master URL given")
+    return urls
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class MasterLinks:
+    """One :class:`NodeAgent` per master, behind the interface of one.
+
+    Frames of a request go to the master that sent its job when the node knows it (a prefill
+    node does), else to every master: a master drops frames of requests it does not own.
+    Status and KV events go to every master, so each holds the whole routing view. A name that
+    resolves to several addresses (a headless Kubernetes Service) is a master per address,
+    re-resolved every ``resolve_every_s`` so that a master restarted on a new address is found.
+    """
+
+    def __init__(
+        self,
+        masters: str | list[str],
+        token: str,
+        register: protocol.Register,
+        status: StatusSource,
+        on_message: MessageHandler,
+        *,
+        reconnect_s: float = 0.1,
+        max_backoff_s: float = 1.0,
+        resolve_every_s: float = 2.0,
+    ) -> None:
+        self.masters = master_urls(masters)
+        self._token = token
+        self.register_msg = register
+        self._status = status
+        self._on_message = on_message
+        self._reconnect_s = reconnect_s
+        self._max_backoff_s = max_backoff_s
+        self._resolve_every_s = resolve_every_s
+        self.agents: dict[str, NodeAgent] = {}
+        self._tasks: dict[str, asyncio.Task] = {}
+        #: Request id -> the link its job came on (bounded: a job's last frame is not always known).
+        self._owner: OrderedDict[str, NodeAgent] = OrderedDict()
+        self.registered = asyncio.Event()
+        self.stopped = asyncio.Event()
+
+    def send_nowait(self, message: BaseModel) -> None:
+        request_id = getattr(message, "request_id", None)
+        owner = self._owner.get(request_id) if request_id is not None else None
+        if owner is not None and owner.url in self.agents:
+            owner.send_nowait(message)
+            return
+        for agent in list(self.agents.values()):
+            agent.send_nowait(message)
+
+    async def send(self, message: BaseModel) -> None:
+        self.send_nowait(message)
+
+    async def close(self, timeout: float = 10.0) -> None:
+        self.stopped.set()
+        for agent in list(self.agents.values()):
+            await agent.close(timeout)
+
+    def _link_changed(self) -> None:
+        if any(agent.registered.is_set() for agent in self.agents.values()):
+            self.registered.set()
+        else:
+            self.registered.clear()
+
+    def _handler(self, agent: NodeAgent) -> MessageHandler:
+        async def handle(message: BaseModel) -> None:
+            if isinstance(message, protocol.PrefillJob):
+                self._owner[message.request_id] = agent
+                while len(self._owner) > 65536:
+                    self._owner.popitem(last=False)
+            await self._on_message(message)
+
+        return handle
+
+    async def _targets(self) -> set[str]:
+        """The master URLs to hold a link to now (names with several addresses: one per address)."""
+        loop = asyncio.get_running_loop()
+        targets: set[str] = set()
+        for url in self.masters:
+            parts = urlsplit(url if "://" in url else f"http://{url}")
+            host, port = parts.hostname or "", parts.port or (443 if parts.scheme in ("https", "wss") else 80)
+            if not host or _is_ip(host) or host == "localhost":
+                targets.add(url)
+                continue
+            try:
+                infos = await wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), 5.0)
+            except (OSError, asyncio.TimeoutError) as e:
+                logger.warning("cannot resolve master %s: %s", host, e or type(e).__name__)
+                known = {u for u in self.agents if urlsplit(u).port == port}
+                targets.update(known or {url})  # keep the links it had
+                continue
+            addresses = sorted({info[4][0] for info in infos})
+            if len(addresses) <= 1:
+                targets.add(url)
+                continue
+            for address in addresses:
+                netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+                targets.add(urlunsplit((parts.scheme or "http", netloc, "", "", "")))
+        return {node_ws_url(t) for t in targets}
+
+    def _start(self, url: str) -> None:
+        agent = NodeAgent(url, self._token, self.register_msg, self._status, self._on_message,
+                          reconnect_s=self._reconnect_s, max_backoff_s=self._max_backoff_s,
+                          on_link_change=self._link_changed)
+        agent._on_message = self._handler(agent)
+        self.agents[agent.url] = agent
+        self._tasks[agent.url] = asyncio.create_task(agent.run(), name=f"master-link-{agent.url}")
+        logger.info("linking to master %s", agent.url)
+
+    async def run(self) -> None:
+        """Hold a link to every master until :meth:`close`; a final refusal from one raises."""
+        try:
+            while not self.stopped.is_set():
+                targets = await self._targets()
+                for url in sorted(targets - set(self.agents)):
+                    self._start(url)
+                for url in sorted(set(self.agents) - targets):
+                    logger.info("master %s no longer resolves; dropping its link", url)
+                    await self.agents.pop(url).close()
+                    self._tasks.pop(url).cancel()
+                    self._link_changed()
+                stop = asyncio.create_task(self.stopped.wait())
+                done, _ = await asyncio.wait([stop, *self._tasks.values()], timeout=self._resolve_every_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                for url, task in list(self._tasks.items()):
+                    if task in done:
+                        task.result()  # a final refusal propagates
+                        self._tasks.pop(url)
+                        self.agents.pop(url, None)
+        finally:
+            for agent in list(self.agents.values()):
+                await agent.close()
+            tasks = list(self._tasks.values())
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=10)
+                for task in pending:
+                    task.cancel()

@@ -15,7 +15,8 @@ class NodeSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
 
-    master: str = Field(description="the master's HTTP address, e.g. http://127.0.0.1:8000")
+    master: str = Field(description="the masters' HTTP addresses, comma-separated (e.g. http://127.0.0.1:8000); "
+                        "the node registers with each, and with every address of a name that resolves to several")
     node_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{__import__('os').getpid()}",
                          min_length=1, max_length=128)
     cluster_token: SecretStr
@@ -32,4 +33,5 @@ class NodeSettings(BaseSettings):
                                                    "instead of sent through the tensor channel")
     kv_ipc_across_gpus: bool = Field(default=False, description="decode: also share the pool with P on other GPUs "
                                                                 "of this host")
-    reconnect_s: float = Field(default=1.0, gt=0, description="first retry delay after losing the master")
+    reconnect_s: float = Field(default=0.1, gt=0, description="first retry delay after losing a master")
+    max_reconnect_s: float = Field(default=1.0, gt=0, description="longest retry delay (jittered) to a lost master")

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
-from pd_cluster.node.agent import NodeAgent
+from pd_cluster.node.agent import MasterLinks
 from pd_cluster.node.config import NodeSettings
 from pd_cluster.node.lifecycle import NodeLifecycle, serve_status
 
@@ -25,7 +25,7 @@ class NodeRuntime(abc.ABC):
     def __init__(self, settings: NodeSettings) -> None:
         self.settings = settings
         self.lifecycle = NodeLifecycle()
-        self.agent: NodeAgent | None = None
+        self.agent: MasterLinks | None = None
 
     # ---- what a role provides -----------------------------------------------------------------
 
@@ -66,9 +66,10 @@ class NodeRuntime(abc.ABC):
         await self.start_service()
         status_server = await serve_status(self.lifecycle, self.settings.node_id, self.role,
                                            self.settings.status_host, self.settings.status_port)
-        self.agent = NodeAgent(
+        self.agent = MasterLinks(
             self.settings.master, self.settings.cluster_token.get_secret_value(), self.register_message(),
             self.status, self.on_message, reconnect_s=self.settings.reconnect_s,
+            max_backoff_s=self.settings.max_reconnect_s,
         )
         agent_task = asyncio.create_task(self.agent.run())
         registered = asyncio.create_task(self.agent.registered.wait())

@@ -1,0 +1,103 @@
+"""Several masters, none special: a node registers with every master it is given, each master
+sees it from the node's own reports, and a restarted master is found again within 2 s."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from pd_cluster import protocol
+from pd_cluster.node.agent import MasterLinks, master_urls
+from tests.master_fakes import CLUSTER_TOKEN, LiveMaster, make_settings, register_msg, wait_until, write_model_dir
+
+
+class Node:
+    """A node's links to its masters, with a recorder for what the masters send."""
+
+    def __init__(self, masters: list[str], node_id: str, role: str) -> None:
+        self.received: list[BaseModel] = []
+        self.links = MasterLinks(masters, CLUSTER_TOKEN, register_msg(node_id, role), self.status, self.on_message,
+                                 resolve_every_s=0.2)
+        self.task: asyncio.Task | None = None
+
+    def status(self) -> protocol.NodeStatus:
+        return protocol.NodeStatus(free_kv_tokens=4096, total_kv_tokens=4096)
+
+    async def on_message(self, message: BaseModel) -> None:
+        self.received.append(message)
+
+    async def __aenter__(self) -> "Node":
+        self.task = asyncio.create_task(self.links.run())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.links.close()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 15.0)
+
+
+def _listening_on(port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+def test_master_urls_take_a_comma_separated_list():
+    assert master_urls("http://a:1, http://b:2,,http://a:1") == ["http://a:1", "http://b:2"]
+    assert master_urls(["http://a:1"]) == ["http://a:1"]
+    with pytest.raises(ValueError):
+        master_urls(" , ")
+
+
+async def test_a_node_registers_with_every_master_and_job_frames_go_to_their_master(tmp_path: Path):
+    model = write_model_dir(tmp_path)
+    async with LiveMaster(make_settings(model)) as a, LiveMaster(make_settings(model)) as b:
+        async with Node([a.base_url, b.base_url], "p0", "prefill") as p, Node(f"{a.base_url},{b.base_url}", "d0", "decode") as d:
+            for master in (a, b):
+                await wait_until(lambda m=master: {"p0", "d0"} <= set(m.ctx.registry.nodes), 10.0, "both nodes on both")
+            await wait_until(p.links.registered.is_set, 5.0, "the links")
+            # A job from master a: P's answer goes to a only (b never heard of the request).
+            job = protocol.PrefillJob(request_id="job-a", token_ids=[5, 6], sampling={"max_tokens": 2},
+                                      decode_node_id="d0", decode_address="127.0.0.1:1", deadline_s=5.0)
+            a.ctx.registry.nodes["p0"].send(job)
+            await wait_until(lambda: any(isinstance(m, protocol.PrefillJob) for m in p.received), 5.0, "the job")
+            seen: dict[str, list[str]] = {"a": [], "b": []}
+            a.ctx.relay.on_kv_transferred = lambda node, msg: seen["a"].append(msg.request_id)  # type: ignore[method-assign]
+            b.ctx.relay.on_kv_transferred = lambda node, msg: seen["b"].append(msg.request_id)  # type: ignore[method-assign]
+            p.links.send_nowait(protocol.KVTransferred(request_id="job-a", bytes=1, seconds=0.1))
+            await wait_until(lambda: seen["a"] == ["job-a"], 5.0, "the frame at master a")
+            # A frame of a request the node got no job for (a D's tokens) goes to every master.
+            p.links.send_nowait(protocol.KVTransferred(request_id="unknown", bytes=1, seconds=0.1))
+            await wait_until(lambda: "unknown" in seen["a"] and "unknown" in seen["b"], 5.0, "the frame at both")
+            assert seen["b"] == ["unknown"]
+
+
+async def test_a_restarted_master_is_found_again_within_two_seconds(tmp_path: Path):
+    model = write_model_dir(tmp_path)
+    async with LiveMaster(make_settings(model)) as a:
+        b = LiveMaster(make_settings(model))
+        port = b.port
+        await b.__aenter__()
+        async with Node([a.base_url, b.base_url], "d0", "decode") as d:
+            await wait_until(lambda: "d0" in b.ctx.registry.nodes and "d0" in a.ctx.registry.nodes, 10.0, "joined")
+            await b.__aexit__(None, None, None)
+            await wait_until(lambda: len([x for x in d.links.agents.values() if x.registered.is_set()]) == 1,
+                             10.0, "the link to the stopped master to drop")
+            await asyncio.sleep(3.0)  # down for a while: the link's backoff has grown to its cap
+            restarted = LiveMaster(make_settings(model))
+            restarted._sock.close()
+            restarted._sock = _listening_on(port)
+            restarted.port, restarted.base_url = port, f"http://127.0.0.1:{port}"
+            restarted.ws_url = f"ws://127.0.0.1:{port}{protocol.NODE_WS_PATH}"
+            await restarted.__aenter__()
+            started = time.monotonic()
+            await wait_until(lambda: "d0" in restarted.ctx.registry.nodes, 5.0, "the node back on the restarted master")
+            assert time.monotonic() - started < 2.0
+            assert "d0" in a.ctx.registry.nodes  # the other master never lost it
+            await restarted.__aexit__(None, None, None)
