@@ -101,3 +101,20 @@ async def test_a_restarted_master_is_found_again_within_two_seconds(tmp_path: Pa
             assert time.monotonic() - started < 2.0
             assert "d0" in a.ctx.registry.nodes  # the other master never lost it
             await restarted.__aexit__(None, None, None)
+
+
+def test_the_ray_launcher_starts_masters_as_peers_on_their_own_ports():
+    from pd_cluster.cli import build_parser
+    from pd_cluster.ray_launcher.spec import ClusterSpec, master_actor_name, master_index
+
+    spec = ClusterSpec(masters=2, port=9000, gpus_per_node=0)
+    names = [master_actor_name(i) for i in range(spec.masters)]
+    assert names == ["master", "master-1"] and [master_index(n) for n in names] == [0, 1]
+    assert master_index("decode-1") is None and master_index("master-x") is None
+    ports = [spec.master_argv(i)[spec.master_argv(i).index("--port") + 1] for i in range(2)]
+    assert ports == ["9000", "9001"]
+    # Nodes are given every master, comma-separated, and register with each.
+    argv = spec.node_argv("decode", "decode-0", "http://10.0.0.1:9000,http://10.0.0.1:9001", "10.0.0.7")
+    assert master_urls(argv[argv.index("--master") + 1]) == ["http://10.0.0.1:9000", "http://10.0.0.1:9001"]
+    args = build_parser().parse_args(["ray", "start", "--masters", "2"])
+    assert args.masters == 2

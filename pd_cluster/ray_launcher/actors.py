@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any
 
-from pd_cluster.ray_launcher.spec import NODE_ROLES, STATE_ACTOR, ClusterSpec
+from pd_cluster.ray_launcher.spec import NODE_ROLES, STATE_ACTOR, ClusterSpec, master_index
 from pd_cluster.ray_launcher.supervisor import ProcessSupervisor
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class RoleProcess:
         self.role, self.name = role, name
         self.ip = _node_ip()
         if role == "master":
-            argv = spec.master_argv()
-            self._address = f"http://{_url_host(self.ip)}:{spec.port}"
+            index = master_index(name) or 0
+            argv = spec.master_argv(index)
+            self._address = f"http://{_url_host(self.ip)}:{spec.master_port(index)}"
         else:
             if master_url is None:
                 raise ValueError("a node needs the master's URL")

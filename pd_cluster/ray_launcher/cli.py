@@ -60,7 +60,8 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
         block_size=args.block_size, gpus_per_node=args.gpus_per_node, gpu_memory_fraction=args.gpu_memory_fraction,
         cpus_per_node=args.cpus_per_node,
-        master_cpus=args.master_cpus, master_resource=args.master_resource, prefill_resource=args.prefill_resource,
+        masters=args.masters, master_cpus=args.master_cpus, master_resource=args.master_resource,
+        prefill_resource=args.prefill_resource,
         decode_resource=args.decode_resource, drain_timeout_s=args.drain_timeout,
         max_restarts=args.max_restarts, log_level=args.log_level, node_args=args.node_arg,
     )
@@ -222,6 +223,8 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
                        help="share of its GPU's memory each node may use (default: from a fractional "
                             "--gpus-per-node, e.g. 0.5 -> 0.45)")
     start.add_argument("--cpus-per-node", type=float, default=1.0, help="Ray CPUs each node actor reserves")
+    start.add_argument("--masters", type=int, default=1,
+                       help="master actors (peers: every node registers with each; master i serves on --port + i)")
     start.add_argument("--master-cpus", type=float, default=1.0, help="Ray CPUs the master actor reserves")
     start.add_argument("--master-resource", default=None,
                        help="custom Ray resource that pins the master, e.g. pd_master on the head node")

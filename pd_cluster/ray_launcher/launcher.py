@@ -20,7 +20,14 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from pd_cluster.ray_launcher.actors import ClusterState, RoleProcess
 from pd_cluster.ray_launcher.master_client import MasterClient
-from pd_cluster.ray_launcher.spec import DEFAULT_NAMESPACE, MASTER_ACTOR, NODE_ROLES, STATE_ACTOR, ClusterSpec
+from pd_cluster.ray_launcher.spec import (
+    DEFAULT_NAMESPACE,
+    NODE_ROLES,
+    STATE_ACTOR,
+    ClusterSpec,
+    master_actor_name,
+    master_index,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +65,11 @@ class ClusterStatus:
     healthy: bool
     actors: dict[str, dict[str, Any]]  # actor name -> RoleProcess.info() (or {"placed": False})
     nodes: dict[str, dict[str, Any]] | None  # node id -> the master's admin view; None if unreachable
+
+
+def first_master(urls: str) -> str:
+    """The master the launcher asks (any master knows every node): the first of a node's list."""
+    return urls.split(",")[0].strip()
 
 
 def node_role(name: str) -> str | None:
@@ -140,22 +152,29 @@ class RayLauncher:
             ).remote(spec_json)
             self._get(state.set_tokens.remote(cluster_token, admin_token), deadline,
                       f"the state actor (CPU: 0{self._pin_hint(spec)}) was not placed")
-            master = _remote(RoleProcess).options(
-                name=MASTER_ACTOR, namespace=self.namespace, lifetime="detached", num_cpus=spec.master_cpus,
-                num_gpus=0, resources=spec.pin_resources(), max_restarts=spec.max_restarts,
-                max_concurrency=MAX_ACTOR_CONCURRENCY,
-            ).remote("master", MASTER_ACTOR, spec_json)
-            url = self._get(master.address.remote(), deadline,
-                            f"the master actor (CPU: {spec.master_cpus}{self._pin_hint(spec)}) was not placed")
+            started: dict[str, Any] = {}
+            urls: list[str] = []
+            for index in range(spec.masters):
+                name = master_actor_name(index)
+                started[name] = _remote(RoleProcess).options(
+                    name=name, namespace=self.namespace, lifetime="detached", num_cpus=spec.master_cpus,
+                    num_gpus=0, resources=spec.pin_resources(), max_restarts=spec.max_restarts,
+                    max_concurrency=MAX_ACTOR_CONCURRENCY,
+                ).remote("master", name, spec_json)
+            for name in list(started):
+                urls.append(self._get(started[name].address.remote(), deadline,
+                                      f"the {name} actor (CPU: {spec.master_cpus}{self._pin_hint(spec)}) was not placed"))
+                logger.info("%s placed: %s", name, urls[-1])
+            # Nodes get every master (they register with each); the state keeps the list.
+            url = ",".join(urls)
             self._get(state.set_master_url.remote(url), deadline, "the state actor did not answer")
-            logger.info("master placed: %s", url)
-            started = {MASTER_ACTOR: master}
             for role, count in (("prefill", prefill), ("decode", decode)):
                 for _ in range(count):
                     name = self._get(state.next_node_name.remote(role), deadline, "the state actor did not answer")
                     started[name] = self._create_node(spec, role, name, url)
-            with MasterClient(url, admin_token) as client:
-                self._wait_joined(client, started, deadline, spec)
+            for master_url in urls:  # every master sees every node
+                with MasterClient(master_url, admin_token) as client:
+                    self._wait_joined(client, started, deadline, spec)
         except BaseException:
             logger.error("starting the cluster failed; removing what was started")
             try:
@@ -176,7 +195,7 @@ class RayLauncher:
         deadline = time.monotonic() + (timeout if timeout is not None else spec.drain_timeout_s + 60.0)
         deltas = {"prefill": prefill, "decode": decode}
         result = ScaleResult()
-        with MasterClient(url, admin_token) as client:
+        with MasterClient(first_master(url), admin_token) as client:
             victims = self._pick_victims(client, deltas, allow_empty)
             added: dict[str, Any] = {}
             for role, delta in deltas.items():
@@ -211,8 +230,9 @@ class RayLauncher:
         handles = {n: h for n in names if (h := self._handle(n)) is not None}
         placed = self._placed({n: h for n, h in handles.items() if n != STATE_ACTOR})
         self._stop_processes({n: h for n, h in placed.items() if node_role(n)}, drain_s)
-        if MASTER_ACTOR in placed:
-            self._stop_processes({MASTER_ACTOR: placed[MASTER_ACTOR]}, KILL_GRACE_S)
+        masters = {n: h for n, h in placed.items() if master_index(n) is not None}
+        if masters:
+            self._stop_processes(masters, KILL_GRACE_S)
         self._kill(handles)
         deadline = time.monotonic() + KILL_GRACE_S
         while (left := self.actor_names()) and time.monotonic() < deadline:
@@ -247,7 +267,7 @@ class RayLauncher:
         except LaunchError:
             admin_token = None
         if url:
-            with MasterClient(url, admin_token) as client:
+            with MasterClient(first_master(url), admin_token) as client:
                 healthy = client.healthy()
                 nodes = client.try_nodes()
         return ClusterStatus(self.namespace, url, healthy, actors, nodes)

@@ -17,6 +17,19 @@ NODE_ROLES: tuple[str, str] = ("prefill", "decode")
 DEFAULT_NAMESPACE = "pd-cluster"
 STATE_ACTOR = "cluster-state"
 MASTER_ACTOR = "master"
+
+
+def master_actor_name(index: int) -> str:
+    """``master`` for the first master, ``master-1``, ``master-2``... for its peers."""
+    return MASTER_ACTOR if index == 0 else f"{MASTER_ACTOR}-{index}"
+
+
+def master_index(name: str) -> int | None:
+    """The index of a master actor from its name; None for any other actor."""
+    if name == MASTER_ACTOR:
+        return 0
+    prefix, _, index = name.rpartition("-")
+    return int(index) if prefix == MASTER_ACTOR and index.isdigit() else None
 #: Of a fractional GPU share, what a node's engine may hold; the rest covers its CUDA context.
 SHARED_GPU_USABLE = 0.9
 
@@ -44,6 +57,10 @@ class ClusterSpec(BaseModel):
         description="--gpu-memory-fraction of each node; None: derived from a fractional gpus_per_node",
     )
     cpus_per_node: float = Field(default=1.0, ge=0)
+    masters: int = Field(
+        default=1, ge=1, le=8,
+        description="master actors, peers: every node registers with each; master i listens on port + i",
+    )
     master_cpus: float = Field(default=1.0, ge=0)
     master_resource: str | None = Field(
         default=None, description="a custom Ray resource that pins the master (and the state actor), e.g. on the head"
@@ -87,9 +104,13 @@ class ClusterSpec(BaseModel):
     def _base(self) -> list[str]:
         return [sys.executable, "-m", "pd_cluster.cli", "--log-level", self.log_level]
 
-    def master_argv(self) -> list[str]:
-        argv = self._base() + ["master", "--host", self.host, "--port", str(self.port), "--model", self.model,
-                               "--policy", self.policy]
+    def master_port(self, index: int = 0) -> int:
+        """Master ``index``'s port: masters pinned to one Ray node must not share one."""
+        return self.port + index
+
+    def master_argv(self, index: int = 0) -> list[str]:
+        argv = self._base() + ["master", "--host", self.host, "--port", str(self.master_port(index)),
+                               "--model", self.model, "--policy", self.policy]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
         return argv
