@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -199,6 +201,13 @@ async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[An
     else:
         max_tokens = oa.COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else min(oa.COMPLETIONS_DEFAULT_MAX_TOKENS, limit - n)
     sampling = req.sampling_params(max_tokens, logprobs)
+    if sampling.logit_bias:
+        vocab = ctx.tokenizer.vocab_size
+        if any(t >= vocab for t in sampling.logit_bias):
+            raise bad_request(f"logit_bias: token ids must be in [0, {vocab}).", "logit_bias")
+    if sampling.seed is None:
+        # Chosen once here, so a retry on another node draws the same stream.
+        sampling = sampling.model_copy(update={"seed": secrets.randbits(63)})
     return req, token_ids, sampling
 
 
@@ -297,6 +306,8 @@ async def _serve(request: Request, kind: Kind) -> Response:
         ctx.metrics.requests_total.labels(status="error").inc()
         return internal_error().response()
     shape = _SHAPES[kind]
+    if req.choice_count > 1:
+        return await _serve_choices(request, ctx, kind, req, token_ids, sampling, arrival)
     block_size = _prefix_block_size(ctx)
     r = ctx.relay.create(f"{shape.id_prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
     r.client_slot = request.state.client_slot
@@ -376,3 +387,183 @@ async def _stream(
         yield "data: [DONE]\n\n"
     finally:
         ctx.relay.release(r)
+
+
+# ---- several choices: n > 1, best_of ------------------------------------------------------------
+
+#: How often a request with several choices checks whether choice 0 has reached its decode node.
+_FOLLOW_POLL_S = 0.01
+
+
+def choice_sampling(sampling: Any, index: int, for_ranking: bool) -> Any:
+    """Choice ``index`` samples with seed ``(seed + index) mod 2**63`` and so returns exactly what
+    the same request with n=1 and that seed returns. Ranking by best_of needs each token's logprob."""
+    update: dict[str, Any] = {"seed": (sampling.seed + index) % oa.SEED_MODULUS}
+    if for_ranking and sampling.logprobs is None:
+        update["logprobs"] = 0
+    return sampling.model_copy(update=update)
+
+
+def _mean_logprob(r: RelayRequest) -> float:
+    return sum(entry.logprob for entry in r.logprobs) / len(r.logprobs) if r.logprobs else float("-inf")
+
+
+def _release_all(ctx: MasterContext, relays: list[RelayRequest]) -> None:
+    for r in reversed(relays):  # choice 0 last: it holds the client's slot
+        ctx.relay.release(r)
+
+
+async def _admit_followers(
+    ctx: MasterContext, first: RelayRequest, followers: list[RelayRequest], is_disconnected: Callable[..., Any]
+) -> None:
+    """Admit choices 1.. once choice 0 streams from its decode node (its prompt then sits in that
+    D's prefix cache and in its P's), preferring that D: their prompt is neither recomputed beyond
+    its last partial block nor moved again."""
+    try:
+        while not first.terminal and len(first.output_ids) < 2 and time.monotonic() < first.deadline:
+            await asyncio.sleep(_FOLLOW_POLL_S)
+        if first.state == "failed":
+            for r in followers:
+                ctx.relay.fail(r, first.failure or internal_error(), "error")
+            return
+
+        async def admit(r: RelayRequest) -> None:
+            r.preferred_decode = first.decode_id
+            try:
+                await ctx.relay.admit(r, is_disconnected)
+            except (APIError, ClientDisconnected):
+                pass  # the relay holds the failure; the answer reports it
+
+        await asyncio.gather(*(admit(r) for r in followers))
+    except Exception:
+        logger.exception("admitting the choices of %s failed", first.request_id)
+        for r in followers:
+            ctx.relay.fail(r, internal_error(), "error")
+
+
+async def _serve_choices(
+    request: Request, ctx: MasterContext, kind: Kind, req: Any, token_ids: list[int], sampling: Any, arrival: float
+) -> Response:
+    """A request with several choices: one relay request per choice, admitted after choice 0 (see
+    :func:`_admit_followers`); the answer lists them by ``index`` (the best ``n`` by mean token
+    logprob when best_of > n), and its usage counts the prompt once."""
+    shape = _SHAPES[kind]
+    count, returned = req.choice_count, req.choices_returned
+    base_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    relays: list[RelayRequest] = []
+    for index in range(count):
+        choice = choice_sampling(sampling, index, for_ranking=count > returned)
+        r = ctx.relay.create(base_id if index == 0 else f"{base_id}-c{index}", token_ids, choice, req.stream, arrival)
+        r.choice_index = index
+        r.client_request_id = request.headers.get(REQUEST_ID_HEADER)
+        relays.append(r)
+    first = relays[0]
+    first.client_slot = request.state.client_slot
+    first.client_slot.handed = True
+    request.state.request_id = base_id
+    try:
+        block_size = _prefix_block_size(ctx)
+        if block_size is not None:
+            await ctx.tokenizer.run(first.route.block_hashes, block_size)
+        await ctx.relay.admit(first, request.is_disconnected)
+    except ClientDisconnected:
+        _release_all(ctx, relays)
+        return Response(status_code=_CLIENT_CLOSED)
+    except APIError as exc:
+        ctx.relay.fail(first, exc, status_of_http(exc.status))
+        _release_all(ctx, relays)
+        return exc.response()
+    except Exception:
+        logger.exception("admitting request %s failed", base_id)
+        ctx.relay.fail(first, internal_error(), "error")
+        _release_all(ctx, relays)
+        return internal_error().response()
+    except BaseException:
+        _release_all(ctx, relays)
+        raise
+    follow = asyncio.create_task(_admit_followers(ctx, first, relays[1:], request.is_disconnected))
+    created = oa.now()
+    model = ctx.model_name or req.model
+    if req.stream:
+        body = _stream_choices(ctx, relays, follow, req, shape, created, model)
+        return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+    try:
+        for r in relays:
+            await ctx.relay.wait(r, request.is_disconnected)
+    except ClientDisconnected:
+        return Response(status_code=_CLIENT_CLOSED)
+    finally:
+        follow.cancel()
+        _release_all(ctx, relays)
+    ranked = sorted(relays, key=_mean_logprob, reverse=True)[:returned] if count > returned else relays
+    choices = []
+    for index, r in enumerate(ranked):
+        logprobs = shape.logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if shape.wants_logprobs(req) else None
+        choices.append({**_choice(shape.content(r.text), r.finish_reason, logprobs), "index": index})
+    usage = oa.usage(len(token_ids), sum(r.completion_tokens for r in relays), first.cached_tokens)
+    return JSONResponse(
+        {"id": base_id, "object": shape.object, "created": created, "model": model, "choices": choices, "usage": usage}
+    )
+
+
+async def _stream_choices(
+    ctx: MasterContext, relays: list[RelayRequest], follow: asyncio.Task, req: Any, shape: _Shape, created: int,
+    model: str,
+) -> AsyncIterator[str]:
+    """The choices' chunks interleaved as their tokens arrive, each naming its ``index``; every
+    relay event stream ends by its request's deadline, so this does too."""
+    include_usage = req.include_usage
+    wants_logprobs = shape.wants_logprobs(req)
+    base_id = relays[0].request_id
+    offsets = [0] * len(relays)
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, r: RelayRequest) -> None:
+        try:
+            async for piece in ctx.relay.events(r):
+                queue.put_nowait((index, piece))
+            queue.put_nowait((index, None))
+        except StreamFailed as exc:
+            queue.put_nowait((index, exc))
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        doc = {"id": base_id, "object": shape.chunk_object, "created": created, "model": model, "choices": choices}
+        if include_usage:
+            doc["usage"] = None
+        doc.update(extra)
+        return doc
+
+    def indexed(index: int, body: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> dict:
+        return {**_choice(body, finish_reason, logprobs), "index": index}
+
+    pumps = [asyncio.create_task(pump(index, r)) for index, r in enumerate(relays)]
+    try:
+        if shape.opening is not None:
+            for index in range(len(relays)):
+                yield _sse(chunk([indexed(index, shape.opening)]))
+        open_choices = len(relays)
+        while open_choices:
+            index, item = await queue.get()
+            if item is None:
+                open_choices -= 1
+            elif isinstance(item, StreamFailed):
+                open_choices -= 1
+                yield _sse(chunk([indexed(index, shape.delta(""), "error")]))
+                yield _sse(oa.error_event(item.error))
+            else:
+                logprobs = None
+                if wants_logprobs and item.logprobs:
+                    logprobs = shape.logprobs(item.logprobs, ctx.tokenizer.token_text, offsets[index])
+                if not item.text and logprobs is None and item.finish_reason is None:
+                    continue
+                offsets[index] += len(item.text)
+                yield _sse(chunk([indexed(index, shape.delta(item.text), item.finish_reason, logprobs)]))
+        if include_usage:
+            completion = sum(r.completion_tokens for r in relays)
+            yield _sse(chunk([], usage=oa.usage(len(relays[0].token_ids), completion, relays[0].cached_tokens)))
+        yield "data: [DONE]\n\n"
+    finally:
+        follow.cancel()
+        for task in pumps:
+            task.cancel()
+        _release_all(ctx, relays)

@@ -1,7 +1,7 @@
 """OpenAI request bodies (plus vLLM's sampling extras) and the response documents built from them.
 
-Unknown fields are ignored, as vLLM does; fields we understand but cannot honour (n > 1, echo,
-tools, ...) are refused with 400 rather than silently dropped. Types are strict: a string is never
+Unknown fields are ignored, as vLLM does; fields we understand but cannot honour (echo, tools,
+...) are refused with 400 rather than silently dropped. Types are strict: a string is never
 read as a number or a boolean (``"max_tokens": "8"`` and ``"stream": "yes"`` are 400s).
 """
 
@@ -18,6 +18,10 @@ from pd_cluster.sampling_params import MAX_LOGPROBS, SamplingParams
 
 #: OpenAI's default max_tokens for the legacy completions API.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: Most choices one request may ask for (n, best_of): each runs as a request of its own.
+MAX_CHOICES = 16
+#: Seeds live in [0, 2**63); choice i of a request with seed s samples with seed (s + i) mod 2**63.
+SEED_MODULUS = 2**63
 
 
 class StreamOptions(BaseModel):
@@ -33,7 +37,8 @@ class _GenerationRequest(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
@@ -55,10 +60,20 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request("Only n=1 is supported.", "n")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported.", "logit_bias")
+        if self.best_of is not None and self.best_of < self.choices_returned:
+            raise bad_request("best_of must be greater than or equal to n.", "best_of")
+        if self.stream and self.choice_count > self.choices_returned:
+            raise bad_request("best_of greater than n cannot be streamed.", "best_of")
+
+    @property
+    def choices_returned(self) -> int:
+        """How many choices the answer holds (n)."""
+        return self.n or 1
+
+    @property
+    def choice_count(self) -> int:
+        """How many choices are generated (best_of, at least n); the best n are returned."""
+        return max(self.choices_returned, self.best_of or 1)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Build validated SamplingParams; invalid values become 400 naming the field."""
@@ -70,6 +85,8 @@ class _GenerationRequest(BaseModel):
             "logprobs": logprobs,
             "skip_special_tokens": self.skip_special_tokens,
         }
+        if self.logit_bias:
+            values["logit_bias"] = self.logit_bias
         for name in (
             "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
             "top_k", "min_p", "repetition_penalty",
@@ -143,15 +160,12 @@ class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo:
             raise bad_request("echo is not supported.", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request("Only best_of=1 is supported.", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported.", "suffix")
 

@@ -90,6 +90,8 @@ class RelayRequest:
     arrival: float
     deadline: float
     route: RouteRequest
+    #: Which choice of its HTTP request this is (n > 1): only choice 0 counts the request and its prompt.
+    choice_index: int = 0
     state: RequestState = "new"
     outcome: Outcome | None = None
     failure: APIError | None = None
@@ -622,9 +624,11 @@ class Relay:
         for hook in self.on_end:
             hook(r)
         m = self.metrics
-        m.requests_total.labels(status=r.outcome or "error").inc()
+        if r.choice_index == 0:
+            m.requests_total.labels(status=r.outcome or "error").inc()
         if r.dispatched:
-            m.prompt_tokens.inc(len(r.token_ids))
+            if r.choice_index == 0:
+                m.prompt_tokens.inc(len(r.token_ids))
             m.generation_tokens.inc(r.completion_tokens)
         if r.outcome == "ok" and r.first_token_at is not None and r.finished_at is not None:
             m.time_to_first_token.observe(r.first_token_at - r.arrival)
