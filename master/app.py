@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI, WebSocket
 
-from master import admin, openai_api
+from master import admin, openai_api, status_page
 from master.auth import ApiKeys, read_keys_file
 from master.body_limit import BodyLimitMiddleware
 from master.config import MasterSettings
@@ -94,6 +94,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(openai_api.router)
     app.include_router(admin.router)
+    status_page.install(app, ctx)
 
     async def nodes_endpoint(websocket: WebSocket) -> None:
         await node_socket(websocket, ctx)

@@ -32,6 +32,8 @@ class MasterSettings(BaseSettings):
     policy: PolicyName = "cache_aware"
     cluster_token: SecretStr | None = None
     admin_token: SecretStr | None = None
+    #: Read-only: opens the status page (/status) and nothing else; the admin token opens it too.
+    status_token: SecretStr | None = None
     api_keys: list[SecretStr] = Field(default_factory=list, description="keys clients must send; none: open API")
     api_keys_file: Path | None = Field(default=None, description="more keys, one a line: KEY [MAX_CONCURRENT]")
     max_concurrent_per_key: int | None = Field(

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -84,11 +85,15 @@ class RequestLog:
         self.registry = registry
         self.policy = policy
         self.recent: deque[RequestRecord] = deque(maxlen=keep)
+        #: Called with each record (the status page's traffic history).
+        self.on_record: list[Callable[[RequestRecord], None]] = []
 
     def record(self, r: RelayRequest) -> RequestRecord:
         record = self.build(r)
         self._count_transfer(record)
         self.recent.append(record)
+        for listener in self.on_record:
+            listener(record)
         level = logging.INFO if record.outcome == "ok" else logging.WARNING
         logger.log(level, "%s", record.text(), extra={FIELDS_ATTR: record.as_dict()})
         return record
