@@ -189,7 +189,8 @@ def markdown(doc: dict[str, Any]) -> str:
     if cold:
         lines += [f"Cold start: first request TTFT {cold['first_ttft_s'] * 1000:.0f} ms, warm p50 "
                   f"{cold['warm_ttft_p50_s'] * 1000:.0f} ms (ratio {cold['ratio']:.2f}).", ""]
-    for key, title in (("sweep", "Random workload, rate sweep"), ("multi_turn", "Multi-turn")):
+    for key, title in (("sweep", "Random workload, rate sweep"), ("sampled_sweep", "The same, temperature 0.8"),
+                       ("multi_turn", "Multi-turn")):
         if key not in doc:
             continue
         lines += [f"## {title}", "", "| rate | done | req/s | out tok/s | goodput | SLO ok | TTFT p50/p99 ms | "
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated prompt lengths: TTFT with P sending the first token (default) and, "
                              "after a restart, with the master waiting for D's (empty: skip)")
     parser.add_argument("--output-path-requests", type=int, default=12)
+    parser.add_argument("--sampled-sweep", default="",
+                        help="comma-separated rates: the random workload again with temperature 0.8 (empty: skip)")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -296,6 +299,11 @@ def main(argv: list[str] | None = None) -> int:
             doc["plots"] = [str(p) for p in write_plots(sweep, args.out / f"{stem}-plots")]
         except RuntimeError as e:  # matplotlib missing
             logger.warning("no plots: %s", e)
+        if args.sampled_sweep:
+            sampled = _run(replace(base, num_requests=args.requests_per_rate, temperature=0.8,
+                                   rates=[float(r) for r in args.sampled_sweep.split(",")]), "sweep, temperature 0.8",
+                           args.out)
+            doc["sampled_sweep"] = results_document(sampled)
         if args.conversations:
             turns = _run(replace(base, workload="multi-turn", num_conversations=args.conversations, turns=args.turns,
                                  input_len=256, output_len=64, rates=[2.0]), "multi-turn", args.out)

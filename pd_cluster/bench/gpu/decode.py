@@ -21,6 +21,10 @@ from pd_cluster.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+#: The sampled configuration of ``sampling_overhead``: what chat clients commonly send.
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "frequency_penalty": 0.5}
+
+
 def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: torch.Generator,
                    eager_batches: tuple[int, ...] = ()) -> dict:
     """Decode steps of the whole engine (schedule, graph replay, sampling), largest batch first;
@@ -49,14 +53,36 @@ def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: tor
                     row["floor_ratio"])
     for r in reqs:
         engine.abort(r.request_id)
+    key = f"b{plan.key_batch}"
+    if key in out:
+        out["sampling"] = measure_sampling_overhead(engine, plan, gen, out[key]["step_ms"])
     return out
 
 
-def start_decoding(engine: LLMEngine, batch: int, context: int, gen: torch.Generator) -> list:
+def measure_sampling_overhead(engine: LLMEngine, plan: Plan, gen: torch.Generator, greedy_ms: float) -> dict:
+    """The key batch's whole step with :data:`SAMPLED` sampling, over the greedy step."""
+    params = SamplingParams(max_tokens=200, ignore_eos=True, seed=7, **SAMPLED)
+    reqs = start_decoding(engine, plan.key_batch, plan.decode_ctx, gen, params)
+    try:
+        for _ in range(3):
+            engine.step()
+        row = time_decode_steps(engine, reqs, plan.decode_steps)
+    finally:
+        for r in reqs:
+            engine.abort(r.request_id)
+    result = {"batch": plan.key_batch, "params": SAMPLED, "sampled_step_ms": row["step_ms"], "greedy_step_ms": greedy_ms,
+              "overhead": row["step_ms"] / greedy_ms}
+    logger.info("sampling b%d: %.3f ms/step vs greedy %.3f ms (%.3fx)", plan.key_batch, row["step_ms"], greedy_ms,
+                result["overhead"])
+    return result
+
+
+def start_decoding(engine: LLMEngine, batch: int, context: int, gen: torch.Generator,
+                   params: SamplingParams | None = None) -> list:
     """``batch`` requests of ``context`` random tokens, stepped until every one has its first token."""
     vocab = engine.model_config.vocab_size
     # Enough tokens for every timed step; more would make admission wait for KV that is never used.
-    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
     reqs = [engine.add_request(f"dec-{uuid.uuid4().hex}", random_prompt(vocab, context, gen), params)
             for _ in range(batch)]
     while any(not r.output_token_ids for r in reqs):

@@ -8,12 +8,14 @@ from typing import Any
 from pd_cluster.bench.gpu.plan import Plan
 
 TARGETS = {  # key: (target, "<=" lower is better / ">=" higher is better)
-    "decode_floor_ratio_b1": (1.5, "<="),
-    "decode_floor_ratio_b64": (1.3, "<="),
+    "decode_floor_ratio_b1": (1.2, "<="),
+    "decode_floor_ratio_b64": (1.2, "<="),
     "prefill_mfu_4k": (0.65, ">="),
     "hf_decode_speedup_b64": (8.0, ">="),
     "transfer_vs_nccl_4k": (0.80, ">="),
     "transfer_visible_fraction_4k": (0.25, "<="),
+    "sampling_overhead_b64": (1.05, "<="),
+    "small_model_floor_ratio_b1": (4.0, "<="),
     "same_gpu_transfer_vs_copy_4k": (0.70, ">="),
     "same_gpu_transfer_visible_fraction_4k": (0.25, "<="),
 }
@@ -38,6 +40,8 @@ def summarize(results: dict, plan: Plan) -> dict:
         "hf_decode_speedup_b64": get("hf", big, "speedup"),
         "transfer_vs_nccl_4k": get("pd", "transfer", str(plan.key_len), "channel_vs_nccl"),
         "transfer_visible_fraction_4k": get("pd", "ttft", str(plan.key_len), "layers_visible_fraction"),
+        "sampling_overhead_b64": get("decode", "sampling", "overhead"),
+        "small_model_floor_ratio_b1": get("small_model", "decode", "b1", "floor_ratio"),
         "same_gpu_transfer_vs_copy_4k": get("same_gpu", "write", str(plan.key_len), "write_vs_copy"),
         "same_gpu_transfer_visible_fraction_4k": get("same_gpu", "handover", str(plan.key_len),
                                                      "layers_visible_fraction"),
