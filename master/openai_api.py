@@ -16,6 +16,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from master import completion_batch
 from master import openai_schemas as oa
 from master.auth import ApiKeys
 from master.context import MasterContext
@@ -73,7 +74,16 @@ async def metrics(request: Request) -> Response:
 
 
 def _model_card(ctx: MasterContext, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "pd-cluster", "max_model_len": ctx.context_limit()}
+    """A model as vLLM lists it: root (the model served under ``name``), parent, max_model_len, permission."""
+    created = oa.now()
+    permission = {
+        "id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+        "allow_view": True, "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False,
+    }
+    return {"id": name, "object": "model", "created": created, "owned_by": "pd-cluster",
+            "root": ctx.registry.model_name or name, "parent": None, "max_model_len": ctx.context_limit(),
+            "permission": [permission]}
 
 
 @router.get("/v1/models")
@@ -294,6 +304,8 @@ async def _generate(request: Request, kind: Kind) -> Response:
 
 async def _serve(request: Request, kind: Kind) -> Response:
     ctx = _ctx(request)
+    if kind == "completion" and (answer := await completion_batch.serve(request, _serve)) is not None:
+        return answer  # several prompts, or echo: one request per prompt, answered as one
     arrival = time.monotonic()
     try:
         req, token_ids, sampling = await _prepare(ctx, request, kind)

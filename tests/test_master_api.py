@@ -90,17 +90,20 @@ def test_prompt_longer_than_the_context_is_400(client):
 
 
 def test_completion_prompt_forms(client):
-    # One prompt in a list is fine; a batch is refused; ids must be in the vocabulary.
+    # One prompt in a list or a batch of them (served, so 503 without nodes); at most 64 prompts;
+    # ids must be in the vocabulary.
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": ["hi"]}).status_code == 503
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": [[5, 6]]}).status_code == 503
-    _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}), 400, param="prompt")
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]}).status_code == 503
+    _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 65}), 400, param="prompt")
     _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 10**6]}), 400, param="prompt")
     _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": []}), 400, param="prompt")
 
 
 def test_unsupported_options_are_400(client):
     _assert_error(client.post("/v1/chat/completions", json={**CHAT, "n": 17}), 400, param="n")
-    _assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "echo": True}), 400, param="echo")
+    echo_logprobs = {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}
+    _assert_error(client.post("/v1/completions", json=echo_logprobs), 400, param="echo")
     image = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     _assert_error(client.post("/v1/chat/completions", json=image), 400, param="messages")
 
