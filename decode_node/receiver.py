@@ -189,7 +189,7 @@ class KVReceiver:
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     async def stream(self, conn: PeerConnection, msg: StreamKV) -> PushAck:
-        """Receive one tensor per layer and scatter each into the reserved slots as it lands."""
+        """Receive one tensor per group of layers and scatter each into the reserved slots as it lands."""
         deadline = time.monotonic() + self.transfer_timeout_s
         spec = self.engine.kv_spec
         tokens = msg.layer_shape[1]
@@ -210,19 +210,22 @@ class KVReceiver:
         held = 0 if new_slots is None else new_slots.numel()
         scatter = new_slots is not None and 0 < held <= tokens
         pool = self.engine.pool
+        group = min(msg.layers_per_send, spec.num_layers)
         try:
             # Receive even when the lease is gone: the tensors are on the wire and must be drained.
             with self._on_device():
-                buffer = torch.empty(expected, dtype=pool.k_cache.dtype, device=pool.device)
+                buffer = torch.empty([group, *expected], dtype=pool.k_cache.dtype, device=pool.device)
                 slots = new_slots.to(pool.device) if scatter else None
-            for layer in range(spec.num_layers):
-                # One buffer serves every layer: the next receive is ordered after this scatter.
-                await conn.recv_into(buffer, max(deadline - time.monotonic(), 0.1))
-                self.counters.kv_bytes_received += buffer.numel() * buffer.element_size()
+            for first in range(0, spec.num_layers, group):
+                last = min(first + group, spec.num_layers)
+                part = buffer[: last - first]
+                # One buffer serves every group: the next receive is ordered after this scatter.
+                await conn.recv_into(part, max(deadline - time.monotonic(), 0.1))
+                self.counters.kv_bytes_received += part.numel() * part.element_size()
                 if slots is not None:
                     with self._on_device():
-                        kernels.scatter_kv(buffer[:, :held].unsqueeze(1), pool.k_cache[layer : layer + 1],
-                                           pool.v_cache[layer : layer + 1], slots)
+                        kernels.scatter_kv(part[:, :, :held].transpose(0, 1), pool.k_cache[first:last],
+                                           pool.v_cache[first:last], slots)
         finally:
             self._streaming.discard(msg.lease_id)
             if msg.lease_id in self._aborted_streams:

@@ -14,9 +14,10 @@ P's side lives in ``prefill_node`` (sending), D's in ``decode_node`` (reservatio
 
    Layer by layer (stream, GPU nodes: P sends each layer's KV while its prefill still runs):
 
-   a. P -> D ``StreamKV`` before the prefill: the KV follows as ``num_layers`` tensors of
-      ``layer_shape`` = [2, tokens, kv_heads, head_dim] (keys, then values), one per layer, in
-      layer order. D scatters each layer into its reserved slots as it lands and answers
+   a. P -> D ``StreamKV`` before the prefill: the KV follows in layer order, in groups of
+      ``layers_per_send`` layers (the last group may be smaller), each group one tensor of
+      [layers in the group] + ``layer_shape``, ``layer_shape`` = [2, tokens, kv_heads, head_dim]
+      (keys, then values). D scatters each layer into its reserved slots as it lands and answers
       ``PushAck`` once all have.
    b. P -> D ``CommitKV`` with the first token, sent as soon as P has them
       (without waiting for the stream's ack): D caches the prompt, joins the request to its
@@ -86,6 +87,7 @@ class StreamKV(DataMessage):
     num_layers: int = Field(gt=0)
     layer_shape: list[int] = Field(min_length=4, max_length=4)
     dtype: str
+    layers_per_send: int = Field(default=1, ge=1, le=1024)
 
 
 class CommitKV(DataMessage):

@@ -29,11 +29,13 @@ _POLL_S = 0.0002
 
 
 class LayerStream:
-    """KV of tokens [start, n_tokens) of one request, zero-padded to ``padded_tokens``."""
+    """KV of tokens [start, n_tokens) of one request, zero-padded to ``padded_tokens``, sent in
+    groups of ``layers_per_send`` layers (one send each: fewer, larger messages on the link,
+    while the copies of the next group run)."""
 
     def __init__(
         self, request_id: str, start: int, n_tokens: int, padded_tokens: int, pool: KVPool,
-        loop: asyncio.AbstractEventLoop, side_stream: torch.cuda.Stream | None,
+        loop: asyncio.AbstractEventLoop, side_stream: torch.cuda.Stream | None, layers_per_send: int = 1,
     ) -> None:
         self.request_id = request_id
         self.start = start
@@ -42,6 +44,7 @@ class LayerStream:
         self.pool = pool
         self.num_layers = pool.spec.num_layers
         self.layer_shape = [2, padded_tokens, pool.spec.num_kv_heads, pool.spec.head_dim]
+        self.layers_per_send = max(1, min(layers_per_send, self.num_layers))
         self._loop = loop
         self._side = side_stream
         self._ready: asyncio.Queue[tuple[int, ReadyEvent]] = asyncio.Queue()
@@ -99,23 +102,24 @@ class LayerStream:
             self._ready.put_nowait((layer, None))
 
     async def send(self, channel: PeerChannel, left: Callable[[], float]) -> int:
-        """Send the layers in order as their copies are queued; returns the bytes sent."""
+        """Send the layers in order, a group as soon as its last copy is queued; returns the bytes sent."""
         sent = 0
-        for expected in range(self.num_layers):
-            try:
-                layer, ready = await wait_for(self._ready.get(), left())
-            except asyncio.TimeoutError:
-                raise ChannelError(f"layer {expected} of {self.request_id} was never computed") from None
-            assert layer == expected and self.buffer is not None
+        for first in range(0, self.num_layers, self.layers_per_send):
+            last = min(first + self.layers_per_send, self.num_layers)
+            for expected in range(first, last):
+                try:
+                    layer, ready = await wait_for(self._ready.get(), left())
+                except asyncio.TimeoutError:
+                    raise ChannelError(f"layer {expected} of {self.request_id} was never computed") from None
+                assert layer == expected and self.buffer is not None
             if self.first_layer_at is None:
                 self.first_layer_at = time.monotonic()
             if ready is not None:
                 # The channel orders its send after this thread's current stream: make that
-                # stream wait for this layer's copy, and nothing later.
+                # stream wait for the group's last copy (copies run in order on one side stream).
                 torch.cuda.current_stream(self.pool.device).wait_event(ready)
-            sent += await channel.send_tensor(self.buffer[layer], left())
+            sent += await channel.send_tensor(self.buffer[first:last], left())
         return sent
-
 
 
 class DirectWrite:

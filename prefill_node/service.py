@@ -97,6 +97,7 @@ class PrefillService:
         admission_tokens: int | None = None,
         kv_ipc: bool = True,
         direct_layerwise_min_tokens: int = 2048,
+        layers_per_send: int = 4,
     ) -> None:
         self.engine = engine or LLMEngine(config)
         self.worker = EngineWorker(self.engine, self._on_updates)
@@ -121,6 +122,8 @@ class PrefillService:
         # left after the first token at 4k) but its per-layer launches cost the first token ~6 ms
         # at 1k, where the whole write after the prefill costs 0.9 ms: whole below ~2k tokens.
         self.direct_layerwise_min_tokens = direct_layerwise_min_tokens
+        # Layer-wise over the network, layers go in groups: a send per group, not per layer.
+        self.layers_per_send = layers_per_send
         self._compute_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
         self._side_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
         self._streams: dict[str, LayerStream | DirectWrite] = {}
@@ -226,7 +229,7 @@ class PrefillService:
             if self.layerwise and send_blocks > 0 and send_blocks * self.block_size >= self.layerwise_min_tokens:
                 stream = LayerStream(
                     job.request_id, match.hit_blocks * self.block_size, n, send_blocks * self.block_size,
-                    self.engine.pool, asyncio.get_running_loop(), self._side_stream,
+                    self.engine.pool, asyncio.get_running_loop(), self._side_stream, self.layers_per_send,
                 )
                 result = await self._run_streaming(job, channel, match, stream, report_first_token, left)
                 lease_settled = True
@@ -283,6 +286,7 @@ class PrefillService:
         sender: asyncio.Future[int] | None = None
         try:
             await channel.send(StreamKV(lease_id=lease_id, num_layers=stream.num_layers,
+                                        layers_per_send=stream.layers_per_send,
                                         layer_shape=stream.layer_shape, dtype=stream.dtype), left())
             self._streams[job.request_id] = stream
             req = await self._add(job)

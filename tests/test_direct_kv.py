@@ -103,13 +103,13 @@ async def poll(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-async def start_pair(model_dir, *, share: bool = True, block_size: int = 16) -> Pair:
+async def start_pair(model_dir, *, share: bool = True, block_size: int = 16, **p_options) -> Pair:
     pair = Pair(None, None)  # type: ignore[arg-type]
     d = DecodeService(engine_config(model_dir, block_size), node_id="d0", cluster_token=TOKEN,
                       on_tokens=pair.on_tokens, share_kv_pool=share, warm_up=False)
     await d.start()
     p = PrefillService(engine_config(model_dir, block_size), node_id="p0", cluster_token=TOKEN, warm_up=False,
-                       lease_s=30.0)
+                       lease_s=30.0, **p_options)
     await p.start()
     pair.p, pair.d = p, d
     return pair
@@ -168,6 +168,23 @@ async def test_without_a_shared_pool_the_kv_goes_through_the_tensor_channel(defa
         assert channel is not None and channel.transport == "gloo" and channel.shared_pool is None
         assert tokens == engine_outputs[0]
         assert channel.channel.bytes_sent == result.transfer_bytes > 0
+    finally:
+        await pair.p.stop()
+        await pair.d.stop()
+
+
+@pytest.mark.parametrize("layers_per_send", [1, 4, 7])
+async def test_layer_groups_through_the_tensor_channel_match_the_engine(default_model_dir, chat_prompts,
+                                                                        engine_outputs, layers_per_send):
+    """The network path, layer by layer during the prefill, several layers per send."""
+    pair = await start_pair(default_model_dir, share=False, layerwise=True, layerwise_min_tokens=0,
+                            layers_per_send=layers_per_send)
+    try:
+        tokens, result = await pair.run(chat_prompts[1])
+        assert tokens == engine_outputs[1]
+        spec = pair.d.engine.kv_spec
+        padded = -(-len(chat_prompts[1]) // spec.block_size) * spec.block_size
+        assert result.transfer_bytes == padded * spec.bytes_per_token == pair.d.counters.kv_bytes_received
     finally:
         await pair.p.stop()
         await pair.d.stop()
