@@ -201,7 +201,15 @@ class DirectWrite:
         if self.pool.device.type != "cuda":
             return None
         event = torch.cuda.Event()
-        event.record(stream) if stream is not None else event.record()
+        target = self.target.device
+        if target != self.pool.device:
+            # Across GPUs the last op of a write (the scatter) runs on the target GPU's stream.
+            with torch.cuda.device(target):
+                event.record(torch.cuda.current_stream(target))
+        elif stream is not None:
+            event.record(stream)
+        else:
+            event.record()
         return event
 
     def _on_side(self):

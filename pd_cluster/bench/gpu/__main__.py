@@ -88,7 +88,7 @@ def device_kind() -> str:
     return f"{name}-x{torch.cuda.device_count()}"
 
 
-PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "small_model")
+PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model")
 
 
 def run(plan: Plan, out_dir: Path) -> dict:
@@ -134,6 +134,9 @@ def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.
             data["errors"]["pd"] = "needs two GPUs"
     if "same_gpu" in plan.parts and dev0.type == "cuda":
         results.part("same_gpu", lambda: asyncio.run(measure_same_gpu(engine, plan, plan.big_config, dev0, gen)))
+    if "peer_ipc" in plan.parts and dev1 is not None and dev1.type == "cuda":
+        results.part("peer_ipc", lambda: asyncio.run(
+            measure_same_gpu(engine, plan, plan.big_config, dev0, gen, d_device=dev1)))
 
 
 def measure_small_model(plan: Plan, dev0: torch.device, copy_bw: float, matmul: float, gen: torch.Generator) -> dict:

@@ -94,14 +94,15 @@ class PDPair:
 
 
 @contextlib.asynccontextmanager
-async def pd_pair(p_engine: LLMEngine, plan: Plan, config_file: Path, d_dev: torch.device) -> AsyncIterator[PDPair]:
+async def pd_pair(p_engine: LLMEngine, plan: Plan, config_file: Path, d_dev: torch.device,
+                  share_across_gpus: bool = False, kv_ipc: bool = True) -> AsyncIterator[PDPair]:
     """Start D (random weights of ``config_file``) on ``d_dev`` and P's service on ``p_engine``;
     stop both on exit, D's counters left in ``d_counters``."""
     from prefill_node.service import PrefillService
 
     d_options = {"max_total_tokens": plan.d_kv_tokens, "max_model_len": plan.max_model_len,
                  "max_num_batched_tokens": 4096, "block_size": plan.block_size, "cuda_graph_batch_sizes": [1, 2, 4],
-                 "max_running_requests": 8}
+                 "max_running_requests": 8, "share_kv_across_gpus": share_across_gpus}
     parent, child = mp.get_context("spawn").Pipe()
     d_proc = mp.get_context("spawn").Process(target=decode_node_main, args=(child, str(config_file), str(d_dev), d_options),
                                              daemon=True)
@@ -115,7 +116,8 @@ async def pd_pair(p_engine: LLMEngine, plan: Plan, config_file: Path, d_dev: tor
         d_proc.join(10)
         raise RuntimeError(f"the decode node failed: {ready}")
     d_address = ready[1]
-    p = PrefillService(p_engine.config, node_id="p0", cluster_token=TOKEN, engine=p_engine, layerwise_min_tokens=0)
+    p = PrefillService(p_engine.config, node_id="p0", cluster_token=TOKEN, engine=p_engine, layerwise_min_tokens=0,
+                       kv_ipc=kv_ipc)
     await p.start()
     pair = PDPair(p=p, channel=None, d_address=d_address, p_engine=p_engine)
     try:
@@ -145,8 +147,10 @@ def decode_node_main(conn, config_file: str, device: str, options: dict) -> None
 async def _decode_node(conn, config_file: Path, device: str, options: dict) -> None:
     from decode_node.service import DecodeService
 
+    across = bool(options.pop("share_kv_across_gpus", False))
     engine = build_engine(config_file, device, seed=1, **options)
-    d = DecodeService(engine.config, node_id="d0", cluster_token=TOKEN, on_tokens=lambda updates: None, engine=engine)
+    d = DecodeService(engine.config, node_id="d0", cluster_token=TOKEN, on_tokens=lambda updates: None, engine=engine,
+                      share_kv_across_gpus=across)
     original = d.server._handler
 
     async def handler(peer, msg):

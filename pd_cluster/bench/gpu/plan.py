@@ -26,7 +26,7 @@ class Plan:
         self.ttft_lens = [512] if quick else [1024, 4096]
         self.output_path_lens = [256, 512] if quick else [1024, 4096, 8192]
         #: Which parts of the run to do (``--parts``).
-        self.parts: list[str] = ["decode", "prefill", "hf", "pd", "same_gpu", "small_model"]
+        self.parts: list[str] = ["decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model"]
         self.max_model_len = 4096 if quick else 17408
         self.kv_tokens = 32768 if quick else 180_000
         self.d_kv_tokens = 16384 if quick else 72_000

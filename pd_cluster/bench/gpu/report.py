@@ -18,6 +18,8 @@ TARGETS = {  # key: (target, "<=" lower is better / ">=" higher is better)
     "small_model_floor_ratio_b1": (4.0, "<="),
     "same_gpu_transfer_vs_copy_4k": (0.70, ">="),
     "same_gpu_transfer_visible_fraction_4k": (0.25, "<="),
+    "peer_ipc_transfer_vs_p2p_copy_4k": (0.90, ">="),
+    "peer_ipc_transfer_visible_fraction_4k": (0.25, "<="),
 }
 
 
@@ -45,6 +47,9 @@ def summarize(results: dict, plan: Plan) -> dict:
         "same_gpu_transfer_vs_copy_4k": get("same_gpu", "write", str(plan.key_len), "write_vs_copy"),
         "same_gpu_transfer_visible_fraction_4k": get("same_gpu", "handover", str(plan.key_len),
                                                      "layers_visible_fraction"),
+        "peer_ipc_transfer_vs_p2p_copy_4k": get("peer_ipc", "write", str(plan.key_len), "write_vs_copy"),
+        "peer_ipc_transfer_visible_fraction_4k": get("peer_ipc", "handover", str(plan.key_len),
+                                                     "layers_visible_fraction"),
     }
 
 
@@ -71,6 +76,7 @@ def markdown(results: dict) -> str:
         *_ttft_section(pd),
         *_prefix_hit_section(pd),
         *_same_gpu_section(results.get("same_gpu", {})),
+        *_same_gpu_section(results.get("peer_ipc", {})),
         *_small_model_section(results.get("small_model")),
     ]
     if results.get("errors"):
@@ -83,12 +89,13 @@ def markdown(results: dict) -> str:
 def _same_gpu_section(same: dict) -> list[str]:
     if not same:
         return []
-    lines = _table(f"## P and D on one GPU ({same.get('transport')}): the in-place write",
+    where = "one GPU" if same.get("device") == same.get("d_device", same.get("device")) else "two GPUs, peer access"
+    lines = _table(f"## P and D on {where} ({same.get('transport')}): the in-place write",
                    ["tokens", "MB", "write ms", "copy ms", "write / copy speed", "GB/s"])
     for row in same.get("write", {}).values():
         lines.append(f"| {row['tokens']} | {row['bytes'] / 1e6:.0f} | {_fmt(row['write_ms'])} | {_fmt(row['copy_ms'])} | "
                      f"{_fmt(row['write_vs_copy'])} | {_fmt(row['write_gb_per_s'])} |")
-    lines += _table("## P and D on one GPU: first token, KV in D, commit (ms from the job's start)",
+    lines += _table(f"## P and D on {where}: first token, KV in D, commit (ms from the job's start)",
                     ["tokens", "first token", "KV committed (layer-wise)", "visible after first token (layer-wise)",
                      "visible (whole)", "visible fraction (layer-wise)", "first token ahead of commit"])
     for row in same.get("handover", {}).values():

@@ -1,6 +1,7 @@
-"""(f) P and D sharing one GPU: the in-place write into D's pool (CUDA IPC) against a
-device-to-device copy of the same bytes, how much of it stays visible after the first token,
-and what the first token gains by leaving P before the KV reaches D (the output path)."""
+"""(f) P writing in place into D's pool (CUDA IPC): P and D sharing one GPU, or on two GPUs of
+one host (peer access). The write against a plain copy of the same bytes (device to device, or
+peer to peer), how much of it stays visible after the first token, and what the first token
+gains by leaving P before the KV reaches D (the output path)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import kernels
 from pd_cluster.bench.gpu.models import random_prompt
 from pd_cluster.bench.gpu.pd_pair import PDPair, pd_pair
 from pd_cluster.bench.gpu.plan import Plan
-from pd_cluster.bench.gpu.timing import cuda_ms
+from pd_cluster.bench.gpu.timing import cuda_ms, wall_ms
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.handover import ReleaseLease
 from pd_cluster.transfer import decode_slots
@@ -23,10 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 async def measure_same_gpu(p_engine: LLMEngine, plan: Plan, config_file, device: torch.device,
-                           gen: torch.Generator) -> dict:
-    """P's service on the benchmark engine, D in a child process on the same GPU."""
-    out: dict[str, Any] = {"device": str(device)}
-    async with pd_pair(p_engine, plan, config_file, device) as pair:
+                           gen: torch.Generator, d_device: torch.device | None = None) -> dict:
+    """P's service on the benchmark engine, D in a child process on the same GPU (or on
+    ``d_device``, sharing its pool across the GPUs of the host)."""
+    d_device = d_device or device
+    out: dict[str, Any] = {"device": str(device), "d_device": str(d_device)}
+    async with pd_pair(p_engine, plan, config_file, d_device, share_across_gpus=d_device != device) as pair:
         out["transport"] = pair.channel.transport
         if pair.channel.shared_pool is None:
             raise RuntimeError(f"D did not share its pool (transport {pair.channel.transport})")
@@ -45,13 +48,21 @@ async def write_row(pair: PDPair, n: int, gen: torch.Generator) -> dict:
     try:
         dst = decode_slots(match.slots).to(device)
         src = torch.randperm(pool.capacity - 1, device=device)[:n]
-        write_ms = cuda_ms(lambda: kernels.copy_kv_slots(pool.k_cache, pool.v_cache, src, shared.k_cache,
-                                                         shared.v_cache, dst), device)
+        def write() -> None:
+            kernels.copy_kv_slots(pool.k_cache, pool.v_cache, src, shared.k_cache, shared.v_cache, dst)
+
+        if shared.device == device:
+            write_ms = cuda_ms(write, device)
+        else:
+            write_ms = wall_ms(write, [device, shared.device], warmup=2, reps=10)
         # The same bytes, contiguous to contiguous: what the memory system allows.
         nbytes = n * spec.bytes_per_token
         a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
-        b = torch.empty_like(a)
-        copy_ms = cuda_ms(lambda: b.copy_(a), device)
+        b = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=shared.device)
+        if shared.device == device:
+            copy_ms = cuda_ms(lambda: b.copy_(a), device)
+        else:  # peer to peer: the host clock around both GPUs
+            copy_ms = wall_ms(lambda: b.copy_(a), [device, shared.device], warmup=2, reps=10)
         del a, b
     finally:
         await pair.channel.request(ReleaseLease(lease_id=match.lease_id), 30.0)
