@@ -114,7 +114,11 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--drain-timeout", type=float, default=600.0,
                    help="seconds a draining node waits for its requests before it leaves anyway")
     p.add_argument("--lease-s", type=float, default=30.0, help="KV reservation lease on decode nodes")
+    p.add_argument("--kv-ipc", action=argparse.BooleanOptionalAction, default=True,
+                   help="on one GPU, write KV in place into the decode node's pool (CUDA IPC) instead of sending it")
     if role == "decode":
+        p.add_argument("--kv-ipc-across-gpus", action="store_true",
+                       help="also share the KV pool with prefill nodes on other GPUs of this host")
         p.add_argument("--data-host", default="127.0.0.1", help="address prefill nodes dial (advertised)")
         p.add_argument("--data-bind", default=None, help="bind address of the data plane (default: --data-host)")
         p.add_argument("--data-port", type=int, default=0, help="port of the data plane (0: any free one)")
@@ -135,11 +139,13 @@ def _node_settings(args: argparse.Namespace, role: str):
         {**engine_config_from_args(args).model_dump(), "gpu_memory_fraction": args.gpu_memory_fraction}
     )
     fields = {"master": args.master, "engine": engine, "status_host": args.status_host,
-              "status_port": args.status_port, "drain_timeout_s": args.drain_timeout, "lease_s": args.lease_s}
+              "status_port": args.status_port, "drain_timeout_s": args.drain_timeout, "lease_s": args.lease_s,
+              "kv_ipc": args.kv_ipc}
     if args.node_id:
         fields["node_id"] = args.node_id
     if role == "decode":
-        fields.update(data_host=args.data_host, data_bind=args.data_bind, data_port=args.data_port)
+        fields.update(data_host=args.data_host, data_bind=args.data_bind, data_port=args.data_port,
+                      kv_ipc_across_gpus=args.kv_ipc_across_gpus)
     else:
         fields["max_channels"] = args.max_channels
     if not os.environ.get("PD_CLUSTER_TOKEN"):
