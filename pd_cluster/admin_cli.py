@@ -91,6 +91,11 @@ class AdminClient:
         _check(response)
         return response.json()
 
+    def allow(self, node_id: str) -> dict[str, Any]:
+        response = self._call("POST", f"/admin/nodes/{node_id}/allow")
+        _check(response)
+        return response.json()
+
     def health(self) -> dict[str, Any]:
         response = self._call("GET", "/health", auth=False)
         try:
@@ -350,7 +355,16 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             if args.json:
                 _print_json(doc)
             else:
-                sys.stdout.write(f"node {args.node_id} removed: its requests move to other nodes\n")
+                banned = ""
+                if doc.get("banned"):
+                    banned = f"; its id is refused until `pd-cluster nodes allow {args.node_id}`"
+                sys.stdout.write(f"node {args.node_id} removed: its requests move to other nodes{banned}\n")
+        elif action == "allow":
+            doc = client.allow(args.node_id)
+            if args.json:
+                _print_json(doc)
+            else:
+                sys.stdout.write(f"node id {args.node_id} may join again\n")
     except AdminError as e:
         sys.stderr.write(f"pd-cluster nodes: {e}\n")
         return 1
@@ -399,7 +413,7 @@ def _add_watch_args(p: argparse.ArgumentParser) -> None:
 
 def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     """``nodes`` and ``status``, added to the ``pd-cluster`` parser."""
-    nodes = sub.add_parser("nodes", help="list, watch, drain or remove the nodes of a running cluster",
+    nodes = sub.add_parser("nodes", help="list, watch, drain, remove or allow the nodes of a running cluster",
                            description="The nodes a master knows, through its admin API.")
     actions = nodes.add_subparsers(dest="action")
     for name, text in (("list", "print the nodes table once (the default)"),
@@ -417,6 +431,9 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
         "remove", help="drop a node now: its in-flight requests are retried elsewhere (drain is the gentle way)")
     remove.add_argument("node_id", help="the node's id, as the ID column shows it")
     _add_connection_args(remove)
+    allow = actions.add_parser("allow", help="let a removed node's id join the cluster again")
+    allow.add_argument("node_id", help="the id `remove` took out")
+    _add_connection_args(allow)
     # `pd-cluster nodes` alone lists, with the default connection.
     nodes.set_defaults(func=cmd_nodes, action="list", master=None, token_file=None, timeout=10.0, json=False)
 

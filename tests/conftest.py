@@ -15,6 +15,25 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def served_cluster(default_model_dir, tmp_path_factory):
+    """A real cluster on CPU (master logging JSON lines, prefill node p0, decode node d0), shared by
+    the test files that leave it as they found it: one start instead of one per file."""
+    from tests.cluster_harness import Cluster, wait_until
+
+    c = Cluster(default_model_dir, tmp_path_factory.mktemp("served-cluster"))
+    try:
+        c._spawn("master", ["master", "--host", "127.0.0.1", "--port", str(c.port), "--model", str(default_model_dir),
+                            "--log-format", "json"])
+        wait_until(lambda: c._get("/livez") == 200, 60, "the master to serve")
+        c.start_node("prefill", "p0")
+        c.start_node("decode", "d0", "--data-port", "0")
+        wait_until(lambda: c.health()[0] == 200, 60, "a warm pair")
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
     from transformers import AutoTokenizer
 

@@ -165,17 +165,23 @@ def test_drain_takes_a_node_out_and_it_leaves(local):
     assert local.healthy()  # still serving with the other pair
 
 
-def test_remove_drops_a_node_at_once(local):
+def test_remove_drops_a_node_at_once_and_allow_lets_its_id_back(local):
     joins = local.master_log().count("node prefill-0 joined")
     assert joins >= 1
     done = local.cli("nodes", "remove", "prefill-0", "--master", local.url, "--json")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == {"id": "prefill-0", "deleted": True}
-    listed = httpx.get(local.url + "/admin/nodes", timeout=5,
-                       headers={"Authorization": f"Bearer {(local.home / 'local' / 'admin-token').read_text().strip()}"})
-    assert "prefill-0" not in {n["id"] for n in listed.json()["data"]}  # gone at once, before any re-dial
+    doc = json.loads(done.stdout)
+    assert (doc["id"], doc["deleted"]) == ("prefill-0", True)
+    token = (local.home / "local" / "admin-token").read_text().strip()
+    listed = httpx.get(local.url + "/admin/nodes", timeout=5, headers={"Authorization": f"Bearer {token}"})
+    assert "prefill-0" not in {n["id"] for n in listed.json()["data"]}  # gone at once
     assert "node prefill-0 left: removed by an operator" in local.master_log()
-    assert local.master_log().count("node prefill-0 joined") == joins
+
+    allowed = local.cli("nodes", "allow", "prefill-0", "--master", local.url)
+    assert allowed.returncode == 0, allowed.stderr
+    assert "prefill-0 may join again" in allowed.stdout
+    again = local.cli("nodes", "allow", "prefill-0", "--master", local.url)
+    assert again.returncode == 1 and "is not removed" in again.stderr
 
 
 # ---- formatting, without a cluster --------------------------------------------------------------

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster_harness import Cluster, wait_until
+from tests.cluster_harness import Cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Water boils at"]
@@ -15,16 +15,8 @@ GREEDY = {"temperature": 0, "max_tokens": 6, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    c = Cluster(default_model_dir, tmp_path_factory.mktemp("completion-batch"))
-    try:
-        c.start_master()
-        c.start_node("prefill", "p0")
-        c.start_node("decode", "d0", "--data-port", "0")
-        wait_until(lambda: c.health()[0] == 200, 60, "a warm pair")
-        yield c
-    finally:
-        c.stop()
+def cluster(served_cluster) -> Cluster:
+    return served_cluster
 
 
 @pytest.fixture(scope="module")

@@ -26,18 +26,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    c = Cluster(default_model_dir, tmp_path_factory.mktemp("request-log"))
-    try:
-        c._spawn("master", ["master", "--host", "127.0.0.1", "--port", str(c.port), "--model", str(default_model_dir),
-                            "--log-format", "json"])
-        wait_until(lambda: c._get("/livez") == 200, 60, "the master to serve")
-        c.start_node("prefill", "p0")
-        c.start_node("decode", "d0", "--data-port", "0")
-        wait_until(lambda: c.health()[0] == 200, 60, "a warm pair")
-        yield c
-    finally:
-        c.stop()
+def cluster(served_cluster) -> Cluster:
+    return served_cluster  # its master runs with --log-format json
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import pytest
 
 from master.request_log import RequestRecord
 from master.status_page import TrafficHistory, percentile
-from tests.cluster_harness import ADMIN_TOKEN, Cluster, wait_until
+from tests.cluster_harness import ADMIN_TOKEN, wait_until
 from tests.master_fakes import (
     ADMIN_HEADERS, FakeNode, LiveMaster, make_settings, serve_one, wait_warm, write_model_dir,
 )
@@ -56,17 +56,14 @@ def chromium_driver():
 
 
 @pytest.fixture(scope="module")
-def cluster(default_model_dir, tmp_path_factory):
-    c = Cluster(default_model_dir, tmp_path_factory.mktemp("status-page"))
-    try:
-        c.start_master()
-        c.start_node("prefill", "p0")
-        c.start_node("prefill", "p1")
-        c.start_node("decode", "d0", "--data-port", "0")
-        wait_until(lambda: c.health()[0] == 200 and c.health()[1]["warm_pairs"] == 2, 60, "two warm pairs")
-        yield c
-    finally:
-        c.stop()
+def cluster(served_cluster):
+    """The shared cluster (p0, d0) and a second prefill node p1, which the test drains."""
+    served_cluster.start_node("prefill", "p1")
+    wait_until(lambda: served_cluster.health()[1].get("warm_pairs") == 2, 60, "two warm pairs")
+    yield served_cluster
+    if served_cluster.node("p1") is not None:
+        served_cluster.admin("POST", "/admin/nodes/p1/drain")
+    wait_until(lambda: served_cluster.procs["p1"].poll() is not None, 60, "p1 to leave")
 
 
 @pytest.fixture(scope="module")
@@ -78,32 +75,45 @@ def browser():
         driver.quit()
 
 
+# Read in one script call: the page redraws its tables every poll, so element handles go stale.
 def node_states(driver) -> dict[str, str]:
-    rows = driver.find_elements("css selector", "#nodes tbody tr[data-node-id]")
-    return {row.get_attribute("data-node-id"): row.get_attribute("data-state") for row in rows}
+    return dict(driver.execute_script(
+        "return Array.from(document.querySelectorAll('#nodes tbody tr[data-node-id]'))"
+        ".map(r => [r.dataset.nodeId, r.dataset.state])"))
+
+
+def routed_requests(driver) -> dict[str, str]:
+    """Request id -> the row's text, of the routing decisions table."""
+    return dict(driver.execute_script(
+        "return Array.from(document.querySelectorAll('#routing tbody tr[data-request-id]'))"
+        ".map(r => [r.dataset.requestId, r.innerText])"))
+
+
+def text_of(driver, element_id: str) -> str:
+    return driver.execute_script("return document.getElementById(arguments[0]).textContent", element_id)
 
 
 def test_status_page_in_chromium_shows_nodes_traffic_and_a_drain(cluster, browser):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(cluster.url + "/status")
     assert "sign in" in browser.title  # no token yet: the form
     browser.find_element("id", "token").send_keys(ADMIN_TOKEN)
     browser.find_element("css selector", "form button").click()
-    wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+    wait = WebDriverWait(browser, 30, poll_frequency=0.2, ignored_exceptions=(StaleElementReferenceException,))
     wait.until(lambda d: d.title == "pd-cluster status")
     wait.until(lambda d: node_states(d) == {"p0": "active", "p1": "active", "d0": "active"})
-    assert browser.find_element("id", "health").text == "serving"
+    assert text_of(browser, "health") == "serving"
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     ids = [client.completions.create(model=MODEL, prompt=f"Count to {n}:", max_tokens=4).id for n in (3, 4, 5)]
-    wait.until(lambda d: {r.get_attribute("data-request-id")
-                          for r in d.find_elements("css selector", "#routing tbody tr")} >= set(ids))
-    routing = browser.find_element("css selector", f'#routing tr[data-request-id="{ids[0]}"]').text
+    wait.until(lambda d: set(routed_requests(d)) >= set(ids))
+    routing = routed_requests(browser)[ids[0]]
     assert "→ d0" in routing and "warm pair" in routing
-    wait.until(lambda d: d.find_element("id", "requests-rate").text not in ("-", "0.00"))
-    assert browser.find_element("id", "ttft").text.endswith("ms")
-    assert browser.find_elements("css selector", "#chart-requests polyline")  # the chart drew a line
+    wait.until(lambda d: text_of(d, "requests-rate") not in ("-", "0.00"))
+    assert text_of(browser, "ttft").endswith("ms")
+    assert browser.execute_script("return document.querySelectorAll('#chart-requests polyline').length") > 0
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "status-page.png"
     assert browser.save_screenshot(str(shot))
