@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -139,18 +140,29 @@ async def measure_ttft(pair: PDPair, plan: Plan, prefill: dict, transfer: dict, 
     ttft: dict[str, Any] = {}
     for n in plan.ttft_lens:
         row = {"tokens": n, "prefill_ms": prefill.get(str(n), {}).get("ms")}
-        for mode, layerwise in (("layers", True), ("whole", False)):
-            pair.p.layerwise = layerwise
-            runs = [await pair.job(random_prompt(pair.vocab, n, gen)) for _ in range(3)]
-            row[f"{mode}_handover_ms"] = statistics.median(r["handover_ms"] for r in runs)
-            row[f"{mode}_first_token_ms"] = statistics.median(r["first_token_ms"] for r in runs)
-            row[f"{mode}_bytes"] = runs[0]["bytes"]
-        pair.p.layerwise = True
+        service = pair.p
+        saved = (service.layers_per_send, sys.getswitchinterval())
+        # Layer-wise as served, then two variants: a layer per send, and the interpreter handing
+        # the GIL between threads every 0.5 ms instead of 5 (the engine thread launching the
+        # forward holds it while the sends wait for it).
+        variants = (("layers", True, saved[0], saved[1]), ("layers_per_layer", True, 1, saved[1]),
+                    ("layers_fast_switch", True, saved[0], 0.0005), ("whole", False, saved[0], saved[1]))
+        try:
+            for mode, layerwise, group, switch in variants:
+                service.layerwise, service.layers_per_send = layerwise, group
+                sys.setswitchinterval(switch)
+                runs = [await pair.job(random_prompt(pair.vocab, n, gen)) for _ in range(4)][1:]
+                row[f"{mode}_handover_ms"] = statistics.median(r["handover_ms"] for r in runs)
+                row[f"{mode}_first_token_ms"] = statistics.median(r["first_token_ms"] for r in runs)
+                row[f"{mode}_bytes"] = runs[0]["bytes"]
+        finally:
+            service.layerwise, (service.layers_per_send, switch) = True, saved
+            sys.setswitchinterval(switch)
         standalone = transfer.get(str(n))
         if standalone and row["prefill_ms"]:
             xfer = standalone["pool_to_pool_ms"]
             row["standalone_transfer_ms"] = xfer
-            for mode in ("layers", "whole"):
+            for mode, *_ in variants:
                 row[f"{mode}_visible_fraction"] = (row[f"{mode}_handover_ms"] - row["prefill_ms"]) / xfer
         ttft[str(n)] = row
         logger.info("handover %d tokens: %s", n, row)
