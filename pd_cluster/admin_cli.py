@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -294,6 +295,8 @@ def status_view(status: Mapping[str, Any], now: float | None = None) -> Group:
 
 
 def _client(args: argparse.Namespace) -> AdminClient:
+    # A log line per HTTP call would bury the table (and break a view refreshed in place).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     master = args.master or os.environ.get(MASTER_ENV) or DEFAULT_MASTER
     return AdminClient(master, resolve_token(args.token_file), timeout=args.timeout)
 

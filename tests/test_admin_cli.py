@@ -90,6 +90,7 @@ def local(default_model_dir, tmp_path_factory):
 def test_nodes_list_shows_every_node_as_a_table_and_as_json(local):
     done = local.cli("nodes", "list", "--master", local.url)
     assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no log line per HTTP call: it would break `watch`'s redraw in a terminal
     lines = done.stdout.splitlines()
     header = lines[0].split()
     for column in ("ID", "ROLE", "STATE", "DEVICE", "LOAD", "KV", "USE", "PREFIX", "HIT", "MOVED", "WARM", "AGE"):
