@@ -88,7 +88,9 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
             registry.remove(node_id, "master shutting down", CLOSE_GOING_AWAY)
         tok.close()
 
-    app = FastAPI(title="pd-cluster master", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="pd-cluster master", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
+    app.openapi = lambda: openai_api.openapi_document(app)  # type: ignore[method-assign]
     app.state.ctx = ctx
     app.state.api_keys = api_keys_from(settings)
     install_error_handlers(app)

@@ -19,12 +19,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from master.auth import ClientSlot
-from master.errors import bad_request
+from master.errors import APIError, bad_request
+from master.metrics import status_of_http
 
 #: Prompts one request may carry; each becomes a request of its own.
 MAX_PROMPTS = 64
 
 Serve = Callable[[Request, str], Awaitable[Response]]
+
+
+def _refused(request: Request, error: APIError) -> Response:
+    """The whole batch refused: counted once, as one request."""
+    request.app.state.ctx.metrics.requests_total.labels(status=status_of_http(error.status)).inc()
+    return error.response()
 
 
 def split_prompts(prompt: Any) -> list[str | list[int]] | None:
@@ -54,11 +61,15 @@ async def serve(request: Request, serve_one: Serve) -> Response | None:
     if prompts is None or (len(prompts) == 1 and not echo):
         return None
     if len(prompts) > MAX_PROMPTS:
-        return bad_request(f"At most {MAX_PROMPTS} prompts per request.", "prompt").response()
+        return _refused(request, bad_request(f"At most {MAX_PROMPTS} prompts per request.", "prompt"))
     if echo and body.get("logprobs") is not None:
-        return bad_request("echo with logprobs is not supported (prompt logprobs are not computed).",
-                           "echo").response()
+        return _refused(request, bad_request("echo with logprobs is not supported (prompt logprobs are not "
+                                             "computed).", "echo"))
     ctx = request.app.state.ctx
+    vocab = ctx.tokenizer.vocab_size
+    for p in prompts:  # decoded below for echo: only token ids of the vocabulary
+        if not isinstance(p, str) and not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in p):
+            return _refused(request, bad_request(f"Token ids must be integers in [0, {vocab}).", "prompt"))
     texts = [p if isinstance(p, str) else await ctx.tokenizer.run(ctx.tokenizer.decode, p) for p in prompts]
     slot: ClientSlot = request.state.client_slot
     slot.handed = True  # released when the whole answer is done

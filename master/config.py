@@ -47,6 +47,10 @@ class MasterSettings(BaseSettings):
     )
     queue_timeout_s: float = Field(default=30.0, gt=0, description="longest wait in the admission queue")
     max_attempts: int = Field(default=3, ge=1, description="tries of one request across node failures")
+    stale_after_s: float = Field(
+        default=5.0, ge=0, description="a node still holding an attempt this long after it ended is told to abort "
+        "it (a prefill job may take a moment to notice that its decode node finished the request)",
+    )
     handoff_timeout_s: float = Field(
         default=30.0, gt=0, description="longest time from P's first token to the KV reaching D; past it the "
         "request is re-run on another pair (P is stuck or gone)",

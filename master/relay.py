@@ -169,8 +169,8 @@ class Relay:
         self.requests: dict[str, RelayRequest] = {}
         self.attempts: dict[str, RelayRequest] = {}
         self.queue: deque[RelayRequest] = deque()
-        #: Attempt ids that ended here (oldest first), for aborting them on nodes that still hold them.
-        self.ended: OrderedDict[str, None] = OrderedDict()
+        #: Attempt id -> when it ended here (oldest first), to abort it on nodes that still hold it.
+        self.ended: OrderedDict[str, float] = OrderedDict()
         self._pumping = False
         #: Called with each request as it ends (the request log).
         self.on_end: list[Callable[[RelayRequest], None]] = []
@@ -301,7 +301,9 @@ class Relay:
         if msg.finish_reason is not None:
             self._finish(r, msg.finish_reason, abort_decode=True)
             return
-        if not r.handed_over:
+        if r.early_deltas:
+            self._handed_over(r)  # D already decodes it
+        elif not r.handed_over:
             loop = asyncio.get_running_loop()
             r.handoff_timer = loop.call_later(self.settings.handoff_timeout_s, self._handoff_expired, r, r.attempt_id)
         early, r.early_deltas = r.early_deltas, []
@@ -391,7 +393,8 @@ class Relay:
             return
         now = time.monotonic()
         for attempt_id in msg.request_ids:
-            if attempt_id in node.inflight or attempt_id not in self.ended:
+            ended_at = self.ended.get(attempt_id)
+            if attempt_id in node.inflight or ended_at is None or now - ended_at < self.settings.stale_after_s:
                 continue
             last = node.stale_aborts.get(attempt_id)
             if last is not None and now - last < STALE_ABORT_EVERY_S:
@@ -478,7 +481,7 @@ class Relay:
         self.attempts.pop(attempt_id, None)
         r.attempt_id = None
         self._cancel_handoff_timer(r)
-        self.ended[attempt_id] = None
+        self.ended[attempt_id] = time.monotonic()
         while len(self.ended) > ENDED_MEMORY:
             self.ended.popitem(last=False)
         for node_id in (r.prefill_id, r.decode_id):

@@ -74,6 +74,11 @@ BAD_BODIES: dict[str, tuple[str, bytes, str | None]] = {
     "huge max_tokens": ("/v1/completions", _json({**COMPLETION, "max_tokens": 10**30}), None),
     "huge seed": ("/v1/completions", _json({**COMPLETION, "seed": 2**70}), "seed"),
     "negative token id": ("/v1/completions", _json({**COMPLETION, "prompt": [-1]}), "prompt"),
+    "echo of a token id past the vocabulary": (
+        "/v1/completions", _json({**COMPLETION, "prompt": [5552480256], "echo": True}), "prompt"),
+    "a batch of prompts holding strings where ids go": (
+        "/v1/completions", _json({**COMPLETION, "prompt": [["a", "b"], [1]]}), "prompt"),
+    "a batch with a lone surrogate": ("/v1/completions", b'{"model": "tiny-llama", "prompt": ["a", "\\ud800"]}', None),
     "body is a string": ("/v1/completions", b'"hello"', None),
     "body is null": ("/v1/completions", b"null", None),
     "invalid UTF-8": ("/v1/completions", b'{"model": "tiny-llama", "prompt": "\xff\xfe"}', None),

@@ -27,7 +27,7 @@ from tests.master_fakes import (
 
 @pytest.fixture
 async def master(tmp_path: Path):
-    async with LiveMaster(make_settings(write_model_dir(tmp_path), handoff_timeout_s=1.0)) as m:
+    async with LiveMaster(make_settings(write_model_dir(tmp_path), handoff_timeout_s=1.0, stale_after_s=0.2)) as m:
         yield m
 
 

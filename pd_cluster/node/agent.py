@@ -261,13 +261,17 @@ class MasterLinks:
         self.stopped = asyncio.Event()
 
     def send_nowait(self, message: BaseModel) -> None:
+        """To the request's master when known, else to every master the node is registered with.
+        A master whose link is down gets nothing: it has settled this node's requests already."""
         request_id = getattr(message, "request_id", None)
         owner = self._owner.get(request_id) if request_id is not None else None
         if owner is not None and owner.url in self.agents:
-            owner.send_nowait(message)
+            if owner.registered.is_set():
+                owner.send_nowait(message)
             return
         for agent in list(self.agents.values()):
-            agent.send_nowait(message)
+            if agent.registered.is_set():
+                agent.send_nowait(message)
 
     async def send(self, message: BaseModel) -> None:
         self.send_nowait(message)
