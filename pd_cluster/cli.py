@@ -237,7 +237,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
         max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
-        echo_logs=args.echo_logs, log_level=args.log_level,
+        echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
     )
     try:
         cluster = LocalCluster(options)
@@ -300,6 +300,9 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                      help="seconds Ctrl-C/SIGTERM waits for the nodes to drain and the master to stop")
     loc.add_argument("--log-dir", default=None, help="per-process log files (default: $PD_CLUSTER_HOME/local/logs)")
     loc.add_argument("--echo-logs", action="store_true", help="also print every process's output here")
+    loc.add_argument("--log-format", default="text", choices=["text", "json"],
+                     help="the master's log: json makes every line one JSON object (a request's fields at its "
+                          "top level)")
     loc.set_defaults(func=cmd_local)
 
     drain = sub.add_parser("node-drain", help="ask the node on this host to drain and wait for it (preStop)")

@@ -449,6 +449,7 @@ class LocalOptions:
     log_dir: Path | None = None
     echo_logs: bool = False
     log_level: str = "INFO"
+    log_format: str = "text"  # the master's: json makes every line (a request's too) one JSON object
     restart: RestartPolicy = field(default_factory=RestartPolicy)
 
 
@@ -540,7 +541,7 @@ class LocalCluster:
         env = {k: v for k, v in os.environ.items() if k not in ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN")}
         env.update(PD_CLUSTER_TOKEN=cluster_token, PYTHONUNBUFFERED="1")
         master_argv = self._base_argv() + ["master", "--host", o.host, "--port", str(o.port), "--model", o.model,
-                                           "--policy", o.policy]
+                                           "--policy", o.policy, "--log-format", o.log_format]
         specs = [ProcessSpec("master", "master", tuple(master_argv),
                              {**env, "PD_ADMIN_TOKEN": admin_token, "CUDA_VISIBLE_DEVICES": ""},
                              stop_order=1, clean_exit_is_final=False)]

@@ -153,3 +153,15 @@ def test_token_counts_come_from_the_first_token_report():
     assert (record.ttft_s, record.tpot_s, record.e2e_s) == (0.25, 0.25, 1.25)
     assert record.routing == "cache_aware; D held 6/10 prompt tokens"
     assert time.time() - record.ended_at < 5
+
+
+def test_pd_cluster_local_passes_the_log_format_to_its_master():
+    from pd_cluster.cli import build_parser
+    from pd_cluster.local_cluster import LocalCluster, LocalOptions
+
+    assert build_parser().parse_args(["local"]).log_format == "text"
+    args = build_parser().parse_args(["local", "--log-format", "json", "--device", "cpu"])
+    cluster = LocalCluster(LocalOptions(device="cpu", log_format=args.log_format))
+    master = next(s for s in cluster.process_specs("cluster-token", "admin-token") if s.name == "master")
+    argv = list(master.argv)
+    assert argv[argv.index("--log-format") + 1] == "json"
