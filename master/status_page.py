@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -230,6 +231,8 @@ def snapshot(ctx: MasterContext, traffic: TrafficHistory, now: float | None = No
     recent = list(traffic.recent)
     return {
         "now": now,
+        # With several masters each page shows the traffic of the one that answered: it says which.
+        "master": f"{socket.gethostname()}:{ctx.settings.port}",
         "model": ctx.model_name,
         "policy": ctx.settings.policy,
         "health": {

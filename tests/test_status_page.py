@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,7 @@ def test_status_page_in_chromium_shows_nodes_traffic_and_a_drain(cluster, browse
     wait.until(lambda d: d.title == "pd-cluster status")
     wait.until(lambda d: node_states(d) == {"p0": "active", "p1": "active", "d0": "active"})
     assert text_of(browser, "health") == "serving"
+    assert text_of(browser, "model") == f"{MODEL} · cache_aware · master {socket.gethostname()}:{cluster.port}"
 
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     ids = [client.completions.create(model=MODEL, prompt=f"Count to {n}:", max_tokens=4).id for n in (3, 4, 5)]
@@ -206,6 +208,7 @@ def test_the_read_only_token_opens_the_page_and_nothing_else(master_with_traffic
 def test_status_data_has_nodes_traffic_and_routing(master_with_traffic):
     data = master_with_traffic["data"].json()
     assert {n["id"] for n in data["nodes"]} == {"p0", "d0"}
+    assert data["master"].endswith(":8000")  # which master answered (its traffic is its own)
     assert data["health"] == {"prefill_nodes": 1, "decode_nodes": 1, "warm_pairs": 1, "queued_requests": 0,
                               "running_requests": 0}
     assert data["headline"]["requests_per_s"] == pytest.approx(1 / 60)

@@ -123,7 +123,7 @@ function render(data) {
   const health = el("health");
   health.textContent = serving ? "serving" : "unavailable";
   health.className = "badge " + (serving ? "ok" : "bad");
-  el("model").textContent = (data.model || "no model yet") + " · " + data.policy;
+  el("model").textContent = (data.model || "no model yet") + " · " + data.policy + " · master " + data.master;
   const hl = data.headline;
   el("requests-rate").textContent = hl.requests_per_s.toFixed(2);
   el("error-ratio").textContent = fmtPct(hl.error_ratio);
