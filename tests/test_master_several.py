@@ -118,3 +118,18 @@ def test_the_ray_launcher_starts_masters_as_peers_on_their_own_ports():
     assert master_urls(argv[argv.index("--master") + 1]) == ["http://10.0.0.1:9000", "http://10.0.0.1:9001"]
     args = build_parser().parse_args(["ray", "start", "--masters", "2"])
     assert args.masters == 2
+
+
+async def test_a_name_that_resolves_to_several_addresses_is_one_master_per_address(monkeypatch):
+    """A headless Service's name resolves to every master pod: the node links to each."""
+    answers = {"masters.internal": ["10.0.0.1", "10.0.0.2", "10.0.0.1"], "one.internal": ["10.0.0.9"]}
+
+    async def getaddrinfo(host, port, **kwargs):
+        return [(2, 1, 6, "", (address, port)) for address in answers[host]]
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+    node = Node(["http://masters.internal:8000", "http://one.internal:9000", "http://127.0.0.1:7000"], "d0", "decode")
+    assert await node.links._targets() == {
+        f"ws://10.0.0.1:8000{protocol.NODE_WS_PATH}", f"ws://10.0.0.2:8000{protocol.NODE_WS_PATH}",
+        f"ws://one.internal:9000{protocol.NODE_WS_PATH}", f"ws://127.0.0.1:7000{protocol.NODE_WS_PATH}",
+    }
