@@ -49,8 +49,8 @@ class PrefillResult:
     transfer_bytes: int
     transfer_seconds: float
     committed: bool
-    #: Seconds from the first token to the KV being in D's memory (the transfer time not hidden
-    #: behind the prefill); measured on the in-place path, None elsewhere.
+    #: Seconds from the first token to the KV being in D's memory (in place) or sent (layer-wise):
+    #: the transfer time not hidden behind the prefill; None for a whole push.
     visible_seconds: float | None = None
 
 
@@ -125,7 +125,9 @@ class PrefillService:
         # Layer-wise over the network, layers go in groups: a send per group, not per layer.
         self.layers_per_send = layers_per_send
         self._compute_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
-        self._side_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
+        # KV copies out of the pool run at high priority: queued behind a long prefill's kernels
+        # at equal priority, they (and the sends that wait for them) would start only at its end.
+        self._side_stream = torch.cuda.Stream(self.engine.device, priority=-1) if on_gpu else None
         self._streams: dict[str, LayerStream | DirectWrite] = {}
         self._held: dict[str, Request] = {}
         self.engine.set_layer_hook_factory(self._layer_hook_for)
@@ -296,7 +298,9 @@ class PrefillService:
             finished = first.finish_reason is not None
             report = self._report(job, req, first, match.hit_blocks, 0 if finished else stream.nbytes)
             await report_first_token(report)  # TTFT does not wait for the transfer
+            reported = time.monotonic()
             sent = await sender
+            visible = time.monotonic() - reported
             if finished:
                 await channel.send(ReleaseLease(lease_id=lease_id), left())
             else:
@@ -323,7 +327,7 @@ class PrefillService:
         self.counters.kv_bytes_sent += sent
         if finished:
             return PrefillResult(report, match.hit_blocks, 0, seconds, committed=False)
-        return PrefillResult(report, match.hit_blocks, sent, seconds, committed=True)
+        return PrefillResult(report, match.hit_blocks, sent, seconds, committed=True, visible_seconds=visible)
 
     async def _run_direct(
         self, job: PrefillJob, channel: PeerChannel, match: MatchResult, report_first_token: FirstTokenSink, left,

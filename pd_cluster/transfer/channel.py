@@ -341,7 +341,8 @@ def _make_group(store: dist.Store, rank: int, backend: Backend, device: torch.de
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        options.is_high_priority_stream = False
+        # KV sends run beside a prefill's kernels: at normal priority they wait for its end.
+        options.is_high_priority_stream = True
         group = dist.ProcessGroupNCCL(prefixed, rank, 2, options)
         return group
     raise ChannelError(f"unknown backend {backend!r}")

@@ -155,6 +155,8 @@ async def measure_ttft(pair: PDPair, plan: Plan, prefill: dict, transfer: dict, 
                 row[f"{mode}_handover_ms"] = statistics.median(r["handover_ms"] for r in runs)
                 row[f"{mode}_first_token_ms"] = statistics.median(r["first_token_ms"] for r in runs)
                 row[f"{mode}_bytes"] = runs[0]["bytes"]
+                if layerwise:  # the sends still running after the first token
+                    row[f"{mode}_after_first_token_ms"] = statistics.median(r["visible_s"] * 1e3 for r in runs)
         finally:
             service.layerwise, (service.layers_per_send, switch) = True, saved
             sys.setswitchinterval(switch)
