@@ -87,7 +87,7 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
 
     record = ctx.registry.add(msg)
     writer = asyncio.create_task(_writer(ws, record, ctx), name=f"node-writer-{msg.node_id}")
-    record.send(protocol.Registered(node_id=msg.node_id))
+    record.send(protocol.Registered(node_id=msg.node_id, master_id=ctx.relay.instance_id))
     if record.role == "prefill":
         record.send(ctx.registry.decode_peers())  # so it warms its channels before any request
     try:

@@ -351,7 +351,7 @@ async def _serve(request: Request, kind: Kind) -> Response:
     if req.choice_count > 1:
         return await _serve_choices(request, ctx, kind, req, token_ids, sampling, arrival)
     block_size = _prefix_block_size(ctx)
-    r = ctx.relay.create(f"{shape.id_prefix}-{uuid.uuid4().hex}", token_ids, sampling, req.stream, arrival)
+    r = ctx.relay.create(ctx.relay.new_request_id(shape.id_prefix), token_ids, sampling, req.stream, arrival)
     r.client_slot = request.state.client_slot
     r.client_slot.handed = True
     r.client_request_id = request.headers.get(REQUEST_ID_HEADER)
@@ -491,7 +491,7 @@ async def _serve_choices(
     logprob when best_of > n), and its usage counts the prompt once."""
     shape = _SHAPES[kind]
     count, returned = req.choice_count, req.choices_returned
-    base_id = f"{shape.id_prefix}-{uuid.uuid4().hex}"
+    base_id = ctx.relay.new_request_id(shape.id_prefix)
     relays: list[RelayRequest] = []
     for index in range(count):
         choice = choice_sampling(sampling, index, for_ranking=count > returned)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -171,6 +172,8 @@ class Relay:
         self.queue: deque[RelayRequest] = deque()
         #: Attempt id -> when it ended here (oldest first), to abort it on nodes that still hold it.
         self.ended: OrderedDict[str, float] = OrderedDict()
+        #: This master process's id, inside every request id it makes (see :meth:`new_request_id`).
+        self.instance_id = uuid.uuid4().hex[:12]
         self._pumping = False
         #: Called with each request as it ends (the request log).
         self.on_end: list[Callable[[RelayRequest], None]] = []
@@ -178,6 +181,11 @@ class Relay:
         registry.on_capacity.append(self.pump)
 
     # ---- the HTTP handler's side -----------------------------------------------------------
+
+    def new_request_id(self, prefix: str) -> str:
+        """A fresh request id that names this master: a node that loses its link to this master
+        aborts the requests whose ids carry its id (they are re-run or ended here)."""
+        return f"{prefix}-{self.instance_id}{uuid.uuid4().hex[12:]}"
 
     def create(
         self, request_id: str, token_ids: list[int], sampling: SamplingParams, stream: bool, arrival: float

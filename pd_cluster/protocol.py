@@ -151,6 +151,10 @@ class Drained(_Message):
 class Registered(_Message):
     type: Literal["registered"] = "registered"
     node_id: str
+    master_id: str | None = Field(
+        default=None, description="this master process's id; the ids of the requests it sends carry it, so a "
+        "node that loses the link drops that master's requests (the master has re-run them elsewhere)",
+    )
 
 
 class Refused(_Message):

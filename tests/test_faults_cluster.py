@@ -262,6 +262,9 @@ def test_a_killed_master_fails_over_to_its_peer_and_is_found_again_when_restarte
         wait_until(lambda: sum(n["load"]["running"] for n in cluster.nodes() if n["role"] == "decode") >= 2, 60,
                    "requests in flight on both masters")
         cluster.kill("master")  # kill -9, with requests in flight on it
+        # Its requests die with it on the nodes too, instead of decoding on for nobody.
+        wait_until(lambda: any("aborting its" in cluster.log(d) for d in ("d0", "d1")), 10,
+                   "a decode node to drop the dead master's requests")
         results = [f.result(timeout=REQUEST_TIMEOUT_S) for f in futures]
     assert results == ["length"] * 8
     # The surviving master kept the whole registry and routes on.

@@ -133,3 +133,19 @@ async def test_a_name_that_resolves_to_several_addresses_is_one_master_per_addre
         f"ws://10.0.0.1:8000{protocol.NODE_WS_PATH}", f"ws://10.0.0.2:8000{protocol.NODE_WS_PATH}",
         f"ws://one.internal:9000{protocol.NODE_WS_PATH}", f"ws://127.0.0.1:7000{protocol.NODE_WS_PATH}",
     }
+
+
+async def test_a_node_that_loses_a_master_is_told_which_one_and_its_request_ids_name_it(tmp_path: Path):
+    model = write_model_dir(tmp_path)
+    async with LiveMaster(make_settings(model)) as a:
+        b = LiveMaster(make_settings(model))
+        await b.__aenter__()
+        lost: list[str] = []
+        async with Node([a.base_url, b.base_url], "d0", "decode") as d:
+            d.links.on_master_lost = lost.append
+            await wait_until(lambda: "d0" in a.ctx.registry.nodes and "d0" in b.ctx.registry.nodes, 10.0, "joined")
+            assert {x.master_id for x in d.links.agents.values()} == {a.ctx.relay.instance_id, b.ctx.relay.instance_id}
+            assert a.ctx.relay.instance_id in a.ctx.relay.new_request_id("cmpl")
+            await b.__aexit__(None, None, None)
+            await wait_until(lambda: lost, 10.0, "the lost link to be reported")
+            assert lost == [b.ctx.relay.instance_id]

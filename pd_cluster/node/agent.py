@@ -74,6 +74,10 @@ class NodeAgent:
         self.url = node_ws_url(master)
         #: Told when the link registers or drops (the node's view over all its masters).
         self._on_link_change = on_link_change
+        #: The id of the master this link last registered with.
+        self.master_id: str | None = None
+        #: Told that id when a registered link drops: the master has settled that node's requests.
+        self.on_link_lost: Callable[[str], None] | None = None
         self._token = token
         self.register_msg = register
         self._status = status
@@ -117,6 +121,8 @@ class NodeAgent:
             if self.registered.is_set():
                 self.registered.clear()
                 self._link_changed()
+                if not self._closing and self.master_id is not None and self.on_link_lost is not None:
+                    self.on_link_lost(self.master_id)
             if self._closing:
                 break
             try:
@@ -155,6 +161,7 @@ class NodeAgent:
                 raise OSError(f"master answered registration with {answer.type!r}")
             logger.info("registered with the master at %s as %s (%s)", self.url, self.register_msg.node_id,
                         self.register_msg.role)
+            self.master_id = answer.master_id
             self.registered.set()
             self._link_changed()
             tasks = [asyncio.create_task(self._sender(ws)), asyncio.create_task(self._receiver(ws)),
@@ -259,6 +266,8 @@ class MasterLinks:
         self._owner: OrderedDict[str, NodeAgent] = OrderedDict()
         self.registered = asyncio.Event()
         self.stopped = asyncio.Event()
+        #: Told a master's id when the node's registered link to it drops.
+        self.on_master_lost: Callable[[str], None] | None = None
 
     def send_nowait(self, message: BaseModel) -> None:
         """To the request's master when known, else to every master the node is registered with.
@@ -280,6 +289,10 @@ class MasterLinks:
         self.stopped.set()
         for agent in list(self.agents.values()):
             await agent.close(timeout)
+
+    def _link_lost(self, master_id: str) -> None:
+        if self.on_master_lost is not None:
+            self.on_master_lost(master_id)
 
     def _link_changed(self) -> None:
         if any(agent.registered.is_set() for agent in self.agents.values()):
@@ -328,6 +341,7 @@ class MasterLinks:
                           reconnect_s=self._reconnect_s, max_backoff_s=self._max_backoff_s,
                           on_link_change=self._link_changed)
         agent._on_message = self._handler(agent)
+        agent.on_link_lost = self._link_lost
         self.agents[agent.url] = agent
         self._tasks[agent.url] = asyncio.create_task(agent.run(), name=f"master-link-{agent.url}")
         logger.info("linking to master %s", agent.url)

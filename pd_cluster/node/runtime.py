@@ -71,6 +71,7 @@ class NodeRuntime(abc.ABC):
             self.status, self.on_message, reconnect_s=self.settings.reconnect_s,
             max_backoff_s=self.settings.max_reconnect_s,
         )
+        self.agent.on_master_lost = self._master_lost
         agent_task = asyncio.create_task(self.agent.run())
         registered = asyncio.create_task(self.agent.registered.wait())
         drain = asyncio.create_task(self.lifecycle.drain_requested.wait())
@@ -93,6 +94,15 @@ class NodeRuntime(abc.ABC):
             if status_server is not None:
                 status_server.should_exit = True
             await self.stop_service()
+
+    def _master_lost(self, master_id: str) -> None:
+        """Drop the requests of a master this node lost: it has re-run or ended them already (or
+        died with their clients), so going on would only hold KV and batch slots."""
+        stale = [rid for rid in self.status().request_ids if master_id in rid]
+        if stale:
+            logger.warning("lost the link to master %s: aborting its %d requests here", master_id, len(stale))
+        for request_id in stale:
+            asyncio.get_running_loop().create_task(self.on_message(protocol.Abort(request_id=request_id)))
 
     async def _drain(self) -> None:
         if not await self.wait_idle(self.settings.drain_timeout_s):
