@@ -300,7 +300,8 @@ class Relay:
             decode.reported_kv.add(msg.request_id)
             self.metrics.prefix_hit_tokens.inc(msg.hit_blocks_decode * decode.info.kv_spec.block_size)
         self.metrics.kv_transfer_bytes.inc(msg.transfer_bytes)
-        r.cached_tokens = msg.cached_tokens_prefill
+        # Of the client's prompt (a migrated attempt's prompt also holds the output so far).
+        r.cached_tokens = min(msg.cached_tokens_prefill, len(r.token_ids))
         r.first_token = msg
         if self.settings.first_token_via == "decode" and msg.finish_reason is None and not r.early_deltas:
             r.withheld_first = msg

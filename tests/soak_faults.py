@@ -95,7 +95,7 @@ class Load:
 def inject(cluster: PeerMastersCluster, fault: str) -> None:
     decodes = [n for n in cluster.nodes() if n["role"] == "decode"]
     busy = max(decodes, key=lambda n: n["load"]["running"])["id"] if decodes else "d0"
-    logger.info("fault: %s (%s)", fault, busy)
+    logger.info("fault: %s (%s)", fault, "p0" if fault == "kill_prefill" else "master" if fault == "kill_master" else busy)
     if fault == "kill_prefill":
         cluster.kill("p0")
         _restart(cluster, "p0", "prefill")
@@ -153,7 +153,8 @@ def main() -> int:
             name: {"start": rss_start[name][1], "end": _rss_kib(p.pid)}
             for name, p in cluster.procs.items() if p.poll() is None and rss_start.get(name, (0,))[0] == p.pid
         }
-        report.update(requests=load.counts, first_errors=load.errors, logs=str(cluster.log_dir))
+        report.update(requests=load.counts, first_errors=load.errors)
+        logger.info("process logs in %s", cluster.log_dir)
     finally:
         cluster.stop()
     text = json.dumps(report, indent=2)

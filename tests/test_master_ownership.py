@@ -45,7 +45,8 @@ def _stream_text(text: str) -> tuple[str, list[dict]]:
 
 
 async def _stream_call(master: LiveMaster, max_tokens: int = 5) -> asyncio.Task:
-    body = {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": max_tokens}
+    body = {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": max_tokens,
+            "stream_options": {"include_usage": True}}
     return asyncio.create_task(master.http.post("/v1/completions", json=body))
 
 
@@ -130,12 +131,17 @@ async def test_decode_lost_mid_stream_migrates_the_stream_to_another_decode(mast
     retry = await p0.next_job()
     assert retry.decode_node_id == other.node_id
     assert retry.token_ids == job.token_ids + [20, 21, 22] and retry.sampling.max_tokens == 3
-    await p0.send(protocol.FirstToken(request_id=retry.request_id, token_id=23, text="D"))
+    # The new P had the whole moved prompt cached; usage still counts cached tokens of the client's prompt.
+    await p0.send(protocol.FirstToken(request_id=retry.request_id, token_id=23, text="D",
+                                      cached_tokens_prefill=len(retry.token_ids)))
     await other.send(protocol.TokenDelta(request_id=retry.request_id, token_ids=[24, 25], text="EF",
                                          finish_reason="length"))
     response = await call
     text, payloads = _stream_text(response.text)
     assert text == "ABCDEF" and not any("error" in p for p in payloads)
+    usage = payloads[-1]["usage"]
+    assert usage["completion_tokens"] == 6
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] == len(job.token_ids)
     metrics = (await master.http.get("/metrics")).text
     assert "pdc_stream_migrations_total 1.0" in metrics and 'pdc_requests_total{status="ok"} 1.0' in metrics
     await p0.close()
@@ -156,7 +162,7 @@ async def test_the_last_failed_attempt_ends_the_stream_with_an_error_that_says_w
         await d0.send(protocol.RequestFailed(request_id=retry.request_id, message="engine fell over again"))
         text, payloads = _stream_text((await call).text)
         assert text == "A"
-        error = payloads[-1]["error"]
+        error = next(p["error"] for p in payloads if "error" in p)
         assert error["code"] == "node_lost" and "2 attempts" in error["message"]
         assert "engine fell over again" in error["message"]
         await p0.close()
