@@ -464,7 +464,9 @@ class Relay:
         token_ids = r.token_ids + r.output_ids if r.output_ids else r.token_ids
         sampling = r.sampling
         if r.output_ids:
-            sampling = sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(r.output_ids)})
+            # The output carried in the prompt counts as output: the seed's stream goes on where it was.
+            sampling = sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(r.output_ids),
+                                                   "output_offset": r.sampling.output_offset + len(r.output_ids)})
         prefill.pending_prefill[attempt_id] = len(token_ids)
         prefill.inflight.add(attempt_id)
         decode.pending_kv[attempt_id] = r.kv_need

@@ -30,6 +30,11 @@ class EngineConfig(BaseModel):
     max_waiting_requests: int = Field(default=4096, gt=0)
     seed: int = 0
     cuda_graphs: bool = Field(default=True, description="replay decode steps as CUDA graphs (CUDA devices only)")
+    overlap_schedule: bool = Field(
+        default=False,
+        description="detokenize and check stop strings of step N-1's tokens while the device runs step N; "
+                    "a request that stops there drops the one extra token step N drew for it",
+    )
     cuda_graph_batch_sizes: list[int] | None = Field(
         default=None, description="batch sizes to capture; None: 1, 2, 4, ... up to max_running_requests"
     )

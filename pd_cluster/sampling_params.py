@@ -43,6 +43,12 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS
     )
+    output_offset: int = Field(
+        default=0, ge=0,
+        description="how many of the prompt's last tokens are this request's own earlier output (a stream "
+                    "that moved to another node): the random stream and the frequency/presence penalties "
+                    "count them as output, so the stream goes on as if it had never moved",
+    )
 
     @field_validator("logit_bias")
     @classmethod

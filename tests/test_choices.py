@@ -181,3 +181,30 @@ async def test_a_failed_first_choice_fails_the_request_and_dispatches_nothing_mo
     assert response.status_code >= 500 and set(response.json()["error"]) == {"message", "type", "param", "code"}
     await wait_until(lambda: not master.ctx.relay.requests, what="every choice released")
     assert prefill.jobs.empty()
+
+
+async def test_a_migrated_stream_keeps_its_seed_and_counts_its_carried_output(tmp_path: Path):
+    """D lost mid-stream: the re-run's prompt carries the 3 tokens the client has, and its
+    sampling says so (output_offset), so the seed's stream goes on at position 3."""
+    async with LiveMaster(make_settings(write_model_dir(tmp_path), handoff_timeout_s=1.0)) as master:
+        p0, d0, d1 = FakeNode(master, "p0", "prefill"), FakeNode(master, "d0", "decode"), FakeNode(master, "d1", "decode")
+        for node in (p0, d0, d1):
+            assert isinstance(await node.join(), protocol.Registered)
+        await wait_warm(master, 2)
+        body = {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 6, "seed": 41, "temperature": 0.7}
+        call = asyncio.create_task(master.http.post("/v1/completions", json=body))
+        job = await p0.next_job()
+        decode, other = (d0, d1) if job.decode_node_id == "d0" else (d1, d0)
+        await p0.send(protocol.FirstToken(request_id=job.request_id, token_id=20, text="A"))
+        await decode.send(protocol.TokenDelta(request_id=job.request_id, token_ids=[21, 22], text="BC"))
+        await wait_until(lambda: len(master.ctx.relay.requests[job.request_id].output_ids) == 3, what="3 tokens")
+        await decode.close()
+        moved = await p0.next_job()
+        assert moved.token_ids == job.token_ids + [20, 21, 22]
+        assert moved.sampling.seed == 41 and moved.sampling.output_offset == 3 and moved.sampling.max_tokens == 3
+        await p0.send(protocol.FirstToken(request_id=moved.request_id, token_id=23, text="D"))
+        await other.send(protocol.TokenDelta(request_id=moved.request_id, token_ids=[24, 25], text="EF",
+                                             finish_reason="length"))
+        assert (await call).status_code == 200
+        await p0.close()
+        await other.close()

@@ -464,3 +464,30 @@ def test_sampled_frequencies_pass_a_chi_square_test_that_a_wrong_target_fails(ca
     assert _chi_square_p_value(counts, target) > 1e-3
     wrong_target = torch.stack([_reference_probs(logits, states(wrong, 0, p)) for p in range(positions)]).mean(0)
     assert _chi_square_p_value(counts, wrong_target) < 1e-6
+
+
+def test_a_moved_stream_with_its_output_in_the_prompt_goes_on_unchanged() -> None:
+    """A stream re-prefilled elsewhere after k tokens (prompt + those k tokens as the new prompt,
+    output_offset=k) draws what the unmoved request draws at positions k, k+1, ..."""
+    logits = torch.randn(1, 60, generator=torch.Generator().manual_seed(31))
+    params = dict(seed=77, temperature=1.1, frequency_penalty=0.6, presence_penalty=0.3, repetition_penalty=1.2)
+    prompt = [4, 5, 6]
+    unmoved = _state(prompt=prompt, **params)
+    tokens = []
+    for _ in range(12):
+        tokens.append(sample(logits, [unmoved])[0].token_id)
+        unmoved.output_token_ids.append(tokens[-1])
+
+    k = 5
+    moved = _state(prompt=prompt + tokens[:k], output_offset=k, **params)
+    assert moved.position == k
+    went_on = []
+    for _ in range(12 - k):
+        went_on.append(sample(logits, [moved])[0].token_id)
+        moved.output_token_ids.append(went_on[-1])
+    assert went_on == tokens[k:]
+    # Without the offset the penalties would not count the carried tokens as output.
+    restarted = _state(prompt=prompt + tokens[:k], **params)
+    fresh = _state(prompt=prompt + tokens[:k], output_offset=k, **params)
+    assert restarted.position == 0
+    assert not torch.equal(processed_logits(logits, [restarted]), processed_logits(logits, [fresh]))

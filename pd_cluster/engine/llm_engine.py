@@ -19,7 +19,7 @@ from pd_cluster.engine.outputs import EngineStats, TokenUpdate
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import Request, RequestStatus
-from pd_cluster.engine.sampler import SamplingState, sample
+from pd_cluster.engine.sampler import SampledToken, SamplingState, fetch, sample, sample_on_device
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.kv_spec import KVSpec
@@ -93,6 +93,8 @@ class LLMEngine:
         self._layer_hooks: StepHook | None = None
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        #: Overlap scheduling: tokens accepted by id, not yet detokenized (request, token, first).
+        self._deferred: list[tuple[Request, SampledToken, bool]] = []
         logger.info(
             "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
             self.model_config.name, self.device, self.dtype_name, num_slots,
@@ -176,7 +178,7 @@ class LLMEngine:
         self.scheduler.release_kv(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._deferred)
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -186,6 +188,8 @@ class LLMEngine:
         self._layer_hooks = factory
 
     def step(self) -> list[TokenUpdate]:
+        if self.config.overlap_schedule:
+            return self._step_overlapped()
         step = self.scheduler.schedule()
         if not step.requests:
             return []
@@ -202,6 +206,71 @@ class LLMEngine:
         now = time.monotonic()
         for req, tok in zip(sampling_reqs, tokens):
             updates.append(self._accept(req, tok.token_id, tok.logprob, now))
+        return updates
+
+    def _step_overlapped(self) -> list[TokenUpdate]:
+        """One step with the host's per-token work moved off the device's critical path: this
+        step's forward and sampling are launched first, then the previous step's tokens are
+        detokenized and checked for stop strings while the device runs, then this step's ids are
+        copied and accepted by id (EOS, stop ids and the length limit end a request at once).
+
+        A stop string found in the previous step's text ends its request one step late: the token
+        this step drew for it is dropped, and its KV slot is freed with the request's others.
+        Updates come one call later than without overlap; :meth:`has_unfinished` stays true
+        until they are out."""
+        step = self.scheduler.schedule()
+        launched = None
+        if step.requests:
+            logits = self.runner.run(step, self._layer_hooks)
+            self.stats.steps += 1
+            self.stats.computed_tokens += step.num_tokens
+            sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
+            for req, q_len in zip(step.requests, step.q_lens):
+                req.num_computed += q_len
+            if sampling_reqs:
+                launched = (sampling_reqs, sample_on_device(logits, [r.sampling for r in sampling_reqs]))
+        updates = self._detokenize_deferred()
+        if launched is not None:
+            sampling_reqs, result = launched
+            tokens = fetch(result, [r.sampling for r in sampling_reqs])
+            now = time.monotonic()
+            for req, tok in zip(sampling_reqs, tokens):
+                if req.finished:  # a stop string in its previous token's text ended it
+                    self.stats.dropped_tokens += 1
+                    continue
+                self._accept_id(req, tok, now)
+        return updates
+
+    def _accept_id(self, req: Request, tok: SampledToken, now: float) -> None:
+        """Take a token into the request by id (the next step can use it); its text comes later."""
+        first = not req.output_token_ids
+        if first and req.num_cached_tokens:
+            self.stats.cached_prompt_tokens += req.num_cached_tokens
+        req.sampling.output_token_ids.append(tok.token_id)
+        if tok.logprob is not None:
+            req.logprobs.append(tok.logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self.stats.generation_tokens += 1
+        self._deferred.append((req, tok, first))
+        if req.prefill_only or req.output.ends_with_token(tok.token_id, len(req.output_token_ids)):
+            self.scheduler.remove(req)  # never scheduled again; finished once its text is out
+
+    def _detokenize_deferred(self) -> list[TokenUpdate]:
+        items, self._deferred = self._deferred, []
+        updates: list[TokenUpdate] = []
+        for req, tok, first in items:
+            if req.finished:  # aborted meanwhile
+                continue
+            update = req.output.append(tok.token_id)
+            if update.finish_reason is not None:
+                self._finish(req, update.finish_reason)
+            elif req.prefill_only:
+                self._finish(req, None)
+            updates.append(TokenUpdate(
+                request_id=req.request_id, token_id=tok.token_id, text_delta=update.text_delta,
+                logprob=tok.logprob, finish_reason=update.finish_reason, first_token=first,
+            ))
         return updates
 
     def _accept(self, req: Request, token_id: int, logprob, now: float) -> TokenUpdate:
@@ -272,7 +341,7 @@ class LLMEngine:
         self.cache.enabled = False  # the request's KV goes back to the pool, not into the cache
         try:
             self.add_request(request_id, token_ids, params)
-            for _ in range(n + decode_steps + 1):  # each step makes progress: bounded
+            for _ in range(n + decode_steps + 2):  # each step makes progress: bounded (+1: overlap's last)
                 if not self.has_unfinished():
                     break
                 self.step()

@@ -112,6 +112,11 @@ class OutputProcessor:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def ends_with_token(self, token_id: int, num_tokens: int) -> bool:
+        """Whether the output ends at this token (its ``num_tokens``-th) whatever its text: a stop
+        or EOS token, or the length limit. Known before detokenizing; stop strings are not."""
+        return token_id in self._stop_ids or token_id in self._eos_ids or num_tokens >= self.params.max_tokens
+
     def append(self, token_id: int) -> OutputUpdate:
         """Accept one sampled token; returns the text now safe to show and whether it ended."""
         if self.finished:

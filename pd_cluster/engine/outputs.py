@@ -47,4 +47,6 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     finished_requests: int = 0
+    #: Tokens drawn for a request a stop string had already ended (overlap scheduling).
+    dropped_tokens: int = 0
     extra: dict = field(default_factory=dict)

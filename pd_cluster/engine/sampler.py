@@ -107,6 +107,18 @@ class SamplingState:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         return cls(params=params, seed=seed, prompt_token_ids=list(prompt_token_ids))
 
+    @property
+    def position(self) -> int:
+        """Output position of the next token: where it reads the seed's stream."""
+        return self.params.output_offset + len(self.output_token_ids)
+
+    def counted_output(self) -> list[int]:
+        """The tokens frequency and presence penalties count: earlier output carried in the
+        prompt (``output_offset``), then this node's output."""
+        offset = self.params.output_offset
+        carried = self.prompt_token_ids[len(self.prompt_token_ids) - offset :] if offset else []
+        return carried + self.output_token_ids
+
     def prompt_ids_tensor(self) -> torch.Tensor:
         if self._prompt_ids is None:
             self._prompt_ids = torch.tensor(sorted(set(self.prompt_token_ids)), dtype=torch.int64)
@@ -172,7 +184,7 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
         min_p = p.min_p if not greedy else 0.0
         floats.append((1.0 if greedy else p.temperature, top_p, min_p,
                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
-        ints.append((s.key[0], s.key[1], len(s.output_token_ids), top_k, int(greedy)))
+        ints.append((s.key[0], s.key[1], s.position, top_k, int(greedy)))
         any_random |= not greedy
         use_top_p |= top_p < 1.0
         use_min_p |= min_p > 0.0
@@ -182,7 +194,7 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
             bias_rows.append(i)
         if p.repetition_penalty != 1.0:
             rep_rows.append(i)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and s.output_token_ids:
+        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and (s.output_token_ids or p.output_offset):
             count_rows.append(i)
         if p.logprobs is not None:
             logprob_rows.append(i)
@@ -196,16 +208,36 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
     )
 
 
+@dataclass
+class DeviceSample:
+    """A batch's sampled ids (and logprobs) still on the device: :func:`fetch` copies them once."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    rows: _Batch
+
+
 def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
     """Pick one token per row of ``logits`` ``[B, V]`` (any float dtype, any device).
 
     Does not append the tokens to the states; the caller does once it accepts them.
     """
-    if logits.dim() != 2 or logits.shape[0] != len(states):
+    if logits.dim() == 2 and logits.shape[0] == 0 and not states:
+        return []
+    return fetch(sample_on_device(logits, states), states)
+
+
+def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[SampledToken]:
+    """The host's copy of :func:`sample_on_device`'s result (waits for the device)."""
+    return _to_host(result.tokens, result.logprobs, result.rows, states)
+
+
+def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState]) -> DeviceSample:
+    """:func:`sample` up to the host copy: on a GPU this returns before the kernels ran, so the
+    host can do other work (the previous step's detokenization) before :func:`fetch`."""
+    if logits.dim() != 2 or logits.shape[0] != len(states) or not states:
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(states)} states")
     batch, vocab = logits.shape
-    if batch == 0:
-        return []
     device = logits.device
     rows = _gather(states, vocab, device)
     x = logits.to(torch.float32, copy=True)
@@ -222,7 +254,7 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> list[Sample
     if rows.any_random:
         sampled = _sample_random(x, rows)
         tokens = torch.where(rows.ints[:, _GREEDY].bool(), tokens, sampled)
-    return _to_host(tokens, logprobs, rows, states)
+    return DeviceSample(tokens, logprobs, rows)
 
 
 def apply_logit_bias(x: torch.Tensor, states: Sequence[SamplingState], bias_rows: list[int]) -> None:
@@ -255,7 +287,7 @@ def apply_penalties(
         torch.where(seen.view(batch, vocab), penalized, x, out=x)
     if count_rows:
         flat = torch.cat([
-            torch.tensor(states[i].output_token_ids, dtype=torch.int64) + i * vocab for i in count_rows
+            torch.tensor(states[i].counted_output(), dtype=torch.int64) + i * vocab for i in count_rows
         ]).to(device, non_blocking=True)
         counts = torch.bincount(flat, minlength=batch * vocab).view(batch, vocab).to(torch.float32)
         x -= floats[:, _FREQ : _FREQ + 1] * counts + floats[:, _PRES : _PRES + 1] * (counts > 0).to(torch.float32)
