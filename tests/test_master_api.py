@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 
@@ -333,8 +334,6 @@ async def test_client_disconnect_aborts_the_request_on_both_nodes(cluster):
 
 
 async def test_official_openai_client_works_unchanged(cluster):
-    import openai
-
     master, prefill, decode = cluster
     client = openai.AsyncOpenAI(base_url=f"{master.base_url}/v1", api_key="unused", max_retries=0)
     answer = asyncio.create_task(serve_one(prefill, decode, [(10, "o"), (11, "k")]))
