@@ -491,3 +491,16 @@ def test_a_moved_stream_with_its_output_in_the_prompt_goes_on_unchanged() -> Non
     fresh = _state(prompt=prompt + tokens[:k], output_offset=k, **params)
     assert restarted.position == 0
     assert not torch.equal(processed_logits(logits, [restarted]), processed_logits(logits, [fresh]))
+
+
+def test_overflowed_logits_still_give_a_token_inside_the_vocabulary() -> None:
+    """inf or NaN logits (an overflowing model) must not draw an id past the vocabulary."""
+    vocab = 50
+    logits = torch.randn(4, vocab)
+    logits[0, 7] = float("inf")
+    logits[1] = float("nan")
+    logits[2, :] = float("-inf")
+    states = [SamplingState.create(SamplingParams(temperature=0.8, seed=i, max_tokens=4), [1, 2]) for i in range(4)]
+    tokens = [t.token_id for t in sample(logits, states)]
+    assert all(0 <= t < vocab for t in tokens), tokens
+    assert tokens[0] == 7

@@ -297,7 +297,13 @@ def _sample_random(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
     """The inverse-transform draw from each row's filtered distribution (greedy rows run with
     neutral settings and are replaced by the caller)."""
     bits = random_bits(rows.ints[:, _K0], rows.ints[:, _K1], rows.ints[:, _POS])
-    return inverse_transform(_filtered_probs(x, rows), uniform(bits))
+    probs = _filtered_probs(x, rows)
+    drawn = inverse_transform(probs, uniform(bits))
+    # A row whose logits overflowed (inf or NaN: no distribution to draw from) takes its most
+    # likely token rather than an id past the vocabulary, which would fault the next step.
+    total = probs.sum(dim=-1)
+    broken = ~torch.isfinite(total) | (total <= 0)
+    return torch.where(broken, x.nan_to_num(nan=float("-inf")).argmax(dim=-1), drawn)
 
 
 def _filtered_probs(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
@@ -338,7 +344,8 @@ def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     drawn = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
     # u * total may round up to total; the first index reaching total holds the last mass.
     last = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(drawn, last).squeeze(1)
+    # A row with no distribution (NaN) must still give an id inside the vocabulary.
+    return torch.minimum(drawn, last).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def top_k_only(x: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
