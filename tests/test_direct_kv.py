@@ -256,5 +256,24 @@ def test_the_pool_is_offered_only_on_the_same_host_and_gpu():
 def test_slot_lists_round_trip_and_bad_ones_are_refused():
     slots = torch.tensor([5, 0, 4095, 17])
     assert torch.equal(ipc.decode_slots(ipc.encode_slots(slots)), slots)
+    assert ipc.decode_slots(ipc.encode_slots(torch.empty(0, dtype=torch.int64))).numel() == 0
     with pytest.raises(ValueError):
         ipc.decode_slots("AAAA")  # 3 bytes: not a whole int64
+
+
+@pytest.mark.parametrize("block_size", [16, 1])
+async def test_the_same_prompt_twice_writes_only_what_d_lacks(default_model_dir, local_handles, chat_prompts,
+                                                              engine_outputs, block_size):
+    """The second time D holds every whole block of the prompt (with blocks of one token, all of
+    it: an empty slot list), and P all of it."""
+    pair = await start_pair(default_model_dir, block_size=block_size)
+    try:
+        first, _ = await pair.run(chat_prompts[0])
+        again, result = await pair.run(chat_prompts[0])
+    finally:
+        await pair.p.stop()
+        await pair.d.stop()
+    assert first == again == engine_outputs[0]
+    bs = pair.d.engine.kv_spec.block_size
+    assert result.hit_blocks == len(chat_prompts[0]) // bs
+    assert result.transfer_bytes == (len(chat_prompts[0]) - result.hit_blocks * bs) * pair.d.engine.kv_spec.bytes_per_token

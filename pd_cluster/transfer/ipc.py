@@ -124,6 +124,8 @@ def decode_slots(text: str) -> torch.Tensor:
     raw = base64.b64decode(text.encode(), validate=True)
     if len(raw) % 8 or len(raw) // 8 > MAX_SLOTS:
         raise ValueError("bad slot list")
+    if not raw:  # D holds the whole prompt: nothing to write (frombuffer refuses an empty buffer)
+        return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(bytearray(raw), dtype=torch.int64)
 
 
