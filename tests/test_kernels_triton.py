@@ -58,7 +58,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge.
-NUM_KERNELS = 8
+NUM_KERNELS = 9
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

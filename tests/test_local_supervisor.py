@@ -259,9 +259,14 @@ def test_drain_delete_and_crash_keep_the_cluster_serving_and_sigterm_stops_it(de
         assert "decode-0" not in run.children()  # not restarted: it left on purpose
         assert "drained and left the cluster; not restarting it" in run.log()
 
-        # Removing decode-1 through the admin API is no crash either: the node dials back in.
+        # Removing decode-1 through the admin API is no crash either: the process lives on, its
+        # id refused while it keeps knocking, and it rejoins once an operator allows it.
         address = run.nodes()["decode-1"]["data_address"]
         assert run.admin("DELETE", "/admin/nodes/decode-1").json()["deleted"] is True
+        d1_log = tmp_path / "local" / "logs" / "decode-1.log"
+        wait_until(lambda: "removed by an operator" in d1_log.read_text(), 60, "decode-1 to be refused")
+        assert "decode-1" not in run.nodes()
+        assert run.admin("POST", "/admin/nodes/decode-1/allow").json()["allowed"] is True
         wait_until(lambda: "decode-1" in run.nodes(), 60, "decode-1 to register again")
         assert run.children()["decode-1"] == before["decode-1"]
 
