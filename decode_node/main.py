@@ -1,12 +1,16 @@
-"""Entry point of a decode node process (``pd-cluster decode``)."""
+"""Entry points of a decode node process (``pd-cluster decode``) and a mixed one (``pd-cluster mixed``)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from decode_node.node import DecodeNode
+from decode_node.node import DecodeNode, MixedNode
 from pd_cluster.node.config import NodeSettings
 
 
 def run_decode_node(settings: NodeSettings) -> None:
     asyncio.run(DecodeNode(settings).run())
+
+
+def run_mixed_node(settings: NodeSettings) -> None:
+    asyncio.run(MixedNode(settings).run())

@@ -1,4 +1,11 @@
-"""The decode node: a DecodeService joined to the master (:class:`DecodeNode`)."""
+"""The decode node: a DecodeService joined to the master (:class:`DecodeNode`), and the mixed node
+(:class:`MixedNode`): the same engine taking whole requests only.
+
+A decode node decodes what prefill nodes hand over, and also takes whole requests the master
+chose to prefill here (``GenerateJob``: a short miss, or no prefill node ready): its engine
+prefills them in chunks between decode steps. A mixed node is that engine on its own: the master
+routes whole requests to it and never pairs it with a prefill node.
+"""
 
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ class DecodeNode(NodeRuntime):
             on_tokens=self._on_tokens, kv_event_sink=self._on_kv_events,
             share_kv_pool=settings.kv_ipc, share_kv_across_gpus=settings.kv_ipc_across_gpus,
         )
-        self.reporter = StatusReporter(self.service.engine)
+        self.reporter = StatusReporter(self.service.engine, self.service.worker.rates)
         self.service.on_lease_expired = self._on_lease_expired
 
     def _on_lease_expired(self, request_ids: list[str]) -> None:
@@ -56,6 +63,7 @@ class DecodeNode(NodeRuntime):
             by_request[update.request_id].append(update)
         for request_id, items in by_request.items():
             logprobs = [u.logprob for u in items if u.logprob is not None]
+            cached = self.service.first_token_out(request_id) if items[0].first_token else None
             self.send(
                 protocol.TokenDelta(
                     request_id=request_id,
@@ -63,19 +71,21 @@ class DecodeNode(NodeRuntime):
                     text="".join(u.text_delta for u in items),
                     logprobs=logprobs or None,
                     finish_reason=items[-1].finish_reason,
+                    cached_tokens=cached,
                 )
             )
 
     def register_message(self) -> protocol.Register:
         engine = self.service.engine
         return protocol.Register(
-            node_id=self.settings.node_id, role="decode", model=engine.kv_spec.model, kv_spec=engine.kv_spec,
+            node_id=self.settings.node_id, role=self.role, model=engine.kv_spec.model, kv_spec=engine.kv_spec,
             data_address=f"{self.settings.data_host}:{self.service.server.port}",
             capacity=self.capacity(engine), device=str(engine.device),
         )
 
     def status(self) -> protocol.NodeStatus:
         return self.reporter.report(draining=self.lifecycle.draining, warm_peers=self.service.warmed_peers,
+                                    queued_prefill_tokens=self.service.queued_prefill_tokens(),
                                     request_ids=self.service.request_ids())
 
     async def on_message(self, message: BaseModel) -> None:
@@ -83,9 +93,21 @@ class DecodeNode(NodeRuntime):
             await self.service.abort(message.request_id)
         elif isinstance(message, protocol.Drain):
             self.lifecycle.request_drain("the master asked")
+        elif isinstance(message, protocol.GenerateJob):
+            await self._generate(message)
         elif isinstance(message, protocol.PrefillJob):
             self.send(protocol.RequestFailed(request_id=message.request_id, retryable=True,
-                                             message="a decode node does not prefill"))
+                                             message=f"a {self.role} node does not run prefill jobs for other nodes"))
+
+    async def _generate(self, job: protocol.GenerateJob) -> None:
+        if self.lifecycle.draining:
+            self.send(protocol.RequestFailed(request_id=job.request_id, retryable=True,
+                                             message=f"{self.role} node is draining"))
+            return
+        try:
+            await self.service.generate(job.request_id, job.token_ids, job.sampling)
+        except ValueError as e:  # this engine cannot run it (context, pool); another node may
+            self.send(protocol.RequestFailed(request_id=job.request_id, retryable=True, message=str(e)))
 
     async def start_service(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -104,3 +126,10 @@ class DecodeNode(NodeRuntime):
                 return False
             await asyncio.sleep(0.1)  # requests end at their own pace; check ten times a second
         return True
+
+
+class MixedNode(DecodeNode):
+    """Prefill and decode in one engine: takes whole requests (``GenerateJob``) only; prefill
+    nodes are never told about it. Its data-plane listener stays up but no P dials it."""
+
+    role = "mixed"

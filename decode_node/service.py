@@ -12,7 +12,9 @@ from decode_node.reservations import Reservations
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
+from pd_cluster.engine.request import Request
 from pd_cluster.engine.worker import EngineWorker
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.transfer import DataMessage, DataPlaneServer, PeerConnection
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class DecodeService:
         self._warm_up_engine = warm_up
         #: Told (on the engine thread) the requests whose lease ran out before P handed them over.
         self.on_lease_expired: Callable[[list[str]], None] | None = None
+        #: Requests this node prefills itself (GenerateJob), until their first token is out.
+        self.local_prefills: dict[str, Request] = {}
 
     @property
     def data_address(self) -> str:
@@ -101,8 +105,33 @@ class DecodeService:
             if expired and self.on_lease_expired is not None:
                 self.on_lease_expired([res.request_id for res in expired])
 
+    async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams) -> None:
+        """Take a whole request: the engine prefills what its prefix cache lacks, in chunks that
+        share steps with the running decode batch (its token budget), then decodes it. Raises
+        ValueError when this engine can never run it."""
+
+        def _add() -> Request:
+            return self.engine.add_request(request_id, token_ids, sampling)
+
+        self.local_prefills[request_id] = await self.worker.call(_add)
+
+    def first_token_out(self, request_id: str) -> int | None:
+        """A local request's first token was delivered: stop counting it as queued prefill and
+        return the prompt tokens its prefix cache held (None if it is not a local request)."""
+        req = self.local_prefills.pop(request_id, None)
+        return None if req is None else req.num_cached_tokens
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens of local requests not prefilled yet (read from the event loop: plain ints)."""
+        total = 0
+        for req in list(self.local_prefills.values()):
+            total += max(len(req.prompt_token_ids) - req.num_computed, 0)
+        return total
+
     async def abort(self, request_id: str) -> bool:
         """Stop a request (client gone): free its KV whether it is decoding or still reserved."""
+
+        self.local_prefills.pop(request_id, None)
 
         def _abort() -> bool:
             reserved = self.receiver.abort_reserved(request_id)

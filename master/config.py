@@ -64,6 +64,13 @@ class MasterSettings(BaseSettings):
     node_send_timeout_s: float = Field(default=10.0, gt=0, description="a node that takes longer to read a frame is dropped")
     node_outbox_frames: int = Field(default=4096, gt=0, description="frames queued for a node before it is dropped")
 
+    local_prefill_max_tokens: int = Field(
+        default=512, ge=0,
+        description="a request whose decode node lacks at most this many of its prompt tokens (after the node's "
+        "prefix hit) may be prefilled on that node instead of on a prefill node: no transfer or handover, and a "
+        "short prefill holds the node's running streams up little (see docs/architecture.md for how the default "
+        "was measured); 0: every request goes through a prefill node while one is ready",
+    )
     first_token_via: Literal["prefill", "decode"] = Field(
         default="prefill",
         description="who delivers the first token: P as soon as its prefill samples it (lower TTFT, see "

@@ -8,7 +8,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "mixed")
 NODE_STATES = ("active", "draining")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -56,6 +56,10 @@ class MasterMetrics:
         )
         self.migrations = Counter(
             "pdc_stream_migrations", "Streams continued on another pair after their node was lost", registry=r
+        )
+        self.route_decisions = Counter(
+            "pdc_route_decisions_total", "Dispatches by path (pd: a prefill node then a decode node; local: "
+            "prefilled where it decodes) and reason", ["path", "reason"], registry=r,
         )
         self.nodes = Gauge("pdc_nodes", "Registered nodes", ["role", "state"], registry=r)
         self.warm_channels = Gauge(

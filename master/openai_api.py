@@ -57,14 +57,16 @@ async def livez() -> dict[str, str]:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """Ready (200) once a prefill and a decode node are active and at least one such pair has a
-    warm data-plane channel, so the first request pays no channel setup; 503 before."""
+    """Ready (200) once a node can serve a request without forming anything on its path: a mixed
+    node; or a decode node and, when prefill nodes are active, a pair of them with a warm
+    data-plane channel (so the first request pays no channel setup); 503 before."""
     registry = _ctx(request).registry
     prefill, decode = len(registry.active("prefill")), len(registry.active("decode"))
+    mixed = len(registry.active("mixed"))
     warm_pairs = registry.warm_pairs()
-    ok = prefill > 0 and decode > 0 and warm_pairs > 0
+    ok = mixed > 0 or (decode > 0 and (prefill == 0 or warm_pairs > 0))
     body = {"status": "ok" if ok else "unavailable", "prefill_nodes": prefill, "decode_nodes": decode,
-            "warm_pairs": warm_pairs}
+            "mixed_nodes": mixed, "warm_pairs": warm_pairs}
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
@@ -297,7 +299,7 @@ def _prefix_block_size(ctx: MasterContext) -> int | None:
     prefix indexes; None when it will not."""
     spec = ctx.registry.cluster_spec
     if ctx.settings.policy == "cache_aware" and spec is not None and any(
-        len(d.prefix) for d in ctx.registry.active("decode")
+        len(d.prefix) for d in ctx.registry.active("decode") + ctx.registry.active("mixed")
     ):
         return spec.block_size
     return None

@@ -315,7 +315,7 @@ class Registry:
         ])
 
     def largest_decode_kv(self) -> int | None:
-        totals = [n.kv_total for n in self.active("decode")]
+        totals = [n.kv_total for n in self.active("decode") + self.active("mixed")]
         return max(totals) if totals else None
 
     # ---- reports -----------------------------------------------------------------------

@@ -35,7 +35,7 @@ from master.config import MasterSettings
 from master.errors import APIError, internal_error, unavailable
 from master.metrics import MasterMetrics
 from master.registry import NodeRecord, Registry
-from master.routing import RouteRequest, RoutingPolicy, admissible_decodes
+from master.routing import Plan, RouteRequest, RoutingPolicy, admissible_decodes
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
 from pd_cluster.sampling_params import SamplingParams
@@ -113,6 +113,8 @@ class RelayRequest:
     early_deltas: list[protocol.TokenDelta] = field(default_factory=list)
     excluded: set[str] = field(default_factory=set)
     preferred_decode: str | None = None
+    #: How the current (or last) attempt was routed: its path, reason and D's prefix hit.
+    plan: Plan | None = None
     # output
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -206,8 +208,8 @@ class Relay:
 
     async def admit(self, r: RelayRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Dispatch now, or wait in the admission queue; raises APIError (503) when it cannot."""
-        if not self.registry.active("prefill") or not self.registry.active("decode"):
-            self._fail(r, unavailable("No prefill or decode node is available.", self.settings.retry_after_s), "unavailable")
+        if not self.registry.active("decode") and not self.registry.active("mixed"):
+            self._fail(r, unavailable("No decode or mixed node is available.", self.settings.retry_after_s), "unavailable")
             raise r.failure  # type: ignore[misc]
         if not self.queue and self._dispatch(r):
             return
@@ -328,6 +330,7 @@ class Relay:
     def on_kv_transferred(self, node: NodeRecord, msg: protocol.KVTransferred) -> None:
         """P finished moving a request's KV (the bytes were counted with its FirstToken)."""
         self.metrics.kv_transfer_seconds.observe(msg.seconds)
+        self.policy.link.observe(msg.bytes, msg.seconds)
         r = self.attempts.get(msg.request_id)
         if r is not None and r.prefill_id == node.node_id:
             self._handed_over(r)
@@ -361,11 +364,21 @@ class Relay:
                 return
             r.early_deltas.append(msg)
             return
+        if r.prefill_id is None and msg.cached_tokens is not None:
+            self._local_first_tokens(r, node, msg)
         self._handed_over(r)  # D decodes it, so the KV arrived
         if r.withheld_first is not None:
             first, r.withheld_first = r.withheld_first, None
             self._emit_first(r, first)
         self._apply_delta(r, msg)
+
+    def _local_first_tokens(self, r: RelayRequest, node: NodeRecord, msg: protocol.TokenDelta) -> None:
+        """A node that prefilled the request itself sent its first tokens: its prefill is done."""
+        assert r.attempt_id is not None and msg.cached_tokens is not None
+        node.pending_prefill.pop(r.attempt_id, None)
+        node.reported_kv.add(r.attempt_id)
+        r.cached_tokens = min(msg.cached_tokens, len(r.token_ids))
+        self.metrics.prefix_hit_tokens.inc(msg.cached_tokens)
 
     def on_request_failed(self, node: NodeRecord, msg: protocol.RequestFailed) -> None:
         r = self.attempts.get(msg.request_id)
@@ -436,24 +449,32 @@ class Relay:
 
     def _dispatch(self, r: RelayRequest) -> bool:
         prefills = self.registry.active("prefill")
-        decodes = admissible_decodes(self.registry.active("decode"), r.kv_need)
-        if not prefills or not decodes:
+        decodes = admissible_decodes(self.registry.active("decode") + self.registry.active("mixed"), r.kv_need)
+        if not decodes:
             return False
         prefills = [p for p in prefills if p.node_id not in r.excluded] or prefills
         decodes = [d for d in decodes if d.node_id not in r.excluded] or decodes
         preferred = next((d for d in decodes if d.node_id == r.preferred_decode), None)
         route = r.route if not r.output_ids else RouteRequest(r.token_ids + r.output_ids, r.kv_need)
-        prefill, decode = self.policy.pick_pair(route, prefills, decodes, preferred)
-        self._start_attempt(r, prefill, decode)
+        plan = self.policy.plan(route, prefills, decodes, self.settings.local_prefill_max_tokens, preferred)
+        self.metrics.route_decisions.labels(path=plan.path, reason=plan.reason).inc()
+        r.plan = plan
+        self._start_attempt(r, plan.prefill, plan.decode, miss_tokens=route.prompt_tokens - plan.hit_tokens)
         return True
 
-    def _start_attempt(self, r: RelayRequest, prefill: NodeRecord, decode: NodeRecord) -> None:
+    def _start_attempt(
+        self, r: RelayRequest, prefill: NodeRecord | None, decode: NodeRecord, miss_tokens: int = 0
+    ) -> None:
+        """Send the attempt out: a ``PrefillJob`` to P naming D, or with no P a ``GenerateJob`` to
+        the node that prefills and decodes it (its tokens, the first included, come as deltas)."""
         self._cancel_queue_timer(r)
         r.attempt += 1
         attempt_id = r.request_id if r.attempt == 1 else f"{r.request_id}-r{r.attempt - 1}"
-        r.attempt_id, r.prefill_id, r.decode_id = attempt_id, prefill.node_id, decode.node_id
-        r.first_token_seen = False
-        r.handed_over = False
+        r.attempt_id, r.decode_id = attempt_id, decode.node_id
+        r.prefill_id = prefill.node_id if prefill is not None else None
+        r.first_token = None
+        # Prefilled where it decodes: no handover to wait for, and D's deltas start the output.
+        r.first_token_seen = r.handed_over = prefill is None
         r.withheld_first = None
         r.early_deltas = []
         r.preferred_decode = None
@@ -467,17 +488,27 @@ class Relay:
             # The output carried in the prompt counts as output: the seed's stream goes on where it was.
             sampling = sampling.model_copy(update={"max_tokens": r.sampling.max_tokens - len(r.output_ids),
                                                    "output_offset": r.sampling.output_offset + len(r.output_ids)})
-        prefill.pending_prefill[attempt_id] = len(token_ids)
-        prefill.inflight.add(attempt_id)
         decode.pending_kv[attempt_id] = r.kv_need
         decode.inflight.add(attempt_id)
+        deadline_s = max(r.deadline - time.monotonic(), 0.001)
+        if prefill is None:
+            decode.pending_prefill[attempt_id] = miss_tokens
+            logger.debug("dispatch %s -> %s %s (prefilled there)", attempt_id, decode.role, decode.node_id)
+            local = protocol.GenerateJob(request_id=attempt_id, token_ids=token_ids, sampling=sampling,
+                                         deadline_s=deadline_s)
+            if not decode.send(local):
+                asyncio.get_running_loop().call_soon(self.registry.remove, decode.node_id, "not reading its socket")
+            r.wakeup.set()
+            return
+        prefill.pending_prefill[attempt_id] = len(token_ids)
+        prefill.inflight.add(attempt_id)
         job = protocol.PrefillJob(
             request_id=attempt_id,
             token_ids=token_ids,
             sampling=sampling,
             decode_node_id=decode.node_id,
             decode_address=decode.info.data_address or "",
-            deadline_s=max(r.deadline - time.monotonic(), 0.001),
+            deadline_s=deadline_s,
         )
         logger.debug("dispatch %s -> P %s, D %s", attempt_id, prefill.node_id, decode.node_id)
         if not prefill.send(job):

@@ -44,6 +44,10 @@ class RequestRecord:
     prefill: str | None
     decode: str | None
     attempts: int
+    #: ``pd`` (a prefill node, then the decode node) or ``local`` (prefilled where it decodes).
+    path: str | None
+    #: Why that path: mixed, no_prefill, short_miss, long_miss, pd_faster, local_disabled.
+    route_reason: str | None
     routing: str
     prompt_tokens: int
     cached_tokens: int  # found in P's prefix cache
@@ -102,7 +106,12 @@ class RequestLog:
         first = r.first_token
         block_size = self._block_size(r.decode_id)
         prompt = len(r.token_ids)
-        hit = min(first.hit_blocks_decode * block_size, prompt) if first is not None else 0
+        plan = r.plan
+        local = plan is not None and plan.path == "local"
+        if local:  # prefilled where it decodes: what its cache held, nothing moved
+            hit = r.cached_tokens
+        else:
+            hit = min(first.hit_blocks_decode * block_size, prompt) if first is not None else 0
         ttft = tpot = e2e = None
         if r.first_token_at is not None:
             ttft = r.first_token_at - r.arrival
@@ -119,9 +128,11 @@ class RequestLog:
             prefill=r.prefill_id,
             decode=r.decode_id,
             attempts=r.attempt,
+            path=plan.path if plan is not None else None,
+            route_reason=plan.reason if plan is not None else None,
             routing=self._reason(r, hit, prompt),
             prompt_tokens=prompt,
-            cached_tokens=r.cached_tokens,
+            cached_tokens=r.cached_tokens if not local else 0,
             decode_hit_tokens=hit,
             transferred_tokens=prompt - hit if first is not None else 0,
             transfer_bytes=first.transfer_bytes if first is not None else 0,
@@ -143,10 +154,15 @@ class RequestLog:
         if not r.dispatched:
             return "not routed: no pair could take it"
         parts = [self.policy]
+        plan = r.plan
+        if plan is not None:
+            parts.append(f"{'prefilled on D' if plan.path == 'local' else 'P -> D'} ({plan.reason.replace('_', ' ')})")
+            if plan.cost_s is not None:
+                parts.append(f"priced {plan.cost_s * 1000:.1f} ms")
         prefill = self.registry.get(r.prefill_id) if r.prefill_id else None
         if prefill is not None:
             parts.append("warm pair" if prefill.warm_with(r.decode_id or "") else "cold pair")
-        if r.first_token is not None:
+        if r.first_token is not None or (plan is not None and plan.path == "local" and r.first_token_at is not None):
             parts.append(f"D held {hit}/{prompt} prompt tokens")
         if r.attempt > 1:
             parts.append(f"attempt {r.attempt} after {', '.join(sorted(r.excluded)) or 'a failure'}")

@@ -1,24 +1,33 @@
-"""Which prefill node and which decode node serve a request (``--policy``).
+"""Where a request runs (``--policy``): on a (P, D) pair, or whole on one node (D's local prefill,
+or a mixed node), and which nodes.
 
-Admission comes first and is the same for every policy: a decode node is a candidate only if it
-can hold the request's whole KV (prompt + max_tokens) in its free and evictable slots right now,
-counting what was routed to it but does not show in its status yet. The policy then chooses among
-the candidates:
+Admission comes first and is the same for every policy: a decode (or mixed) node is a candidate
+only if it can hold the request's whole KV (prompt + max_tokens) in its free and evictable slots
+right now, counting what was routed to it but does not show in its status yet.
 
+Then the path (:meth:`RoutingPolicy.plan`). A mixed node always serves the request whole. On a
+decode node, a request whose missing prompt tokens (the prompt less D's prefix hit) are at most
+``local_prefill_max_tokens`` may be prefilled on D itself: it saves P's queue, the transfer and
+the handover, and a short miss costs D's running streams little. A longer miss goes to a P, so
+D's streams are not held up by long prefills. With no P ready, every request is prefilled where
+it decodes. Each decision is counted with its reason (``pdc_route_decisions_total``).
+
+The policies choose among the candidates:
+
+* ``cache_aware`` (default): the option with the least time the request would wait and compute
+  there, in seconds (:mod:`master.route_cost`): queued and own prefill at the node's measured
+  rate, KV transfer at the measured link rate, handover, decode steps at the batch the request
+  joins and the wait for a place in it. A prefix hit counts only as the prefill and transfer time
+  it saves, so a shared chat template does not outweigh a busy node.
+* ``least_load``: D (or mixed) with the fewest running/waiting requests (relative to its
+  capacity), then the most free KV; P with the fewest queued prefill tokens.
 * ``round_robin``: the next node by id after the last one chosen, per role.
-* ``least_load``: D with the fewest running/waiting requests (relative to its capacity), then the
-  most free KV; P with the fewest queued prefill tokens.
-* ``cache_aware`` (default): D by a score that weighs the bytes of KV a prefix hit saves against
-  the D's load and memory pressure, so a D that holds the conversation's history wins unless it
-  is saturated; P with the fewest queued prefill tokens.
 
-Every policy prefers warm pairs: a P reports the D nodes it holds a formed and warmed data-plane
-channel to, and forming one on a request's path costs seconds (NCCL communicator setup). A cold
-pair is still routed to, never refused or queued for: when no pair is warm yet (a D that just
-joined), or when every warm pair is overloaded. ``round_robin`` cycles through the warm nodes when
-there are any; the scoring policies add a cold pair's cost to its score (:data:`COLD_PAIR_LOAD`,
-:data:`COLD_PAIR_SCORE`, :data:`COLD_PAIR_PREFILL_TOKENS`), so a cold D wins only over warm ones
-that are busier by more than that.
+Every policy prefers warm pairs: a P reports the decode nodes it holds a formed and warmed
+data-plane channel to, and forming one on a request's path costs seconds (NCCL communicator
+setup). A cold pair is still routed to, never refused or queued for. ``round_robin`` cycles
+through the warm nodes when there are any; ``least_load`` adds :data:`COLD_PAIR_LOAD`;
+``cache_aware`` adds the channel's setup time as P reported it.
 """
 
 from __future__ import annotations
@@ -26,25 +35,17 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from master.registry import NodeRecord
+from master.route_cost import DEFAULT_CHANNEL_SETUP_S, CostModel, LinkRate, Rates
 
-#: cache_aware: how much a D's running load (fraction of its max running requests) costs,
-#: in units of "whole prompt found in cache".
-LOAD_WEIGHT = 0.5
-#: cache_aware: how much a D's KV use after taking the request costs, in the same units.
-KV_WEIGHT = 0.5
 #: least_load: what a D no P holds a warm channel to costs, as extra load (a fraction of its max
 #: running requests): a whole batch, so a cold D wins only over warm ones that queue requests.
 COLD_PAIR_LOAD = 1.0
-#: cache_aware: the same, in its units: as much as a whole prompt found in cache, since forming
-#: a channel takes longer than any transfer a hit saves.
-COLD_PAIR_SCORE = 1.0
-#: Choosing P for a D: a P without a warm channel to that D counts as this many more queued
-#: prompt tokens (about what a GPU prefills in the seconds a channel takes to form).
+#: Choosing P for a D (least_load, round_robin): a P without a warm channel to that D counts as
+#: this many more queued prompt tokens (about what a GPU prefills in the seconds a channel takes).
 COLD_PAIR_PREFILL_TOKENS = 32768
-
 
 @dataclass
 class RouteRequest:
@@ -57,6 +58,10 @@ class RouteRequest:
     @property
     def prompt_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return max(self.kv_need - len(self.token_ids), 1)
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the prompt's full blocks (computed once per block size; the API
@@ -74,12 +79,72 @@ def admissible_decodes(decodes: Sequence[NodeRecord], kv_need: int) -> list[Node
 
 
 def cold_decodes(prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord]) -> set[str]:
-    """Ids of the decode nodes that none of ``prefills`` holds a warm channel to."""
-    return {d.node_id for d in decodes if not any(p.warm_with(d.node_id) for p in prefills)}
+    """Ids of the decode nodes that none of ``prefills`` holds a warm channel to (mixed nodes
+    need no channel: never cold)."""
+    return {d.node_id for d in decodes
+            if d.role == "decode" and not any(p.warm_with(d.node_id) for p in prefills)}
+
+
+def hit_tokens(request: RouteRequest, node: NodeRecord) -> int:
+    """Leading prompt tokens whose KV ``node`` holds, by its reported prefix index."""
+    if len(node.prefix) == 0:
+        return 0
+    block_size = node.info.kv_spec.block_size
+    blocks = node.prefix.match(request.block_hashes(block_size))
+    return min(blocks * block_size, request.prompt_tokens)
+
+
+Path = Literal["pd", "local"]
+#: Why a path was taken (the label of ``pdc_route_decisions_total``).
+Reason = Literal["mixed", "no_prefill", "short_miss", "long_miss", "pd_faster", "local_disabled"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where one attempt runs: ``pd`` (``prefill`` then ``decode``) or ``local`` (whole on ``decode``)."""
+
+    path: Path
+    decode: NodeRecord
+    prefill: NodeRecord | None
+    reason: Reason
+    hit_tokens: int
+    #: cache_aware: the seconds it priced the chosen option at.
+    cost_s: float | None = None
+
+
+def local_reason(node: NodeRecord, miss: int, prefills: Sequence[NodeRecord], local_max: int) -> Reason | None:
+    """Why ``node`` prefills this request itself, or None when it goes through a P."""
+    if node.role == "mixed":
+        return "mixed"
+    if not prefills:
+        return "no_prefill"
+    if miss <= local_max and local_max > 0:
+        return "short_miss"
+    return None
 
 
 class RoutingPolicy(ABC):
     name: ClassVar[str]
+
+    def __init__(self) -> None:
+        #: KV transfer rate the master saw (the relay feeds it P's reports).
+        self.link = LinkRate()
+
+    def plan(
+        self, request: RouteRequest, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord],
+        local_max: int, decode: NodeRecord | None = None,
+    ) -> Plan:
+        """The path and nodes of one attempt. ``decodes``: admissible decode and mixed nodes (non-empty);
+        ``decode`` fixes the node that decodes (a retry that keeps it)."""
+        if decode is None:
+            decode = self.pick_decode(request, decodes, cold=cold_decodes(prefills, decodes))
+        hit = hit_tokens(request, decode)
+        reason = local_reason(decode, request.prompt_tokens - hit, prefills, local_max)
+        if reason is not None:
+            return Plan("local", decode, None, reason, hit)
+        warm = [p for p in prefills if p.warm_with(decode.node_id)]
+        return Plan("pd", decode, self.pick_prefill(request, prefills, warm=warm),
+                    "long_miss" if local_max > 0 else "local_disabled", hit)
 
     def pick_pair(
         self, request: RouteRequest, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord],
@@ -115,6 +180,7 @@ class RoundRobinPolicy(RoutingPolicy):
     name = "round_robin"
 
     def __init__(self) -> None:
+        super().__init__()
         self._last: dict[str, str] = {}
 
     def _next(self, role: str, nodes: Sequence[NodeRecord]) -> NodeRecord:
@@ -148,40 +214,77 @@ class LeastLoadPolicy(RoutingPolicy):
 
 
 class CacheAwarePolicy(RoutingPolicy):
+    """Least time: every option (local prefill on each candidate, each P -> D pair) priced in
+    seconds by :class:`master.route_cost.CostModel`."""
+
     name = "cache_aware"
 
     def hit_tokens(self, request: RouteRequest, decode: NodeRecord) -> int:
-        block_size = decode.info.kv_spec.block_size
-        if len(decode.prefix) == 0:
-            return 0
-        blocks = decode.prefix.match(request.block_hashes(block_size))
-        return min(blocks * block_size, request.prompt_tokens)
+        return hit_tokens(request, decode)
 
-    def score(self, request: RouteRequest, decode: NodeRecord) -> float:
-        """Saved transfer (fraction of the prompt's KV bytes) less load and memory-pressure costs.
+    def _costs(self, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord]) -> CostModel:
+        return CostModel(Rates.of([*prefills, *decodes]), self.link)
 
-        A saturated D (load ratio >= 1) gets no credit for hits: its queue would cost more time
-        than the transfer saves. The KV term counts only the tokens the D must newly store, so a
-        hit also spares its memory.
-        """
-        bytes_per_token = decode.info.kv_spec.bytes_per_token
-        hit = self.hit_tokens(request, decode)
-        saved_bytes = hit * bytes_per_token
-        prompt_bytes = max(request.prompt_tokens, 1) * bytes_per_token
-        load = decode.load_ratio
-        benefit = saved_bytes / prompt_bytes if load < 1.0 else 0.0
-        free_after = decode.kv_available - (request.kv_need - hit)
-        kv_used_after = 1.0 - max(free_after, 0) / max(decode.kv_total, 1)
-        return benefit - LOAD_WEIGHT * min(load, 2.0) - KV_WEIGHT * kv_used_after
+    def _best_prefill(
+        self, costs: CostModel, request: RouteRequest, prefills: Sequence[NodeRecord], decode: NodeRecord, miss: int
+    ) -> tuple[float, NodeRecord]:
+        priced = [
+            (costs.remote_prefill_s(p, decode, request.prompt_tokens, miss, p.warm_with(decode.node_id)), p)
+            for p in prefills
+        ]
+        return min(priced, key=lambda item: (item[0], len(item[1].inflight), item[1].node_id))
+
+    def plan(
+        self, request: RouteRequest, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord],
+        local_max: int, decode: NodeRecord | None = None,
+    ) -> Plan:
+        costs = self._costs(prefills, decodes)
+        best: tuple[float, float, str, Plan] | None = None
+        for d in [decode] if decode is not None else decodes:
+            hit = hit_tokens(request, d)
+            miss = request.prompt_tokens - hit
+            decode_s = costs.decode_s(d, request.max_tokens)
+            options: list[tuple[float, Plan]] = []
+            reason = local_reason(d, miss, prefills, local_max)
+            if reason is not None:
+                local_s = costs.local_prefill_s(d, miss) + decode_s
+                options.append((local_s, Plan("local", d, None, reason, hit, local_s)))
+            if d.role == "decode" and prefills:
+                remote_s, p = self._best_prefill(costs, request, prefills, d, miss)
+                remote_s += decode_s
+                why: Reason = "pd_faster" if reason is not None else ("long_miss" if local_max > 0 else "local_disabled")
+                options.append((remote_s, Plan("pd", d, p, why, hit, remote_s)))
+            for cost, option in options:
+                key = (cost, d.load_ratio, d.node_id, option)
+                if best is None or key[:3] < best[:3]:
+                    best = key
+        assert best is not None, "plan needs a candidate"
+        return best[3]
 
     def pick_decode(
         self, request: RouteRequest, decodes: Sequence[NodeRecord], cold: Set[str] = frozenset()
     ) -> NodeRecord:
+        """The node where the request's decode, plus the prefill and transfer its missing tokens
+        need (at that node's rate), takes the least time; a node in ``cold`` adds a channel's setup."""
+        costs = self._costs([], decodes)
+
         def cost(d: NodeRecord) -> tuple:
-            score = self.score(request, d) - (COLD_PAIR_SCORE if d.node_id in cold else 0.0)
-            return (-score, d.load_ratio, d.node_id)
+            miss = request.prompt_tokens - hit_tokens(request, d)
+            seconds = (costs.decode_s(d, request.max_tokens) + miss / costs.prefill_rate(d)
+                       + miss * d.info.kv_spec.bytes_per_token / self.link.value
+                       + (DEFAULT_CHANNEL_SETUP_S if d.node_id in cold else 0.0))
+            return (seconds, d.load_ratio, d.node_id)
 
         return min(decodes, key=cost)
+
+    def pick_pair(
+        self, request: RouteRequest, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord],
+        decode: NodeRecord | None = None,
+    ) -> tuple[NodeRecord, NodeRecord]:
+        """(P, D) by the least time over every pair (a P -> D path only)."""
+        plan = self.plan(request, prefills, [d for d in decodes if d.role == "decode"], local_max=0, decode=decode)
+        assert plan.prefill is not None
+        return plan.prefill, plan.decode
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -238,6 +238,7 @@ def snapshot(ctx: MasterContext, traffic: TrafficHistory, now: float | None = No
         "health": {
             "prefill_nodes": len(registry.active("prefill")),
             "decode_nodes": len(registry.active("decode")),
+            "mixed_nodes": len(registry.active("mixed")),
             "warm_pairs": registry.warm_pairs(),
             "queued_requests": len(ctx.relay.queue),
             "running_requests": len(ctx.relay.requests),
@@ -246,7 +247,7 @@ def snapshot(ctx: MasterContext, traffic: TrafficHistory, now: float | None = No
         "headline": traffic.headline(now),
         "series": traffic.series(now),
         "errors": [_row(r) for r in reversed(recent) if r.outcome != "ok"][:RECENT_ROWS],
-        "routing": [_row(r) for r in reversed(recent) if r.prefill is not None][:RECENT_ROWS],
+        "routing": [_row(r) for r in reversed(recent) if r.decode is not None][:RECENT_ROWS],
     }
 
 

@@ -22,7 +22,8 @@ NODE_WS_PATH = "/internal/nodes/ws"
 STATUS_INTERVAL_S = 0.2
 HEARTBEAT_TIMEOUT_S = 5.0
 
-Role = Literal["prefill", "decode"]
+#: ``mixed``: one engine that prefills and decodes; the master routes whole requests to it.
+Role = Literal["prefill", "decode", "mixed"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -67,8 +68,19 @@ class NodeStatus(_Message):
     free_kv_tokens: int = 0
     total_kv_tokens: int = 0
     evictable_kv_tokens: int = 0
-    queued_prefill_tokens: int = 0
+    queued_prefill_tokens: int = Field(
+        default=0, description="prompt tokens accepted and not yet prefilled (P: its jobs; D or mixed: local prefills)"
+    )
     generation_tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = Field(
+        default=0.0, ge=0, description="measured prefill rate: prompt tokens per second of the steps that ran them "
+        "(0: not measured yet); the master prices a prefill on this node with it",
+    )
+    decode_step_base_s: float = Field(
+        default=0.0, ge=0, description="measured decode step time, the part that does not grow with the batch "
+        "(with decode_step_per_request_s: step = base + per_request * rows; both 0: not measured yet)",
+    )
+    decode_step_per_request_s: float = Field(default=0.0, ge=0, description="what each running request adds")
     prefix_hit_tokens: int = Field(default=0, description="cumulative prompt tokens served from cache")
     prompt_tokens: int = Field(default=0, description="cumulative prompt tokens seen")
     draining: bool = False
@@ -119,6 +131,10 @@ class TokenDelta(_Message):
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
+    cached_tokens: int | None = Field(
+        default=None, ge=0, description="first delta of a request the node prefilled itself (GenerateJob): "
+        "prompt tokens its prefix cache held",
+    )
 
 
 class RequestFailed(_Message):
@@ -179,6 +195,18 @@ class PrefillJob(_Message):
     deadline_s: float = Field(gt=0, description="seconds the node may spend on it")
 
 
+class GenerateJob(_Message):
+    """Master -> D or mixed node: prefill the prompt here (only what the prefix cache lacks, in
+    chunks between decode steps) and decode it; every token, the first included, comes back as
+    ``TokenDelta``s."""
+
+    type: Literal["generate_job"] = "generate_job"
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    deadline_s: float = Field(gt=0, description="seconds the node may spend on it")
+
+
 class Abort(_Message):
     type: Literal["abort"] = "abort"
     request_id: str
@@ -214,7 +242,7 @@ NodeMessage = Annotated[
     Field(discriminator="type"),
 ]
 MasterMessage = Annotated[
-    Union[Registered, Refused, PrefillJob, Abort, Drain, DecodePeers],
+    Union[Registered, Refused, PrefillJob, GenerateJob, Abort, Drain, DecodePeers],
     Field(discriminator="type"),
 ]
 

@@ -26,7 +26,7 @@ class PrefillNode(NodeRuntime):
             lease_s=settings.lease_s, max_channels=settings.max_channels, on_warm_change=self._on_warm_change,
             kv_ipc=settings.kv_ipc,
         )
-        self.reporter = StatusReporter(self.service.engine)
+        self.reporter = StatusReporter(self.service.engine, self.service.worker.rates)
         self.jobs: dict[str, asyncio.Task] = {}
 
     def register_message(self) -> protocol.Register:

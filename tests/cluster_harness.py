@@ -41,13 +41,17 @@ class Cluster:
     port: int = field(default_factory=free_port)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     node_args: tuple[str, ...] = ("--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096")
+    #: The master's ``local_prefill_max_tokens``: 0 sends every request through a P (the tests of
+    #: the P -> D path); tests of D-local prefill and mixed nodes set it.
+    local_prefill_max_tokens: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self, token: str = CLUSTER_TOKEN) -> dict[str, str]:
-        return {**os.environ, "PD_CLUSTER_TOKEN": token, "PD_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1"}
+        return {**os.environ, "PD_CLUSTER_TOKEN": token, "PD_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1",
+                "PD_LOCAL_PREFILL_MAX_TOKENS": str(self.local_prefill_max_tokens)}
 
     def _spawn(self, name: str, args: list[str], token: str = CLUSTER_TOKEN) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")

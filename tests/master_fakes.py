@@ -76,6 +76,8 @@ def make_settings(model_dir: Path | None = None, **overrides: Any) -> MasterSett
         "heartbeat_timeout_s": 2.0,
         "queue_timeout_s": 2.0,
         "request_timeout_s": 20.0,
+        # The P -> D path, whatever the prompt's length; tests of local prefill set their threshold.
+        "local_prefill_max_tokens": 0,
     }
     values.update(overrides)
     return MasterSettings(**values)

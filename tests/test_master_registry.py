@@ -133,7 +133,7 @@ async def test_registered_nodes_are_listed_and_make_the_cluster_healthy(master):
     await wait_warm(master)
     health = await master.http.get("/health")
     assert health.status_code == 200
-    assert health.json() == {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "warm_pairs": 1}
+    assert health.json() == {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "mixed_nodes": 0, "warm_pairs": 1}
     nodes = await master.nodes()
     assert nodes["d0"]["role"] == "decode" and nodes["d0"]["state"] == "active"
     assert nodes["d0"]["load"]["running"] == 2

@@ -84,13 +84,17 @@ def _prefills(registry: Registry, n: int) -> list[NodeRecord]:
 def test_cache_aware_prefers_the_decode_node_holding_the_prefix():
     registry = _registry()
     d0, d1 = _decodes(registry, 2)
-    history = list(range(3, 103))
+    history = [3 + i % 1000 for i in range(1200)]
     d1.prefix.apply(stored=block_hashes(history, BLOCK))
-    _status(d1, running=3)  # busier than d0, but holds the history
-    request = RouteRequest(history + [5, 6, 7], kv_need=150)
+    _status(d1, running=3)  # busier than d0, but holds the history: its prefill would take longer than the batch costs
+    request = RouteRequest(history + [5, 6, 7], kv_need=1203 + 16)
     policy = CacheAwarePolicy()
-    assert policy.hit_tokens(request, d1) == 100
+    assert policy.hit_tokens(request, d1) == 1200
     assert policy.pick_decode(request, [d0, d1]) is d1
+    # A short shared prefix (a chat template) saves less than one more request in the batch costs.
+    template = RouteRequest(history[:8] + list(range(2000, 2040)), kv_need=48 + 64)
+    assert policy.hit_tokens(template, d1) == 8
+    assert policy.pick_decode(template, [d0, d1]) is d0
 
 
 def test_cache_aware_avoids_a_saturated_decode_node_despite_its_prefix():
@@ -176,7 +180,8 @@ def test_a_cold_pair_wins_only_when_every_warm_pair_is_overloaded():
     for policy in (LeastLoadPolicy(), CacheAwarePolicy()):
         _status(warm_d, running=6)  # busy (6 of 8) but not queueing: still the warm one
         assert policy.pick_pair(request, [p0], [warm_d, cold_d])[1] is warm_d
-        _status(warm_d, running=8, waiting=12, free_kv_tokens=200)  # far past its batch
+        # Far past its batch: the wait for a place takes longer than forming a channel.
+        _status(warm_d, running=8, waiting=200, free_kv_tokens=200)
         assert policy.pick_pair(request, [p0], [warm_d, cold_d])[1] is cold_d
 
 
@@ -307,14 +312,52 @@ async def test_queue_wait_has_a_deadline():
     assert registry.metrics.registry.get_sample_value("pdc_requests_total", {"status": "unavailable"}) == 1
 
 
-async def test_no_nodes_answers_503_at_once():
+async def test_no_decode_node_answers_503_at_once():
     relay, registry = _relay()
-    _decodes(registry, 1)
+    _prefills(registry, 1)  # a prefill node alone cannot serve
     r = relay.create("x", [5], SamplingParams(max_tokens=1), False, time.monotonic())
     with pytest.raises(APIError) as err:
         await relay.admit(r)
     assert err.value.status == 503
     relay.release(r)
+
+
+async def test_without_a_prefill_node_the_decode_node_prefills_it_whole():
+    relay, registry = _relay()
+    (d,) = _decodes(registry, 1)
+    r = relay.create("x", [5] * 600, SamplingParams(max_tokens=3), False, time.monotonic())
+    await relay.admit(r)
+    (job,) = [f for f in _frames(d) if isinstance(f, protocol.GenerateJob)]
+    assert job.request_id == r.attempt_id and len(job.token_ids) == 600
+    assert (r.prefill_id, r.decode_id, r.plan.path, r.plan.reason) == (None, "d0", "local", "no_prefill")
+    assert d.pending_prefill[r.attempt_id] == 600
+    # Its tokens come from D alone, the first with the prompt tokens D's cache held.
+    relay.on_token_delta(d, protocol.TokenDelta(request_id=job.request_id, token_ids=[7], cached_tokens=16))
+    assert r.attempt_id not in d.pending_prefill and r.cached_tokens == 16
+    relay.on_token_delta(d, protocol.TokenDelta(request_id=job.request_id, token_ids=[8, 9], finish_reason="length"))
+    await relay.wait(r)
+    assert r.output_ids == [7, 8, 9]
+    relay.release(r)
+    sample = registry.metrics.registry.get_sample_value
+    assert sample("pdc_route_decisions_total", {"path": "local", "reason": "no_prefill"}) == 1
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "least_load", "round_robin"])
+async def test_short_misses_are_prefilled_on_d_and_long_ones_on_p(policy):
+    relay, registry = _relay(local_prefill_max_tokens=64, policy=policy)
+    relay.policy = make_policy(policy)
+    (p,) = _prefills(registry, 1)
+    (d,) = _decodes(registry, 1)
+    _warm(p, d)
+    history = list(range(3, 203))
+    d.prefix.apply(stored=block_hashes(history, BLOCK))
+    paths = {}
+    for name, prompt in (("short", list(range(30))), ("hit", history + [1] * 40), ("long", list(range(500, 700)))):
+        r = relay.create(name, prompt, SamplingParams(max_tokens=4), False, time.monotonic())
+        await relay.admit(r)
+        paths[name] = (r.plan.path, r.plan.reason)
+        relay.release(r)
+    assert paths == {"short": ("local", "short_miss"), "hit": ("local", "short_miss"), "long": ("pd", "long_miss")}
 
 
 async def test_draining_nodes_get_no_new_work():

@@ -60,7 +60,9 @@ def test_every_request_ends_in_one_json_line_with_its_route_tokens_and_latency(c
     assert line["level"] == "info" and line["logger"] == "master.requests"
     assert line["client_request_id"] == "client-id-42"
     assert (line["prefill"], line["decode"], line["attempts"]) == ("p0", "d0", 1)
-    assert line["routing"].startswith("cache_aware; warm pair; D held ")
+    assert (line["path"], line["route_reason"]) == ("pd", "local_disabled")
+    assert line["routing"].startswith("cache_aware; P -> D (local disabled); priced ")
+    assert "; warm pair; D held " in line["routing"]
     assert line["prompt_tokens"] == reply.usage.prompt_tokens
     assert line["completion_tokens"] == reply.usage.completion_tokens == 6
     assert line["cached_tokens"] == reply.usage.prompt_tokens_details.cached_tokens

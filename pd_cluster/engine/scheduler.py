@@ -30,6 +30,8 @@ class ScheduledStep:
     q_lens: list[int] = field(default_factory=list)
     new_slots: list[torch.Tensor] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
+    #: Rows that decode one token (the rest are prefill chunks).
+    decode_rows: int = 0
 
     def add(self, req: Request, q_len: int, slots: torch.Tensor, sample: bool) -> None:
         self.requests.append(req)
@@ -78,6 +80,8 @@ class Scheduler:
         #: Slots held outside running requests (e.g. a decode node's reservations for incoming KV).
         self.external_held = 0
         self.num_preemptions = 0
+        #: The step :meth:`schedule` made last (the engine thread times it: :mod:`step_rates`).
+        self.last_step: ScheduledStep | None = None
 
     # ---- queue management ----------------------------------------------------------------
 
@@ -167,6 +171,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             budget -= step.q_lens[-1]
+        step.decode_rows = sum(1 for q, s in zip(step.q_lens, step.samples) if q == 1 and s)
+        self.last_step = step
         return step
 
     def alloc_slots(self, n: int) -> torch.Tensor | None:

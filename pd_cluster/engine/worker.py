@@ -10,12 +10,14 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pd_cluster.aio import wait_for
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
+from pd_cluster.engine.step_rates import StepRates
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +39,8 @@ class EngineWorker:
         #: Called on the engine thread after each step (e.g. lease expiry checks).
         self.after_step: list[Callable[[], None]] = []
         self.failed: BaseException | None = None
+        #: Prefill rate and decode step time, measured from the steps this thread runs.
+        self.rates = StepRates()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -88,7 +92,12 @@ class EngineWorker:
                         return
                     self._run_call(item)
                 if engine.has_unfinished():
+                    engine.scheduler.last_step = None
+                    started = time.perf_counter()
                     updates = engine.step()
+                    step = engine.scheduler.last_step
+                    if step is not None and step.requests:
+                        self.rates.record(step.q_lens, step.decode_rows, time.perf_counter() - started)
                     if updates:
                         self._loop.call_soon_threadsafe(self._deliver, updates)
                 else:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import time
 
 from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.step_rates import StepRates
 from pd_cluster.protocol import NodeStatus
 
 
 class StatusReporter:
     """Reads engine counters from the event loop thread (plain ints: a torn read is harmless)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, rates: StepRates | None = None) -> None:
         self.engine = engine
+        self.rates = rates
         self._last_tokens = 0
         self._last_time = time.monotonic()
         self._rate = 0.0
@@ -29,6 +31,8 @@ class StatusReporter:
             self._rate = (generated - self._last_tokens) / (now - self._last_time)
             self._last_tokens, self._last_time = generated, now
         sched = engine.scheduler
+        line = self.rates.decode_line() if self.rates is not None else None
+        prefill_rate = self.rates.prefill_tokens_per_s() if self.rates is not None else 0.0
         return NodeStatus(
             running=len(sched.running) + extra_running,
             waiting=len(sched.waiting),
@@ -37,6 +41,9 @@ class StatusReporter:
             evictable_kv_tokens=engine.cache.evictable_tokens,
             queued_prefill_tokens=queued_prefill_tokens,
             generation_tokens_per_s=round(self._rate, 2),
+            prefill_tokens_per_s=round(prefill_rate, 1),
+            decode_step_base_s=round(line[0], 6) if line else 0.0,
+            decode_step_per_request_s=round(line[1], 7) if line else 0.0,
             prefix_hit_tokens=engine.stats.cached_prompt_tokens,
             prompt_tokens=engine.stats.prompt_tokens,
             draining=draining,
