@@ -47,6 +47,10 @@ def node_view(node: NodeRecord) -> dict[str, Any]:
             "queued_prefill_tokens": status.queued_prefill_tokens,
             "routed_in_flight": len(node.inflight),
             "generation_tokens_per_s": status.generation_tokens_per_s,
+            # Measured by the node; routing prices requests with them (0: not measured yet).
+            "prefill_tokens_per_s": status.prefill_tokens_per_s,
+            "decode_step_base_s": status.decode_step_base_s,
+            "decode_step_per_request_s": status.decode_step_per_request_s,
         },
         "kv": {
             "total_tokens": total,
