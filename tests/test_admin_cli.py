@@ -25,7 +25,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN", "PD_MASTER_URL")}
-    return {**env, "PD_CLUSTER_HOME": str(home), **extra}
+    # Every request through a P, so the transfer counters this file reads have bytes to count.
+    return {**env, "PD_CLUSTER_HOME": str(home), "PD_LOCAL_PREFILL_MAX_TOKENS": "0", **extra}
 
 
 class LocalCluster:

@@ -100,7 +100,8 @@ def test_a_restart_on_another_decode_node_draws_the_same_stream(cluster, client,
     with cf.ThreadPoolExecutor(1) as pool:
         future = pool.submit(client.completions.create, **body)
         busy = wait_until(lambda: next((n["id"] for n in cluster.nodes()
-                                        if n["role"] == "decode" and n["load"]["running"]), None),
+                                        if n["role"] == "decode" and n["load"]["running"]
+                                        and n["load"]["routed_in_flight"]), None),
                           120, "a decode node to run the request")
         cluster.kill(busy)
         reply = future.result(timeout=300)

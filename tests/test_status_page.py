@@ -209,7 +209,7 @@ def test_status_data_has_nodes_traffic_and_routing(master_with_traffic):
     data = master_with_traffic["data"].json()
     assert {n["id"] for n in data["nodes"]} == {"p0", "d0"}
     assert data["master"].endswith(":8000")  # which master answered (its traffic is its own)
-    assert data["health"] == {"prefill_nodes": 1, "decode_nodes": 1, "warm_pairs": 1, "queued_requests": 0,
+    assert data["health"] == {"prefill_nodes": 1, "decode_nodes": 1, "mixed_nodes": 0, "warm_pairs": 1, "queued_requests": 0,
                               "running_requests": 0}
     assert data["headline"]["requests_per_s"] == pytest.approx(1 / 60)
     assert data["headline"]["ttft_s"]["p50"] > 0
@@ -229,7 +229,7 @@ def _record(outcome: str = "ok", ttft: float | None = 0.1, tpot: float | None = 
             moved: int = 100) -> RequestRecord:
     return RequestRecord(
         request_id="r", client_request_id=None, outcome=outcome, finish_reason="stop", error=None, prefill="p",
-        decode="d", attempts=1, routing="x", prompt_tokens=10, cached_tokens=0, decode_hit_tokens=0,
+        decode="d", attempts=1, path="pd", route_reason="long_miss", routing="x", prompt_tokens=10, cached_tokens=0, decode_hit_tokens=0,
         transferred_tokens=10, transfer_bytes=moved, completion_tokens=5, ttft_s=ttft, tpot_s=tpot, e2e_s=1.0,
         stream=False, ended_at=0.0)
 

@@ -31,7 +31,7 @@ def cluster(default_model_dir, tmp_path_factory):
 
 def test_the_channel_is_formed_and_warmed_before_any_request(cluster):
     wait_until(lambda: cluster.health()[0] == 200, 60, "the master to be ready")
-    assert cluster.health()[1] == {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "warm_pairs": 1}
+    assert cluster.health()[1] == {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "mixed_nodes": 0, "warm_pairs": 1}
     # P reports the warm channel; D's data-plane server reports the accepted, warmed one.
     assert cluster.warm_peers("p0") == ["d0"]
     wait_until(lambda: cluster.warm_peers("d0") == ["p0"], 10, "d0 to report the warmed channel")
@@ -69,4 +69,4 @@ def test_a_decode_node_that_joins_later_is_warmed_and_one_that_leaves_is_closed(
     assert "closed data-plane channel to d1" in cluster.log("p0")
     assert "closed data-plane channel to d0" not in cluster.log("p0")
     wait_until(lambda: cluster.node("d1") is None, 60, "d1 to leave")
-    assert cluster.health() == (200, {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "warm_pairs": 1})
+    assert cluster.health() == (200, {"status": "ok", "prefill_nodes": 1, "decode_nodes": 1, "mixed_nodes": 0, "warm_pairs": 1})
