@@ -18,6 +18,7 @@ import torch
 
 import pd_cluster.bench.gpu as package
 from pd_cluster.bench.gpu.ceilings import measure_ceilings
+from pd_cluster.bench.gpu.local_prefill import measure_local_prefill
 from pd_cluster.bench.gpu.decode import measure_decode
 from pd_cluster.bench.gpu.hf import measure_hf
 from pd_cluster.bench.gpu.models import build_engine
@@ -88,7 +89,7 @@ def device_kind() -> str:
     return f"{name}-x{torch.cuda.device_count()}"
 
 
-PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model")
+PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model", "local_prefill")
 
 
 def run(plan: Plan, out_dir: Path) -> dict:
@@ -122,6 +123,8 @@ def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.
                             "graph_sizes": engine.runner.graphs.batch_sizes if engine.runner.graphs else None}
     if "decode" in plan.parts:
         results.part("decode", lambda: measure_decode(engine, plan, copy_bw, gen, eager_batches=(1, plan.key_batch)))
+    if "local_prefill" in plan.parts:
+        results.part("local_prefill", lambda: measure_local_prefill(engine, plan, gen))
     prefill = {}
     if "prefill" in plan.parts or "pd" in plan.parts:
         prefill = results.part("prefill", lambda: measure_prefill(engine, plan, plan.prefill_lens, matmul, gen)) or {}
