@@ -116,7 +116,7 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--lease-s", type=float, default=30.0, help="KV reservation lease on decode nodes")
     p.add_argument("--kv-ipc", action=argparse.BooleanOptionalAction, default=True,
                    help="on one GPU, write KV in place into the decode node's pool (CUDA IPC) instead of sending it")
-    if role == "decode":
+    if role in ("decode", "mixed"):
         p.add_argument("--kv-ipc-across-gpus", action="store_true",
                        help="also share the KV pool with prefill nodes on other GPUs of this host")
         p.add_argument("--data-host", default="127.0.0.1", help="address prefill nodes dial (advertised)")
@@ -143,7 +143,7 @@ def _node_settings(args: argparse.Namespace, role: str):
               "kv_ipc": args.kv_ipc}
     if args.node_id:
         fields["node_id"] = args.node_id
-    if role == "decode":
+    if role in ("decode", "mixed"):
         fields.update(data_host=args.data_host, data_bind=args.data_bind, data_port=args.data_port,
                       kv_ipc_across_gpus=args.kv_ipc_across_gpus)
     else:
@@ -162,6 +162,10 @@ def cmd_node(args: argparse.Namespace) -> int:
             from prefill_node.main import run_prefill_node
 
             run_prefill_node(settings)
+        elif args.command == "mixed":
+            from decode_node.main import run_mixed_node
+
+            run_mixed_node(settings)
         else:
             from decode_node.main import run_decode_node
 
@@ -183,6 +187,7 @@ def cmd_master(args: argparse.Namespace) -> int:
         "served_model_name": args.served_model_name, "log_format": args.log_format,
         "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
         "max_concurrent_per_key": args.max_concurrent_per_key,
+        "local_prefill_max_tokens": args.local_prefill_max_tokens,
     }.items() if v is not None}
     try:
         run_master(MasterSettings(**given))
@@ -268,6 +273,11 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--api-keys-file", default=None, help="more keys, one a line: KEY [MAX_CONCURRENT]")
     m.add_argument("--max-concurrent-per-key", type=int, default=None,
                    help="open requests one API key may have (a key's own limit in the file wins)")
+    m.add_argument("--local-prefill-max-tokens", type=int, default=None,
+                   help="a request whose decode node misses at most this many prompt tokens (after its prefix hit) "
+                        "is prefilled on that node, not on a prefill node; 0: always through a prefill node while one "
+                        "is ready (default: 512, measured: up to it a prefill chunk costs the decode batch about one "
+                        "step, past it more)")
     m.set_defaults(func=cmd_master)
 
     p = sub.add_parser("prefill", help="run a prefill node that joins --master")
@@ -277,6 +287,11 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("decode", help="run a decode node that joins --master")
     _node_args(d, "decode")
     d.set_defaults(func=cmd_node)
+
+    mx = sub.add_parser("mixed", help="run a mixed node (prefill and decode in one engine, the colocated baseline) "
+                                      "that joins --master; the master sends it whole requests")
+    _node_args(mx, "mixed")
+    mx.set_defaults(func=cmd_node)
 
     loc = sub.add_parser(
         "local", help="master + prefill + decode nodes on this machine, supervised (crashes are restarted)")
