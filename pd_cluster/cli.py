@@ -238,7 +238,8 @@ def cmd_local(args: argparse.Namespace) -> int:
     from pd_cluster.local_cluster import LocalCluster, LocalOptions, PlacementError
 
     options = LocalOptions(
-        host=args.host, port=args.port, prefill=args.prefill, decode=args.decode, model=args.model,
+        host=args.host, port=args.port, prefill=args.prefill, decode=args.decode, mixed=args.mixed,
+        local_prefill_max_tokens=args.local_prefill_max_tokens, model=args.model,
         device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
         max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
@@ -294,11 +295,17 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     mx.set_defaults(func=cmd_node)
 
     loc = sub.add_parser(
-        "local", help="master + prefill + decode nodes on this machine, supervised (crashes are restarted)")
+        "local", help="master + prefill + decode (and mixed) nodes on this machine, supervised (crashes are restarted)")
     loc.add_argument("--host", default="127.0.0.1", help="the master's bind address")
     loc.add_argument("--port", type=int, default=8000, help="the master's HTTP port (the OpenAI API)")
     loc.add_argument("--prefill", type=int, default=1, help="prefill nodes to keep running")
     loc.add_argument("--decode", type=int, default=1, help="decode nodes to keep running")
+    loc.add_argument("--mixed", type=int, default=0,
+                     help="mixed nodes (prefill and decode in one engine) to keep running; --prefill 0 --decode 0 "
+                          "--mixed 1 is the colocated baseline")
+    loc.add_argument("--local-prefill-max-tokens", type=int, default=None,
+                     help="the master's threshold: a decode node prefills a request itself when it misses at most "
+                          "this many prompt tokens (default: 512; 0: always through a prefill node)")
     loc.add_argument("--model", default="default", help='"default" (SmolLM2-135M-Instruct) or an HF model directory')
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
     loc.add_argument("--gpus", type=_gpu_list, default=None,

@@ -70,8 +70,8 @@ class NodePlacement:
     shared_by: int = 1  # nodes on this GPU
 
 
-def node_roles(prefill: int, decode: int) -> list[str]:
-    return ["prefill"] * prefill + ["decode"] * decode
+def node_roles(prefill: int, decode: int, mixed: int = 0) -> list[str]:
+    return ["prefill"] * prefill + ["decode"] * decode + ["mixed"] * mixed
 
 
 def plan_placement(roles: Sequence[str], gpus: Mapping[int, GPUMemory], weight_bytes: int) -> list[NodePlacement]:
@@ -437,6 +437,10 @@ class LocalOptions:
     port: int = 8000
     prefill: int = 1
     decode: int = 1
+    #: Mixed nodes (prefill and decode in one engine: the colocated baseline).
+    mixed: int = 0
+    #: The master's local_prefill_max_tokens (None: its default).
+    local_prefill_max_tokens: int | None = None
     model: str = "default"
     device: str = "auto"
     gpus: list[int] | None = None
@@ -501,8 +505,13 @@ class LocalCluster:
     """Plans, starts and supervises a master plus P prefill and D decode nodes on this machine."""
 
     def __init__(self, options: LocalOptions) -> None:
-        if options.prefill < 1 or options.decode < 1:
-            raise PlacementError("a local cluster needs at least one prefill and one decode node")
+        if min(options.prefill, options.decode, options.mixed) < 0:
+            raise PlacementError("node counts cannot be negative")
+        if options.decode < 1 and options.mixed < 1:
+            raise PlacementError("a local cluster needs a decode node or a mixed node (a prefill node alone cannot "
+                                 "serve: it hands its requests to a decode node)")
+        if options.prefill and not options.decode:
+            raise PlacementError("prefill nodes need a decode node to hand their requests to (--decode)")
         self.options = options
         self.url = f"http://{_dial_host(options.host)}:{options.port}"
         self.placements: list[NodePlacement] = []
@@ -515,7 +524,7 @@ class LocalCluster:
 
     def plan(self) -> list[NodePlacement]:
         o = self.options
-        roles = node_roles(o.prefill, o.decode)
+        roles = node_roles(o.prefill, o.decode, o.mixed)
         measured = [] if o.device.strip().lower() == "cpu" else probe_gpus()
         chosen = choose_gpus(o.device, o.gpus, len(measured))
         self.device_ids = visible_device_ids(len(measured))
@@ -542,6 +551,8 @@ class LocalCluster:
         env.update(PD_CLUSTER_TOKEN=cluster_token, PYTHONUNBUFFERED="1")
         master_argv = self._base_argv() + ["master", "--host", o.host, "--port", str(o.port), "--model", o.model,
                                            "--policy", o.policy, "--log-format", o.log_format]
+        if o.local_prefill_max_tokens is not None:
+            master_argv += ["--local-prefill-max-tokens", str(o.local_prefill_max_tokens)]
         specs = [ProcessSpec("master", "master", tuple(master_argv),
                              {**env, "PD_ADMIN_TOKEN": admin_token, "CUDA_VISIBLE_DEVICES": ""},
                              stop_order=1, clean_exit_is_final=False)]
@@ -646,14 +657,21 @@ class LocalCluster:
                 return False
             self.supervisor.echo()
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2)
+                if health.status_code == 200 and self._all_joined(health.json()):
                     return True
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(POLL_S)
         logger.error("the cluster was not ready within %.0fs; see the logs in %s", self.options.ready_timeout_s,
                      self.supervisor.log_dir)
         return False
+
+    def _all_joined(self, health: Mapping[str, Any]) -> bool:
+        """Every node of this launcher is active (a decode node alone already makes /health say ok)."""
+        o = self.options
+        return (health.get("prefill_nodes", 0) >= o.prefill and health.get("decode_nodes", 0) >= o.decode
+                and health.get("mixed_nodes", 0) >= o.mixed)
 
     def registered_nodes(self, wait_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """The master's view of the nodes (``GET /admin/nodes``), waiting up to ``wait_s`` for all of ours."""
@@ -697,7 +715,8 @@ class LocalCluster:
         table = format_placement_table(self.placement_rows(nodes))
         url = self.url
         sys.stderr.write(
-            f"\npd-cluster is serving at {url}/v1 ({o.prefill} prefill, {o.decode} decode)\n\n{table}\n"
+            f"\npd-cluster is serving at {url}/v1 ({o.prefill} prefill, {o.decode} decode"
+            f"{f', {o.mixed} mixed' if o.mixed else ''})\n\n{table}\n"
             f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{served_name(o.model)}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"Hello!\"}}]}}'\n"
@@ -720,7 +739,7 @@ class LocalCluster:
             nodes_gone = all(m.state in ("left", "failed") for m in processes.values() if m.spec.role != "master")
             if nodes_gone and not warned_empty:
                 logger.warning("no node of this launcher is running; the master stays up for nodes started by hand "
-                               "(pd-cluster prefill|decode --master %s)", self.url)
+                               "(pd-cluster prefill|decode|mixed --master %s)", self.url)
             warned_empty = nodes_gone
             time.sleep(POLL_S)
         return 0

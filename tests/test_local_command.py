@@ -1,4 +1,4 @@
-"""`pd-cluster local`: master + 1 P + 1 D as processes on this machine, stopped by Ctrl-C."""
+"""`pd-cluster local`: master + 1 P + 1 D (or one mixed node) as processes on this machine, stopped by Ctrl-C."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 import httpx
 import openai
+import pytest
 
 from tests.cluster_harness import free_port, wait_until
 
@@ -26,14 +27,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_local_cluster_serves_and_ctrl_c_stops_everything(default_model_dir, tmp_path):
+@pytest.mark.parametrize("nodes, roles", [
+    ((), ["decode", "prefill"]),
+    (("--prefill", "0", "--decode", "0", "--mixed", "1"), ["mixed"]),  # the colocated baseline
+])
+def test_local_cluster_serves_and_ctrl_c_stops_everything(default_model_dir, tmp_path, nodes, roles):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN")}
     env["PD_CLUSTER_HOME"] = str(tmp_path)
     log = open(tmp_path / "local.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pd_cluster.cli", "local", "--port", str(port), "--model", str(default_model_dir),
-         "--device", "cpu", "--max-total-tokens", "4096"],
+         "--device", "cpu", "--max-total-tokens", "4096", *nodes],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
@@ -47,7 +52,7 @@ def test_local_cluster_serves_and_ctrl_c_stops_everything(default_model_dir, tmp
 
         wait_until(healthy, 180, "the local cluster to be ready")
         children = _children(proc.pid)
-        assert len(children) == 3  # master, prefill, decode
+        assert len(children) == 1 + len(roles)  # the master and each node
 
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         reply = client.chat.completions.create(
@@ -60,7 +65,7 @@ def test_local_cluster_serves_and_ctrl_c_stops_everything(default_model_dir, tmp
         token = token_file.read_text().strip()
         assert token not in (tmp_path / "local.log").read_text()  # never printed
         nodes = httpx.get(url + "/admin/nodes", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
-        assert sorted(n["role"] for n in nodes["data"]) == ["decode", "prefill"]
+        assert sorted(n["role"] for n in nodes["data"]) == roles
 
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(60) == 0

@@ -127,3 +127,18 @@ def test_placement_table_lists_every_node():
     lines = table.splitlines()
     assert lines[0].split() == ["NODE", "ROLE", "GPU", "MEM", "FRACTION", "KV", "SLOTS", "PID"]
     assert lines[2].split() == ["prefill-0", "prefill", "0", "0.4700", "1234567", "11"]
+
+
+@pytest.mark.parametrize("counts, error", [
+    ({"prefill": 0, "decode": 0, "mixed": 0}, "needs a decode node or a mixed node"),
+    ({"prefill": 1, "decode": 0, "mixed": 1}, "prefill nodes need a decode node"),
+    ({"prefill": -1, "decode": 1}, "cannot be negative"),
+])
+def test_node_counts_that_cannot_serve_are_refused(counts, error):
+    with pytest.raises(PlacementError, match=error):
+        LocalCluster(LocalOptions(**counts))
+
+
+def test_mixed_nodes_are_placed_like_the_others():
+    cluster = LocalCluster(LocalOptions(prefill=0, decode=0, mixed=2, device="cpu"))
+    assert [(p.name, p.role) for p in cluster.plan()] == [("mixed-0", "mixed"), ("mixed-1", "mixed")]
