@@ -71,7 +71,10 @@ class LocalClusterProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"pd-cluster local exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                # The launcher says it serves once every one of its nodes is active (/health is ok earlier:
+                # a decode node alone can serve).
+                if (httpx.get(self.url + "/health", timeout=2).status_code == 200
+                        and READY_LINE in self.log_path.read_text(errors="replace")):
                     self.ready_s = time.monotonic() - started
                     return self.ready_s
             except httpx.HTTPError:
@@ -104,6 +107,8 @@ class LocalClusterProcess:
 
 
 PLACEMENT_HEADER = ("NODE", "ROLE", "GPU")
+#: What ``pd-cluster local`` prints once all its nodes are active.
+READY_LINE = "pd-cluster is serving at"
 
 
 def placement_table(log: str) -> str:
@@ -259,7 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-path-requests", type=int, default=12)
     parser.add_argument("--sampled-sweep", default="",
                         help="comma-separated rates: the random workload again with temperature 0.8 (empty: skip)")
+    parser.add_argument("--compare-conditional", action="store_true",
+                        help="only this: multi-turn with default routing against --local-prefill-max-tokens 0")
+    parser.add_argument("--compare-mixed", type=int, default=0,
+                        help="only this: the default P + D against this many mixed nodes (0: skip)")
+    parser.add_argument("--compare-sweeps", default="random:1024:128:4,8,16,24",
+                        help="--compare-mixed sweeps: WORKLOAD:IN:OUT:RATES;... (workload random or mixed)")
+    parser.add_argument("--compare-rate", type=float, default=2.0, help="conversations per second of the multi-turn runs")
+    parser.add_argument("--first-turn-len", type=int, default=1024)
+    parser.add_argument("--turn-len", type=int, default=128)
+    parser.add_argument("--tight-tpot", type=float, default=0.015, help="the tight TPOT SLO of --compare-mixed")
     args = parser.parse_args(argv)
+    if args.compare_conditional or args.compare_mixed:
+        return run_comparisons(args)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -325,6 +342,48 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(doc))
     sys.stdout.write(f"\nresults: {args.out / stem}.json\n")
+    return 0
+
+
+def run_comparisons(args: argparse.Namespace) -> int:
+    """``--compare-conditional`` / ``--compare-mixed``: restart ``pd-cluster local`` per placement."""
+    from pd_cluster.bench import compare
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    kind, date = device_kind(), dt.date.today().isoformat()
+    stem = f"compare-{kind}-{date}" + (f"-{args.tag}" if args.tag else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def start(flags: list[str], name: str) -> LocalClusterProcess:
+        cluster = LocalClusterProcess(["--model", args.model, "--port", str(args.port), *args.local_args.split(),
+                                       *flags], args.out / f"{stem}-{name}-local.log", args.port)
+        cluster.start(args.ready_timeout)
+        return cluster
+
+    base = ServeBenchConfig(base_url=f"http://127.0.0.1:{args.port}", model=None, tokenizer=args.model,
+                            slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, save_requests=False, progress=False,
+                            request_timeout=args.request_timeout)
+    doc: dict[str, Any] = {"device": kind, "date": date, "model_shape": args.model_shape,
+                           "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
+
+    def run(config: ServeBenchConfig, name: str) -> SweepResult:
+        return _run(config, name, args.out)
+
+    multi = {"num_conversations": args.conversations, "turns": args.turns, "first_turn_len": args.first_turn_len,
+             "input_len": args.turn_len, "output_len": args.output_len, "rates": [args.compare_rate]}
+    try:
+        if args.compare_conditional:
+            doc["conditional"] = compare.compare_conditional(
+                start, base, run, args.conversations, args.turns, args.first_turn_len, args.turn_len,
+                args.output_len, args.compare_rate)
+        if args.compare_mixed:
+            doc["mixed"] = compare.compare_mixed(
+                start, base, run, args.compare_mixed, compare.parse_sweeps(args.compare_sweeps),
+                args.requests_per_rate, multi if args.conversations else None, args.tight_tpot)
+    finally:
+        path = compare.write(doc, args.out, stem)
+    sys.stdout.write(f"\n{path.read_text()}\nresults: {args.out / stem}.json\n")
     return 0
 
 

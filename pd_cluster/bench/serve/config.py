@@ -41,6 +41,8 @@ class ServeBenchConfig:
     # multi-turn: conversations whose history grows; each turn waits for the last answer
     num_conversations: int = 8
     turns: int = 4
+    #: multi-turn: tokens of the first turn's message (None: input_len, like every later turn)
+    first_turn_len: int | None = None
     # mixed: a fraction of long requests among short ones (short ones use input_len/output_len)
     long_fraction: float = 0.2
     long_input_len: int = 4096

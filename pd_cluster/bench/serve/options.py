@@ -56,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens of the shared prefix")
     work.add_argument("--num-conversations", type=int, default=8, help="multi-turn: conversations per rate")
     work.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    work.add_argument("--first-turn-len", type=int, default=None,
+                      help="multi-turn: tokens of the first message (default: --input-len, like the later turns)")
     work.add_argument("--long-fraction", type=float, default=0.2, help="mixed: share of long requests")
     work.add_argument("--long-input-len", type=int, default=4096, help="mixed: prompt tokens of a long request")
     work.add_argument("--long-output-len", type=int, default=128, help="mixed: max_tokens of a long request")
@@ -92,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         tokenizer=args.tokenizer, api_key=args.api_key, endpoint=args.endpoint, workload=args.workload,
         num_requests=args.num_requests, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, num_groups=args.num_groups, prefix_len=args.prefix_len,
-        num_conversations=args.num_conversations, turns=args.turns, long_fraction=args.long_fraction,
+        num_conversations=args.num_conversations, turns=args.turns, first_turn_len=args.first_turn_len,
+        long_fraction=args.long_fraction,
         long_input_len=args.long_input_len, long_output_len=args.long_output_len,
         prompt_format=args.prompt_format, ignore_eos=not args.no_ignore_eos, temperature=args.temperature,
         rates=args.sweep or [args.rate], arrival=args.arrival, burstiness=args.burstiness,

@@ -149,8 +149,9 @@ def _multi_turn(config: ServeBenchConfig, source: TokenSource, rng: random.Rando
     out = []
     for c in range(config.num_conversations):
         turns = []
-        for _ in range(config.turns):
-            n = sample_length(rng, config.input_len, config.range_ratio)
+        for t in range(config.turns):
+            first = config.first_turn_len if t == 0 and config.first_turn_len else config.input_len
+            n = sample_length(rng, first, config.range_ratio)
             m = sample_length(rng, config.output_len, config.range_ratio)
             turns.append(Turn(source.text(n), n, m))
         out.append(Conversation(c, turns))
