@@ -179,6 +179,13 @@ def _context_config(dtype: torch.dtype) -> tuple[int, int, int]:
     return 64, 32, 4
 
 
+#: Least width of the context kernel's tile -> sequence lookup. A constexpr that followed the batch
+#: (next power of two of its sequences) compiled a new kernel, for seconds with every running stream
+#: stalled, the first time a step mixed a prefill with a decode batch of a new size; one width up
+#: to 256 sequences is compiled by the engine's warm-up, and the masked load costs nothing.
+MIN_BLOCK_B = 256
+
+
 def context_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -246,7 +253,7 @@ def context_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=next_pow2(head_dim),
-        BLOCK_B=next_pow2(num_seqs),
+        BLOCK_B=max(next_pow2(num_seqs), MIN_BLOCK_B),
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -24,18 +24,28 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots (default: from free memory)")
     p.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
     p.add_argument("--max-running-requests", type=int, default=64, help="requests in one batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="tokens in one forward pass at most (chunked prefill splits longer prompts)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens in one forward pass at most (chunked prefill splits longer prompts; default 2048, on "
+                        "a decode node 512: its own prefills of short misses then hold its running streams up by "
+                        "about one step)")
     p.add_argument("--no-prefix-cache", action="store_true", help="never reuse the KV of an earlier prompt")
 
 
-def engine_config_from_args(args: argparse.Namespace):
+#: A decode node's step budget by default: at most this many prompt tokens of its local prefills
+#: ride in one step (up to it a chunk costs a decode batch about one step, measured on an H200).
+DECODE_STEP_TOKENS = 512
+
+
+def engine_config_from_args(args: argparse.Namespace, role: str | None = None):
     from pd_cluster.config import EngineConfig
 
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = DECODE_STEP_TOKENS if role == "decode" else EngineConfig.model_fields["max_num_batched_tokens"].default
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
         block_size=args.block_size, max_running_requests=args.max_running_requests,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_cache=not args.no_prefix_cache,
+        max_num_batched_tokens=budget, enable_prefix_cache=not args.no_prefix_cache,
     )
 
 
@@ -136,7 +146,7 @@ def _node_settings(args: argparse.Namespace, role: str):
     from pd_cluster.node.config import NodeSettings
 
     engine = EngineConfig.model_validate(
-        {**engine_config_from_args(args).model_dump(), "gpu_memory_fraction": args.gpu_memory_fraction}
+        {**engine_config_from_args(args, role).model_dump(), "gpu_memory_fraction": args.gpu_memory_fraction}
     )
     fields = {"master": args.master, "engine": engine, "status_host": args.status_host,
               "status_port": args.status_port, "drain_timeout_s": args.drain_timeout, "lease_s": args.lease_s,
