@@ -63,6 +63,13 @@ def turn_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "ttft_later_p90_s": _p(later, 0.9),
         "tpot_p50_s": statistics.median(tpot) if tpot else None,
         "tpot_p99_s": _p(tpot, 0.99),
+        # The streams behind the tail: which turn, how long, how much of the prompt was cached.
+        "slowest_tpot": [
+            {"conversation": r.conversation, "turn": r.turn, "tpot_s": r.tpot, "ttft_s": r.ttft, "e2e_s": r.e2e,
+             "output_tokens": r.output_tokens, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
+             "max_itl_s": max(r.itl, default=None)}
+            for r in sorted((r for r in ok if r.tpot is not None), key=lambda r: r.tpot, reverse=True)[:3]
+        ],
     }
 
 
