@@ -84,7 +84,11 @@ def decode_attention_ref(
 # --------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# Triton specializes integer arguments on ``== 1`` and divisibility by 16: a batch of one sequence
+# and a batch of 21 would each compile their own kernel, stalling every stream for about a second
+# the first time a step mixed a prefill with a decode batch (seen on an H200). The arguments that
+# follow the batch are not specialized: one compiled kernel serves every step.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _context_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -180,9 +184,9 @@ def _context_config(dtype: torch.dtype) -> tuple[int, int, int]:
 
 
 #: Least width of the context kernel's tile -> sequence lookup. A constexpr that followed the batch
-#: (next power of two of its sequences) compiled a new kernel, for seconds with every running stream
-#: stalled, the first time a step mixed a prefill with a decode batch of a new size; one width up
-#: to 256 sequences is compiled by the engine's warm-up, and the masked load costs nothing.
+#: (next power of two of its sequences) compiled a new kernel, for about a second with every running
+#: stream stalled, the first time a step mixed a prefill with a decode batch of a new size; one
+#: width up to 256 sequences is compiled by the engine's warm-up, and the masked load costs nothing.
 MIN_BLOCK_B = 256
 
 
