@@ -63,6 +63,9 @@ class NodeRecord:
     pending_prefill: dict[str, int] = field(default_factory=dict)
     #: Attempts (any phase) that involve this node.
     inflight: set[str] = field(default_factory=set)
+    #: D: requests its last status still counted as running that have ended since (a status is up
+    #: to one report interval old; without this a D that just finished looks busy to routing).
+    ended_since_status: int = 0
     #: Ended attempts this node still reported holding -> when the master last told it to abort.
     stale_aborts: dict[str, float] = field(default_factory=dict)
     #: Frames from this node that could not be parsed (logged sparingly).
@@ -122,7 +125,8 @@ class NodeRecord:
 
     @property
     def load(self) -> int:
-        return self.status.running + self.status.waiting + len(self.pending_kv)
+        reported = max(self.status.running + self.status.waiting - self.ended_since_status, 0)
+        return reported + len(self.pending_kv)
 
     @property
     def load_ratio(self) -> float:
@@ -324,6 +328,7 @@ class Registry:
         warmth_changed = record.role == "prefill" and msg.warm_peers != record.status.warm_peers
         record.status = msg
         record.last_status_at = time.monotonic()
+        record.ended_since_status = 0
         if warmth_changed:
             logger.info("prefill node %s: warm channels to %s", record.node_id, ", ".join(msg.warm_peers) or "none")
             self.metrics.warm_channels.set(self.warm_pairs())

@@ -27,7 +27,8 @@ def cluster(default_model_dir, tmp_path_factory):
     """`pd-cluster local` on CPU, as a user starts it (master + 1 prefill + 1 decode node)."""
     home = tmp_path_factory.mktemp("bench-serve-home")
     env = {k: v for k, v in os.environ.items() if k not in ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN")}
-    env.update(PD_CLUSTER_HOME=str(home), PYTHONUNBUFFERED="1")
+    # Every request through the prefill node: the KV-bytes figures this file checks need transfers.
+    env.update(PD_CLUSTER_HOME=str(home), PYTHONUNBUFFERED="1", PD_LOCAL_PREFILL_MAX_TOKENS="0")
     port = free_port()
     c = LocalClusterProcess(["--model", str(default_model_dir), "--port", str(port), "--device", "cpu",
                       "--max-total-tokens", "4096"], home / "local.log", port, env=env)
