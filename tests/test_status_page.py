@@ -217,7 +217,7 @@ def test_status_data_has_nodes_traffic_and_routing(master_with_traffic):
     assert sum(p["kv_bytes_per_s"] for p in data["series"]["points"]) * data["series"]["bucket_s"] == 512
     [decision] = data["routing"]
     assert (decision["prefill"], decision["decode"], decision["outcome"]) == ("p0", "d0", "ok")
-    assert decision["routing"].startswith("cache_aware; warm pair")
+    assert decision["routing"].startswith("cache_aware; P -> D (local disabled); priced ") and "; warm pair" in decision["routing"]
     assert data["errors"] == []
     json.dumps(data)
 
