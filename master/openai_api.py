@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from master import completion_batch
 from master import openai_schemas as oa
+from master import tool_calls
 from master.auth import ApiKeys
 from master.context import MasterContext
 from master.errors import APIError, bad_request, internal_error, unavailable
@@ -25,6 +26,7 @@ from master.metrics import CONTENT_TYPE, status_of_http
 from master.relay import ClientDisconnected, RelayRequest, StreamFailed
 from master.request_log import REQUEST_ID_HEADER
 from master.tokenization import ChatTemplateError
+from pd_cluster.engine.grammar import GrammarError, check_spec
 
 logger = logging.getLogger(__name__)
 
@@ -196,10 +198,17 @@ async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[An
         raise _model_not_found(req.model)
 
     param = "messages" if kind == "chat" else "prompt"
+    structured = req.structured()
+    if structured is not None:
+        grammar_param = "tools" if kind == "chat" and req.forced_functions is not None else "response_format"
+        try:
+            await ctx.tokenizer.run(check_spec, structured)
+        except GrammarError as exc:
+            raise bad_request(f"{grammar_param}: {exc}", grammar_param) from None
     if kind == "chat":
         messages = [m.for_template(i) for i, m in enumerate(req.messages)]
         try:
-            token_ids = await ctx.tokenizer.encode_chat(messages)
+            token_ids = await ctx.tokenizer.encode_chat(messages, req.template_tools())
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         requested, logprobs = req.requested_max_tokens, req.logprobs_count
@@ -236,7 +245,7 @@ async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[An
         max_tokens = limit - n if limit is not None else oa.COMPLETIONS_DEFAULT_MAX_TOKENS
     else:
         max_tokens = oa.COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else min(oa.COMPLETIONS_DEFAULT_MAX_TOKENS, limit - n)
-    sampling = req.sampling_params(max_tokens, logprobs)
+    sampling = req.sampling_params(max_tokens, logprobs, structured)
     if sampling.logit_bias:
         vocab = ctx.tokenizer.vocab_size
         if any(t >= vocab for t in sampling.logit_bias):
@@ -292,6 +301,18 @@ _SHAPES: dict[Kind, _Shape] = {
 
 def _choice(body: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
     return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _answer(shape: _Shape, req: Any, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer's choice body and finish reason: a chat answer that is a complete tool call
+    becomes ``tool_calls`` (content null, finish reason "tool_calls")."""
+    if shape.object == "chat.completion" and req.parses_tool_calls and finish_reason == "stop":
+        calls = tool_calls.parse_tool_calls(text, req.tool_names)
+        if calls is not None:
+            message = {"role": "assistant", "content": None,
+                       "tool_calls": [c.openai(tool_calls.new_call_id()) for c in calls]}
+            return {"message": message}, "tool_calls"
+    return shape.content(text), finish_reason
 
 
 def _prefix_block_size(ctx: MasterContext) -> int | None:
@@ -391,7 +412,7 @@ async def _serve(request: Request, kind: Kind) -> Response:
         ctx.relay.release(r)
     usage = oa.usage(len(r.token_ids), r.completion_tokens, r.cached_tokens)
     logprobs = shape.logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if shape.wants_logprobs(req) else None
-    choice = _choice(shape.content(r.text), r.finish_reason, logprobs)
+    choice = _choice(*_answer(shape, req, r.text, r.finish_reason), logprobs)
     return JSONResponse(
         {"id": r.request_id, "object": shape.object, "created": created, "model": model, "choices": [choice], "usage": usage}
     )
@@ -403,6 +424,7 @@ async def _stream(
     include_usage = req.include_usage
     wants_logprobs = shape.wants_logprobs(req)
     offset = 0  # of the next piece in the answer's text
+    calls = tool_calls.ToolCallStream(req.tool_names) if shape.object == "chat.completion" and req.parses_tool_calls else None
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         doc = {"id": r.request_id, "object": shape.chunk_object, "created": created, "model": model, "choices": choices}
@@ -419,6 +441,10 @@ async def _stream(
                 logprobs = None
                 if wants_logprobs and piece.logprobs:
                     logprobs = shape.logprobs(piece.logprobs, ctx.tokenizer.token_text, offset)
+                if calls is not None:
+                    for body in _tool_call_deltas(calls, piece, logprobs):
+                        yield _sse(chunk([body]))
+                    continue
                 if not piece.text and logprobs is None and piece.finish_reason is None:
                     continue
                 offset += len(piece.text)
@@ -431,6 +457,23 @@ async def _stream(
         yield "data: [DONE]\n\n"
     finally:
         ctx.relay.release(r)
+
+
+def _tool_call_deltas(calls: tool_calls.ToolCallStream, piece: Any, logprobs: Any) -> list[dict[str, Any]]:
+    """The streamed choices of one piece of an answer that may be a tool call; the last piece's
+    finish reason is "tool_calls" when the answer was one."""
+    deltas = calls.feed(piece.text)
+    finish = piece.finish_reason
+    if finish is not None:
+        deltas += calls.finish()
+        if calls.state == "call" and finish == "stop":
+            finish = "tool_calls"
+    bodies = [_choice({"delta": d}, None, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+    if finish is not None:
+        bodies.append(_choice({"delta": {}}, finish, None))
+    elif not bodies and logprobs is not None:
+        bodies.append(_choice({"delta": {}}, None, logprobs))
+    return bodies
 
 
 # ---- several choices: n > 1, best_of ------------------------------------------------------------
@@ -543,7 +586,7 @@ async def _serve_choices(
     choices = []
     for index, r in enumerate(ranked):
         logprobs = shape.logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if shape.wants_logprobs(req) else None
-        choices.append({**_choice(shape.content(r.text), r.finish_reason, logprobs), "index": index})
+        choices.append({**_choice(*_answer(shape, req, r.text, r.finish_reason), logprobs), "index": index})
     usage = oa.usage(len(token_ids), sum(r.completion_tokens for r in relays), first.cached_tokens)
     return JSONResponse(
         {"id": base_id, "object": shape.object, "created": created, "model": model, "choices": choices, "usage": usage}

@@ -1,20 +1,22 @@
 """OpenAI request bodies (plus vLLM's sampling extras) and the response documents built from them.
 
-Unknown fields are ignored, as vLLM does; fields we understand but cannot honour (echo, tools,
-...) are refused with 400 rather than silently dropped. Types are strict: a string is never
+Unknown fields are ignored, as vLLM does; fields we understand but cannot honour are refused
+with 400 rather than silently dropped. Types are strict: a string is never
 read as a number or a boolean (``"max_tokens": "8"`` and ``"stream": "yes"`` are 400s).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from master import tool_calls
 from master.errors import APIError, bad_request, validation_message
 from pd_cluster import protocol
-from pd_cluster.sampling_params import MAX_LOGPROBS, SamplingParams
+from pd_cluster.sampling_params import MAX_GRAMMAR_CHARS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 
 #: OpenAI's default max_tokens for the legacy completions API.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -28,6 +30,37 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    #: Always honoured: the output follows the schema whether or not strict is asked for.
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar this format asks for (None: free text); 400 when it cannot be one."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput(kind="json_object")
+        if self.json_schema is None:
+            raise bad_request("response_format of type json_schema needs a json_schema.", "response_format")
+        spec = StructuredOutput.from_schema(self.json_schema.schema_)
+        if len(spec.json_schema or "") > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"response_format.json_schema.schema is longer than {MAX_GRAMMAR_CHARS} characters.",
+                              "response_format")
+        return spec
 
 
 class _GenerationRequest(BaseModel):
@@ -54,6 +87,7 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -75,9 +109,15 @@ class _GenerationRequest(BaseModel):
         """How many choices are generated (best_of, at least n); the best n are returned."""
         return max(self.choices_returned, self.best_of or 1)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the answer must follow (None: free text)."""
+        return self.response_format.structured() if self.response_format is not None else None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        structured: StructuredOutput | None = None) -> SamplingParams:
         """Build validated SamplingParams; invalid values become 400 naming the field."""
         values: dict[str, Any] = {
+            "structured": structured,
             "max_tokens": max_tokens,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
@@ -108,12 +148,58 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str  # JSON text, as OpenAI writes it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def for_template(self, index: int) -> dict[str, Any]:
         content = self.content
@@ -127,6 +213,24 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise bad_request(f"messages.{index}.tool_calls: only assistant messages make tool calls", "messages")
+            calls = []
+            for call in self.tool_calls:
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except ValueError:
+                    raise bad_request(f"messages.{index}.tool_calls: arguments of {call.function.name!r} are not "
+                                      "JSON", "messages") from None
+                # Templates read the arguments as a mapping (Hugging Face's convention).
+                calls.append({"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": arguments}})
+            message["tool_calls"] = calls
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise bad_request(f"messages.{index}: a tool message needs the tool_call_id it answers", "messages")
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -135,17 +239,60 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported.", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("Only the text response_format is supported.", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true.", "top_logprobs")
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise bad_request("tool_choice needs tools.", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
+            raise bad_request(f"tool_choice names {choice.function.name!r}, which is not one of the tools.",
+                              "tool_choice")
+        if self.forced_functions is not None and self.response_format and self.response_format.type != "text":
+            raise bad_request("A forced tool_choice and a JSON response_format cannot be combined.", "response_format")
+        if self.parses_tool_calls and self.stream and self.choice_count > 1:
+            raise bad_request("Streaming several choices with tools is not supported.", "n")
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or ()}
+
+    @property
+    def renders_tools(self) -> bool:
+        """Tools go into the prompt unless tool_choice is "none" (the model is then not told of them)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.renders_tools
+
+    @property
+    def forced_functions(self) -> list[dict[str, Any]] | None:
+        """The functions one of which the answer must call ("required" or a named function)."""
+        choice = self.tool_choice
+        if not self.tools or choice in (None, "none", "auto"):
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+        return functions
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates read them (OpenAI's shape)."""
+        if not self.renders_tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def structured(self) -> StructuredOutput | None:
+        functions = self.forced_functions
+        if functions is not None:
+            return tool_calls.forced_call_grammar(functions)
+        return super().structured()
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
+from master.tool_calls import messages_without_tool_support, template_renders_tools
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -38,17 +40,29 @@ class Tokenizer:
         """Run ``fn`` on the tokenizer thread (also used for other per-request CPU work)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return await self.run(self._encode_chat, messages)
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return await self.run(self._encode_chat, messages, tools)
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the model's chat template writes the tools (and tool calls) itself."""
+        return template_renders_tools(getattr(self.hf, "chat_template", None) or "")
 
     async def encode_prompt(self, text: str) -> list[int]:
         return await self.run(self._encode_prompt, text)
 
-    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         from jinja2 import TemplateError
 
+        extra: dict[str, Any] = {}
+        if not self.renders_tools:
+            if tools or any("tool_calls" in m or "tool_call_id" in m for m in messages):
+                messages = messages_without_tool_support(messages, tools)
+        elif tools:
+            extra["tools"] = tools
         try:
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                              **extra)
         except (TemplateError, ValueError) as exc:  # raise_exception() in templates, "no chat template"
             raise ChatTemplateError(f"could not apply the chat template: {exc}") from exc
         if hasattr(ids, "keys"):

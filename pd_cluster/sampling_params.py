@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import json
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -12,6 +13,40 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 #: OpenAI's range for one logit_bias value.
 LOGIT_BIAS_LIMIT = 100.0
+#: Longest grammar spec (a JSON schema's text) a request may carry: it travels with every prefill
+#: job, handover and retry, and each node compiles it.
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+class StructuredOutput(BaseModel):
+    """The grammar a request's output must follow. It travels in the request's SamplingParams, so
+    every node that samples for the request (P, D, a retry's pair) builds the same matcher and
+    advances it over the output so far: nothing of the matcher's state is shipped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["json_object", "json_schema"]
+    #: The JSON schema's text (kind ``json_schema``), compact, so equal schemas share one compiled
+    #: grammar (keys keep their order: it is the order properties are written in).
+    json_schema: str | None = Field(default=None, max_length=MAX_GRAMMAR_CHARS)
+
+    @model_validator(mode="after")
+    def _schema_matches_kind(self) -> "StructuredOutput":
+        if (self.kind == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required for kind json_schema and only for it")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as exc:
+                raise ValueError(f"json_schema is not JSON: {exc}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("json_schema must be a JSON object")
+        return self
+
+    @classmethod
+    def from_schema(cls, schema: object) -> "StructuredOutput":
+        """A ``json_schema`` spec from a parsed schema (a dict), in compact text."""
+        return cls(kind="json_schema", json_schema=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
 
 class SamplingParams(BaseModel):
@@ -48,6 +83,9 @@ class SamplingParams(BaseModel):
         description="how many of the prompt's last tokens are this request's own earlier output (a stream "
                     "that moved to another node): the random stream and the frequency/presence penalties "
                     "count them as output, so the stream goes on as if it had never moved",
+    )
+    structured: StructuredOutput | None = Field(
+        default=None, description="a grammar the output must follow (JSON object, JSON schema, a tool call)"
     )
 
     @field_validator("logit_bias")

@@ -11,6 +11,7 @@ import torch
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import resolve_model_path
+from pd_cluster.engine.grammar import Grammars
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.length_predictor import OutputLengthPredictor
 from pd_cluster.engine.model_runner import ModelRunner, StepHook
@@ -66,6 +67,7 @@ class LLMEngine:
             tokenizer = load_tokenizer(self.model_path)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, self.model_path)
+        self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         weights = load_weights(self.model_path, self.model_config, dtype, self.device)
         self.model = LlamaModel(self.model_config, weights, self.device)
@@ -140,6 +142,8 @@ class LLMEngine:
                 f"max_tokens: prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the KV pool "
                 f"({self.pool.capacity} tokens)"
             )
+        if params.structured is not None:
+            self.grammars.matcher(params.structured)  # compiled once, cached: a bad spec raises here
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         self.validate(prompt_token_ids, params)
@@ -147,7 +151,8 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         state = SamplingState.create(params, list(prompt_token_ids))
         output = OutputProcessor(self.tokenizer, params, self.eos_token_ids, list(prompt_token_ids))
-        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=state, output=output)
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=state, output=output,
+                       grammar=self.grammars.state(params, prompt_token_ids))
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -202,6 +207,7 @@ class LLMEngine:
         updates: list[TokenUpdate] = []
         if not sampling_reqs:
             return updates
+        self.grammars.apply_masks(logits, sampling_reqs)
         tokens = sample(logits, [r.sampling for r in sampling_reqs])
         now = time.monotonic()
         for req, tok in zip(sampling_reqs, tokens):
@@ -228,6 +234,7 @@ class LLMEngine:
             for req, q_len in zip(step.requests, step.q_lens):
                 req.num_computed += q_len
             if sampling_reqs:
+                self.grammars.apply_masks(logits, sampling_reqs)
                 launched = (sampling_reqs, sample_on_device(logits, [r.sampling for r in sampling_reqs]))
         updates = self._detokenize_deferred()
         if launched is not None:
@@ -253,7 +260,8 @@ class LLMEngine:
             req.first_token_time = now
         self.stats.generation_tokens += 1
         self._deferred.append((req, tok, first))
-        if req.prefill_only or req.output.ends_with_token(tok.token_id, len(req.output_token_ids)):
+        grammar_done = self.grammars.advance(req)
+        if req.prefill_only or grammar_done or req.output.ends_with_token(tok.token_id, len(req.output_token_ids)):
             self.scheduler.remove(req)  # never scheduled again; finished once its text is out
 
     def _detokenize_deferred(self) -> list[TokenUpdate]:
@@ -262,7 +270,7 @@ class LLMEngine:
         for req, tok, first in items:
             if req.finished:  # aborted meanwhile
                 continue
-            update = req.output.append(tok.token_id)
+            update = req.output.append(tok.token_id, grammar_done=req.grammar is not None and req.grammar.terminated)
             if update.finish_reason is not None:
                 self._finish(req, update.finish_reason)
             elif req.prefill_only:
@@ -282,7 +290,7 @@ class LLMEngine:
             req.logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
-        update = req.output.append(token_id)
+        update = req.output.append(token_id, grammar_done=self.grammars.advance(req))
         self.stats.generation_tokens += 1
         if update.finish_reason is not None:
             self._finish(req, update.finish_reason)

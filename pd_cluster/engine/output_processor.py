@@ -117,8 +117,10 @@ class OutputProcessor:
         or EOS token, or the length limit. Known before detokenizing; stop strings are not."""
         return token_id in self._stop_ids or token_id in self._eos_ids or num_tokens >= self.params.max_tokens
 
-    def append(self, token_id: int) -> OutputUpdate:
-        """Accept one sampled token; returns the text now safe to show and whether it ended."""
+    def append(self, token_id: int, grammar_done: bool = False) -> OutputUpdate:
+        """Accept one sampled token; returns the text now safe to show and whether it ended.
+        ``grammar_done``: the request's grammar is complete with this token, so the output ends
+        here ("stop"), as at a stop token, but the token's text is part of it."""
         if self.finished:
             raise RuntimeError("append after the output finished")
         self.token_ids.append(token_id)
@@ -129,14 +131,14 @@ class OutputProcessor:
             new_text = self._detokenizer.flush()
         else:
             new_text = self._detokenizer.add(token_id)
-            if len(self.token_ids) >= self.params.max_tokens:
+            if grammar_done or len(self.token_ids) >= self.params.max_tokens:
                 new_text += self._detokenizer.flush()
 
         old_len = len(self.text)
         self.text += new_text
         if new_text and self._stops and self._cut_at_stop_string(old_len):
             self.finish_reason = "stop"
-        elif stop_token:
+        elif stop_token or grammar_done:
             self.finish_reason = "stop"
             self.stop_reason = token_id if token_id in self._stop_ids else None
         elif len(self.token_ids) >= self.params.max_tokens:

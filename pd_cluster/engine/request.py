@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pd_cluster.engine.grammar import GrammarState
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.radix_cache import RadixNode
 from pd_cluster.engine.sampler import SamplingState
@@ -46,6 +47,8 @@ class Request:
     hold_kv: bool = False
     #: Stop after the first sampled token (a prefill node's job ends there).
     prefill_only: bool = False
+    #: The matcher of the grammar the output must follow (``params.structured``); None: free text.
+    grammar: GrammarState | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -1,0 +1,199 @@
+"""Grammar masks: which tokens a request's grammar allows next, applied to a step's logits.
+
+The grammar engine is llguidance, chosen by measurement against xgrammar (docs/architecture.md,
+"Structured outputs"): at the default model's 49k vocabulary its masks cost tens of microseconds
+per token, as xgrammar's do, and a schema compiles in about a millisecond where xgrammar took up
+to 0.4 s (strings with maxLength), which a request would pay before its first token.
+
+A request's grammar spec (``SamplingParams.structured``) travels with it; its matcher does not.
+Each engine that samples for the request builds the matcher from the spec (compiled grammars are
+cached per spec, LRU) and advances it over the request's output so far before each mask: the
+earlier output a migrated stream carries in its prompt (``output_offset``), then the tokens of
+this engine's request, which on a decode node start with the prefill node's first token. So the
+mask is the same on P, on D and after a retry, with nothing to ship.
+
+Per step, the host fills one bitmask (32 tokens per int32) for the rows with a grammar, every
+other row's bits set; the device applies it to the logits in one batched ``masked_fill`` before
+the sampler runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from pd_cluster.sampling_params import SamplingParams, StructuredOutput
+
+if TYPE_CHECKING:
+    from pd_cluster.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: JSON as the model writes it: no free whitespace (a small model under a grammar that allows it
+#: can pad forever), and the separators of ``json.dumps``, the form most training text has.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: Compiled grammars an engine keeps (LRU): a matcher template per spec.
+GRAMMAR_CACHE_SIZE = 128
+_ALL_ALLOWED = -1  # an int32 with every bit set
+
+
+class GrammarError(ValueError):
+    """A grammar spec that cannot be compiled (the message says why)."""
+
+
+def grammar_text(spec: StructuredOutput) -> str:
+    """llguidance's grammar for ``spec``; raises :class:`GrammarError`."""
+    import llguidance
+
+    schema: Any = {"type": "object"} if spec.kind == "json_object" else json.loads(spec.json_schema or "null")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        raise GrammarError(f"invalid JSON schema: {exc}") from None
+
+
+def check_spec(spec: StructuredOutput) -> None:
+    """Raise :class:`GrammarError` naming what is wrong when ``spec`` does not compile (the master
+    asks before any node sees the request; no tokenizer is needed)."""
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(spec), None)
+    if is_error:
+        raise GrammarError(f"invalid JSON schema: {messages[0] if messages else 'rejected by the grammar compiler'}")
+
+
+def token_bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, each logit whose bit in ``bitmask`` ``[B, ceil(V/32)]`` (int32, on the
+    logits' device) is 0: bit ``t % 32`` of word ``t // 32`` stands for token ``t``."""
+    batch, vocab = logits.shape
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(batch, -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+class GrammarState:
+    """One request's matcher and how much of its output it has consumed: earlier output carried in
+    the prompt first, then the request's own tokens."""
+
+    def __init__(self, matcher: Any, carried: list[int]) -> None:
+        self.matcher = matcher
+        self._carried = carried
+        self.consumed = 0
+        self._failed = False
+
+    def sync(self, output_token_ids: Sequence[int]) -> None:
+        """Consume the tokens of ``carried + output_token_ids`` not yet consumed."""
+        carried = self._carried
+        while self.consumed < len(carried) + len(output_token_ids) and not self._failed:
+            i = self.consumed
+            token = carried[i] if i < len(carried) else output_token_ids[i - len(carried)]
+            if not self.matcher.consume_token(token):
+                # Only a bug gets here (every sampled token passed the mask): end the output.
+                logger.error("grammar refused token %d at output position %d: %s", token, i, self.matcher.get_error())
+                self._failed = True
+            self.consumed += 1
+
+    @property
+    def terminated(self) -> bool:
+        """No token but EOS can follow: the output is complete (or the matcher failed)."""
+        return self._failed or self.matcher.is_stopped()
+
+
+class Grammars:
+    """An engine's grammar side: the vocabulary as llguidance sees it (built on first use), the
+    compiled grammars per spec, and the host bitmask of a step."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: set[int],
+                 cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: Any = None
+        self._templates: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._cache_size = cache_size
+        self._executor: Any = None
+        self._host_mask: torch.Tensor | None = None
+
+    def _ll_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            if self._hf_tokenizer is None:
+                raise GrammarError("structured output needs the model's tokenizer")
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self._eos)
+        return self._tokenizer
+
+    def matcher(self, spec: StructuredOutput) -> Any:
+        """A fresh matcher for ``spec`` (a copy of the cached compiled one); raises :class:`GrammarError`."""
+        import llguidance
+
+        template = self._templates.get(spec)
+        if template is None:
+            template = llguidance.LLMatcher(self._ll_tokenizer(), grammar_text(spec))
+            if template.is_error():
+                raise GrammarError(f"invalid JSON schema: {template.get_error()}")
+            self._templates[spec] = template
+            if len(self._templates) > self._cache_size:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(spec)
+        return template.deep_copy()
+
+    def state(self, params: SamplingParams, prompt_token_ids: list[int]) -> GrammarState | None:
+        """The grammar state of a new request (None without a grammar); raises :class:`GrammarError`."""
+        if params.structured is None:
+            return None
+        offset = params.output_offset
+        carried = list(prompt_token_ids[len(prompt_token_ids) - offset:]) if offset else []
+        return GrammarState(self.matcher(params.structured), carried)
+
+    def advance(self, req: "Request") -> bool:
+        """Take the request's newest tokens into its matcher; True when its grammar is complete."""
+        grammar = req.grammar
+        if grammar is None:
+            return False
+        grammar.sync(req.sampling.output_token_ids)
+        return grammar.terminated
+
+    def apply_masks(self, logits: torch.Tensor, reqs: Sequence["Request"]) -> None:
+        """Mask row i of ``logits`` ``[B, V]`` by ``reqs[i]``'s grammar, in place (rows without one
+        are left as they are); nothing happens when no row has a grammar."""
+        rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return
+        import llguidance
+
+        batch = logits.shape[0]
+        words = token_bitmask_words(logits.shape[1])
+        host = self._host_mask
+        if host is None or host.shape[0] < batch or host.shape[1] != words:
+            host = torch.empty((max(batch, 64), words), dtype=torch.int32,
+                               pin_memory=logits.device.type == "cuda")
+            self._host_mask = host
+        mask = host[:batch]
+        mask.fill_(_ALL_ALLOWED)
+        matchers = []
+        for i, grammar in rows:
+            grammar.sync(reqs[i].sampling.output_token_ids)
+            matchers.append((grammar.matcher, i))
+        # llguidance writes each row's words straight into the (contiguous) host mask; its torch
+        # helpers are not used: importing them compiles a kernel with torch.compile.
+        row_bytes = words * 4
+        if len(matchers) == 1:
+            matcher, i = matchers[0]
+            matcher.unsafe_compute_mask_ptr(mask.data_ptr() + i * row_bytes, row_bytes)
+        else:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(matchers, mask.data_ptr(), row_bytes, batch)
+        with torch.inference_mode():  # the logits are the runner's inference tensors
+            apply_token_bitmask(logits, mask.to(logits.device, non_blocking=True))
