@@ -63,9 +63,9 @@ class NodeRecord:
     pending_prefill: dict[str, int] = field(default_factory=dict)
     #: Attempts (any phase) that involve this node.
     inflight: set[str] = field(default_factory=set)
-    #: D: requests its last status still counted as running that have ended since (a status is up
-    #: to one report interval old; without this a D that just finished looks busy to routing).
-    ended_since_status: int = 0
+    #: D: attempts this master ended here; those the node's last status still lists are not load
+    #: (a status is up to one report interval old: without this a D that just answered looks busy).
+    ended_attempts: set[str] = field(default_factory=set)
     #: Ended attempts this node still reported holding -> when the master last told it to abort.
     stale_aborts: dict[str, float] = field(default_factory=dict)
     #: Frames from this node that could not be parsed (logged sparingly).
@@ -125,8 +125,8 @@ class NodeRecord:
 
     @property
     def load(self) -> int:
-        reported = max(self.status.running + self.status.waiting - self.ended_since_status, 0)
-        return reported + len(self.pending_kv)
+        stale = len(self.ended_attempts.intersection(self.status.request_ids)) if self.ended_attempts else 0
+        return max(self.status.running + self.status.waiting - stale, 0) + len(self.pending_kv)
 
     @property
     def load_ratio(self) -> float:
@@ -328,7 +328,8 @@ class Registry:
         warmth_changed = record.role == "prefill" and msg.warm_peers != record.status.warm_peers
         record.status = msg
         record.last_status_at = time.monotonic()
-        record.ended_since_status = 0
+        if record.ended_attempts:
+            record.ended_attempts.intersection_update(msg.request_ids)
         if warmth_changed:
             logger.info("prefill node %s: warm channels to %s", record.node_id, ", ".join(msg.warm_peers) or "none")
             self.metrics.warm_channels.set(self.warm_pairs())

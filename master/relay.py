@@ -531,8 +531,8 @@ class Relay:
             if node is None:
                 continue
             node.pending_prefill.pop(attempt_id, None)
-            if node_id == r.decode_id and attempt_id in node.inflight and attempt_id not in node.pending_kv:
-                node.ended_since_status += 1  # its last status counted it; the next one will not
+            if node_id == r.decode_id:
+                node.ended_attempts.add(attempt_id)  # its last status may still count it
             node.pending_kv.pop(attempt_id, None)
             node.reported_kv.discard(attempt_id)
             node.inflight.discard(attempt_id)
