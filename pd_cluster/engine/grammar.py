@@ -74,6 +74,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, each logit whose bit in ``bitmask`` ``[B, ceil(V/32)]`` (int32, on the
     logits' device) is 0: bit ``t % 32`` of word ``t // 32`` stands for token ``t``."""
     batch, vocab = logits.shape
+    if bitmask.shape[1] * 32 < vocab:
+        raise ValueError(f"a bitmask of {bitmask.shape[1] * 32} tokens for logits of {vocab}")
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(batch, -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
@@ -128,8 +130,11 @@ class Grammars:
                 raise GrammarError("structured output needs the model's tokenizer")
             import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self._eos)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=self._eos)
+            except ValueError as exc:  # e.g. a tokenizer larger than the model's vocabulary
+                raise GrammarError(f"structured output is not available for this tokenizer: {exc}") from None
         return self._tokenizer
 
     def matcher(self, spec: StructuredOutput) -> Any:
@@ -173,7 +178,8 @@ class Grammars:
         import llguidance
 
         batch = logits.shape[0]
-        words = token_bitmask_words(logits.shape[1])
+        # Sized by the grammar's vocabulary: llguidance writes that many bits per row.
+        words = token_bitmask_words(self.vocab_size)
         host = self._host_mask
         if host is None or host.shape[0] < batch or host.shape[1] != words:
             host = torch.empty((max(batch, 64), words), dtype=torch.int32,
@@ -188,9 +194,10 @@ class Grammars:
         # llguidance writes each row's words straight into the (contiguous) host mask; its torch
         # helpers are not used: importing them compiles a kernel with torch.compile.
         row_bytes = words * 4
-        if len(matchers) == 1:
-            matcher, i = matchers[0]
-            matcher.unsafe_compute_mask_ptr(mask.data_ptr() + i * row_bytes, row_bytes)
+        if len(matchers) == 1 or logits.device.type == "cpu":
+            # On CPU the executor's threads would compete with the model's own for the cores.
+            for matcher, i in matchers:
+                matcher.unsafe_compute_mask_ptr(mask.data_ptr() + i * row_bytes, row_bytes)
         else:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()

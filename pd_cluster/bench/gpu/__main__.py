@@ -20,6 +20,7 @@ import pd_cluster.bench.gpu as package
 from pd_cluster.bench.gpu.ceilings import measure_ceilings
 from pd_cluster.bench.gpu.local_prefill import measure_local_prefill
 from pd_cluster.bench.gpu.decode import measure_decode
+from pd_cluster.bench.gpu.grammar import measure_json_schema_overhead
 from pd_cluster.bench.gpu.hf import measure_hf
 from pd_cluster.bench.gpu.models import build_engine
 from pd_cluster.bench.gpu.plan import Plan
@@ -89,7 +90,7 @@ def device_kind() -> str:
     return f"{name}-x{torch.cuda.device_count()}"
 
 
-PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model", "local_prefill")
+PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model", "local_prefill", "json_schema")
 
 
 def run(plan: Plan, out_dir: Path) -> dict:
@@ -125,6 +126,8 @@ def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.
         results.part("decode", lambda: measure_decode(engine, plan, copy_bw, gen, eager_batches=(1, plan.key_batch)))
     if "local_prefill" in plan.parts:
         results.part("local_prefill", lambda: measure_local_prefill(engine, plan, gen))
+    if "json_schema" in plan.parts:
+        results.part("json_schema", lambda: measure_json_schema_overhead(engine, plan, gen))
     prefill = {}
     if "prefill" in plan.parts or "pd" in plan.parts:
         prefill = results.part("prefill", lambda: measure_prefill(engine, plan, plan.prefill_lens, matmul, gen)) or {}
