@@ -34,13 +34,14 @@ Runner = Callable[[ServeBenchConfig, str], SweepResult]
 
 def route_decisions(url: str) -> dict[str, float]:
     """``pdc_route_decisions_total`` by ``path/reason`` from the master's /metrics."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("pdc_route_decisions_total{"):
-            labels, value = line.rsplit(" ", 1)
-            parts = dict(item.split("=", 1) for item in labels[labels.index("{") + 1:-1].split(","))
-            out[f"{parts['path'].strip(chr(34))}/{parts['reason'].strip(chr(34))}"] = float(value)
-    return out
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        f"{sample.labels['path']}/{sample.labels['reason']}": sample.value
+        for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+        if family.name == "pdc_route_decisions"
+        for sample in family.samples if sample.name == "pdc_route_decisions_total"
+    }
 
 
 def _p(values: Sequence[float], q: float) -> float | None:
