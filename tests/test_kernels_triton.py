@@ -49,6 +49,7 @@ from kernels.kv_transfer import (
 )
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
+from kernels.sampling import sample_filtered_ref, sample_filtered_triton
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 from tests.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
@@ -56,9 +57,10 @@ from tests.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
-                  "kernels.silu_mul", "kernels.store_kv"]  # fmt: skip
-# rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge.
-NUM_KERNELS = 9
+                  "kernels.silu_mul", "kernels.store_kv", "kernels.sampling"]  # fmt: skip
+# rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge,
+# the sampling kernel and its row helper.
+NUM_KERNELS = 11
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -150,6 +152,29 @@ class InterpretedCases:
         q_ref, k_ref = apply_rotary_ref(q, k, positions, cos, sin)
         assert_close_elementwise(q_out, q_ref)
         assert_close_elementwise(k_out, k_ref)
+
+    def test_sampling_triton_draws_the_reference_tokens(self) -> None:
+        # 700 tokens: the row loops over a partial last block. Rows mix every cut, none, ties
+        # (a flat row), a one-token top-k, and rows with no distribution (NaN, all -inf, +inf).
+        vocab = 700
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(12, vocab, generator=gen) * 3
+        x[5] = 0.25
+        x[9, 11] = float("nan")
+        x[10] = float("-inf")
+        x[11, 3] = float("inf")
+        temperature = torch.tensor([0.8, 1.0, 0.5, 1.3, 1.0, 0.7, 1.0, 2.0, 0.9, 1.0, 1.0, 1.0])
+        top_k = torch.tensor([vocab, 40, vocab, 7, vocab, 30, 1, vocab, 200, vocab, vocab, vocab])
+        top_p = torch.tensor([0.95, 1.0, 0.5, 0.9, 1.0, 0.5, 1.0, 0.99, 0.8, 1.0, 1.0, 1.0])
+        min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0])
+        for trial in range(3):
+            u = torch.rand(12, generator=gen)
+            u[0] = 0.9999999  # the draw at the very top of the mass
+            args = (x, temperature, top_k, top_p, min_p, u)
+            out, ref = sample_filtered_triton(*args), sample_filtered_ref(*args)
+            assert out.tolist() == ref.tolist(), trial
+            assert out[9:].tolist() == [-1, -1, -1]
+            assert (out[:9] >= 0).all() and (out[:9] < vocab).all()
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
     def test_silu_mul_triton_matches_reference(self, dtype: torch.dtype) -> None:

@@ -17,6 +17,7 @@ from pd_cluster.engine.length_predictor import OutputLengthPredictor
 from pd_cluster.engine.model_runner import ModelRunner, StepHook
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.outputs import EngineStats, TokenUpdate
+from pd_cluster.engine.penalties import PenaltyBook
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import Request, RequestStatus
@@ -93,6 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
         self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config)
         self._layer_hooks: StepHook | None = None
+        self.penalties = PenaltyBook(self.model_config.vocab_size, self.device)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         #: Overlap scheduling: tokens accepted by id, not yet detokenized (request, token, first).
@@ -175,6 +177,7 @@ class LLMEngine:
         req.finish_reason = "abort"
         req.hold_kv = False
         self.scheduler.remove(req)
+        self.penalties.release(req.sampling)
         req.status = RequestStatus.FINISHED
         return True
 
@@ -208,7 +211,7 @@ class LLMEngine:
         if not sampling_reqs:
             return updates
         self.grammars.apply_masks(logits, sampling_reqs)
-        tokens = sample(logits, [r.sampling for r in sampling_reqs])
+        tokens = sample(logits, [r.sampling for r in sampling_reqs], self.penalties)
         now = time.monotonic()
         for req, tok in zip(sampling_reqs, tokens):
             updates.append(self._accept(req, tok.token_id, tok.logprob, now))
@@ -235,7 +238,8 @@ class LLMEngine:
                 req.num_computed += q_len
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
-                launched = (sampling_reqs, sample_on_device(logits, [r.sampling for r in sampling_reqs]))
+                launched = (sampling_reqs, sample_on_device(logits, [r.sampling for r in sampling_reqs],
+                                                                 self.penalties))
         updates = self._detokenize_deferred()
         if launched is not None:
             sampling_reqs, result = launched
@@ -309,6 +313,7 @@ class LLMEngine:
         """Take a request out of the batch; ``reason`` None: its prefill-only part is done."""
         req.finish_reason = reason
         self.scheduler.remove(req)
+        self.penalties.release(req.sampling)
         req.status = RequestStatus.FINISHED
         self.requests.pop(req.request_id, None)
         self.stats.finished_requests += 1

@@ -5,10 +5,12 @@ settings into two small tensors and reads back one tensor per step (the ids, plu
 row asks for them).
 
 Order of operations (vLLM's): logprobs from the raw logits; then logit_bias; then repetition,
-frequency and presence penalties; then greedy rows take the argmax, and the other rows are scaled
-by their temperature, cut by top-k, top-p and min-p, and drawn by inverse transform: one uniform
-``u`` per row picks the first token whose cumulative probability exceeds ``u`` (in vocabulary
-order, so a row's token does not depend on the rest of the batch).
+frequency and presence penalties (from token counts kept on the device,
+:mod:`pd_cluster.engine.penalties`); then greedy rows take the argmax, and the other rows are
+scaled by their temperature, cut by top-k, top-p and min-p, and drawn by inverse transform: one
+uniform ``u`` per row picks the first token whose cumulative probability exceeds ``u`` (in
+vocabulary order, so a row's token does not depend on the rest of the batch). The cuts and the
+draw are one kernel (:mod:`kernels.sampling`): thresholds found without sorting the vocabulary.
 
 The uniform is counter-based: a hash of (the request's seed, the output position), computed with
 exact int64 tensor ops (32-bit lanes, no overflow), so CPU and CUDA give the same bits. A seeded
@@ -25,6 +27,8 @@ from typing import Sequence, TypeVar
 
 import torch
 
+from kernels.sampling import filtered_weights_ref, sample_filtered
+from pd_cluster.engine.penalties import PenaltyBook
 from pd_cluster.protocol import TokenLogprob
 from pd_cluster.sampling_params import SamplingParams
 
@@ -96,6 +100,10 @@ class SamplingState:
     # Built once: prompts and biases do not change.
     _prompt_ids: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False, compare=False)
+    #: The state's row in a :class:`PenaltyBook` (only with penalties), and how many output tokens it counts.
+    penalty_book: PenaltyBook | None = field(default=None, init=False, repr=False, compare=False)
+    penalty_row: int | None = field(default=None, init=False, repr=False, compare=False)
+    penalty_len: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.key = stream_key(self.seed)
@@ -160,11 +168,9 @@ class _Batch:
     any_random: bool
     use_top_k: bool
     use_top_p: bool
-    use_min_p: bool
-    max_top_k: int
     bias_rows: list[int]
-    rep_rows: list[int]
-    count_rows: list[int]
+    use_rep: bool
+    use_counts: bool
     logprob_rows: list[int]
     max_logprobs: int
 
@@ -172,9 +178,8 @@ class _Batch:
 def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -> _Batch:
     floats: list[tuple[float, ...]] = []
     ints: list[tuple[int, ...]] = []
-    bias_rows, rep_rows, count_rows, logprob_rows = [], [], [], []
-    any_random = use_top_p = use_min_p = False
-    max_top_k = 0
+    bias_rows, logprob_rows = [], []
+    any_random = use_top_k = use_top_p = use_rep = use_counts = False
     max_logprobs = 0
     for i, s in enumerate(states):
         p = s.params
@@ -186,25 +191,20 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
         ints.append((s.key[0], s.key[1], s.position, top_k, int(greedy)))
         any_random |= not greedy
+        use_top_k |= top_k < vocab
         use_top_p |= top_p < 1.0
-        use_min_p |= min_p > 0.0
-        if top_k < vocab:
-            max_top_k = max(max_top_k, top_k)
+        use_rep |= p.repetition_penalty != 1.0
+        use_counts |= p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         if p.logit_bias:
             bias_rows.append(i)
-        if p.repetition_penalty != 1.0:
-            rep_rows.append(i)
-        if (p.frequency_penalty != 0.0 or p.presence_penalty != 0.0) and (s.output_token_ids or p.output_offset):
-            count_rows.append(i)
         if p.logprobs is not None:
             logprob_rows.append(i)
             max_logprobs = max(max_logprobs, p.logprobs)
     return _Batch(
         floats=torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True),
         ints=torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True),
-        any_random=any_random, use_top_k=max_top_k > 0, use_top_p=use_top_p, use_min_p=use_min_p,
-        max_top_k=max_top_k, bias_rows=bias_rows, rep_rows=rep_rows, count_rows=count_rows,
-        logprob_rows=logprob_rows, max_logprobs=max_logprobs,
+        any_random=any_random, use_top_k=use_top_k, use_top_p=use_top_p, bias_rows=bias_rows,
+        use_rep=use_rep, use_counts=use_counts, logprob_rows=logprob_rows, max_logprobs=max_logprobs,
     )
 
 
@@ -217,14 +217,17 @@ class DeviceSample:
     rows: _Batch
 
 
-def sample(logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampledToken]:
+def sample(logits: torch.Tensor, states: Sequence[SamplingState],
+           penalties: PenaltyBook | None = None) -> list[SampledToken]:
     """Pick one token per row of ``logits`` ``[B, V]`` (any float dtype, any device).
 
-    Does not append the tokens to the states; the caller does once it accepts them.
+    Does not append the tokens to the states; the caller does once it accepts them. An engine
+    passes its :class:`PenaltyBook` (and appends every token it samples); without one, the
+    penalties' counts are built from the states' lists for this call only.
     """
     if logits.dim() == 2 and logits.shape[0] == 0 and not states:
         return []
-    return fetch(sample_on_device(logits, states), states)
+    return fetch(sample_on_device(logits, states, penalties), states)
 
 
 def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[SampledToken]:
@@ -232,7 +235,8 @@ def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[Sampled
     return _to_host(result.tokens, result.logprobs, result.rows, states)
 
 
-def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState]) -> DeviceSample:
+def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
+                     penalties: PenaltyBook | None = None) -> DeviceSample:
     """:func:`sample` up to the host copy: on a GPU this returns before the kernels ran, so the
     host can do other work (the previous step's detokenization) before :func:`fetch`."""
     if logits.dim() != 2 or logits.shape[0] != len(states) or not states:
@@ -247,13 +251,16 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState]) -> D
         index = torch.tensor(rows.logprob_rows, device=device)
         logprobs = torch.log_softmax(x.index_select(0, index), dim=-1)
 
+    book = penalties if penalties is not None else PenaltyBook(vocab, device)
     apply_logit_bias(x, states, rows.bias_rows)
-    apply_penalties(x, states, rows.floats, rows.rep_rows, rows.count_rows)
+    apply_penalties(x, states, rows, book)
 
     tokens = x.argmax(dim=-1)
     if rows.any_random:
         sampled = _sample_random(x, rows)
         tokens = torch.where(rows.ints[:, _GREEDY].bool(), tokens, sampled)
+    if rows.use_rep or rows.use_counts:
+        book.record(states, tokens)
     return DeviceSample(tokens, logprobs, rows)
 
 
@@ -267,58 +274,33 @@ def apply_logit_bias(x: torch.Tensor, states: Sequence[SamplingState], bias_rows
     x.view(-1).index_add_(0, flat, torch.cat(values).to(x.device, non_blocking=True))
 
 
-def apply_penalties(
-    x: torch.Tensor, states: Sequence[SamplingState], floats: torch.Tensor, rep_rows: list[int], count_rows: list[int]
-) -> None:
+def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: _Batch, book: PenaltyBook) -> None:
     """Repetition (HF-style, over prompt + output) and frequency/presence (OpenAI-style, over the
-    output), in place; ``floats`` holds each row's settings on ``x``'s device."""
-    batch, vocab = x.shape
-    device = x.device
-    if rep_rows:
-        flat = torch.cat([
-            torch.cat((states[i].prompt_ids_tensor(), torch.tensor(states[i].output_token_ids, dtype=torch.int64)))
-            + i * vocab
-            for i in rep_rows
-        ]).to(device, non_blocking=True)
-        seen = torch.zeros(batch * vocab, dtype=torch.bool, device=device)
-        seen[flat] = True
-        penalty = floats[:, _REP : _REP + 1]
-        penalized = torch.where(x > 0, x / penalty, x * penalty)
-        torch.where(seen.view(batch, vocab), penalized, x, out=x)
-    if count_rows:
-        flat = torch.cat([
-            torch.tensor(states[i].counted_output(), dtype=torch.int64) + i * vocab for i in count_rows
-        ]).to(device, non_blocking=True)
-        counts = torch.bincount(flat, minlength=batch * vocab).view(batch, vocab).to(torch.float32)
-        x -= floats[:, _FREQ : _FREQ + 1] * counts + floats[:, _PRES : _PRES + 1] * (counts > 0).to(torch.float32)
+    output), in place, from the rows of ``book`` (rows without penalties read its empty row and
+    have neutral settings: their logits come out unchanged)."""
+    if not (rows.use_rep or rows.use_counts):
+        return
+    index = torch.tensor(book.rows(states), dtype=torch.int64).to(x.device, non_blocking=True)
+    assert book.counts is not None and book.seen is not None
+    if rows.use_rep:
+        seen = book.seen.index_select(0, index)
+        penalty = rows.floats[:, _REP : _REP + 1]
+        torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x, out=x)
+    if rows.use_counts:
+        counts = book.counts.index_select(0, index).to(torch.float32)
+        x -= rows.floats[:, _FREQ : _FREQ + 1] * counts + rows.floats[:, _PRES : _PRES + 1] * (counts > 0).to(torch.float32)
 
 
 def _sample_random(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
     """The inverse-transform draw from each row's filtered distribution (greedy rows run with
     neutral settings and are replaced by the caller)."""
     bits = random_bits(rows.ints[:, _K0], rows.ints[:, _K1], rows.ints[:, _POS])
-    probs = _filtered_probs(x, rows)
-    drawn = inverse_transform(probs, uniform(bits))
+    floats, ints = rows.floats, rows.ints
+    drawn = sample_filtered(x, floats[:, _TEMP], ints[:, _TOP_K], floats[:, _TOP_P], floats[:, _MIN_P], uniform(bits),
+                            use_top_k=rows.use_top_k, use_top_p=rows.use_top_p)
     # A row whose logits overflowed (inf or NaN: no distribution to draw from) takes its most
     # likely token rather than an id past the vocabulary, which would fault the next step.
-    total = probs.sum(dim=-1)
-    broken = ~torch.isfinite(total) | (total <= 0)
-    return torch.where(broken, x.nan_to_num(nan=float("-inf")).argmax(dim=-1), drawn)
-
-
-def _filtered_probs(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p: the distribution a row draws from."""
-    x = x / rows.floats[:, _TEMP : _TEMP + 1]
-    top_k = rows.ints[:, _TOP_K : _TOP_K + 1]
-    if rows.use_top_p:
-        x = top_k_top_p(x, top_k if rows.use_top_k else None, rows.floats[:, _TOP_P : _TOP_P + 1])
-    elif rows.use_top_k:
-        x = top_k_only(x, top_k, rows.max_top_k)
-    probs = torch.softmax(x, dim=-1)
-    if rows.use_min_p:
-        floor = rows.floats[:, _MIN_P : _MIN_P + 1] * probs.amax(dim=-1, keepdim=True)
-        probs = torch.softmax(x.masked_fill(probs < floor, float("-inf")), dim=-1)
-    return probs
+    return torch.where(drawn < 0, x.nan_to_num(nan=float("-inf")).argmax(dim=-1), drawn)
 
 
 def processed_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
@@ -326,51 +308,16 @@ def processed_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> t
     rows = _gather(states, logits.shape[1], logits.device)
     x = logits.to(torch.float32, copy=True)
     apply_logit_bias(x, states, rows.bias_rows)
-    apply_penalties(x, states, rows.floats, rows.rep_rows, rows.count_rows)
+    apply_penalties(x, states, rows, PenaltyBook(logits.shape[1], logits.device))
     return x
 
 
 def target_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """The distribution each non-greedy row of :func:`sample` draws its token from."""
     rows = _gather(states, logits.shape[1], logits.device)
-    return _filtered_probs(processed_logits(logits, states), rows)
-
-
-def inverse_transform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row, the first token whose cumulative probability exceeds ``u * total``: token ``i``
-    is drawn with probability ``probs[i] / total``, and a zero-probability token never is."""
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:].contiguous()
-    drawn = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True)
-    # u * total may round up to total; the first index reaching total holds the last mass.
-    last = torch.searchsorted(cdf, total, right=False)
-    # A row with no distribution (NaN) must still give an id inside the vocabulary.
-    return torch.minimum(drawn, last).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-
-def top_k_only(x: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:
-    """Keep logits at least the k-th largest of their row (ties at the cut are kept);
-    ``top_k`` ``[B, 1]``, equal to the vocabulary size for rows without a cut."""
-    vocab = x.shape[1]
-    values = x.topk(max_k, dim=-1).values
-    kth = values.gather(1, (top_k.clamp(max=max_k) - 1))
-    return x.masked_fill((x < kth) & (top_k < vocab), float("-inf"))
-
-
-def top_k_top_p(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k then nucleus over one ascending sort; the top token always survives.
-    ``top_k`` ``[B, 1]`` (the vocabulary size: no cut) or None; ``top_p`` ``[B, 1]``."""
-    vocab = x.shape[1]
-    sorted_x, order = x.sort(dim=-1)
-    if top_k is not None:
-        kth = sorted_x.gather(1, vocab - top_k)
-        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
-    cumulative = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
-    # Drop a token when the tokens above it already hold at least top_p of the mass.
-    drop = (cumulative <= 1.0 - top_p) & (top_p < 1.0)
-    drop[:, -1] = False
-    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(1, order, sorted_x)
+    f, i = rows.floats, rows.ints
+    kept = filtered_weights_ref(processed_logits(logits, states), f[:, _TEMP], i[:, _TOP_K], f[:, _TOP_P], f[:, _MIN_P])
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def _to_host(

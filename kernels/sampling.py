@@ -1,0 +1,197 @@
+"""One token per row from its filtered distribution, without sorting the vocabulary.
+
+Each row has a temperature, a top-k, a top-p, a min-p and a uniform ``u``. With
+``e_i = exp(x_i / T - max)`` (the largest is 1), every cut is a threshold on ``e``:
+
+- top-k keeps the tokens with ``e`` at least the k-th largest (ties at the cut are kept);
+- top-p keeps the fewest largest tokens (of those top-k kept) whose mass reaches ``top_p`` of the
+  kept total: ``e >= t`` for the largest ``t`` whose mass above it still reaches that share;
+- min-p keeps ``e >= min_p`` (a share of the largest token's probability).
+
+The token drawn is the first, in vocabulary order, whose cumulative kept mass exceeds ``u`` times
+the kept total, so a row's token depends only on its own logits and ``u``.
+
+The reference finds the thresholds over one descending sort. The Triton kernel finds them by
+bisecting the threshold's float bit pattern (positive floats order as their bits), one pass over
+the row per probe, so a row costs a few dozen passes over data that stays in L2 instead of a sort
+of the whole batch; both give the same token but where float sums in another order round across
+a boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import require_triton, tl, triton, use_triton
+
+#: Bit pattern of float32 1.0: the largest ``e`` (and threshold) there is.
+_ONE_BITS = 0x3F800000
+#: Probes of a bisection over [0, _ONE_BITS]: enough to pin one float32 exactly.
+_PROBES = 31
+
+
+def sample_filtered_ref(
+    x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """Tokens ``[B]`` (int64) drawn from float32 logits ``x`` ``[B, V]``; per-row settings ``[B]``:
+    ``temperature`` (> 0), ``top_k`` (int, >= vocab: no cut), ``top_p`` (1: no cut), ``min_p``
+    (0: no cut), ``u`` in [0, 1). A row with no finite distribution gives -1."""
+    kept = filtered_weights_ref(x, temperature, top_k, top_p, min_p)
+    cdf = kept.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, u.unsqueeze(1) * total, right=True).squeeze(1)
+    # u * total may round up to total: the last kept token holds that mass.
+    vocab = x.shape[1]
+    index = torch.arange(vocab, device=x.device).expand_as(kept)
+    last = torch.where(kept > 0, index, -1).amax(dim=-1)
+    drawn = torch.minimum(drawn, last)
+    broken = ~torch.isfinite(total.squeeze(1)) | (total.squeeze(1) <= 0)
+    return torch.where(broken, torch.full_like(drawn, -1), drawn)
+
+
+def filtered_weights_ref(
+    x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+) -> torch.Tensor:
+    """``e`` of the tokens each row keeps, 0 elsewhere (the row's distribution, unnormalized)."""
+    batch, vocab = x.shape
+    scaled = x / temperature.unsqueeze(1)
+    e = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
+    ordered = e.sort(dim=-1, descending=True).values
+    k = top_k.clamp(1, vocab).unsqueeze(1)
+    t_k = torch.where(top_k.unsqueeze(1) < vocab, ordered.gather(1, k - 1), torch.zeros_like(ordered[:, :1]))
+    in_k = torch.where(ordered >= t_k, ordered, 0.0)
+    mass = in_k.cumsum(dim=-1)
+    target = top_p.unsqueeze(1) * mass[:, -1:]
+    # The first position whose mass reaches the target: its e is the top-p threshold.
+    n = torch.searchsorted(mass, target, right=False).clamp(max=vocab - 1)
+    t_p = torch.where(top_p.unsqueeze(1) < 1.0, ordered.gather(1, n), torch.zeros_like(t_k))
+    t = torch.maximum(torch.maximum(t_k, t_p), min_p.unsqueeze(1).to(e.dtype))
+    return torch.where(e >= t, e, 0.0)
+
+
+@triton.jit
+def _row_e(x_row, start, offs, vocab, temperature, row_max):
+    cols = start + offs
+    valid = cols < vocab
+    v = tl.load(x_row + cols, mask=valid, other=float("-inf")) / temperature
+    return tl.where(valid, tl.exp(v - row_max), 0.0), cols, valid
+
+
+@triton.jit
+def _sample_kernel(
+    x_ptr, stride_x, vocab, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, out_ptr,
+    USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, PROBES: tl.constexpr, ONE_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    temperature = tl.load(temp_ptr + row)
+    offs = tl.arange(0, BLOCK)
+
+    row_max = float("-inf")
+    nans = 0
+    for start in range(0, vocab, BLOCK):
+        cols = start + offs
+        v = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf")) / temperature
+        row_max = tl.maximum(row_max, tl.max(v, axis=0))
+        nans += tl.sum((v != v).to(tl.int32), axis=0)
+
+    # top-k: the largest t with at least k tokens at or above it.
+    t_k = 0.0
+    if USE_TOP_K:
+        k = tl.load(top_k_ptr + row)
+        if k < vocab:
+            lo = 0
+            hi = ONE_BITS
+            for _ in range(PROBES):
+                mid = (lo + hi + 1) // 2
+                t = mid.to(tl.float32, bitcast=True)
+                count = 0
+                for start in range(0, vocab, BLOCK):
+                    e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
+                    count += tl.sum((valid & (e >= t)).to(tl.int32), axis=0)
+                ok = count >= k
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid - 1)
+            t_k = lo.to(tl.float32, bitcast=True)
+
+    # top-p: the largest t whose kept mass at or above it reaches top_p of the top-k mass.
+    t_p = 0.0
+    if USE_TOP_P:
+        top_p = tl.load(top_p_ptr + row)
+        if top_p < 1.0:
+            total_k = 0.0
+            for start in range(0, vocab, BLOCK):
+                e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
+                total_k += tl.sum(tl.where(e >= t_k, e, 0.0), axis=0)
+            target = top_p * total_k
+            lo = 0
+            hi = ONE_BITS
+            for _ in range(PROBES):
+                mid = (lo + hi + 1) // 2
+                t = tl.maximum(mid.to(tl.float32, bitcast=True), t_k)
+                mass = 0.0
+                for start in range(0, vocab, BLOCK):
+                    e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
+                    mass += tl.sum(tl.where(e >= t, e, 0.0), axis=0)
+                ok = mass >= target
+                lo = tl.where(ok, mid, lo)
+                hi = tl.where(ok, hi, mid - 1)
+            t_p = lo.to(tl.float32, bitcast=True)
+
+    cut = tl.maximum(tl.maximum(t_k, t_p), tl.load(min_p_ptr + row))
+    total = 0.0
+    for start in range(0, vocab, BLOCK):
+        e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
+        total += tl.sum(tl.where(e >= cut, e, 0.0), axis=0)
+    target = tl.load(u_ptr + row) * total
+
+    # The first token whose cumulative kept mass exceeds the target; the last kept one if rounding
+    # puts the target at the total.
+    carry = 0.0
+    found = vocab
+    last = -1
+    for start in range(0, vocab, BLOCK):
+        e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
+        kept = tl.where(valid & (e >= cut), e, 0.0)
+        cumulative = tl.cumsum(kept, axis=0) + carry
+        found = tl.minimum(found, tl.min(tl.where((cumulative > target) & (kept > 0), cols, vocab), axis=0))
+        last = tl.maximum(last, tl.max(tl.where(kept > 0, cols, -1), axis=0))
+        carry += tl.sum(kept, axis=0)
+    token = tl.where(found < vocab, found, last)
+    ok = (nans == 0) & (row_max < float("inf")) & (row_max > float("-inf")) & (total > 0)
+    tl.store(out_ptr + row, tl.where(ok, token, -1).to(tl.int64))
+
+
+def sample_filtered_triton(
+    x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    u: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True,
+) -> torch.Tensor:
+    """Triton version of :func:`sample_filtered_ref`; ``use_top_k`` / ``use_top_p`` False skip
+    the cut's code for the whole batch (no row has it)."""
+    require_triton()
+    if x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError("x must be float32 with contiguous rows")
+    batch, vocab = x.shape
+    out = torch.empty(batch, dtype=torch.int64, device=x.device)
+    if batch == 0:
+        return out
+    _sample_kernel[(batch,)](
+        x, x.stride(0), vocab,
+        temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
+        top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous(),
+        u.to(torch.float32).contiguous(), out,
+        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, PROBES=_PROBES, ONE_BITS=_ONE_BITS, BLOCK=2048, num_warps=8,
+    )
+    return out
+
+
+def sample_filtered(
+    x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+    u: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True,
+) -> torch.Tensor:
+    """Triton on CUDA tensors when Triton is installed, else :func:`sample_filtered_ref`."""
+    if use_triton(x):
+        return sample_filtered_triton(x, temperature, top_k, top_p, min_p, u, use_top_k, use_top_p)
+    return sample_filtered_ref(x, temperature, top_k, top_p, min_p, u)

@@ -1,0 +1,118 @@
+"""Token counts for the penalties, kept on the logits' device.
+
+Frequency and presence penalties need each row's output token counts, and the repetition penalty
+the set of tokens its prompt and output hold. Building them from the host's token lists every
+step costs host time that grows with the output. Instead each request with a penalty gets a row
+in two device tables, filled once from its lists and then bumped on the device by every token
+sampled for it: a step reads its rows with one gather and writes them with one scatter.
+
+A row reflects a known number of the request's output tokens (:attr:`SamplingState.penalty_len`);
+when the host's list no longer matches it (a token the engine dropped, a request restarted) the
+row is rebuilt from the lists, so the tables are a cache that cannot drift from the host's truth.
+
+Tables grow by doubling; row 0 stays empty and stands for the rows of a batch without penalties.
+At a 128k vocabulary a row costs 640 KiB (int32 counts and a bool set).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pd_cluster.engine.sampler import SamplingState
+
+logger = logging.getLogger(__name__)
+
+_NEUTRAL = 0
+_FIRST_CAPACITY = 8
+
+
+def has_penalties(state: "SamplingState") -> bool:
+    p = state.params
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+class PenaltyBook:
+    """Device rows of output-token counts and seen-token sets, one per request with a penalty."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab = vocab
+        self.device = device
+        self.counts: torch.Tensor | None = None  # [capacity, vocab] int32
+        self.seen: torch.Tensor | None = None  # [capacity, vocab] bool
+        self._free: list[int] = []
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.counts is None else self.counts.shape[0]
+
+    @property
+    def rows_in_use(self) -> int:
+        return max(self.capacity - 1 - len(self._free), 0)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = max(_FIRST_CAPACITY, 2 * old)
+        counts = torch.zeros((new, self.vocab), dtype=torch.int32, device=self.device)
+        seen = torch.zeros((new, self.vocab), dtype=torch.bool, device=self.device)
+        if self.counts is not None and self.seen is not None:
+            counts[:old].copy_(self.counts)
+            seen[:old].copy_(self.seen)
+        self.counts, self.seen = counts, seen
+        self._free.extend(range(new - 1, max(old, 1) - 1, -1))
+        logger.debug("penalty tables grown to %d rows", new)
+
+    def _fill(self, state: "SamplingState") -> None:
+        """(Re)build ``state``'s row from its token lists."""
+        assert self.counts is not None and self.seen is not None
+        row = state.penalty_row
+        counted = torch.tensor(state.counted_output(), dtype=torch.int64).to(self.device, non_blocking=True)
+        seen_ids = torch.cat((state.prompt_ids_tensor(), torch.tensor(state.output_token_ids, dtype=torch.int64)))
+        self.counts[row].zero_()
+        self.counts[row].index_add_(0, counted, torch.ones_like(counted, dtype=torch.int32))
+        self.seen[row].zero_()
+        self.seen[row, seen_ids.to(self.device, non_blocking=True)] = True
+        state.penalty_len = len(state.output_token_ids)
+
+    def rows(self, states: Sequence["SamplingState"]) -> list[int]:
+        """Each state's row (row 0 for a state without penalties), taking and filling rows for new
+        ones and rebuilding rows whose state moved on without them."""
+        out = []
+        for state in states:
+            if not has_penalties(state):
+                out.append(_NEUTRAL)
+                continue
+            if state.penalty_book is not self:
+                if not self._free:
+                    self._grow()
+                state.penalty_row = self._free.pop()
+                state.penalty_book = self
+                self._fill(state)
+            elif state.penalty_len != len(state.output_token_ids):
+                self._fill(state)
+            out.append(state.penalty_row)
+        return out
+
+    def record(self, states: Sequence["SamplingState"], tokens: torch.Tensor) -> None:
+        """Count ``tokens`` ``[B]`` (on the device; row i sampled for ``states[i]``) into the rows
+        of the states with penalties; the host appends the same tokens to their lists."""
+        picked = [(i, s.penalty_row) for i, s in enumerate(states) if s.penalty_book is self]
+        if not picked or self.counts is None or self.seen is None:
+            return
+        index = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows, drawn = index[:, 1], tokens.index_select(0, index[:, 0])
+        self.counts.index_put_((rows, drawn), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
+        self.seen[rows, drawn] = True
+        for i, _ in picked:
+            states[i].penalty_len += 1
+
+    def release(self, state: "SamplingState") -> None:
+        """Give ``state``'s row back (a finished or aborted request)."""
+        if state.penalty_book is self and state.penalty_row is not None:
+            self._free.append(state.penalty_row)
+        state.penalty_row = None
+        state.penalty_book = None
