@@ -55,7 +55,7 @@ def filtered_weights_ref(
 ) -> torch.Tensor:
     """``e`` of the tokens each row keeps, 0 elsewhere (the row's distribution, unnormalized)."""
     batch, vocab = x.shape
-    scaled = x / temperature.unsqueeze(1)
+    scaled = x * (1.0 / temperature).unsqueeze(1)
     e = torch.exp(scaled - scaled.amax(dim=-1, keepdim=True))
     ordered = e.sort(dim=-1, descending=True).values
     k = top_k.clamp(1, vocab).unsqueeze(1)
@@ -71,10 +71,10 @@ def filtered_weights_ref(
 
 
 @triton.jit
-def _row_e(x_row, start, offs, vocab, temperature, row_max):
+def _row_e(x_row, start, offs, vocab, inv_temperature, row_max):
     cols = start + offs
     valid = cols < vocab
-    v = tl.load(x_row + cols, mask=valid, other=float("-inf")) / temperature
+    v = tl.load(x_row + cols, mask=valid, other=float("-inf")) * inv_temperature
     return tl.where(valid, tl.exp(v - row_max), 0.0), cols, valid
 
 
@@ -82,20 +82,24 @@ def _row_e(x_row, start, offs, vocab, temperature, row_max):
 def _sample_kernel(
     x_ptr, stride_x, vocab, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, out_ptr,
     USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, PROBES: tl.constexpr, ONE_BITS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
-    temperature = tl.load(temp_ptr + row)
+    inv_temperature = 1.0 / tl.load(temp_ptr + row)
     offs = tl.arange(0, BLOCK)
 
-    row_max = float("-inf")
-    nans = 0
+    # Passes accumulate per lane and reduce once at the end: a reduction per block would cost
+    # the whole block a barrier each time.
+    lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_nans = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + offs
-        v = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf")) / temperature
-        row_max = tl.maximum(row_max, tl.max(v, axis=0))
-        nans += tl.sum((v != v).to(tl.int32), axis=0)
+        v = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf")) * inv_temperature
+        lane_max = tl.maximum(lane_max, v)
+        lane_nans += (v != v).to(tl.int32)
+    row_max = tl.max(lane_max, axis=0)
+    nans = tl.sum(lane_nans, axis=0)
 
     # top-k: the largest t with at least k tokens at or above it.
     t_k = 0.0
@@ -107,11 +111,11 @@ def _sample_kernel(
             for _ in range(PROBES):
                 mid = (lo + hi + 1) // 2
                 t = mid.to(tl.float32, bitcast=True)
-                count = 0
+                count = tl.zeros([BLOCK], tl.int32)
                 for start in range(0, vocab, BLOCK):
-                    e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
-                    count += tl.sum((valid & (e >= t)).to(tl.int32), axis=0)
-                ok = count >= k
+                    e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+                    count += (valid & (e >= t)).to(tl.int32)
+                ok = tl.sum(count, axis=0) >= k
                 lo = tl.where(ok, mid, lo)
                 hi = tl.where(ok, hi, mid - 1)
             t_k = lo.to(tl.float32, bitcast=True)
@@ -121,30 +125,31 @@ def _sample_kernel(
     if USE_TOP_P:
         top_p = tl.load(top_p_ptr + row)
         if top_p < 1.0:
-            total_k = 0.0
+            lane_total = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab, BLOCK):
-                e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
-                total_k += tl.sum(tl.where(e >= t_k, e, 0.0), axis=0)
-            target = top_p * total_k
+                e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+                lane_total += tl.where(e >= t_k, e, 0.0)
+            target = top_p * tl.sum(lane_total, axis=0)
             lo = 0
             hi = ONE_BITS
             for _ in range(PROBES):
                 mid = (lo + hi + 1) // 2
                 t = tl.maximum(mid.to(tl.float32, bitcast=True), t_k)
-                mass = 0.0
+                mass = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, vocab, BLOCK):
-                    e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
-                    mass += tl.sum(tl.where(e >= t, e, 0.0), axis=0)
-                ok = mass >= target
+                    e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+                    mass += tl.where(e >= t, e, 0.0)
+                ok = tl.sum(mass, axis=0) >= target
                 lo = tl.where(ok, mid, lo)
                 hi = tl.where(ok, hi, mid - 1)
             t_p = lo.to(tl.float32, bitcast=True)
 
     cut = tl.maximum(tl.maximum(t_k, t_p), tl.load(min_p_ptr + row))
-    total = 0.0
+    lane_total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
-        e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
-        total += tl.sum(tl.where(e >= cut, e, 0.0), axis=0)
+        e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+        lane_total += tl.where(e >= cut, e, 0.0)
+    total = tl.sum(lane_total, axis=0)
     target = tl.load(u_ptr + row) * total
 
     # The first token whose cumulative kept mass exceeds the target; the last kept one if rounding
@@ -152,8 +157,9 @@ def _sample_kernel(
     carry = 0.0
     found = vocab
     last = -1
-    for start in range(0, vocab, BLOCK):
-        e, cols, valid = _row_e(x_row, start, offs, vocab, temperature, row_max)
+    draw_offs = tl.arange(0, DRAW_BLOCK)
+    for start in range(0, vocab, DRAW_BLOCK):
+        e, cols, valid = _row_e(x_row, start, draw_offs, vocab, inv_temperature, row_max)
         kept = tl.where(valid & (e >= cut), e, 0.0)
         cumulative = tl.cumsum(kept, axis=0) + carry
         found = tl.minimum(found, tl.min(tl.where((cumulative > target) & (kept > 0), cols, vocab), axis=0))
@@ -182,7 +188,8 @@ def sample_filtered_triton(
         temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
         top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous(),
         u.to(torch.float32).contiguous(), out,
-        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, PROBES=_PROBES, ONE_BITS=_ONE_BITS, BLOCK=2048, num_warps=8,
+        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, PROBES=_PROBES, ONE_BITS=_ONE_BITS, BLOCK=2048,
+        DRAW_BLOCK=8192, num_warps=8,
     )
     return out
 
