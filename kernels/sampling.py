@@ -172,10 +172,13 @@ def _sample_kernel(
 
 def sample_filtered_triton(
     x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-    u: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True,
+    u: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True, block: int = 8192, num_warps: int = 16,
 ) -> torch.Tensor:
     """Triton version of :func:`sample_filtered_ref`; ``use_top_k`` / ``use_top_p`` False skip
-    the cut's code for the whole batch (no row has it)."""
+    the cut's code for the whole batch (no row has it).
+
+    One program walks a whole row per pass, so a pass costs its block count times a load's
+    latency: wide blocks (8192 tokens, 16 warps) keep a 128k vocabulary to 16 of them."""
     require_triton()
     if x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError("x must be float32 with contiguous rows")
@@ -188,8 +191,8 @@ def sample_filtered_triton(
         temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
         top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous(),
         u.to(torch.float32).contiguous(), out,
-        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, PROBES=_PROBES, ONE_BITS=_ONE_BITS, BLOCK=2048,
-        DRAW_BLOCK=8192, num_warps=8,
+        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, PROBES=_PROBES, ONE_BITS=_ONE_BITS, BLOCK=block,
+        DRAW_BLOCK=block, num_warps=num_warps,
     )
     return out
 
