@@ -71,21 +71,21 @@ def filtered_weights_ref(
 
 
 @triton.jit
-def _row_e(x_row, start, offs, vocab, inv_temperature, row_max):
+def _row_e(e_row, start, offs, vocab):
     cols = start + offs
     valid = cols < vocab
-    v = tl.load(x_row + cols, mask=valid, other=float("-inf")) * inv_temperature
-    return tl.where(valid, tl.exp(v - row_max), 0.0), cols, valid
+    return tl.load(e_row + cols, mask=valid, other=0.0), cols, valid
 
 
 @triton.jit
 def _sample_kernel(
-    x_ptr, stride_x, vocab, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, out_ptr,
+    x_ptr, stride_x, e_ptr, vocab, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, out_ptr,
     USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, PROBES: tl.constexpr, ONE_BITS: tl.constexpr,
     BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
+    e_row = e_ptr + row.to(tl.int64) * vocab
     inv_temperature = 1.0 / tl.load(temp_ptr + row)
     offs = tl.arange(0, BLOCK)
 
@@ -101,6 +101,13 @@ def _sample_kernel(
     row_max = tl.max(lane_max, axis=0)
     nans = tl.sum(lane_nans, axis=0)
 
+    # e = exp(x / T - max) once, into this row's scratch: every later pass only loads and compares.
+    for start in range(0, vocab, BLOCK):
+        cols = start + offs
+        valid = cols < vocab
+        v = tl.load(x_row + cols, mask=valid, other=float("-inf")) * inv_temperature
+        tl.store(e_row + cols, tl.exp(v - row_max), mask=valid)
+
     # top-k: the largest t with at least k tokens at or above it.
     t_k = 0.0
     if USE_TOP_K:
@@ -113,7 +120,7 @@ def _sample_kernel(
                 t = mid.to(tl.float32, bitcast=True)
                 count = tl.zeros([BLOCK], tl.int32)
                 for start in range(0, vocab, BLOCK):
-                    e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+                    e, cols, valid = _row_e(e_row, start, offs, vocab)
                     count += (valid & (e >= t)).to(tl.int32)
                 ok = tl.sum(count, axis=0) >= k
                 lo = tl.where(ok, mid, lo)
@@ -127,7 +134,7 @@ def _sample_kernel(
         if top_p < 1.0:
             lane_total = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab, BLOCK):
-                e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+                e, cols, valid = _row_e(e_row, start, offs, vocab)
                 lane_total += tl.where(e >= t_k, e, 0.0)
             target = top_p * tl.sum(lane_total, axis=0)
             lo = 0
@@ -137,7 +144,7 @@ def _sample_kernel(
                 t = tl.maximum(mid.to(tl.float32, bitcast=True), t_k)
                 mass = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, vocab, BLOCK):
-                    e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+                    e, cols, valid = _row_e(e_row, start, offs, vocab)
                     mass += tl.where(e >= t, e, 0.0)
                 ok = tl.sum(mass, axis=0) >= target
                 lo = tl.where(ok, mid, lo)
@@ -147,7 +154,7 @@ def _sample_kernel(
     cut = tl.maximum(tl.maximum(t_k, t_p), tl.load(min_p_ptr + row))
     lane_total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
-        e, cols, valid = _row_e(x_row, start, offs, vocab, inv_temperature, row_max)
+        e, cols, valid = _row_e(e_row, start, offs, vocab)
         lane_total += tl.where(e >= cut, e, 0.0)
     total = tl.sum(lane_total, axis=0)
     target = tl.load(u_ptr + row) * total
@@ -159,7 +166,7 @@ def _sample_kernel(
     last = -1
     draw_offs = tl.arange(0, DRAW_BLOCK)
     for start in range(0, vocab, DRAW_BLOCK):
-        e, cols, valid = _row_e(x_row, start, draw_offs, vocab, inv_temperature, row_max)
+        e, cols, valid = _row_e(e_row, start, draw_offs, vocab)
         kept = tl.where(valid & (e >= cut), e, 0.0)
         cumulative = tl.cumsum(kept, axis=0) + carry
         found = tl.minimum(found, tl.min(tl.where((cumulative > target) & (kept > 0), cols, vocab), axis=0))
@@ -177,8 +184,9 @@ def sample_filtered_triton(
     """Triton version of :func:`sample_filtered_ref`; ``use_top_k`` / ``use_top_p`` False skip
     the cut's code for the whole batch (no row has it).
 
-    One program walks a whole row per pass, so a pass costs its block count times a load's
-    latency: wide blocks (8192 tokens, 16 warps) keep a 128k vocabulary to 16 of them."""
+    One program walks a whole row per pass. The first two passes find the row's largest logit
+    and write ``e`` to a scratch row; the threshold probes then only load and compare (the
+    scratch of a batch stays in L2), with wide blocks so a 128k vocabulary takes few of them."""
     require_triton()
     if x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError("x must be float32 with contiguous rows")
@@ -186,8 +194,9 @@ def sample_filtered_triton(
     out = torch.empty(batch, dtype=torch.int64, device=x.device)
     if batch == 0:
         return out
+    scratch = torch.empty((batch, vocab), dtype=torch.float32, device=x.device)
     _sample_kernel[(batch,)](
-        x, x.stride(0), vocab,
+        x, x.stride(0), scratch, vocab,
         temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
         top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous(),
         u.to(torch.float32).contiguous(), out,

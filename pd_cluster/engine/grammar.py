@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -64,6 +65,13 @@ def check_spec(spec: StructuredOutput) -> None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(spec), None)
     if is_error:
         raise GrammarError(f"invalid JSON schema: {messages[0] if messages else 'rejected by the grammar compiler'}")
+
+
+def mask_threads() -> int:
+    """Threads that fill a step's masks: a quarter of this process's cores, 2 to 8. More only
+    contend with the engine's own threads (measured on 16 cores: 4 threads 0.41 ms for 64 rows,
+    12 threads 0.56 ms)."""
+    return max(2, min(8, len(os.sched_getaffinity(0)) // 4))
 
 
 def token_bitmask_words(vocab_size: int) -> int:
@@ -186,7 +194,13 @@ class Grammars:
                                pin_memory=logits.device.type == "cuda")
             self._host_mask = host
         mask = host[:batch]
-        mask.fill_(_ALL_ALLOWED)
+        # Only the rows without a grammar are filled here (llguidance writes the others whole): a
+        # fill of the whole mask runs on torch's CPU thread pool, whose threads then spin and
+        # starve llguidance's.
+        with_grammar = {i for i, _ in rows}
+        for i in range(batch):
+            if i not in with_grammar:
+                mask[i].fill_(_ALL_ALLOWED)
         matchers = []
         for i, grammar in rows:
             grammar.sync(reqs[i].sampling.output_token_ids)
@@ -200,7 +214,7 @@ class Grammars:
                 matcher.unsafe_compute_mask_ptr(mask.data_ptr() + i * row_bytes, row_bytes)
         else:
             if self._executor is None:
-                self._executor = llguidance.LLExecutor()
+                self._executor = llguidance.LLExecutor(num_threads=mask_threads())
             self._executor.unsafe_compute_mask_ptr(matchers, mask.data_ptr(), row_bytes, batch)
         with torch.inference_mode():  # the logits are the runner's inference tensors
             apply_token_bitmask(logits, mask.to(logits.device, non_blocking=True))
