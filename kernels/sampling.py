@@ -36,7 +36,8 @@ def sample_filtered_ref(
 ) -> torch.Tensor:
     """Tokens ``[B]`` (int64) drawn from float32 logits ``x`` ``[B, V]``; per-row settings ``[B]``:
     ``temperature`` (> 0), ``top_k`` (int, >= vocab: no cut), ``top_p`` (1: no cut), ``min_p``
-    (0: no cut), ``u`` in [0, 1). A row with no finite distribution gives -1."""
+    (0: no cut), ``u`` in [0, 1). A row with no finite distribution (an infinite or NaN logit, or
+    none above -inf) takes its most likely token, NaN read as -inf: never an id past the vocabulary."""
     kept = filtered_weights_ref(x, temperature, top_k, top_p, min_p)
     cdf = kept.cumsum(dim=-1)
     total = cdf[:, -1:]
@@ -47,7 +48,7 @@ def sample_filtered_ref(
     last = torch.where(kept > 0, index, -1).amax(dim=-1)
     drawn = torch.minimum(drawn, last)
     broken = ~torch.isfinite(total.squeeze(1)) | (total.squeeze(1) <= 0)
-    return torch.where(broken, torch.full_like(drawn, -1), drawn)
+    return torch.where(broken, x.nan_to_num(nan=float("-inf")).argmax(dim=-1), drawn)
 
 
 def filtered_weights_ref(
@@ -78,27 +79,44 @@ def _row_e(e_row, start, offs, vocab):
 
 
 @triton.jit
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
 def _sample_kernel(
-    x_ptr, stride_x, e_ptr, vocab, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, u_ptr, out_ptr,
-    USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, PROBES: tl.constexpr, ONE_BITS: tl.constexpr,
-    BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr,
+    x_ptr, stride_x, e_ptr, vocab, temp_ptr, stride_temp, top_k_ptr, stride_top_k, top_p_ptr, stride_top_p,
+    min_p_ptr, stride_min_p, u_ptr, k0_ptr, k1_ptr, pos_ptr, stride_key, out_ptr,
+    USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, HASH: tl.constexpr, PROBES: tl.constexpr,
+    ONE_BITS: tl.constexpr, BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     e_row = e_ptr + row.to(tl.int64) * vocab
-    inv_temperature = 1.0 / tl.load(temp_ptr + row)
+    inv_temperature = 1.0 / tl.load(temp_ptr + row * stride_temp)
     offs = tl.arange(0, BLOCK)
 
     # Passes accumulate per lane and reduce once at the end: a reduction per block would cost
     # the whole block a barrier each time.
+    # The largest logit and its first index (NaN read as -inf): the token of a broken row.
     lane_max = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_arg = offs
     lane_nans = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         cols = start + offs
         v = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf")) * inv_temperature
-        lane_max = tl.maximum(lane_max, v)
-        lane_nans += (v != v).to(tl.int32)
+        is_nan = v != v
+        v = tl.where(is_nan, float("-inf"), v)
+        better = v > lane_max
+        lane_arg = tl.where(better, cols, lane_arg)
+        lane_max = tl.where(better, v, lane_max)
+        lane_nans += is_nan.to(tl.int32)
     row_max = tl.max(lane_max, axis=0)
+    row_arg = tl.min(tl.where(lane_max == row_max, lane_arg, vocab), axis=0)
     nans = tl.sum(lane_nans, axis=0)
 
     # e = exp(x / T - max) once, into this row's scratch: every later pass only loads and compares.
@@ -111,7 +129,7 @@ def _sample_kernel(
     # top-k: the largest t with at least k tokens at or above it.
     t_k = 0.0
     if USE_TOP_K:
-        k = tl.load(top_k_ptr + row)
+        k = tl.load(top_k_ptr + row * stride_top_k)
         if k < vocab:
             lo = 0
             hi = ONE_BITS
@@ -130,7 +148,7 @@ def _sample_kernel(
     # top-p: the largest t whose kept mass at or above it reaches top_p of the top-k mass.
     t_p = 0.0
     if USE_TOP_P:
-        top_p = tl.load(top_p_ptr + row)
+        top_p = tl.load(top_p_ptr + row * stride_top_p)
         if top_p < 1.0:
             lane_total = tl.zeros([BLOCK], tl.float32)
             for start in range(0, vocab, BLOCK):
@@ -151,13 +169,22 @@ def _sample_kernel(
                 hi = tl.where(ok, hi, mid - 1)
             t_p = lo.to(tl.float32, bitcast=True)
 
-    cut = tl.maximum(tl.maximum(t_k, t_p), tl.load(min_p_ptr + row))
+    cut = tl.maximum(tl.maximum(t_k, t_p), tl.load(min_p_ptr + row * stride_min_p))
     lane_total = tl.zeros([BLOCK], tl.float32)
     for start in range(0, vocab, BLOCK):
         e, cols, valid = _row_e(e_row, start, offs, vocab)
         lane_total += tl.where(e >= cut, e, 0.0)
     total = tl.sum(lane_total, axis=0)
-    target = tl.load(u_ptr + row) * total
+    if HASH:
+        # The uniform of pd_cluster.engine.sampler.random_bits, in 32-bit lanes.
+        k0 = tl.load(k0_ptr + row * stride_key).to(tl.uint32)
+        k1 = tl.load(k1_ptr + row * stride_key).to(tl.uint32)
+        position = tl.load(pos_ptr + row * stride_key).to(tl.uint32)
+        bits = _fmix32(_fmix32(k0 ^ (position * 0x9E3779B1)) ^ k1)
+        u = (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
+    else:
+        u = tl.load(u_ptr + row)
+    target = u * total
 
     # The first token whose cumulative kept mass exceeds the target; the last kept one if rounding
     # puts the target at the total.
@@ -174,14 +201,18 @@ def _sample_kernel(
         carry += tl.sum(kept, axis=0)
     token = tl.where(found < vocab, found, last)
     ok = (nans == 0) & (row_max < float("inf")) & (row_max > float("-inf")) & (total > 0)
-    tl.store(out_ptr + row, tl.where(ok, token, -1).to(tl.int64))
+    tl.store(out_ptr + row, tl.where(ok, token, row_arg).to(tl.int64))
 
 
 def sample_filtered_triton(
     x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-    u: torch.Tensor, use_top_k: bool = True, use_top_p: bool = True, block: int = 8192, num_warps: int = 16,
+    u: torch.Tensor | None = None, use_top_k: bool = True, use_top_p: bool = True,
+    keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, block: int = 16384, num_warps: int = 16,
 ) -> torch.Tensor:
-    """Triton version of :func:`sample_filtered_ref`; ``use_top_k`` / ``use_top_p`` False skip
+    """Triton version of :func:`sample_filtered_ref`. The settings may be strided columns
+    (temperature, top_p, min_p float32; top_k int64). Instead of ``u``, ``keys`` (k0, k1,
+    position: int64 columns of one stride) have the kernel hash each row's uniform itself, as
+    :func:`pd_cluster.engine.sampler.random_bits` does. ``use_top_k`` / ``use_top_p`` False skip
     the cut's code for the whole batch (no row has it).
 
     One program walks a whole row per pass. The first two passes find the row's largest logit
@@ -194,14 +225,27 @@ def sample_filtered_triton(
     out = torch.empty(batch, dtype=torch.int64, device=x.device)
     if batch == 0:
         return out
+    if (u is None) == (keys is None):
+        raise ValueError("give either u or keys")
+    if keys is None:
+        assert u is not None
+        u = u.to(torch.float32).contiguous()
+        k0 = k1 = pos = out  # unused
+        key_stride = 0
+    else:
+        k0, k1, pos = keys
+        key_stride = k0.stride(0)
+        if k1.stride(0) != key_stride or pos.stride(0) != key_stride:
+            raise ValueError("keys must share one stride")
+        u = out  # unused
+    columns = [temperature.to(torch.float32), top_k.to(torch.int64), top_p.to(torch.float32), min_p.to(torch.float32)]
     scratch = torch.empty((batch, vocab), dtype=torch.float32, device=x.device)
     _sample_kernel[(batch,)](
         x, x.stride(0), scratch, vocab,
-        temperature.to(torch.float32).contiguous(), top_k.to(torch.int32).contiguous(),
-        top_p.to(torch.float32).contiguous(), min_p.to(torch.float32).contiguous(),
-        u.to(torch.float32).contiguous(), out,
-        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, PROBES=_PROBES, ONE_BITS=_ONE_BITS, BLOCK=block,
-        DRAW_BLOCK=block, num_warps=num_warps,
+        columns[0], columns[0].stride(0), columns[1], columns[1].stride(0), columns[2], columns[2].stride(0),
+        columns[3], columns[3].stride(0), u, k0, k1, pos, key_stride, out,
+        USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, HASH=keys is not None, PROBES=_PROBES, ONE_BITS=_ONE_BITS,
+        BLOCK=block, DRAW_BLOCK=block, num_warps=num_warps,
     )
     return out
 

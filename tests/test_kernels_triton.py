@@ -49,6 +49,7 @@ from kernels.kv_transfer import (
 )
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
+from kernels.penalties import apply_penalties_ref, apply_penalties_triton
 from kernels.sampling import sample_filtered_ref, sample_filtered_triton
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
@@ -57,10 +58,10 @@ from tests.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
-                  "kernels.silu_mul", "kernels.store_kv", "kernels.sampling"]  # fmt: skip
+                  "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge,
-# the sampling kernel and its row helper.
-NUM_KERNELS = 11
+# the sampling kernel and its two helpers (a row block, the stream hash), the penalties.
+NUM_KERNELS = 13
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -173,8 +174,44 @@ class InterpretedCases:
             args = (x, temperature, top_k, top_p, min_p, u)
             out, ref = sample_filtered_triton(*args), sample_filtered_ref(*args)
             assert out.tolist() == ref.tolist(), trial
-            assert out[9:].tolist() == [-1, -1, -1]
+            # No distribution: the most likely token, NaN read as -inf (all -inf: the first).
+            assert out[9:].tolist() == [x[9].nan_to_num(nan=float("-inf")).argmax().item(), 0, 3]
             assert (out[:9] >= 0).all() and (out[:9] < vocab).all()
+
+    @pytest.mark.parametrize("use_repetition, use_counts", [(True, True), (True, False), (False, True)])
+    def test_penalties_triton_match_reference(self, use_repetition: bool, use_counts: bool) -> None:
+        # 5000 tokens: two column blocks, the second partial; row 3 reads the empty table row 0.
+        vocab, batch = 5000, 4
+        gen = torch.Generator().manual_seed(8)
+        x = torch.randn(batch, vocab, generator=gen) * 3
+        counts = torch.randint(0, 4, (3, vocab), generator=gen, dtype=torch.int32)
+        seen = torch.rand(3, vocab, generator=gen) < 0.3
+        counts[0], seen[0] = 0, False
+        index = torch.tensor([2, 1, 2, 0])
+        settings = torch.tensor([[1.3, 0.5, 0.2], [0.8, 0.0, 1.0], [2.0, 1.5, 0.0], [1.0, 0.0, 0.0]])
+        args = (index, counts, seen, settings[:, 0], settings[:, 1], settings[:, 2], use_repetition, use_counts)
+        out, ref = x.clone(), x.clone()
+        apply_penalties_triton(out, *args)
+        apply_penalties_ref(ref, *args)
+        assert torch.equal(out, ref)
+        assert torch.equal(out[3], x[3]) and not torch.equal(out[0], x[0])
+
+    def test_sampling_triton_hashes_the_uniforms_of_the_stream_keys(self) -> None:
+        from pd_cluster.engine.sampler import random_bits, stream_key, uniform
+
+        vocab, batch = 300, 6
+        gen = torch.Generator().manual_seed(6)
+        x = torch.randn(batch, vocab, generator=gen) * 2
+        keys = torch.tensor([[*stream_key(seed), pos] for seed, pos in
+                             zip((0, 1, 2**40 + 3, 2**63 - 1, 77, 5), (0, 1, 2**31 + 5, 99, 2**20, 7))])
+        # Settings as the sampler packs them: strided columns of one tensor each.
+        floats = torch.tensor([[0.9, 0.9, 0.0]] * batch)
+        ints = torch.cat((keys, torch.full((batch, 1), vocab)), dim=1)
+        out = sample_filtered_triton(x, floats[:, 0], ints[:, 3], floats[:, 1], floats[:, 2],
+                                     keys=(ints[:, 0], ints[:, 1], ints[:, 2]))
+        u = uniform(random_bits(keys[:, 0], keys[:, 1], keys[:, 2]))
+        ref = sample_filtered_ref(x, floats[:, 0], ints[:, 3], floats[:, 1], floats[:, 2], u)
+        assert out.tolist() == ref.tolist()
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
     def test_silu_mul_triton_matches_reference(self, dtype: torch.dtype) -> None:

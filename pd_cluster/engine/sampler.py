@@ -27,7 +27,9 @@ from typing import Sequence, TypeVar
 
 import torch
 
-from kernels.sampling import filtered_weights_ref, sample_filtered
+from kernels._triton import use_triton
+from kernels.penalties import apply_penalties as penalize
+from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from pd_cluster.engine.penalties import PenaltyBook
 from pd_cluster.protocol import TokenLogprob
 from pd_cluster.sampling_params import SamplingParams
@@ -282,25 +284,22 @@ def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: _Bat
         return
     index = torch.tensor(book.rows(states), dtype=torch.int64).to(x.device, non_blocking=True)
     assert book.counts is not None and book.seen is not None
-    if rows.use_rep:
-        seen = book.seen.index_select(0, index)
-        penalty = rows.floats[:, _REP : _REP + 1]
-        torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x, out=x)
-    if rows.use_counts:
-        counts = book.counts.index_select(0, index).to(torch.float32)
-        x -= rows.floats[:, _FREQ : _FREQ + 1] * counts + rows.floats[:, _PRES : _PRES + 1] * (counts > 0).to(torch.float32)
+    f = rows.floats
+    penalize(x, index, book.counts, book.seen, f[:, _REP], f[:, _FREQ], f[:, _PRES], rows.use_rep, rows.use_counts)
 
 
 def _sample_random(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
     """The inverse-transform draw from each row's filtered distribution (greedy rows run with
-    neutral settings and are replaced by the caller)."""
-    bits = random_bits(rows.ints[:, _K0], rows.ints[:, _K1], rows.ints[:, _POS])
-    floats, ints = rows.floats, rows.ints
-    drawn = sample_filtered(x, floats[:, _TEMP], ints[:, _TOP_K], floats[:, _TOP_P], floats[:, _MIN_P], uniform(bits),
-                            use_top_k=rows.use_top_k, use_top_p=rows.use_top_p)
-    # A row whose logits overflowed (inf or NaN: no distribution to draw from) takes its most
-    # likely token rather than an id past the vocabulary, which would fault the next step.
-    return torch.where(drawn < 0, x.nan_to_num(nan=float("-inf")).argmax(dim=-1), drawn)
+    neutral settings and are replaced by the caller). A row whose logits overflowed (inf or NaN:
+    no distribution to draw from) takes its most likely token rather than an id past the
+    vocabulary, which would fault the next step."""
+    f, i = rows.floats, rows.ints
+    settings = (x, f[:, _TEMP], i[:, _TOP_K], f[:, _TOP_P], f[:, _MIN_P])
+    if use_triton(x):
+        # One launch: the kernel hashes each row's uniform from its stream keys itself.
+        return sample_filtered_triton(*settings, keys=(i[:, _K0], i[:, _K1], i[:, _POS]),
+                                      use_top_k=rows.use_top_k, use_top_p=rows.use_top_p)
+    return sample_filtered_ref(*settings, uniform(random_bits(i[:, _K0], i[:, _K1], i[:, _POS])))
 
 
 def processed_logits(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
