@@ -42,6 +42,7 @@ CHART = REPO / "deploy" / "helm" / "pd-cluster"
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))
 MULTI_NODE = CHART / "examples" / "multi-node.yaml"
+MIXED_ONLY = CHART / "examples" / "mixed.yaml"
 
 # helm.sh/helm/v4/pkg/chart/v2/lint/support severities.
 INFO, WARNING, ERROR = 1, 2, 3
@@ -49,7 +50,8 @@ INFO, WARNING, ERROR = 1, 2, 3
 # Every Helm call is local and takes well under a second; a hang is a failure, not a wait.
 pytestmark = pytest.mark.timeout(60)
 
-NODE_ROLES = ("prefill", "decode")
+NODE_ROLES = ("prefill", "decode", "mixed")
+PD_ROLES = ("prefill", "decode")
 TOKEN_ENV = ("PD_CLUSTER_TOKEN", "PD_ADMIN_TOKEN")
 
 
@@ -389,6 +391,8 @@ def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
 BAD_VALUES = {
     "negative decode replicas": ({"decode": {"replicas": -1}}, "/decode/replicas"),
     "negative prefill replicas": ({"prefill": {"replicas": -2}}, "/prefill/replicas"),
+    "negative mixed replicas": ({"mixed": {"replicas": -1}}, "/mixed/replicas"),
+    "unknown mixed device": ({"mixed": {"device": "tpu"}}, "/mixed/device"),
     "unknown policy": ({"master": {"policy": "random"}}, "/master/policy"),
     "unknown model source": ({"model": {"source": "s3"}}, "/model/source"),
     "pvc without claim name": ({"model": {"source": "pvc"}}, "/model/pvc/claimName"),
@@ -443,11 +447,67 @@ def test_install_rejects_grace_period_shorter_than_drain(helm: Helm) -> None:
 # --- Rendered manifests ----------------------------------------------------------------------
 
 
-def test_renders_master_and_two_node_groups(default_release: Release) -> None:
+def test_renders_master_and_three_node_groups(default_release: Release) -> None:
     components = {
         d["metadata"]["labels"]["app.kubernetes.io/component"] for d in default_release.kinds("Deployment")
     }
-    assert components == {"master", "prefill", "decode"}
+    assert components == {"master", "prefill", "decode", "mixed"}
+
+
+def test_mixed_group_is_a_deployment_with_no_pods_by_default(default_release: Release) -> None:
+    # Rendered at 0 like any group set to 0, so `kubectl scale` reaches it as it does the others.
+    mixed = default_release.deployment("mixed")
+    assert mixed["spec"]["replicas"] == 0
+    assert mixed["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "mixed"
+    assert mixed["spec"]["strategy"] == default_release.deployment("decode")["spec"]["strategy"]
+
+
+def test_mixed_nodes_run_pd_cluster_mixed_and_advertise_their_pod_ip(helm: Helm) -> None:
+    release = helm.install({"mixed": {"replicas": 2, "dataPort": 9200, "statusPort": 9300}}, name="mx")
+    assert release.deployment("mixed")["spec"]["replicas"] == 2
+    container = release.container("mixed")
+    assert container["name"] == "mixed"
+    assert container["args"] == [
+        "mixed", "--master", "http://mx-pd-cluster-control:8000", "--model", "default",
+        "--device", "cuda", "--node-id", "$(POD_NAME)", "--status-port", "9300",
+        "--data-host", "$(POD_IP)", "--data-port", "9200",
+    ]
+    env = env_of(container)
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["PD_CLUSTER_TOKEN"]["valueFrom"] == {
+        "secretKeyRef": {"name": "mx-pd-cluster-tokens", "key": "cluster-token"},
+    }
+    assert "PD_ADMIN_TOKEN" not in env
+    assert {"name": "kv-data", "containerPort": 9200, "protocol": "TCP"} in container["ports"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "status"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "status"}
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "pd-cluster", "node-drain", "--status-port", "9300", "--timeout", "300",
+    ]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
+
+
+def test_mixed_only_example_runs_no_prefill_or_decode_pods(helm: Helm) -> None:
+    values = load_example(MIXED_ONLY)
+    release = helm.install(values, name="mx")
+    assert release.deployment("prefill")["spec"]["replicas"] == 0
+    assert release.deployment("decode")["spec"]["replicas"] == 0
+    assert release.deployment("mixed")["spec"]["replicas"] == values["mixed"]["replicas"] > 0
+    (budget,) = release.kinds("PodDisruptionBudget")
+    assert budget["metadata"]["name"] == "mx-pd-cluster-mixed"
+    assert budget["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == "mixed"
+    assert release.container("mixed")["args"][0] == "mixed"
+
+
+def test_disruption_budgets_render_one_per_enabled_group(helm: Helm) -> None:
+    release = helm.install({role: {"podDisruptionBudget": {"enabled": True}} for role in NODE_ROLES}, name="mx")
+    budgets = {b["metadata"]["name"]: b for b in release.kinds("PodDisruptionBudget")}
+    assert set(budgets) == {f"mx-pd-cluster-{role}" for role in NODE_ROLES}
+    for role in NODE_ROLES:
+        selector = budgets[f"mx-pd-cluster-{role}"]["spec"]["selector"]["matchLabels"]
+        assert selector["app.kubernetes.io/component"] == role
 
 
 def test_master_runs_the_api_with_model_and_policy(helm: Helm) -> None:
@@ -532,6 +592,7 @@ def test_tokens_reach_pods_only_through_secret_key_refs(helm: Helm) -> None:
         "master": {"PD_CLUSTER_TOKEN": "cluster-token", "PD_ADMIN_TOKEN": "admin-token"},
         "prefill": {"PD_CLUSTER_TOKEN": "cluster-token"},
         "decode": {"PD_CLUSTER_TOKEN": "cluster-token"},
+        "mixed": {"PD_CLUSTER_TOKEN": "cluster-token"},
     }
     for component, keys in expected.items():
         env = env_of(release.container(component))
@@ -568,21 +629,28 @@ def test_upgrade_scales_nodes_and_keeps_generated_tokens(helm: Helm) -> None:
     before = helm.api.objects("secrets")["keep-pd-cluster-tokens"]["data"]
     assert helm.api.objects("deployments")["keep-pd-cluster-decode"]["spec"]["replicas"] == 1
 
-    upgraded = helm.upgrade(config, "keep", {"decode": {"replicas": 3}, "prefill": {"replicas": 2}})
+    assert helm.api.objects("deployments")["keep-pd-cluster-mixed"]["spec"]["replicas"] == 0
+
+    upgraded = helm.upgrade(config, "keep", {"decode": {"replicas": 3}, "prefill": {"replicas": 2},
+                                             "mixed": {"replicas": 1}})
 
     assert upgraded.one("Secret", "-tokens")["data"] == before
     assert helm.api.objects("secrets")["keep-pd-cluster-tokens"]["data"] == before
     deployments = helm.api.objects("deployments")
     assert deployments["keep-pd-cluster-decode"]["spec"]["replicas"] == 3
     assert deployments["keep-pd-cluster-prefill"]["spec"]["replicas"] == 2
+    assert deployments["keep-pd-cluster-mixed"]["spec"]["replicas"] == 1
     assert deployments["keep-pd-cluster-master"]["spec"]["replicas"] == 2
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 5), (0, 0)])
-def test_replica_counts_come_from_values(helm: Helm, prefill: int, decode: int) -> None:
-    release = helm.install({"prefill": {"replicas": prefill}, "decode": {"replicas": decode}})
+@pytest.mark.parametrize(("prefill", "decode", "mixed"), [(1, 1, 0), (2, 5, 1), (0, 0, 3), (0, 0, 0)])
+def test_replica_counts_come_from_values(helm: Helm, prefill: int, decode: int, mixed: int) -> None:
+    release = helm.install(
+        {"prefill": {"replicas": prefill}, "decode": {"replicas": decode}, "mixed": {"replicas": mixed}}
+    )
     assert release.deployment("prefill")["spec"]["replicas"] == prefill
     assert release.deployment("decode")["spec"]["replicas"] == decode
+    assert release.deployment("mixed")["spec"]["replicas"] == mixed
     master = release.deployment("master")["spec"]
     assert master["replicas"] == 2
     assert master["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 1}}
@@ -674,26 +742,39 @@ def test_gpu_memory_fraction_is_passed_per_role(helm: Helm) -> None:
     assert "--gpu-memory-fraction" not in release.container("prefill")["args"]
 
 
-def test_install_rejects_a_cuda_node_without_a_gpu(helm: Helm) -> None:
-    with pytest.raises(helm_sdkpy.InstallError, match="decode.device=cuda needs decode.gpu >= 1"):
-        helm.install({"decode": {"device": "cuda", "gpu": 0}})
+@pytest.mark.parametrize("role", NODE_ROLES)
+def test_install_rejects_a_cuda_node_without_a_gpu(helm: Helm, role: str) -> None:
+    with pytest.raises(helm_sdkpy.InstallError, match=f"{role}.device=cuda needs {role}.gpu >= 1"):
+        helm.install({role: {"device": "cuda", "gpu": 0}})
+
+
+def test_install_rejects_a_mixed_grace_period_shorter_than_its_drain(helm: Helm) -> None:
+    with pytest.raises(helm_sdkpy.InstallError, match="mixed.terminationGracePeriodSeconds must exceed"):
+        helm.install({"mixed": {"drainTimeoutSeconds": 120, "terminationGracePeriodSeconds": 60}})
 
 
 def test_node_placement_is_set_per_role(helm: Helm) -> None:
     toleration = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}
     release = helm.install(
         {
             "prefill": {"nodeSelector": {"pool": "prefill-gpus"}, "tolerations": [toleration]},
             "decode": {"nodeSelector": {"pool": "decode-gpus"}},
+            "mixed": {"nodeSelector": {"pool": "mixed-gpus"}, "tolerations": [toleration], "affinity": affinity},
             "master": {"nodeSelector": {"pool": "cpu"}},
         }
     )
-    specs = {c: release.deployment(c)["spec"]["template"]["spec"] for c in ("master", "prefill", "decode")}
+    specs = {c: release.deployment(c)["spec"]["template"]["spec"] for c in ("master", *NODE_ROLES)}
     assert specs["prefill"]["nodeSelector"] == {"pool": "prefill-gpus"}
     assert specs["prefill"]["tolerations"] == [toleration]
     assert specs["decode"]["nodeSelector"] == {"pool": "decode-gpus"}
     assert "tolerations" not in specs["decode"]
     assert specs["master"]["nodeSelector"] == {"pool": "cpu"}
+    assert specs["mixed"]["nodeSelector"] == {"pool": "mixed-gpus"}
+    assert specs["mixed"]["tolerations"] == [toleration]
+    assert specs["mixed"]["affinity"] == affinity
+    assert "affinity" not in specs["decode"]
 
 
 @pytest.mark.parametrize("component", ["master", *NODE_ROLES])
@@ -819,7 +900,8 @@ def test_multi_node_example_renders_a_spread_gpu_cluster(helm: Helm) -> None:
     assert release.kinds("Secret") == []
     assert len(release.kinds("PodDisruptionBudget")) == 2
     assert len(release.kinds("ServiceMonitor")) == 1
-    for role in NODE_ROLES:
+    assert release.deployment("mixed")["spec"]["replicas"] == 0
+    for role in PD_ROLES:
         pod = release.deployment(role)["spec"]["template"]["spec"]
         assert pod["topologySpreadConstraints"]
         assert pod["tolerations"]
@@ -835,6 +917,8 @@ def test_notes_tell_how_to_reach_the_api_and_scale(default_release: Release) -> 
     assert "/v1/chat/completions" in notes
     assert "--set decode.replicas=3" in notes
     assert "kubectl -n default scale deployment/pd-pd-cluster-decode" in notes
+    assert "--set mixed.replicas=" in notes
+    assert "mixed:   0 pod(s)" in notes
     assert "/admin/nodes" in notes
 
 

@@ -31,9 +31,11 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray  # noqa: E402
 import yaml
 
+from pd_cluster.ray_launcher import cli as ray_cli_module
+from pd_cluster.ray_launcher.actors import ClusterState
 from pd_cluster.ray_launcher.cli import build_parser
 from pd_cluster.ray_launcher.cli import main as ray_cli
-from pd_cluster.ray_launcher.launcher import RayLauncher, node_role
+from pd_cluster.ray_launcher.launcher import LaunchError, RayLauncher, ScaleResult, node_role
 from pd_cluster.ray_launcher.spec import ClusterSpec
 from pd_cluster.ray_launcher.supervisor import ProcessSupervisor
 
@@ -101,6 +103,111 @@ def test_spec_advertises_the_node_ip_and_defaults_to_cuda_with_gpus():
     argv = cpu.node_argv("prefill", "prefill-0", "http://10.0.0.1:8000", "10.0.0.7")
     assert argv[argv.index("--device") + 1] == "cpu" and argv[-2:] == ["--lease-s", "60"]
     assert "--data-host" not in argv
+
+
+def test_spec_starts_a_mixed_node_that_advertises_its_data_plane():
+    spec = ClusterSpec(mixed_resource="pd_mixed")
+    argv = spec.node_argv("mixed", "mixed-0", "http://10.0.0.1:8000", "10.0.0.9")
+    assert argv[argv.index("pd_cluster.cli") + 3] == "mixed"  # python -m pd_cluster.cli --log-level L mixed
+    assert argv[argv.index("--node-id") + 1] == "mixed-0"
+    assert argv[argv.index("--data-host") + 1] == "10.0.0.9"  # prefill nodes may hand requests to it
+    assert spec.node_actor_options("mixed") == {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"pd_mixed": 1.0}}
+    assert spec.node_resources("decode") == {}
+    assert node_role("mixed-3") == "mixed" and node_role("mixedup-3") is None
+    with pytest.raises(ValueError):
+        spec.node_argv("colocated", "colocated-0", "http://m:8000", "10.0.0.9")
+
+
+def test_state_names_mixed_nodes_in_their_own_sequence():
+    state = ClusterState(ClusterSpec().model_dump_json())
+    assert [state.next_node_name(r) for r in ("mixed", "decode", "mixed")] == ["mixed-0", "decode-0", "mixed-1"]
+
+
+def test_cli_parses_mixed_counts_and_resource():
+    args = build_parser().parse_args(["ray", "start", "--prefill", "0", "--decode", "0", "--mixed", "2",
+                                      "--mixed-resource", "pd_mixed"])
+    assert (args.prefill, args.decode, args.mixed, args.mixed_resource) == (0, 0, 2, "pd_mixed")
+    defaults = build_parser().parse_args(["ray", "start"])
+    assert (defaults.prefill, defaults.decode, defaults.mixed, defaults.mixed_resource) == (1, 1, 0, None)
+    scale = build_parser().parse_args(["ray", "scale", "--mixed", "-1"])
+    assert (scale.prefill, scale.decode, scale.mixed) == (0, 0, -1)
+
+
+class RecordingLauncher:
+    """Stands in for RayLauncher behind the CLI: records what each command asked of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def start(self, *args, **kwargs) -> str:
+        self.calls.append(("start", args, kwargs))
+        return "http://10.0.0.1:8000"
+
+    def scale(self, *args, **kwargs) -> ScaleResult:
+        self.calls.append(("scale", args, kwargs))
+        return ScaleResult(added=["mixed-0"])
+
+    def tokens(self) -> dict[str, str]:
+        return {"admin": "admin-token", "cluster": "cluster-token"}
+
+    def disconnect(self) -> None:
+        pass
+
+
+def test_cli_hands_mixed_nodes_to_the_launcher(monkeypatch, capsys):
+    recorder = RecordingLauncher()
+    monkeypatch.setattr(ray_cli_module, "_launcher", lambda args: recorder)
+
+    assert ray_cli(["ray", "start", "--prefill", "0", "--decode", "0", "--mixed", "2",
+                    "--mixed-resource", "pd_mixed"]) == 0
+    (verb, args, kwargs), = recorder.calls
+    spec, prefill, decode = args
+    assert verb == "start" and (prefill, decode, kwargs["mixed"]) == (0, 0, 2)
+    assert spec.mixed_resource == "pd_mixed" and spec.node_resources("mixed") == {"pd_mixed": 1.0}
+    assert "0 prefill, 0 decode, 2 mixed" in capsys.readouterr().out
+
+    assert ray_cli(["ray", "scale", "--mixed", "+1"]) == 0
+    verb, args, kwargs = recorder.calls[-1]
+    assert verb == "scale" and (kwargs["prefill"], kwargs["decode"], kwargs["mixed"]) == (0, 0, 1)
+    assert "added   mixed-0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("prefill", "decode", "mixed", "error"), [
+    (1, 0, 0, "a decode node or a mixed node"),
+    (0, 0, 0, "a decode node or a mixed node"),
+    (1, 0, 1, "prefill nodes need a decode node"),
+    (1, 1, -1, "cannot be negative"),
+])
+def test_start_refuses_a_cluster_that_could_not_serve(prefill, decode, mixed, error):
+    launcher = RayLauncher(namespace=NAMESPACE, address="127.0.0.1:1")  # refused before any Ray call
+    with pytest.raises(LaunchError, match=error):
+        launcher.start(ClusterSpec(namespace=NAMESPACE), prefill, decode, mixed=mixed)
+
+
+class FakeMaster:
+    def __init__(self, nodes: dict[str, dict]) -> None:
+        self._nodes = nodes
+
+    def nodes(self) -> dict[str, dict]:
+        return self._nodes
+
+
+def _views(**roles: str) -> dict[str, dict]:
+    return {name.replace("_", "-"): {"role": role, "state": "active", "load": {}} for name, role in roles.items()}
+
+
+def test_removing_the_last_mixed_node_needs_a_decode_node_left(monkeypatch):
+    launcher = RayLauncher(namespace=NAMESPACE)
+    monkeypatch.setattr(launcher, "actor_names", lambda: ["master", "prefill-0", "decode-0", "mixed-0"])
+    beside_pd = FakeMaster(_views(prefill_0="prefill", decode_0="decode", mixed_0="mixed"))
+    assert launcher._pick_victims(beside_pd, {"mixed": -1}, allow_empty=False) == ["mixed-0"]
+
+    monkeypatch.setattr(launcher, "actor_names", lambda: ["master", "mixed-0", "mixed-1"])
+    alone = FakeMaster(_views(mixed_0="mixed", mixed_1="mixed"))
+    assert len(launcher._pick_victims(alone, {"mixed": -1}, allow_empty=False)) == 1
+    with pytest.raises(LaunchError, match="no active decode or mixed node"):
+        launcher._pick_victims(alone, {"mixed": -2}, allow_empty=False)
+    assert sorted(launcher._pick_victims(alone, {"mixed": -2}, allow_empty=True)) == ["mixed-0", "mixed-1"]
 
 
 def test_spec_packs_a_prefill_and_a_decode_on_one_gpu_with_matching_memory_fractions():
@@ -176,7 +283,8 @@ def test_cluster_yaml_is_a_valid_ray_up_config():
     start = next(c for c in _documented_commands() if c[1] == "start" and "--master-resource" in c)
     args = build_parser().parse_args(start)
     assert head["resources"][args.master_resource] >= 1
-    for resource in (args.prefill_resource, args.decode_resource):
+    assert args.mixed_resource  # kept in the spec, so `scale --mixed +N` lands on the mixed node type
+    for resource in (args.prefill_resource, args.decode_resource, args.mixed_resource):
         assert any(t["resources"].get(resource) and t["resources"].get("GPU", 0) >= args.gpus_per_node
                    for t in types.values())
 
@@ -370,6 +478,21 @@ def test_scale_down_drains_a_decode_node_with_requests_in_flight(cluster):
     assert removed not in cluster.nodes()
     assert removed not in cluster.launcher.actor_names()
     assert len(cluster.decodes()) == len(decodes) - 1
+
+
+def test_scale_adds_a_mixed_node_beside_prefill_and_decode_and_drains_it(cluster):
+    assert cluster.cli("scale", "--mixed", "+1") == 0
+    mixed = [n for n, v in cluster.nodes().items() if v["role"] == "mixed"]
+    assert mixed == ["mixed-0"] and cluster.nodes()["mixed-0"]["state"] == "active"
+    info = cluster.launcher.status().actors["mixed-0"]
+    assert info["role"] == "mixed" and info["pid"]
+    assert cluster.chat("Say hi.").choices[0].finish_reason in ("stop", "length")
+
+    # The decode node still serves, so the last mixed node goes without --allow-empty.
+    assert cluster.cli("scale", "--mixed", "-1") == 0
+    assert "mixed-0" not in cluster.nodes()
+    assert "mixed-0" not in cluster.launcher.actor_names()
+    wait_until(lambda: _process_gone(info["pid"]), 30, "the mixed node's process exited")
 
 
 def test_stop_leaves_no_actor_and_no_process(cluster, capsys):

@@ -61,18 +61,19 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
         block_size=args.block_size, gpus_per_node=args.gpus_per_node, gpu_memory_fraction=args.gpu_memory_fraction,
         cpus_per_node=args.cpus_per_node,
         masters=args.masters, master_cpus=args.master_cpus, master_resource=args.master_resource,
-        prefill_resource=args.prefill_resource,
-        decode_resource=args.decode_resource, drain_timeout_s=args.drain_timeout,
+        prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
+        mixed_resource=args.mixed_resource, drain_timeout_s=args.drain_timeout,
         max_restarts=args.max_restarts, log_level=args.log_level, node_args=args.node_arg,
     )
     chose_token = bool(os.environ.get("PD_ADMIN_TOKEN"))
 
     def body(launcher) -> int:
-        url = launcher.start(spec, args.prefill, args.decode, timeout=args.ready_timeout)
+        url = launcher.start(spec, args.prefill, args.decode, timeout=args.ready_timeout, mixed=args.mixed)
         admin = launcher.tokens()["admin"]
         where = "from PD_ADMIN_TOKEN" if chose_token else f"generated: print it with `{_cmd(args, 'token')}`"
+        mixed = f", {args.mixed} mixed" if args.mixed else ""
         sys.stdout.write(
-            f"pd-cluster is serving at {url}/v1 ({args.prefill} prefill, {args.decode} decode; "
+            f"pd-cluster is serving at {url}/v1 ({args.prefill} prefill, {args.decode} decode{mixed}; "
             f"Ray namespace {args.namespace})\n"
             f"admin token: {_masked(admin)} ({where})\n"
             f"nodes:  {_cmd(args, 'status')}\n"
@@ -85,12 +86,12 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
 
 
 def cmd_ray_scale(args: argparse.Namespace) -> int:
-    if not args.prefill and not args.decode:
-        logger.error("nothing to do: pass --prefill and/or --decode, e.g. --decode +1")
+    if not args.prefill and not args.decode and not args.mixed:
+        logger.error("nothing to do: pass --prefill, --decode and/or --mixed, e.g. --decode +1")
         return 2
 
     def body(launcher) -> int:
-        result = launcher.scale(prefill=args.prefill, decode=args.decode, timeout=args.timeout,
+        result = launcher.scale(prefill=args.prefill, decode=args.decode, mixed=args.mixed, timeout=args.timeout,
                                 allow_empty=args.allow_empty)
         for name in result.added:
             sys.stdout.write(f"added   {name}\n")
@@ -206,6 +207,9 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     _common(start)
     start.add_argument("--prefill", type=int, default=1, help="prefill nodes to start")
     start.add_argument("--decode", type=int, default=1, help="decode nodes to start")
+    start.add_argument("--mixed", type=int, default=0,
+                       help="mixed nodes to start (prefill and decode in one engine); --prefill 0 --decode 0 "
+                            "--mixed 1 is the colocated baseline")
     start.add_argument("--model", default="default", help='"default" or a model directory on every Ray node')
     start.add_argument("--served-model-name", default=None, help="the name clients put in `model`")
     start.add_argument("--policy", default="cache_aware", choices=POLICIES,
@@ -218,7 +222,7 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node")
     start.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
     start.add_argument("--gpus-per-node", type=float, default=1.0,
-                       help="Ray GPUs per P/D actor (0: CPU nodes; 0.5: a P and a D share each GPU)")
+                       help="Ray GPUs per node actor (0: CPU nodes; 0.5: a P and a D share each GPU)")
     start.add_argument("--gpu-memory-fraction", type=float, default=None,
                        help="share of its GPU's memory each node may use (default: from a fractional "
                             "--gpus-per-node, e.g. 0.5 -> 0.45)")
@@ -232,6 +236,8 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
                        help="custom Ray resource each prefill actor takes 1 of (e.g. pd_prefill: its node type)")
     start.add_argument("--decode-resource", default=None,
                        help="custom Ray resource each decode actor takes 1 of (e.g. pd_decode)")
+    start.add_argument("--mixed-resource", default=None,
+                       help="custom Ray resource each mixed actor takes 1 of (e.g. pd_mixed)")
     start.add_argument("--drain-timeout", type=float, default=600.0,
                        help="seconds a draining node waits for its requests before it leaves anyway")
     start.add_argument("--max-restarts", type=int, default=3, help="restarts of a crashed process")
@@ -244,6 +250,7 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     _common(scale)
     scale.add_argument("--prefill", type=int, default=0, help="+N adds, -N drains and removes")
     scale.add_argument("--decode", type=int, default=0, help="+N adds, -N drains and removes")
+    scale.add_argument("--mixed", type=int, default=0, help="+N adds, -N drains and removes")
     scale.add_argument("--timeout", type=float, default=None, help="default: the drain timeout + 60 s")
     scale.add_argument("--allow-empty", action="store_true", help="allow removing the last node of a role")
     scale.set_defaults(func=cmd_ray_scale)
@@ -265,7 +272,7 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
 
     logs = ray_sub.add_parser("logs", help="the last lines a process printed (master, prefill-0, ...)")
     _common(logs)
-    logs.add_argument("name", help="the process: master, prefill-0, decode-0, ...")
+    logs.add_argument("name", help="the process: master, prefill-0, decode-0, mixed-0, ...")
     logs.add_argument("--lines", type=int, default=100, help="how many of the last lines to print")
     logs.set_defaults(func=cmd_ray_logs)
 

@@ -78,6 +78,17 @@ def node_role(name: str) -> str | None:
     return role if role in NODE_ROLES and index.isdigit() else None
 
 
+def check_node_counts(prefill: int, decode: int, mixed: int) -> None:
+    """Refuse a cluster that could not serve: the same rules as ``pd-cluster local``."""
+    if min(prefill, decode, mixed) < 0:
+        raise LaunchError("node counts cannot be negative")
+    if decode < 1 and mixed < 1:
+        raise LaunchError("a cluster needs a decode node or a mixed node (a prefill node alone cannot serve: "
+                          "it hands its requests to a decode node)")
+    if prefill and not decode:
+        raise LaunchError("prefill nodes need a decode node to hand their requests to (--decode)")
+
+
 def _node_index(name: str) -> int:
     return int(name.rpartition("-")[2])
 
@@ -130,12 +141,11 @@ class RayLauncher:
 
     # ---- commands -------------------------------------------------------------------------
 
-    def start(self, spec: ClusterSpec, prefill: int, decode: int, timeout: float = 600.0) -> str:
-        """Master, then ``prefill`` P and ``decode`` D actors; returns the master's URL once all joined."""
+    def start(self, spec: ClusterSpec, prefill: int, decode: int, timeout: float = 600.0, mixed: int = 0) -> str:
+        """Master, then ``prefill`` P, ``decode`` D and ``mixed`` actors; returns the master's URL once all joined."""
         if spec.namespace != self.namespace:
             raise ValueError("the spec's namespace differs from the launcher's")
-        if prefill < 1 or decode < 1:
-            raise LaunchError("a cluster needs at least one prefill and one decode node")
+        check_node_counts(prefill, decode, mixed)
         self.connect()
         existing = self.actor_names()
         if existing:
@@ -168,7 +178,7 @@ class RayLauncher:
             # Nodes get every master (they register with each); the state keeps the list.
             url = ",".join(urls)
             self._get(state.set_master_url.remote(url), deadline, "the state actor did not answer")
-            for role, count in (("prefill", prefill), ("decode", decode)):
+            for role, count in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
                 for _ in range(count):
                     name = self._get(state.next_node_name.remote(role), deadline, "the state actor did not answer")
                     started[name] = self._create_node(spec, role, name, url)
@@ -185,15 +195,15 @@ class RayLauncher:
         return url
 
     def scale(self, prefill: int = 0, decode: int = 0, timeout: float | None = None,
-              allow_empty: bool = False) -> ScaleResult:
-        """Add (delta > 0) or drain and remove (delta < 0) prefill and decode nodes."""
+              allow_empty: bool = False, mixed: int = 0) -> ScaleResult:
+        """Add (delta > 0) or drain and remove (delta < 0) prefill, decode and mixed nodes."""
         self.connect()
         state = self._state()
         spec = ClusterSpec.model_validate_json(self._call(state.spec.remote()))
         url = self._call(state.master_url.remote())
         admin_token = self._call(state.tokens.remote())["admin"]
         deadline = time.monotonic() + (timeout if timeout is not None else spec.drain_timeout_s + 60.0)
-        deltas = {"prefill": prefill, "decode": decode}
+        deltas = {"prefill": prefill, "decode": decode, "mixed": mixed}
         result = ScaleResult()
         with MasterClient(first_master(url), admin_token) as client:
             victims = self._pick_victims(client, deltas, allow_empty)
@@ -328,7 +338,8 @@ class RayLauncher:
                 unplaced = sorted(set(actors) - placed)
                 hint = ""
                 if unplaced:
-                    extra = "".join(f", {r}: 1" for r in (spec.prefill_resource, spec.decode_resource) if r)
+                    roles = sorted({role for n in unplaced if (role := node_role(n))})
+                    extra = "".join(f", {r}: 1" for role in roles if (r := spec.role_resource(role)))
                     hint = (f"; not placed: {', '.join(unplaced)} (a node needs GPU: {spec.gpus_per_node}, "
                             f"CPU: {spec.cpus_per_node}{extra}: see `ray status`)")
                 missing = sorted(expected - joined - set(unplaced))
@@ -340,7 +351,11 @@ class RayLauncher:
     # ---- removing ---------------------------------------------------------------------------
 
     def _pick_victims(self, client: MasterClient, deltas: dict[str, int], allow_empty: bool) -> list[str]:
-        """Per role: nodes that already left first, then the least loaded, newest first on ties."""
+        """Per role: nodes that already left first, then the least loaded, newest first on ties.
+
+        Removing the last active prefill or decode node is refused (without ``allow_empty``); mixed
+        nodes are often an addition to P and D, so the last one goes unless no decode node is left
+        to serve either."""
         wanted = {role: -d for role, d in deltas.items() if d < 0}
         if not wanted:
             return []
@@ -354,11 +369,14 @@ class RayLauncher:
             gone = [n for n in mine if n not in nodes]
             registered = sorted((n for n in mine if n in nodes), key=lambda n: (_in_flight(nodes[n]), -_node_index(n)))
             chosen = (sorted(gone, key=_node_index) + registered)[:count]
-            active_left = [n for n in registered if n not in chosen and nodes[n].get("state") == "active"]
-            if not active_left and not allow_empty:
-                raise LaunchError(f"removing {count} {role} node(s) would leave no active {role} node "
-                                  "(pass --allow-empty to do it anyway)")
             victims += chosen
+            serving = ("decode", "mixed") if role == "mixed" else (role,)
+            active_left = [n for n, view in nodes.items() if view.get("role") in serving and n not in victims
+                           and view.get("state") == "active"]
+            if not active_left and not allow_empty:
+                left = "no active decode or mixed node" if role == "mixed" else f"no active {role} node"
+                raise LaunchError(f"removing {count} {role} node(s) would leave {left} "
+                                  "(pass --allow-empty to do it anyway)")
         return victims
 
     def _remove_nodes(self, client: MasterClient, victims: list[str], deadline: float,

@@ -23,7 +23,7 @@ class MasterClient:
         self.close()
 
     def healthy(self) -> bool:
-        """True once the master routes (>= 1 prefill and >= 1 decode active); False if down."""
+        """True once the master routes (its /health: a mixed node, or a decode node); False if down."""
         try:
             return self._http.get("/health").status_code == 200
         except httpx.HTTPError:

@@ -11,8 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Role = Literal["master", "prefill", "decode"]
-NODE_ROLES: tuple[str, str] = ("prefill", "decode")
+Role = Literal["master", "prefill", "decode", "mixed"]
+NODE_ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
+#: Roles that take KV from prefill nodes, so they advertise a data-plane address.
+DATA_PLANE_ROLES: tuple[str, ...] = ("decode", "mixed")
 
 DEFAULT_NAMESPACE = "pd-cluster"
 STATE_ACTOR = "cluster-state"
@@ -50,7 +52,7 @@ class ClusterSpec(BaseModel):
     max_total_tokens: int | None = Field(default=None, gt=0)
     block_size: int = Field(default=1, gt=0)
     gpus_per_node: float = Field(
-        default=1.0, ge=0, description="Ray GPUs of each P/D actor (0 on CPU; 0.5: a P and a D share one GPU)"
+        default=1.0, ge=0, description="Ray GPUs of each node actor (0 on CPU; 0.5: a P and a D share one GPU)"
     )
     gpu_memory_fraction: float | None = Field(
         default=None, gt=0, le=1,
@@ -67,6 +69,7 @@ class ClusterSpec(BaseModel):
     )
     prefill_resource: str | None = Field(default=None, description="a custom Ray resource each P actor takes 1 of")
     decode_resource: str | None = Field(default=None, description="a custom Ray resource each D actor takes 1 of")
+    mixed_resource: str | None = Field(default=None, description="a custom Ray resource each mixed actor takes 1 of")
     drain_timeout_s: float = Field(default=600.0, gt=0)
     max_restarts: int = Field(default=3, ge=0, description="restarts of a crashed process (and of its actor)")
     log_level: str = "INFO"
@@ -96,9 +99,16 @@ class ClusterSpec(BaseModel):
     def pin_resources(self) -> dict[str, float]:
         return {self.master_resource: 0.001} if self.master_resource else {}
 
+    def role_resource(self, role: str) -> str | None:
+        """The custom Ray resource of a node role, if the operator named one."""
+        if role not in NODE_ROLES:
+            raise ValueError(f"not a node role: {role!r}")
+        return {"prefill": self.prefill_resource, "decode": self.decode_resource,
+                "mixed": self.mixed_resource}[role]
+
     def node_resources(self, role: str) -> dict[str, float]:
-        """Custom resources a node actor asks for: keeps P and D on the Ray node types meant for them."""
-        name = self.prefill_resource if role == "prefill" else self.decode_resource
+        """Custom resources a node actor asks for: keeps each role on the Ray node types meant for it."""
+        name = self.role_resource(role)
         return {name: 1.0} if name else {}
 
     def _base(self) -> list[str]:
@@ -125,7 +135,7 @@ class ClusterSpec(BaseModel):
             argv += ["--max-total-tokens", str(self.max_total_tokens)]
         elif self.node_gpu_memory_fraction is not None and self.node_device != "cpu":
             argv += ["--gpu-memory-fraction", str(self.node_gpu_memory_fraction)]
-        if role == "decode":
+        if role in DATA_PLANE_ROLES:
             # Prefill nodes on other machines dial this address; bind the same one.
             argv += ["--data-host", node_ip, "--data-port", "0"]
         return argv + list(self.node_args)

@@ -35,7 +35,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: pd-cluster
 {{- end }}
 
-{{/* Labels of one component: (dict "root" $ "component" "master|prefill|decode"). */}}
+{{/* Labels of one component: (dict "root" $ "component" "master|prefill|decode|mixed"). */}}
 {{- define "pd-cluster.componentSelectorLabels" -}}
 {{ include "pd-cluster.selectorLabels" .root }}
 app.kubernetes.io/component: {{ .component }}
@@ -44,6 +44,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "pd-cluster.componentLabels" -}}
 {{ include "pd-cluster.labels" .root }}
 app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The node groups, each a Deployment of its own (space-separated: splitList " "). */}}
+{{- define "pd-cluster.nodeRoles" -}}
+prefill decode mixed
 {{- end }}
 
 {{- define "pd-cluster.serviceAccountName" -}}
@@ -92,7 +97,7 @@ once nodes have registered, and they can only register through this Service.
 {{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
 {{- fail "model.source=hostPath needs model.hostPath.path" }}
 {{- end }}
-{{- range $role := list "prefill" "decode" }}
+{{- range $role := include "pd-cluster.nodeRoles" $ | splitList " " }}
 {{- $v := index $.Values $role }}
 {{- if and $v.terminationGracePeriodSeconds (le (int $v.terminationGracePeriodSeconds) (int $v.drainTimeoutSeconds)) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds must exceed %s.drainTimeoutSeconds, or the drain is cut short" $role $role) }}

@@ -1,5 +1,5 @@
 {{/*
-A node group (prefill or decode): (dict "root" $ "role" "prefill|decode").
+A node group (prefill, decode or mixed): (dict "root" $ "role" "prefill|decode|mixed").
 Nodes dial the master's control Service and register themselves, so the replica count is all
 it takes to add or remove nodes. Removing one runs the preStop drain first.
 */}}
@@ -8,6 +8,8 @@ it takes to add or remove nodes. Removing one runs the preStop drain first.
 {{- $role := .role }}
 {{- $v := index $root.Values $role }}
 {{- $component := dict "root" $root "component" $role }}
+{{- /* Roles that take KV from prefill nodes advertise a data plane at their pod IP. */}}
+{{- $dataPlane := has $role (list "decode" "mixed") }}
 {{- $grace := $v.terminationGracePeriodSeconds | default (add (int $v.drainTimeoutSeconds) 30) }}
 apiVersion: apps/v1
 kind: Deployment
@@ -72,7 +74,7 @@ spec:
             - $(POD_NAME)
             - --status-port
             - {{ $v.statusPort | quote }}
-            {{- if eq $role "decode" }}
+            {{- if $dataPlane }}
             - --data-host
             - $(POD_IP)
             - --data-port
@@ -98,7 +100,7 @@ spec:
             - name: status
               containerPort: {{ $v.statusPort }}
               protocol: TCP
-            {{- if eq $role "decode" }}
+            {{- if $dataPlane }}
             - name: kv-data
               containerPort: {{ $v.dataPort }}
               protocol: TCP
