@@ -31,9 +31,10 @@ class EngineConfig(BaseModel):
     seed: int = 0
     cuda_graphs: bool = Field(default=True, description="replay decode steps as CUDA graphs (CUDA devices only)")
     overlap_schedule: bool = Field(
-        default=False,
-        description="detokenize and check stop strings of step N-1's tokens while the device runs step N; "
-                    "a request that stops there drops the one extra token step N drew for it",
+        default=True,
+        description="launch step N+1 before step N's tokens are read back (its inputs take them on the device), "
+                    "and accept and detokenize them while it runs; a request found finished drops what later "
+                    "steps drew for it",
     )
     cuda_graph_batch_sizes: list[int] | None = Field(
         default=None, description="batch sizes to capture; None: 1, 2, 4, ... up to max_running_requests"

@@ -102,10 +102,12 @@ class DecodeGraphs:
         )
         self._inputs[:, :size].copy_(host)
 
-    def replay(self, ids: list[int], positions: list[int], slots: list[int], rows: list[int]) -> torch.Tensor:
+    def replay(self, ids: list[int], positions: list[int], slots: list[int], rows: list[int],
+               device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Decode one token for each row: ``ids[b]`` at ``positions[b]`` of table row ``rows[b]``,
-        its KV going to ``slots[b]``. Returns float32 logits ``[B, vocab]``: a view valid until
-        the next replay."""
+        its KV going to ``slots[b]``; ``device_ids`` (batch rows, ids on the device) replace the
+        ids of rows whose token is still on the device. Returns float32 logits ``[B, vocab]``: a
+        view valid until the next replay."""
         batch = len(ids)
         size = self.graph_size(batch)
         if size is None or batch == 0:
@@ -113,6 +115,8 @@ class DecodeGraphs:
         ctx_lens = [p + 1 for p in positions]
         max_ctx = max(ctx_lens)
         self._write_inputs(ids, positions, slots, ctx_lens, rows, size)
+        if device_ids is not None:
+            self._inputs[_IDS].index_copy_(0, *device_ids)
         real = self._inputs[:, :batch]
         table = self.table.table
         # The new tokens' slots enter the request table, then the rows' live columns are copied

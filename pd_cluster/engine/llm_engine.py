@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,8 +21,8 @@ from pd_cluster.engine.outputs import EngineStats, TokenUpdate
 from pd_cluster.engine.penalties import PenaltyBook
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
-from pd_cluster.engine.request import Request, RequestStatus
-from pd_cluster.engine.sampler import SampledToken, SamplingState, fetch, sample, sample_on_device
+from pd_cluster.engine.request import PENDING, Request, RequestStatus
+from pd_cluster.engine.sampler import DeviceSample, SampledToken, SamplingState, fetch, sample, sample_on_device
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.engine.scheduler import Scheduler
 from pd_cluster.kv_spec import KVSpec
@@ -48,6 +49,20 @@ def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+@dataclass
+class _InFlight:
+    """A pipelined step's sampled ids still on the device, and where each goes: request ``i``'s
+    output holds :data:`PENDING` at ``positions[i]`` until they are read back."""
+
+    requests: list[Request]
+    positions: list[int]
+    #: Each request's row in ``result`` (rows of requests that ended meanwhile are skipped).
+    rows: list[int]
+    result: DeviceSample
+    #: The sampling states of all of ``result``'s rows, in row order.
+    states: list[SamplingState]
 
 
 class LLMEngine:
@@ -99,6 +114,8 @@ class LLMEngine:
         self.stats = EngineStats()
         #: Overlap scheduling: tokens accepted by id, not yet detokenized (request, token, first).
         self._deferred: list[tuple[Request, SampledToken, bool]] = []
+        #: Overlap scheduling: the step launched last, its tokens not yet read back.
+        self._in_flight: _InFlight | None = None
         logger.info(
             "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
             self.model_config.name, self.device, self.dtype_name, num_slots,
@@ -176,6 +193,7 @@ class LLMEngine:
             return False
         req.finish_reason = "abort"
         req.hold_kv = False
+        self._drop_pending(req)
         self.scheduler.remove(req)
         self.penalties.release(req.sampling)
         req.status = RequestStatus.FINISHED
@@ -186,7 +204,7 @@ class LLMEngine:
         self.scheduler.release_kv(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred)
+        return self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -197,6 +215,9 @@ class LLMEngine:
 
     def step(self) -> list[TokenUpdate]:
         if self.config.overlap_schedule:
+            if self._can_pipeline():
+                return self._step_pipelined()
+            self._read_back_in_flight()
             return self._step_overlapped()
         step = self.scheduler.schedule()
         if not step.requests:
@@ -252,12 +273,108 @@ class LLMEngine:
                 self._accept_id(req, tok, now)
         return updates
 
-    def _accept_id(self, req: Request, tok: SampledToken, now: float) -> None:
-        """Take a token into the request by id (the next step can use it); its text comes later."""
-        first = not req.output_token_ids
+    def _can_pipeline(self) -> bool:
+        """Whether the next step may launch before the last one's tokens are read back: not while
+        a layer hook streams KV (a prefill node), nor with a prefill-only or held request (whose
+        end a prefill node acts on at once)."""
+        if self._layer_hooks is not None:
+            return False
+        sched = self.scheduler
+        return not any(r.prefill_only or r.hold_kv for queue in (sched.running, sched.waiting) for r in queue)
+
+    def _step_pipelined(self) -> list[TokenUpdate]:
+        """One step of overlap scheduling, the device never waiting on the host:
+
+        1. this step is scheduled and its forward launched while the previous step may still run;
+           rows whose input is the previous step's token take it on the device (the host holds
+           :data:`PENDING` in its place);
+        2. the previous step's tokens are read back (the forward keeps the device busy) and
+           accepted: EOS, stop ids and the length limit end a request at once, and what this
+           step computes for it is dropped;
+        3. grammar masks for this step are filled (the previous tokens are in their matchers),
+           and its sampling is launched;
+        4. the tokens read back are detokenized; a stop string found there ends its request one
+           step late, dropping the token this step draws for it and freeing its KV slot.
+
+        Updates come one call later than without overlap; :meth:`has_unfinished` stays true until
+        they are out."""
+        previous = self._in_flight
+        self._in_flight = None
+        step = self.scheduler.schedule()
+        logits = None
+        if step.requests:
+            device_tokens = previous.result.tokens if previous is not None else None
+            logits = self.runner.run(step, None, device_tokens)
+            self.stats.steps += 1
+            self.stats.computed_tokens += step.num_tokens
+            for req, q_len in zip(step.requests, step.q_lens):
+                req.num_computed += q_len
+        if previous is not None:
+            self._read_back(previous)
+        if logits is not None:
+            sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
+            if sampling_reqs:
+                self.grammars.apply_masks(logits, sampling_reqs)
+                result = sample_on_device(logits, [r.sampling for r in sampling_reqs], self.penalties)
+                live, positions, rows = [], [], []
+                for i, req in enumerate(sampling_reqs):
+                    if req.finished or req.row < 0:  # ended when its previous token was read back
+                        self.stats.dropped_tokens += 1
+                        continue
+                    out = req.sampling.output_token_ids
+                    live.append(req)
+                    rows.append(i)
+                    positions.append(len(out))
+                    out.append(PENDING)
+                    req.pending_index = i
+                    req.last_token_pending = len(out) >= req.sampling.params.max_tokens
+                if live:
+                    self._in_flight = _InFlight(live, positions, rows, result, [r.sampling for r in sampling_reqs])
+        return self._detokenize_deferred()
+
+    def _read_back_in_flight(self) -> None:
+        """Read back and accept the pipelined step in flight, if any (before a step that cannot
+        pipeline)."""
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._read_back(previous)
+
+    def _read_back(self, launched: _InFlight) -> None:
+        tokens = fetch(launched.result, launched.states)
+        now = time.monotonic()
+        for req, position, row in zip(launched.requests, launched.positions, launched.rows):
+            tok = tokens[row]
+            out = req.sampling.output_token_ids
+            if req.finished or position >= len(out) or out[position] != PENDING:
+                self.stats.dropped_tokens += 1  # drawn after a stop string had ended its request
+                continue
+            out[position] = tok.token_id
+            if req.pending_index is not None and position == len(out) - 1:
+                req.pending_index = None
+            self._accept_id(req, tok, now, appended=True, count=position + 1)
+
+    def _drop_pending(self, req: Request) -> None:
+        """Forget the tokens still on the device for an ending request, and free the KV slots of
+        the ones a later step already fed back (never cached: their tokens are gone)."""
+        out = req.sampling.output_token_ids
+        while out and out[-1] == PENDING:
+            out.pop()
+        req.pending_index = None
+        n = req.num_tokens
+        if req.row >= 0 and req.num_computed > n:
+            self.pool.free(self.table.read(req.row, req.num_computed)[n:])
+            req.num_computed = n
+
+    def _accept_id(self, req: Request, tok: SampledToken, now: float, appended: bool = False,
+                   count: int | None = None) -> None:
+        """Take a token into the request by id (the next step can use it); its text comes later.
+        ``appended``: the token already holds its place in the output (a pipelined step's);
+        ``count``: the output's length up to it (default: the whole output)."""
+        first = (count or len(req.output_token_ids) + (0 if appended else 1)) == 1
         if first and req.num_cached_tokens:
             self.stats.cached_prompt_tokens += req.num_cached_tokens
-        req.sampling.output_token_ids.append(tok.token_id)
+        if not appended:
+            req.sampling.output_token_ids.append(tok.token_id)
         if tok.logprob is not None:
             req.logprobs.append(tok.logprob)
         if req.first_token_time is None:
@@ -265,7 +382,9 @@ class LLMEngine:
         self.stats.generation_tokens += 1
         self._deferred.append((req, tok, first))
         grammar_done = self.grammars.advance(req)
-        if req.prefill_only or grammar_done or req.output.ends_with_token(tok.token_id, len(req.output_token_ids)):
+        count = count if count is not None else len(req.output_token_ids)
+        if req.prefill_only or grammar_done or req.output.ends_with_token(tok.token_id, count):
+            self._drop_pending(req)
             self.scheduler.remove(req)  # never scheduled again; finished once its text is out
 
     def _detokenize_deferred(self) -> list[TokenUpdate]:
@@ -312,6 +431,7 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str | None) -> None:
         """Take a request out of the batch; ``reason`` None: its prefill-only part is done."""
         req.finish_reason = reason
+        self._drop_pending(req)
         self.scheduler.remove(req)
         self.penalties.release(req.sampling)
         req.status = RequestStatus.FINISHED
@@ -354,7 +474,7 @@ class LLMEngine:
         self.cache.enabled = False  # the request's KV goes back to the pool, not into the cache
         try:
             self.add_request(request_id, token_ids, params)
-            for _ in range(n + decode_steps + 2):  # each step makes progress: bounded (+1: overlap's last)
+            for _ in range(n + decode_steps + 3):  # each step makes progress: bounded (+2: overlap's last)
                 if not self.has_unfinished():
                     break
                 self.step()

@@ -12,6 +12,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cuda_graphs import DecodeGraphs
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.req_table import ReqSlotTable
+from pd_cluster.engine.request import PENDING
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.llama import LayerHook, LlamaModel
@@ -87,22 +88,47 @@ class ModelRunner:
             and self.graphs.graph_size(len(step.requests)) is not None
         )
 
-    def run(self, step: ScheduledStep, layer_hooks: StepHook | None = None) -> torch.Tensor:
+    def run(self, step: ScheduledStep, layer_hooks: StepHook | None = None,
+            device_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[K, vocab]`` for the requests of the step that sample (in step order).
 
         ``layer_hooks(step)`` may give a hook for this step's layers. Pure-decode steps without a
-        layer hook replay a CUDA graph when one was captured."""
+        layer hook replay a CUDA graph when one was captured. ``device_tokens``: the previous
+        step's sampled ids, still on the device; a request whose input is :data:`PENDING` reads
+        its id there (row ``request.pending_index``)."""
         with self._on_device():
             layer_hook = layer_hooks(step) if layer_hooks is not None else None
+            patch = self._device_ids(step, device_tokens)
             if layer_hook is None and self._graph_fits(step):
-                return self._replay(step)
+                return self._replay(step, patch)
             batch = self.prepare(step)
+            if patch is not None:
+                batch.input_ids.index_copy_(0, *patch)
             return self.model.forward(batch, self.pool, layer_hook)
 
-    def _replay(self, step: ScheduledStep) -> torch.Tensor:
+    def _device_ids(self, step: ScheduledStep, device_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat input positions, ids) for the step's inputs that are still on the device."""
+        if device_tokens is None:
+            return None
+        where, rows = [], []
+        offset = 0
+        for req, q_len in zip(step.requests, step.q_lens):
+            last = req.num_computed + q_len - 1
+            if req.token_ids(last, last + 1)[0] == PENDING:
+                if req.pending_index is None:
+                    raise RuntimeError(f"request {req.request_id}: its input is on the device but not in the last step")
+                where.append(offset + q_len - 1)
+                rows.append(req.pending_index)
+            offset += q_len
+        if not where:
+            return None
+        index = torch.tensor([where, rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        return index[0], device_tokens.index_select(0, index[1])
+
+    def _replay(self, step: ScheduledStep, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         assert self.graphs is not None
         reqs = step.requests
         positions = [r.num_computed for r in reqs]
         ids = [r.token_ids(p, p + 1)[0] for r, p in zip(reqs, positions)]
         slots = torch.cat(step.new_slots).tolist()
-        return self.graphs.replay(ids, positions, slots, [r.row for r in reqs])
+        return self.graphs.replay(ids, positions, slots, [r.row for r in reqs], patch)

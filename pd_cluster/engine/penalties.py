@@ -70,8 +70,11 @@ class PenaltyBook:
         """(Re)build ``state``'s row from its token lists."""
         assert self.counts is not None and self.seen is not None
         row = state.penalty_row
-        counted = torch.tensor(state.counted_output(), dtype=torch.int64).to(self.device, non_blocking=True)
-        seen_ids = torch.cat((state.prompt_ids_tensor(), torch.tensor(state.output_token_ids, dtype=torch.int64)))
+        # Tokens still on the device (negative placeholders) are counted when they are recorded.
+        counted = torch.tensor([t for t in state.counted_output() if t >= 0], dtype=torch.int64)
+        counted = counted.to(self.device, non_blocking=True)
+        output = torch.tensor([t for t in state.output_token_ids if t >= 0], dtype=torch.int64)
+        seen_ids = torch.cat((state.prompt_ids_tensor(), output))
         self.counts[row].zero_()
         self.counts[row].index_add_(0, counted, torch.ones_like(counted, dtype=torch.int32))
         self.seen[row].zero_()

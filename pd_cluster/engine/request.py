@@ -13,6 +13,10 @@ from pd_cluster.engine.sampler import SamplingState
 from pd_cluster.protocol import TokenLogprob
 
 
+#: In ``output_token_ids``: a token sampled on the device and not yet read back (pipelined steps).
+PENDING = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -49,6 +53,12 @@ class Request:
     prefill_only: bool = False
     #: The matcher of the grammar the output must follow (``params.structured``); None: free text.
     grammar: GrammarState | None = None
+    #: Pipelined steps: the row of this request's newest token in the batch still on the device
+    #: (its place in the output holds :data:`PENDING` until the token is read back).
+    pending_index: int | None = None
+    #: Pipelined steps: the token on the device is the last this request can produce (its length
+    #: limit): the scheduler does not run it again.
+    last_token_pending: bool = False
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -78,6 +88,12 @@ class Request:
     @property
     def max_tokens_left(self) -> int:
         return max(self.sampling.params.max_tokens - len(self.sampling.output_token_ids), 0)
+
+    @property
+    def waits_for_token(self) -> bool:
+        """Its newest token is still on the device (it cannot be prefilled from the host)."""
+        out = self.sampling.output_token_ids
+        return bool(out) and out[-1] == PENDING
 
     @property
     def finished(self) -> bool:

@@ -131,7 +131,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.arrival_time)
 
-        decoding = [r for r in self.running if r.remaining_to_compute == 1]
+        decoding = [r for r in self.running if r.remaining_to_compute == 1 and not r.last_token_pending]
         batch_slots = self.alloc_slots(len(decoding)) if decoding else None
         if batch_slots is not None:  # the common case: one allocation for the whole decode batch
             for req, slot in zip(decoding, batch_slots.split(1)):
@@ -167,7 +167,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if not self._admit(req, budget, step):
+            if req.waits_for_token or not self._admit(req, budget, step):
                 break
             self.waiting.popleft()
             budget -= step.q_lens[-1]
