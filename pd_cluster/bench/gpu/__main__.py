@@ -50,6 +50,7 @@ class Results:
             "device_count": torch.cuda.device_count(),
             "date": date,
             "quick": plan.quick,
+            "overlap_schedule": plan.overlap_schedule,
             "model": json.loads(plan.big_config.read_text())["_name_or_path"],
             "versions": {"torch": torch.__version__, "triton": triton.__version__,
                          "transformers": transformers.__version__, "python": sys.version.split()[0]},
@@ -116,7 +117,7 @@ def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.
     engine = results.part("engine_build", lambda: build_engine(
         plan.big_config, str(dev0), max_total_tokens=plan.kv_tokens, max_model_len=plan.max_model_len,
         max_running_requests=max(plan.decode_batches), max_num_batched_tokens=max(plan.transfer_lens + plan.prefill_lens),
-        enable_prefix_cache=False, block_size=plan.block_size))
+        enable_prefix_cache=False, block_size=plan.block_size, overlap_schedule=plan.overlap_schedule))
     if engine is None:
         return
     data = results.data
@@ -151,7 +152,7 @@ def measure_small_model(plan: Plan, dev0: torch.device, copy_bw: float, matmul: 
     small_plan.decode_batches = [1, plan.key_batch]
     small_engine = build_engine(plan.small_config, str(dev0), max_total_tokens=131072, max_model_len=8192,
                                 max_running_requests=plan.key_batch, max_num_batched_tokens=8192,
-                                enable_prefix_cache=False)
+                                enable_prefix_cache=False, overlap_schedule=plan.overlap_schedule)
     out = {"model": json.loads(plan.small_config.read_text())["_name_or_path"],
            "decode": measure_decode(small_engine, small_plan, copy_bw, gen, eager_batches=(1, plan.key_batch)),
            "prefill": measure_prefill(small_engine, small_plan, [plan.key_len], matmul, gen)}
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks every path in about a minute")
     parser.add_argument("--cpu", action="store_true", help="dry run of the code paths without a GPU (with --quick)")
+    parser.add_argument("--no-overlap-schedule", action="store_true",
+                        help="engines run each step only after the last one's tokens are read back (the baseline "
+                             "of overlap scheduling, which is on by default)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run (default: all of {', '.join(PARTS)})")
     args = parser.parse_args(argv)
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     plan = Plan(args.quick)
     plan.parts = parts
+    plan.overlap_schedule = not args.no_overlap_schedule
     results = run(plan, args.out)
     print(f"\n{results['device_kind']} {results['date']}  ({time.monotonic() - started:.0f} s; "
           f"parts: {results.get('part_seconds')})")
