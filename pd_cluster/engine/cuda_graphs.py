@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.llama import LlamaModel
@@ -100,7 +101,7 @@ class DecodeGraphs:
              rows + [0] * pad],
             dtype=torch.int64,
         )
-        self._inputs[:, :size].copy_(host)
+        self._inputs[:, :size].copy_(to_device(host, self.device))
 
     def replay(self, ids: list[int], positions: list[int], slots: list[int], rows: list[int],
                device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

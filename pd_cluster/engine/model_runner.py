@@ -10,6 +10,7 @@ import torch
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cuda_graphs import DecodeGraphs
+from pd_cluster.engine.device_copy import tensor_on, to_device
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import PENDING
@@ -64,19 +65,19 @@ class ModelRunner:
             if sample:
                 logits_indices.append(offset - 1)
         q_lens = torch.tensor(step.q_lens, dtype=torch.int64)
-        rows = torch.tensor([r.row for r in step.requests], dtype=torch.int64, device=self.device)
+        rows = tensor_on([r.row for r in step.requests], torch.int64, self.device)
         max_ctx = max(ctx_lens)
         dev = self.device
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.cat(positions).to(dev, non_blocking=True),
-            out_slots=torch.cat(step.new_slots).to(dev, non_blocking=True),
+            input_ids=tensor_on(input_ids, torch.int64, dev),
+            positions=to_device(torch.cat(positions), dev),
+            out_slots=to_device(torch.cat(step.new_slots), dev),
             # Only the live columns are gathered: the table is as wide as the context length.
             slot_table=self.table.table[:, :max_ctx].index_select(0, rows),
-            ctx_lens=torch.tensor(ctx_lens, dtype=torch.int64).to(dev, non_blocking=True),
-            q_lens=q_lens.to(dev, non_blocking=True),
-            q_start_loc=(torch.cumsum(q_lens, 0) - q_lens).to(dev, non_blocking=True),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
+            ctx_lens=tensor_on(ctx_lens, torch.int64, dev),
+            q_lens=to_device(q_lens, dev),
+            q_start_loc=to_device(torch.cumsum(q_lens, 0) - q_lens, dev),
+            logits_indices=tensor_on(logits_indices, torch.int64, dev),
             is_decode=all(q == 1 for q in step.q_lens),
         )
 
@@ -122,7 +123,7 @@ class ModelRunner:
             offset += q_len
         if not where:
             return None
-        index = torch.tensor([where, rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        index = tensor_on([where, rows], torch.int64, self.device)
         return index[0], device_tokens.index_select(0, index[1])
 
     def _replay(self, step: ScheduledStep, patch: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pd_cluster.engine.device_copy import tensor_on, to_device
+
 if TYPE_CHECKING:
     from pd_cluster.engine.sampler import SamplingState
 
@@ -72,13 +74,13 @@ class PenaltyBook:
         row = state.penalty_row
         # Tokens still on the device (negative placeholders) are counted when they are recorded.
         counted = torch.tensor([t for t in state.counted_output() if t >= 0], dtype=torch.int64)
-        counted = counted.to(self.device, non_blocking=True)
+        counted = to_device(counted, self.device)
         output = torch.tensor([t for t in state.output_token_ids if t >= 0], dtype=torch.int64)
         seen_ids = torch.cat((state.prompt_ids_tensor(), output))
         self.counts[row].zero_()
         self.counts[row].index_add_(0, counted, torch.ones_like(counted, dtype=torch.int32))
         self.seen[row].zero_()
-        self.seen[row, seen_ids.to(self.device, non_blocking=True)] = True
+        self.seen[row, to_device(seen_ids, self.device)] = True
         state.penalty_len = len(state.output_token_ids)
 
     def rows(self, states: Sequence["SamplingState"]) -> list[int]:
@@ -106,7 +108,7 @@ class PenaltyBook:
         picked = [(i, s.penalty_row) for i, s in enumerate(states) if s.penalty_book is self]
         if not picked or self.counts is None or self.seen is None:
             return
-        index = torch.tensor(picked, dtype=torch.int64).to(self.device, non_blocking=True)
+        index = tensor_on(picked, torch.int64, self.device)
         rows, drawn = index[:, 1], tokens.index_select(0, index[:, 0])
         self.counts.index_put_((rows, drawn), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
         self.seen[rows, drawn] = True

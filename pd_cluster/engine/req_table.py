@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pd_cluster.engine.device_copy import to_device
+
 
 class ReqSlotTable:
     """A ``[max_requests, max_len]`` int64 table on the device, so a step's slot table is one gather."""
@@ -26,7 +28,7 @@ class ReqSlotTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start : start + slots.numel()] = slots.to(self.table.device)
+        self.table[row, start : start + slots.numel()] = to_device(slots, self.table.device)
 
     def read(self, row: int, length: int) -> torch.Tensor:
         """The first ``length`` slots of a row, on the CPU."""

@@ -31,6 +31,7 @@ from kernels._triton import use_triton
 from kernels.penalties import apply_penalties as penalize
 from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from pd_cluster.engine.penalties import PenaltyBook
+from pd_cluster.engine.device_copy import tensor_on, to_device
 from pd_cluster.protocol import TokenLogprob
 from pd_cluster.sampling_params import SamplingParams
 
@@ -203,8 +204,8 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
             logprob_rows.append(i)
             max_logprobs = max(max_logprobs, p.logprobs)
     return _Batch(
-        floats=torch.tensor(floats, dtype=torch.float32).to(device, non_blocking=True),
-        ints=torch.tensor(ints, dtype=torch.int64).to(device, non_blocking=True),
+        floats=tensor_on(floats, torch.float32, device),
+        ints=tensor_on(ints, torch.int64, device),
         any_random=any_random, use_top_k=use_top_k, use_top_p=use_top_p, bias_rows=bias_rows,
         use_rep=use_rep, use_counts=use_counts, logprob_rows=logprob_rows, max_logprobs=max_logprobs,
     )
@@ -250,7 +251,7 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
 
     logprobs = None
     if rows.logprob_rows:
-        index = torch.tensor(rows.logprob_rows, device=device)
+        index = tensor_on(rows.logprob_rows, torch.int64, device)
         logprobs = torch.log_softmax(x.index_select(0, index), dim=-1)
 
     book = penalties if penalties is not None else PenaltyBook(vocab, device)
@@ -272,8 +273,8 @@ def apply_logit_bias(x: torch.Tensor, states: Sequence[SamplingState], bias_rows
         return
     vocab = x.shape[1]
     ids, values = zip(*(states[i].bias_tensors() for i in bias_rows))
-    flat = torch.cat([i * vocab + t for i, t in zip(bias_rows, ids)]).to(x.device, non_blocking=True)
-    x.view(-1).index_add_(0, flat, torch.cat(values).to(x.device, non_blocking=True))
+    flat = to_device(torch.cat([i * vocab + t for i, t in zip(bias_rows, ids)]), x.device)
+    x.view(-1).index_add_(0, flat, to_device(torch.cat(values), x.device))
 
 
 def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: _Batch, book: PenaltyBook) -> None:
@@ -282,7 +283,7 @@ def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: _Bat
     have neutral settings: their logits come out unchanged)."""
     if not (rows.use_rep or rows.use_counts):
         return
-    index = torch.tensor(book.rows(states), dtype=torch.int64).to(x.device, non_blocking=True)
+    index = tensor_on(book.rows(states), torch.int64, x.device)
     assert book.counts is not None and book.seen is not None
     f = rows.floats
     penalize(x, index, book.counts, book.seen, f[:, _REP], f[:, _FREQ], f[:, _PRES], rows.use_rep, rows.use_counts)
