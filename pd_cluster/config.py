@@ -31,7 +31,7 @@ class EngineConfig(BaseModel):
     seed: int = 0
     cuda_graphs: bool = Field(default=True, description="replay decode steps as CUDA graphs (CUDA devices only)")
     overlap_schedule: bool = Field(
-        default=True,
+        default=False,
         description="launch step N+1 before step N's tokens are read back (its inputs take them on the device), "
                     "and accept and detokenize them while it runs; a request found finished drops what later "
                     "steps drew for it",

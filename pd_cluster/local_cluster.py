@@ -446,8 +446,8 @@ class LocalOptions:
     gpus: list[int] | None = None
     dtype: str = "auto"
     block_size: int = 1
-    #: Nodes launch a step before the last one's tokens are read back (``--no-overlap-schedule``: off).
-    overlap_schedule: bool = True
+    #: Nodes launch a step before the last one's tokens are read back (``--overlap-schedule``).
+    overlap_schedule: bool = False
     max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
@@ -564,8 +564,8 @@ class LocalCluster:
                                         "--block-size", str(o.block_size)]
             if o.max_total_tokens:
                 argv += ["--max-total-tokens", str(o.max_total_tokens)]
-            if not o.overlap_schedule:
-                argv += ["--no-overlap-schedule"]
+            if o.overlap_schedule:
+                argv += ["--overlap-schedule"]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)

@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks every path in about a minute")
     parser.add_argument("--cpu", action="store_true", help="dry run of the code paths without a GPU (with --quick)")
-    parser.add_argument("--no-overlap-schedule", action="store_true",
-                        help="engines run each step only after the last one's tokens are read back (the baseline "
-                             "of overlap scheduling, which is on by default)")
+    parser.add_argument("--overlap-schedule", action="store_true",
+                        help="engines pipeline their steps (launch each before the last one's tokens are read "
+                             "back); without it, the plain order nodes run by default")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run (default: all of {', '.join(PARTS)})")
     args = parser.parse_args(argv)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     plan = Plan(args.quick)
     plan.parts = parts
-    plan.overlap_schedule = not args.no_overlap_schedule
+    plan.overlap_schedule = args.overlap_schedule
     results = run(plan, args.out)
     print(f"\n{results['device_kind']} {results['date']}  ({time.monotonic() - started:.0f} s; "
           f"parts: {results.get('part_seconds')})")

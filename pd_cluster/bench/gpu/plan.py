@@ -31,5 +31,5 @@ class Plan:
         self.kv_tokens = 32768 if quick else 180_000
         self.d_kv_tokens = 16384 if quick else 72_000
         self.block_size = 16
-        #: Engines pipeline their steps (``--no-overlap-schedule``: the plain order, as a baseline).
-        self.overlap_schedule = True
+        #: Engines pipeline their steps (``--overlap-schedule``); the plain order by default, as nodes run.
+        self.overlap_schedule = False
