@@ -448,10 +448,13 @@ class LLMEngine:
     # ---- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self, prompt_tokens: int = 16, decode_steps: int = 1) -> float:
-        """Run one tiny request through the real path before the node serves, so that kernels
-        compile (Triton JIT) and allocations settle before the first real request: a prefill of
-        ``prompt_tokens`` tokens, ``decode_steps`` decode steps (0 for a prefill node), and one
-        block of KV gathered and scattered back as a handover does. Returns its seconds.
+        """Run two tiny requests through the real path before the node serves, so that kernels
+        compile (Triton JIT) and allocations settle before the first real request: a greedy one
+        and one sampled with every knob (temperature, top-k/p, min-p, penalties, logit bias,
+        logprobs), so the first client to sample does not wait a second for the sampling and
+        penalty kernels to compile. Each has a prefill of ``prompt_tokens`` tokens and
+        ``decode_steps`` decode steps (0 for a prefill node); then one block of KV is gathered and
+        scattered back as a handover does. Returns its seconds.
 
         Leaves the engine as it found it: every KV slot it took is free again, the prefix cache
         is untouched (nothing inserted, no KV events), and the stats are unchanged. The engine
@@ -460,20 +463,25 @@ class LLMEngine:
 
         if self.requests or self.scheduler.has_work():
             raise RuntimeError("warm_up needs an idle engine")
-        budget = min(self.max_model_len, self.pool.num_free) - decode_steps - 1
+        budget = min(self.max_model_len, self.pool.num_free // 2) - decode_steps - 1
         if budget < 1:
             logger.info("no warm-up: the KV pool or context is too small")
             return 0.0
         started = time.monotonic()
         n = min(prompt_tokens, budget)
-        token_ids = [(7 * i + 3) % self.model_config.vocab_size for i in range(n)]
-        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
-        request_id = "engine-warm-up"
+        vocab = self.model_config.vocab_size
+        token_ids = [(7 * i + 3) % vocab for i in range(n)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                                 frequency_penalty=0.1, presence_penalty=0.1, logit_bias={1 % vocab: 1.0},
+                                 logprobs=1, seed=0, max_tokens=decode_steps + 1, ignore_eos=True)
+        warm_ids = ("engine-warm-up", "engine-warm-up-sampled")
         stats, preemptions, cache_enabled = self.stats, self.scheduler.num_preemptions, self.cache.enabled
         self.stats = EngineStats()
         self.cache.enabled = False  # the request's KV goes back to the pool, not into the cache
         try:
-            self.add_request(request_id, token_ids, params)
+            self.add_request(warm_ids[0], token_ids, greedy)
+            self.add_request(warm_ids[1], token_ids, sampled)
             for _ in range(n + decode_steps + 3):  # each step makes progress: bounded (+2: overlap's last)
                 if not self.has_unfinished():
                     break
@@ -489,8 +497,9 @@ class LLMEngine:
                 finally:
                     self.pool.free(slots)
         finally:
-            if request_id in self.requests:
-                self.abort(request_id)
+            for request_id in warm_ids:
+                if request_id in self.requests:
+                    self.abort(request_id)
             self.cache.enabled = cache_enabled
             self.stats = stats
             self.scheduler.num_preemptions = preemptions
