@@ -30,11 +30,12 @@ class EngineConfig(BaseModel):
     max_waiting_requests: int = Field(default=4096, gt=0)
     seed: int = 0
     cuda_graphs: bool = Field(default=True, description="replay decode steps as CUDA graphs (CUDA devices only)")
-    overlap_schedule: bool = Field(
-        default=False,
+    overlap_schedule: bool | None = Field(
+        default=None,
         description="launch step N+1 before step N's tokens are read back (its inputs take them on the device), "
                     "and accept and detokenize them while it runs; a request found finished drops what later "
-                    "steps drew for it",
+                    "steps drew for it. None: on for CUDA devices, which run ahead of the host; off on CPU, "
+                    "where there is nothing to overlap",
     )
     cuda_graph_batch_sizes: list[int] | None = Field(
         default=None, description="batch sizes to capture; None: 1, 2, 4, ... up to max_running_requests"

@@ -446,8 +446,9 @@ class LocalOptions:
     gpus: list[int] | None = None
     dtype: str = "auto"
     block_size: int = 1
-    #: Nodes launch a step before the last one's tokens are read back (``--overlap-schedule``).
-    overlap_schedule: bool = False
+    #: Nodes launch a step before the last one's tokens are read back (``--overlap-schedule``;
+    #: None: the nodes' default, on a GPU only).
+    overlap_schedule: bool | None = None
     max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
@@ -564,8 +565,8 @@ class LocalCluster:
                                         "--block-size", str(o.block_size)]
             if o.max_total_tokens:
                 argv += ["--max-total-tokens", str(o.max_total_tokens)]
-            if o.overlap_schedule:
-                argv += ["--overlap-schedule"]
+            if o.overlap_schedule is not None:
+                argv += ["--overlap-schedule" if o.overlap_schedule else "--no-overlap-schedule"]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)

@@ -172,7 +172,7 @@ def test_engine_under_a_grammar_with_and_without_overlap(llm):
     for overlap in (False, True):
         llm.engine.config.overlap_schedule = overlap
         results.append(llm.generate([prompt, prompt], [structured, plain]))
-    llm.engine.config.overlap_schedule = False
+    llm.engine.config.overlap_schedule = None
     for constrained, free in results:
         assert constrained.finish_reason == "stop"
         assert json.loads(constrained.text)["color"] in {"red", "green", "blue"}

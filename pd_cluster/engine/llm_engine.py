@@ -213,8 +213,14 @@ class LLMEngine:
         layer's KV is stored (a prefill node streams its prompts' KV that way); None: no hooks."""
         self._layer_hooks = factory
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether steps are pipelined (``config.overlap_schedule``; by default on CUDA devices)."""
+        flag = self.config.overlap_schedule
+        return self.device.type == "cuda" if flag is None else flag
+
     def step(self) -> list[TokenUpdate]:
-        if self.config.overlap_schedule:
+        if self.pipelined:
             if self._can_pipeline():
                 return self._step_pipelined()
             self._read_back_in_flight()

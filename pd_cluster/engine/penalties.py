@@ -80,7 +80,8 @@ class PenaltyBook:
         self.counts[row].zero_()
         self.counts[row].index_add_(0, counted, torch.ones_like(counted, dtype=torch.int32))
         self.seen[row].zero_()
-        self.seen[row, to_device(seen_ids, self.device)] = True
+        seen = to_device(seen_ids, self.device)
+        self.seen[row].index_fill_(0, seen, True)
         state.penalty_len = len(state.output_token_ids)
 
     def rows(self, states: Sequence["SamplingState"]) -> list[int]:
@@ -111,7 +112,9 @@ class PenaltyBook:
         index = tensor_on(picked, torch.int64, self.device)
         rows, drawn = index[:, 1], tokens.index_select(0, index[:, 0])
         self.counts.index_put_((rows, drawn), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
-        self.seen[rows, drawn] = True
+        # A tensor value: assigning the Python scalar True copies it from pageable memory and
+        # waits for the device.
+        self.seen.index_put_((rows, drawn), torch.ones_like(rows, dtype=torch.bool))
         for i, _ in picked:
             states[i].penalty_len += 1
 

@@ -213,11 +213,18 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
 
 @dataclass
 class DeviceSample:
-    """A batch's sampled ids (and logprobs) still on the device: :func:`fetch` copies them once."""
+    """A batch's sampled ids (and logprobs) still on the device: :func:`fetch` copies them once.
+
+    On a GPU the copy to pinned host memory is queued as soon as the sampling is (``host``,
+    ``ready``): the stream runs it right after the sampling kernels, so a pipelined engine that
+    queues the next forward before it reads these tokens back waits for this step's sampling
+    only, not for the forward queued behind it."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None
     rows: _Batch
+    host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
 
 def sample(logits: torch.Tensor, states: Sequence[SamplingState],
@@ -234,8 +241,14 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState],
 
 
 def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[SampledToken]:
-    """The host's copy of :func:`sample_on_device`'s result (waits for the device)."""
-    return _to_host(result.tokens, result.logprobs, result.rows, states)
+    """The host's copy of :func:`sample_on_device`'s result (waits for the device to reach the
+    end of that sampling, not for what was queued after it)."""
+    if result.host is not None and result.ready is not None:
+        result.ready.synchronize()
+        flat = result.host.tolist()
+    else:
+        flat = _pack(result.tokens, result.logprobs, result.rows).tolist()
+    return _unpack(flat, result.tokens.shape[0], result.rows, states)
 
 
 def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
@@ -264,7 +277,14 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
         tokens = torch.where(rows.ints[:, _GREEDY].bool(), tokens, sampled)
     if rows.use_rep or rows.use_counts:
         book.record(states, tokens)
-    return DeviceSample(tokens, logprobs, rows)
+    result = DeviceSample(tokens, logprobs, rows)
+    if device.type == "cuda":
+        packed = _pack(tokens, logprobs, rows)
+        result.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        result.host.copy_(packed, non_blocking=True)
+        result.ready = torch.cuda.Event()
+        result.ready.record()
+    return result
 
 
 def apply_logit_bias(x: torch.Tensor, states: Sequence[SamplingState], bias_rows: list[int]) -> None:
@@ -320,24 +340,29 @@ def target_probs(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def _to_host(
-    tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: _Batch, states: Sequence[SamplingState]
-) -> list[SampledToken]:
-    """One device-to-host copy: the ids, then (for logprob rows) the chosen token's logprob and
-    the top-N values and ids (N = params.logprobs)."""
-    batch = tokens.shape[0]
+def _pack(tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: _Batch) -> torch.Tensor:
+    """What the host needs of a sampled batch, in one device tensor (one copy): the ids, then
+    (for logprob rows) the chosen token's logprob and the top-N values and ids (N = the most any
+    row asked for)."""
     if logprobs is None:
-        return [SampledToken(token_id=t) for t in tokens.tolist()]
-    index = torch.tensor(rows.logprob_rows, device=tokens.device)
+        return tokens
+    index = tensor_on(rows.logprob_rows, torch.int64, tokens.device)
     chosen = logprobs.gather(1, tokens.index_select(0, index).unsqueeze(1))
     parts = [tokens.to(torch.float64), chosen.to(torch.float64).flatten()]
     n_top = min(rows.max_logprobs, logprobs.shape[1])
     if n_top > 0:
         top = logprobs.topk(n_top, dim=-1)
         parts += [top.values.to(torch.float64).flatten(), top.indices.to(torch.float64).flatten()]
-    flat = torch.cat(parts).tolist()
-    token_list = [int(t) for t in flat[:batch]]
+    return torch.cat(parts)
+
+
+def _unpack(flat: list, batch: int, rows: _Batch, states: Sequence[SamplingState]) -> list[SampledToken]:
+    """:func:`_pack`'s tensor, read back as a list, into one :class:`SampledToken` per row."""
+    if len(flat) == batch and not rows.logprob_rows:
+        return [SampledToken(token_id=int(t)) for t in flat]
     n_rows = len(rows.logprob_rows)
+    n_top = (len(flat) - batch - n_rows) // (2 * n_rows) if n_rows else 0
+    token_list = [int(t) for t in flat[:batch]]
     chosen_list = flat[batch : batch + n_rows]
     top_values = flat[batch + n_rows : batch + n_rows + n_rows * n_top]
     top_ids = flat[batch + n_rows + n_rows * n_top :]

@@ -50,7 +50,7 @@ class Results:
             "device_count": torch.cuda.device_count(),
             "date": date,
             "quick": plan.quick,
-            "overlap_schedule": plan.overlap_schedule,
+            "overlap_schedule": on_gpu if plan.overlap_schedule is None else plan.overlap_schedule,
             "model": json.loads(plan.big_config.read_text())["_name_or_path"],
             "versions": {"torch": torch.__version__, "triton": triton.__version__,
                          "transformers": transformers.__version__, "python": sys.version.split()[0]},
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks every path in about a minute")
     parser.add_argument("--cpu", action="store_true", help="dry run of the code paths without a GPU (with --quick)")
-    parser.add_argument("--overlap-schedule", action="store_true",
+    parser.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                         help="engines pipeline their steps (launch each before the last one's tokens are read "
-                             "back); without it, the plain order nodes run by default")
+                             "back), as nodes on a GPU do by default; --no-overlap-schedule: the plain order")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated parts to run (default: all of {', '.join(PARTS)})")
     args = parser.parse_args(argv)

@@ -122,7 +122,7 @@ def time_decode_steps(engine: LLMEngine, reqs: list, steps: int) -> dict:
     engine.scheduler.schedule = timed(engine.scheduler.schedule, "schedule")  # type: ignore[method-assign]
     engine.runner.run = timed(engine.runner.run, "run")  # type: ignore[method-assign]
     try:
-        if engine.config.overlap_schedule:
+        if engine.pipelined:
             # Pipelined steps: a call returns before its step is done, so the steps are timed
             # back to back (a sync between them would stop the pipeline).
             sync(engine.device)

@@ -31,5 +31,5 @@ class Plan:
         self.kv_tokens = 32768 if quick else 180_000
         self.d_kv_tokens = 16384 if quick else 72_000
         self.block_size = 16
-        #: Engines pipeline their steps (``--overlap-schedule``); the plain order by default, as nodes run.
-        self.overlap_schedule = False
+        #: Engines pipeline their steps (``--overlap-schedule``); None: the engines' default (on a GPU).
+        self.overlap_schedule: bool | None = None
