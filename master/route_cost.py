@@ -3,8 +3,11 @@
 Every figure comes from what the nodes measure and report (``NodeStatus.prefill_tokens_per_s``,
 ``decode_step_base_s`` / ``decode_step_per_request_s``) and from the KV transfers the master
 sees (:class:`LinkRate`); until a node has measured itself, the mean of the nodes that have is
-used, and before any has, the defaults below. A prefix hit counts only as the prefill and the
-transfer it saves.
+used, and before any has, the defaults below. A node's own figure counts only where it differs
+from that mean by more than :data:`LIKE_NODES_BAND`: like nodes measure a few percent apart from
+one moment to the next, and over a request's hundreds of decode steps that jitter would outweigh
+the prefill and transfer a prefix hit saves (a conversation would hop from the node holding its
+history to an idle twin). A prefix hit counts only as the prefill and the transfer it saves.
 
 * local prefill on D (or a mixed node): its queued local prompt tokens plus this request's missing
   ones, at its prefill rate;
@@ -34,6 +37,8 @@ DEFAULT_CHANNEL_SETUP_S = 2.0
 OUTPUT_TOKENS_CAP = 256
 #: Weight of a new transfer's rate in the running mean.
 LINK_RATE_WEIGHT = 0.1
+#: A node's measured rate within this fraction of the cluster's mean is priced at the mean.
+LIKE_NODES_BAND = 0.15
 
 
 class LinkRate:
@@ -64,14 +69,25 @@ class Rates:
 
     @classmethod
     def of(cls, nodes: Sequence[NodeRecord]) -> Rates:
+        """Means over ``nodes``: prefill rates of every role, decode lines of the nodes that decode
+        (a prefill node's one-token steps, of fully cached prompts, are no decode line)."""
         prefill = [n.status.prefill_tokens_per_s for n in nodes if n.status.prefill_tokens_per_s > 0]
-        steps = [n.status for n in nodes if n.status.decode_step_base_s + n.status.decode_step_per_request_s > 0]
+        steps = [n.status for n in nodes
+                 if n.role != "prefill" and n.status.decode_step_base_s + n.status.decode_step_per_request_s > 0]
         return cls(
             prefill_tokens_per_s=sum(prefill) / len(prefill) if prefill else DEFAULT_PREFILL_TOKENS_PER_S,
             step_base_s=sum(s.decode_step_base_s for s in steps) / len(steps) if steps else DEFAULT_STEP_BASE_S,
             step_per_request_s=(sum(s.decode_step_per_request_s for s in steps) / len(steps) if steps
                                 else DEFAULT_STEP_PER_REQUEST_S),
         )
+
+
+def like_nodes(own: float, mean: float) -> float:
+    """``own`` (a node's measured figure; 0 when not measured yet), or ``mean`` where the two are
+    within :data:`LIKE_NODES_BAND` of each other or ``own`` is unknown."""
+    if own <= 0 or abs(own - mean) <= LIKE_NODES_BAND * mean:
+        return mean
+    return own
 
 
 class CostModel:
@@ -82,14 +98,15 @@ class CostModel:
         self.link = link
 
     def prefill_rate(self, node: NodeRecord) -> float:
-        return node.status.prefill_tokens_per_s or self.rates.prefill_tokens_per_s
+        return like_nodes(node.status.prefill_tokens_per_s, self.rates.prefill_tokens_per_s)
 
     def step_s(self, node: NodeRecord, rows: int) -> float:
         """A decode step's time on ``node`` with ``rows`` requests in the batch."""
         s = node.status
+        mean = self.rates.step_base_s + self.rates.step_per_request_s * rows
         if s.decode_step_base_s + s.decode_step_per_request_s > 0:
-            return s.decode_step_base_s + s.decode_step_per_request_s * rows
-        return self.rates.step_base_s + self.rates.step_per_request_s * rows
+            return like_nodes(s.decode_step_base_s + s.decode_step_per_request_s * rows, mean)
+        return mean
 
     def decode_s(self, node: NodeRecord, max_tokens: int) -> float:
         """The request's decode on ``node``: its steps at the batch it joins, and past the node's

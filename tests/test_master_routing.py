@@ -97,6 +97,26 @@ def test_cache_aware_prefers_the_decode_node_holding_the_prefix():
     assert policy.pick_decode(template, [d0, d1]) is d0
 
 
+def test_a_conversation_stays_on_its_d_when_a_twin_measures_a_few_percent_faster():
+    """Like nodes' step times jitter by a few percent; over a request's steps that must not
+    outweigh the transfer its history saves (P -> D only, as with local prefill off)."""
+    registry = _registry()
+    p0 = registry.add(register_msg("p0", "prefill"))
+    d0, d1, d2 = _decodes(registry, 3)
+    history = [3 + i % 1000 for i in range(80)]
+    d0.prefix.apply(stored=block_hashes(history, BLOCK))
+    # d0 (holding the history) measured 0.081 s a step, d2 0.075 s; d1 has not measured yet.
+    _status(d0, decode_step_per_request_s=0.081)
+    _status(d2, decode_step_per_request_s=0.075)
+    request = RouteRequest(history + [5, 6, 7, 8, 9, 10, 11, 12], kv_need=88 + 24)
+    policy = CacheAwarePolicy()
+    plan = policy.plan(request, [p0], [d0, d1, d2], local_max=0)
+    assert plan.decode is d0 and plan.hit_tokens == 80
+    # A node that is truly slower (twice the mean) is still priced by its own steps.
+    _status(d0, decode_step_per_request_s=0.2)
+    assert policy.plan(request, [p0], [d0, d1, d2], local_max=0).decode is not d0
+
+
 def test_cache_aware_avoids_a_saturated_decode_node_despite_its_prefix():
     registry = _registry()
     d0, d1 = _decodes(registry, 2)
