@@ -28,7 +28,9 @@ def cluster(default_model_dir, tmp_path_factory):
         c.start_master()
         c.start_node("prefill", "p0")
         c.start_node("decode", "d0", "--data-port", "0")
-        c.start_node("decode", "d1", "--data-port", "0")
+        # d1 pipelines its steps, as decode nodes on a GPU do by default (on CPU they run in
+        # order): every path below then runs both ways.
+        c.start_node("decode", "d1", "--data-port", "0", "--overlap-schedule")
         wait_until(lambda: c.health()[0] == 200, 60, "a warm pair")
         yield c
     finally:
