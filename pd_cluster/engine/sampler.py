@@ -358,8 +358,6 @@ def _pack(tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: _Batch) -> 
 
 def _unpack(flat: list, batch: int, rows: _Batch, states: Sequence[SamplingState]) -> list[SampledToken]:
     """:func:`_pack`'s tensor, read back as a list, into one :class:`SampledToken` per row."""
-    if len(flat) == batch and not rows.logprob_rows:
-        return [SampledToken(token_id=int(t)) for t in flat]
     n_rows = len(rows.logprob_rows)
     n_top = (len(flat) - batch - n_rows) // (2 * n_rows) if n_rows else 0
     token_list = [int(t) for t in flat[:batch]]
