@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "first token from D")
         finally:
             alt.stop()
-        (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(doc))
     sys.stdout.write(f"\nresults: {args.out / stem}.json\n")
     return 0
