@@ -18,6 +18,15 @@ from kernels._triton import cdiv, dot_precision, last_dim_contiguous, next_pow2,
 _LOG2E = math.log2(math.e)
 
 
+def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The tensor a kernel writes: ``out`` when given (q's shape and dtype, head_dim contiguous)."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"attention output {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)} {q.dtype}")
+    return out
+
+
 def context_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -204,8 +213,10 @@ def context_attention_triton(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`context_attention_ref`.
+    """Triton version of :func:`context_attention_ref`; ``out`` (shaped like ``q``, any row stride)
+    receives the result when given.
 
     ``block_m`` rows of a tile hold ``block_m // group`` query tokens times the ``group`` q heads
     of one kv head. Unset tile sizes come from :func:`_context_config`. Rows of ``q`` that belong
@@ -218,7 +229,7 @@ def context_attention_triton(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = _output_for(q, out)
     num_seqs = slot_table.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -402,8 +413,10 @@ def decode_attention_triton(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`decode_attention_ref` (split-K, two launches).
+    """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out`` as in
+    :func:`context_attention_triton`.
 
     ``num_splits`` defaults to a count picked from the batch, the kv heads, the slot table's
     width and the GPU's multiprocessors; it depends on shapes only. Unset tile sizes come from
@@ -416,7 +429,7 @@ def decode_attention_triton(
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q)
+    out = _output_for(q, out)
     if batch == 0:
         return out
     default_n, default_warps = _decode_config(q.dtype)
@@ -539,11 +552,15 @@ def context_attention(
     q_lens: torch.Tensor,
     q_start_loc: torch.Tensor,
     sm_scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA tensors when Triton is installed, else :func:`context_attention_ref`."""
+    """Triton on CUDA tensors when Triton is installed, else :func:`context_attention_cpu`;
+    written into ``out`` when given."""
     if use_triton(q, k_cache, v_cache):
-        return context_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale)
-    return context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale)
+        return context_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale,
+                                        out=out)
+    result = context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale)
+    return result if out is None else out.copy_(result)
 
 
 def decode_attention(
@@ -553,8 +570,11 @@ def decode_attention(
     slot_table: torch.Tensor,
     ctx_lens: torch.Tensor,
     sm_scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_ref`."""
+    """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_cpu`;
+    written into ``out`` when given."""
     if use_triton(q, k_cache, v_cache):
-        return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale)
-    return decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale)
+        return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out)
+    result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale)
+    return result if out is None else out.copy_(result)

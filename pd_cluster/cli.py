@@ -32,6 +32,23 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each step before the last one's tokens are read back, so the host prepares the "
                         "next step while the device runs (default: on a GPU, not on CPU)")
+    p.add_argument("--mixed-graph-tokens", type=_token_sizes, default=None,
+                   help="prefill-token sizes of the CUDA graphs for steps mixing short prefill chunks into the "
+                        "decode batch, e.g. 64,128,256,512 (the default, capped by the step budget); none: such "
+                        "steps run eagerly")
+
+
+def _token_sizes(text: str) -> list[int]:
+    """``64,128`` -> [64, 128]; ``none`` (or nothing) -> []."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts or 'none' (got {text!r})") from None
+    if any(n <= 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"token counts must be above 1 (got {text!r})")
+    return sizes
 
 
 #: A decode node's step budget by default: at most this many prompt tokens of its local prefills
@@ -49,7 +66,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str | None = None):
         model=args.model, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
         block_size=args.block_size, max_running_requests=args.max_running_requests,
         max_num_batched_tokens=budget, enable_prefix_cache=not args.no_prefix_cache,
-        overlap_schedule=args.overlap_schedule,
+        overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
     )
 
 
@@ -255,7 +272,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, prefill=args.prefill, decode=args.decode, mixed=args.mixed,
         local_prefill_max_tokens=args.local_prefill_max_tokens, model=args.model,
         device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
-        overlap_schedule=args.overlap_schedule,
+        overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
         max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
@@ -332,6 +349,9 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
                      help="nodes launch each step before the last one's tokens are read back (default: on a GPU, "
                           "not on CPU)")
+    loc.add_argument("--mixed-graph-tokens", type=_token_sizes, default=None,
+                     help="nodes' CUDA graphs for steps mixing short prefill chunks into the decode batch: their "
+                          "prefill-token sizes (default 64,128,256,512), or none")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")

@@ -5,6 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+#: Prefill chunks a decode node's local prefill (up to ``local_prefill_max_tokens``, 512 by
+#: default) mostly falls in; a chunk pads to the next size, so these cost at most 2x its compute.
+DEFAULT_MIXED_GRAPH_TOKENS = (64, 128, 256, 512)
+
+
 class EngineConfig(BaseModel):
     """How one engine (a node's, or the offline ``LLM``'s) is sized and run."""
 
@@ -40,6 +45,23 @@ class EngineConfig(BaseModel):
     cuda_graph_batch_sizes: list[int] | None = Field(
         default=None, description="batch sizes to capture; None: 1, 2, 4, ... up to max_running_requests"
     )
+    mixed_graph_tokens: list[int] | None = Field(
+        default=None,
+        description="prefill-token sizes of the CUDA graphs for steps that mix short prefill chunks into the "
+                    "decode batch (a decode node's local prefill, a mixed node's short prompts), each captured "
+                    "with every decode batch size; None: 64, 128, 256 and 512, capped by "
+                    "max_num_batched_tokens; []: such steps run eagerly",
+    )
+    mixed_graph_prefills: int = Field(
+        default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"
+    )
+
+    @field_validator("mixed_graph_tokens")
+    @classmethod
+    def _positive_tokens(cls, sizes: list[int] | None) -> list[int] | None:
+        if sizes is not None and any(s <= 1 for s in sizes):
+            raise ValueError("mixed_graph_tokens must be sizes above one token")
+        return sizes
 
     @field_validator("cuda_graph_batch_sizes")
     @classmethod
@@ -58,6 +80,11 @@ class EngineConfig(BaseModel):
             sizes = {1 << i for i in range(cap.bit_length()) if 1 << i <= cap}
         sizes.add(cap)
         return sorted(sizes)
+
+    def graph_prefill_tokens(self) -> list[int]:
+        """Prefill-token sizes of the mixed step graphs, ascending, none above the step's token budget."""
+        sizes = DEFAULT_MIXED_GRAPH_TOKENS if self.mixed_graph_tokens is None else self.mixed_graph_tokens
+        return sorted({s for s in sizes if s <= self.max_num_batched_tokens})
 
     def resolved_device(self) -> str:
         """A concrete device name: ``auto`` and ``cuda`` become ``cuda:N`` (the process's current

@@ -40,7 +40,7 @@ MiB = 2**20
 #: kernel buffers): invisible to ``torch.cuda.memory_reserved``, so the launcher keeps it out of the fraction.
 NODE_CONTEXT_BYTES = 1 * GiB
 #: The engine's headroom for activations and CUDA graphs (``llm_engine.GPU_HEADROOM_BYTES``).
-ENGINE_HEADROOM_BYTES = 512 * MiB
+ENGINE_HEADROOM_BYTES = 768 * MiB
 #: A shared GPU must leave at least this much KV per node.
 MIN_KV_BYTES = 64 * MiB
 POLL_S = 0.2
@@ -449,6 +449,8 @@ class LocalOptions:
     #: Nodes launch a step before the last one's tokens are read back (``--overlap-schedule``;
     #: None: the nodes' default, on a GPU only).
     overlap_schedule: bool | None = None
+    #: The nodes' ``--mixed-graph-tokens`` (None: their default; []: none).
+    mixed_graph_tokens: list[int] | None = None
     max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
@@ -567,6 +569,8 @@ class LocalCluster:
                 argv += ["--max-total-tokens", str(o.max_total_tokens)]
             if o.overlap_schedule is not None:
                 argv += ["--overlap-schedule" if o.overlap_schedule else "--no-overlap-schedule"]
+            if o.mixed_graph_tokens is not None:
+                argv += ["--mixed-graph-tokens", ",".join(map(str, o.mixed_graph_tokens)) or "none"]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)

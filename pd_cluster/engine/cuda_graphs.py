@@ -1,11 +1,20 @@
-"""CUDA graphs for pure-decode steps: one captured forward per batch size, replayed with padding.
+"""CUDA graphs for engine steps: decode batches, alone or with short prefill chunks mixed in.
 
-A decode step launches the same few hundred small kernels every time; at small batches their
-launch cost is most of the step. :class:`DecodeGraphs` captures ``LlamaModel.forward`` once per
-batch size over static input buffers and replays the smallest graph that holds a step. Padding
-rows write their KV to a slot reserved for them (no request owns it), read one token of
-context, and their logits are dropped. The slot table is as wide as the request table (the
-model's context length), so one capture serves every context length.
+A step launches the same few hundred small kernels every time; run eagerly, launching them
+costs more than running them (an 8B-shape step with a 128-token chunk in it: about 25 ms of host
+time for 10 ms of kernels). :class:`StepGraphs` captures ``LlamaModel.forward`` once per shape over
+static input buffers and replays the smallest shape that holds a step:
+
+- ``GraphShape(decode=B)``: a pure-decode batch of up to B rows;
+- ``GraphShape(decode=B, tokens=T)``: up to B decode rows plus up to ``max_prefills`` prefill
+  chunks of T tokens in all (``B`` may be 0): a decode node prefilling a short miss locally, a
+  mixed node admitting a short prompt, a later chunk of a chunked prompt.
+
+Padding rows and tokens write their KV to a slot reserved for them (no request owns it); padding
+decode rows read one token of context; padding prefill sequences have no tokens; their logits
+are dropped. The slot table is as wide as the request table (the model's context length), so one
+capture serves every context length. Mixed graphs keep their logits in the model's dtype; the
+rows a step samples are converted to float32 after the replay.
 """
 
 from __future__ import annotations
@@ -14,119 +23,207 @@ import bisect
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from pd_cluster.engine.device_copy import tensor_on
 from pd_cluster.engine.kv_pool import KVPool
-from pd_cluster.engine.device_copy import to_device
 from pd_cluster.engine.req_table import ReqSlotTable
+from pd_cluster.engine.scheduler import ScheduledStep
+from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
-# Rows of the packed per-step inputs (one host-to-device copy per step).
-_IDS, _POS, _SLOTS, _CTX, _ROWS = range(5)
+# Rows of the static per-token inputs (ids, positions, KV slots, request-table rows) and of the
+# per-sequence inputs (context length, new tokens, first token, logits row, request-table row).
+_IDS, _POS, _SLOTS, _TROW = range(4)
+_CTX, _QLEN, _QSTART, _LOGIT, _SROW = range(5)
 
 
-class DecodeGraphs:
-    """Captured decode forwards for a fixed set of batch sizes on one CUDA device."""
+@dataclass(frozen=True, order=True)
+class GraphShape:
+    """A captured step: ``decode`` one-token rows, then ``tokens`` prefill tokens (0: none)."""
+
+    decode: int
+    tokens: int = 0
+
+
+def _bucket(sizes: list[int], n: int) -> int | None:
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
+
+
+class StepGraphs:
+    """Captured step forwards on one CUDA device."""
 
     def __init__(
-        self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, batch_sizes: Sequence[int], pad_slot: int
+        self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, batch_sizes: Sequence[int], pad_slot: int,
+        prefill_tokens: Sequence[int] = (), max_prefills: int = 0,
     ) -> None:
         self.model = model
         self.pool = pool
         self.table = table
         self.device = pool.device
         self.batch_sizes = sorted(set(batch_sizes))
+        self.prefill_sizes = sorted(set(prefill_tokens)) if max_prefills > 0 else []
+        self.max_prefills = max_prefills if self.prefill_sizes else 0
         self.max_batch = self.batch_sizes[-1]
         self.pad_slot = pad_slot
-        n, width, dev = self.max_batch, table.table.shape[1], self.device
-        self._inputs = torch.zeros((5, n), dtype=torch.int64, device=dev)
-        self._slot_table = torch.full((n, width), pad_slot, dtype=torch.int64, device=dev)
-        self._ones = torch.ones(n, dtype=torch.int64, device=dev)
-        self._arange = torch.arange(n, dtype=torch.int64, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        width, dev = table.table.shape[1], self.device
+        max_tokens = self.max_batch + (self.prefill_sizes[-1] if self.prefill_sizes else 0)
+        max_seqs = self.max_batch + self.max_prefills
+        self._tokens = torch.zeros((4, max_tokens), dtype=torch.int64, device=dev)
+        self._seqs = torch.zeros((5, max_seqs), dtype=torch.int64, device=dev)
+        self._slot_table = torch.full((max_seqs, width), pad_slot, dtype=torch.int64, device=dev)
+        self.shapes = [GraphShape(b) for b in self.batch_sizes] + [
+            GraphShape(b, t) for b in [0, *self.batch_sizes] for t in self.prefill_sizes
+        ]
+        self._graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[GraphShape, torch.Tensor] = {}
 
-    def _batch(self, size: int) -> ForwardBatch:
-        rows = self._inputs[:, :size]
+    # ---- shapes --------------------------------------------------------------------------------
+
+    def _num_seqs(self, shape: GraphShape) -> int:
+        return shape.decode + (self.max_prefills if shape.tokens else 0)
+
+    def _batch(self, shape: GraphShape) -> ForwardBatch:
+        tokens = self._tokens[:, : shape.decode + shape.tokens]
+        seqs = self._seqs[:, : self._num_seqs(shape)]
         return ForwardBatch(
-            input_ids=rows[_IDS],
-            positions=rows[_POS],
-            out_slots=rows[_SLOTS],
-            slot_table=self._slot_table[:size],
-            ctx_lens=rows[_CTX],
-            q_lens=self._ones[:size],
-            q_start_loc=self._arange[:size],
-            logits_indices=self._arange[:size],
-            is_decode=True,
+            input_ids=tokens[_IDS],
+            positions=tokens[_POS],
+            out_slots=tokens[_SLOTS],
+            slot_table=self._slot_table[: seqs.shape[1]],
+            ctx_lens=seqs[_CTX],
+            q_lens=seqs[_QLEN],
+            q_start_loc=seqs[_QSTART],
+            logits_indices=seqs[_LOGIT],
+            is_decode=shape.tokens == 0,
+            num_decode=shape.decode,
         )
 
+    def graph_size(self, batch: int) -> int | None:
+        """The captured decode size a batch of ``batch`` rows pads to (None: larger than any)."""
+        return _bucket(self.batch_sizes, batch)
+
+    def shape_for(self, layout: StepLayout) -> GraphShape | None:
+        """The smallest captured shape that holds a step (None: it runs eagerly)."""
+        decode = self.graph_size(layout.num_decode) if layout.num_decode else 0
+        if decode is None:
+            return None
+        if not layout.prefill:
+            return GraphShape(decode) if decode else None
+        if len(layout.prefill) > self.max_prefills:
+            return None
+        tokens = _bucket(self.prefill_sizes, layout.prefill_tokens)
+        return None if tokens is None else GraphShape(decode, tokens)
+
+    # ---- capture -------------------------------------------------------------------------------
+
     def capture(self) -> None:
-        """Warm up (compiles the kernels) and capture every size, largest first, in one memory pool."""
+        """Warm up (compiles the kernels) and capture every shape, largest first, in one memory pool."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         started = time.monotonic()
-        self._write_inputs([], [], [], [], [], self.max_batch)  # all padding
+        reserved = torch.cuda.memory_reserved(self.device)
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         mempool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.batch_sizes):
-            batch = self._batch(size)
+        for shape in sorted(self.shapes, key=lambda s: (s.decode + s.tokens, s), reverse=True):
+            self._write(*self._padding(shape), shape)
+            batch = self._batch(shape)
+            float_logits = shape.tokens == 0
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                self.model.forward(batch, self.pool)
+                self.model.forward(batch, self.pool, float_logits=float_logits)
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
-                self._logits[size] = self.model.forward(batch, self.pool)
-            self._graphs[size] = graph
+                self._logits[shape] = self.model.forward(batch, self.pool, float_logits=float_logits)
+            self._graphs[shape] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.batch_sizes,
-                    time.monotonic() - started)
-
-    def graph_size(self, batch: int) -> int | None:
-        """The captured size a batch of ``batch`` rows pads to (None: larger than any)."""
-        i = bisect.bisect_left(self.batch_sizes, batch)
-        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
-
-    def _write_inputs(
-        self, ids: list[int], positions: list[int], slots: list[int], ctx_lens: list[int], rows: list[int], size: int
-    ) -> None:
-        pad = size - len(ids)
-        host = torch.tensor(
-            [ids + [0] * pad, positions + [0] * pad, slots + [self.pad_slot] * pad, ctx_lens + [1] * pad,
-             rows + [0] * pad],
-            dtype=torch.int64,
+        logger.info(
+            "captured %d CUDA graphs (decode batches %s; with prefill chunks of up to %s tokens, %d prompts) "
+            "in %.1fs, %.0f MiB", len(self._graphs), self.batch_sizes, self.prefill_sizes, self.max_prefills,
+            time.monotonic() - started, (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
-        self._inputs[:, :size].copy_(to_device(host, self.device))
 
-    def replay(self, ids: list[int], positions: list[int], slots: list[int], rows: list[int],
-               device_ids: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Decode one token for each row: ``ids[b]`` at ``positions[b]`` of table row ``rows[b]``,
-        its KV going to ``slots[b]``; ``device_ids`` (batch rows, ids on the device) replace the
-        ids of rows whose token is still on the device. Returns float32 logits ``[B, vocab]``: a
-        view valid until the next replay."""
-        batch = len(ids)
-        size = self.graph_size(batch)
-        if size is None or batch == 0:
-            raise ValueError(f"no captured graph for a batch of {batch}")
-        ctx_lens = [p + 1 for p in positions]
-        max_ctx = max(ctx_lens)
-        self._write_inputs(ids, positions, slots, ctx_lens, rows, size)
-        if device_ids is not None:
-            self._inputs[_IDS].index_copy_(0, *device_ids)
-        real = self._inputs[:, :batch]
+    def _padding(self, shape: GraphShape) -> tuple[list[int], list[int]]:
+        """Host inputs of an all-padding step of ``shape``: (tokens, sequences), flattened by row."""
+        n_tok, n_seq, d = shape.decode + shape.tokens, self._num_seqs(shape), shape.decode
+        tokens = [0] * n_tok + [0] * n_tok + [self.pad_slot] * n_tok + [0] * n_tok
+        seqs = ([1] * n_seq                                   # context: one token
+                + [1] * d + [0] * (n_seq - d)                 # decode rows add one; prefill ones none
+                + list(range(d)) + [d] * (n_seq - d)          # first token
+                + list(range(d)) + [0] * (n_seq - d)          # logits row
+                + [0] * n_seq)                                # request-table row
+        return tokens, seqs
+
+    def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape) -> None:
+        """One host-to-device copy of a step's inputs into the static buffers of ``shape``."""
+        n_tok, n_seq = shape.decode + shape.tokens, self._num_seqs(shape)
+        staged = tensor_on(tokens + seqs, torch.int64, self.device)
+        self._tokens[:, :n_tok].copy_(staged[: 4 * n_tok].view(4, n_tok))
+        self._seqs[:, :n_seq].copy_(staged[4 * n_tok :].view(5, n_seq))
+
+    # ---- replay --------------------------------------------------------------------------------
+
+    def replay(self, step: ScheduledStep, layout: StepLayout, shape: GraphShape,
+               device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``step`` in the graph of ``shape``; float32 logits ``[K, vocab]`` of the requests that
+        sample, in step order (for a pure-decode step in order, a view valid until the next replay).
+        ``device_tokens``: the previous step's sampled ids on the device, for inputs still there."""
+        tokens, seqs = self._padding(shape)
+        n_tok, n_seq, d = shape.decode + shape.tokens, self._num_seqs(shape), shape.decode
+        ids, pos, slots, trow = (tokens[k * n_tok : (k + 1) * n_tok] for k in range(4))
+        ctx, qlen, qstart, logit, srow = (seqs[k * n_seq : (k + 1) * n_seq] for k in range(5))
+        starts = layout.token_starts(step, d)
+        new_slots = torch.cat(step.new_slots).tolist()
+        slot_at = [0]
+        for q_len in step.q_lens:
+            slot_at.append(slot_at[-1] + q_len)
+        max_ctx = 1
+        for s, i in enumerate(layout.decode + layout.prefill):
+            req, q_len = step.requests[i], step.q_lens[i]
+            first, at = req.num_computed, starts[i]
+            end = at + q_len
+            ids[at:end] = req.token_ids(first, first + q_len)
+            pos[at:end] = range(first, first + q_len)
+            slots[at:end] = new_slots[slot_at[i] : slot_at[i + 1]]
+            trow[at:end] = [req.row] * q_len
+            row = s if s < layout.num_decode else d + s - layout.num_decode
+            ctx[row], qlen[row], qstart[row], logit[row], srow[row] = first + q_len, q_len, at, end - 1, req.row
+            max_ctx = max(max_ctx, first + q_len)
+        self._write(ids + pos + slots + trow, ctx + qlen + qstart + logit + srow, shape)
+        if device_tokens is not None:
+            where, rows = layout.pending_inputs(step, starts)
+            if where:
+                index = tensor_on([where, rows], torch.int64, self.device)
+                self._tokens[_IDS].index_copy_(0, index[0], device_tokens.index_select(0, index[1]))
+        # The new tokens' slots enter the request table (decode part, then prefill part), then the
+        # sequences' live columns are copied into the static slot table (columns past a sequence's
+        # context are never read).
         table = self.table.table
-        # The new tokens' slots enter the request table, then the rows' live columns are copied
-        # into the static slot table (columns past a row's context are never read).
-        table.index_put_((real[_ROWS], real[_POS]), real[_SLOTS])
-        self._slot_table[:batch, :max_ctx] = table[:, :max_ctx].index_select(0, real[_ROWS])
-        return self.run_graph(size)[:batch]
+        for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
+            if hi > lo:
+                part = self._tokens[:, lo:hi]
+                table.index_put_((part[_TROW], part[_POS]), part[_SLOTS])
+        self._slot_table[:n_seq, :max_ctx] = table[:, :max_ctx].index_select(0, self._seqs[_SROW, :n_seq])
+        logits = self.run_graph(shape)
+        if shape.tokens == 0 and all(step.samples):  # decode rows only, in step order
+            return logits[: len(step.requests)]
+        rows_of = {i: s for s, i in enumerate(layout.decode)}
+        rows_of.update({i: d + j for j, i in enumerate(layout.prefill)})
+        keep = [rows_of[i] for i, sample in enumerate(step.samples) if sample]
+        return logits.index_select(0, tensor_on(keep, torch.int64, self.device)).float()
 
-    def run_graph(self, size: int) -> torch.Tensor:
-        """Replay the graph of ``size`` on the inputs written last; its logits ``[size, vocab]``."""
-        self._graphs[size].replay()
-        return self._logits[size]
+    def run_graph(self, shape: GraphShape | int) -> torch.Tensor:
+        """Replay the graph of ``shape`` (an int: a pure-decode batch size) on the inputs written
+        last; its logits ``[sequences, vocab]``."""
+        if isinstance(shape, int):
+            shape = GraphShape(shape)
+        self._graphs[shape].replay()
+        return self._logits[shape]

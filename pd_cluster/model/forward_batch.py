@@ -14,6 +14,10 @@ class ForwardBatch:
     Sequence ``b`` adds ``q_lens[b]`` tokens at the end of a context of ``ctx_lens[b]`` tokens
     whose KV slots are ``slot_table[b, :ctx_lens[b]]``; the new tokens' slots are ``out_slots``.
     ``logits_indices`` picks the rows (of the flattened tokens) that need next-token logits.
+
+    The first ``num_decode`` sequences add one token each and hold the first ``num_decode``
+    tokens: the decode kernel serves them, the prefill kernel the rest (a step that mixes prefill
+    chunks into a decode batch). A pure-decode step (``is_decode``) has every sequence there.
     """
 
     input_ids: torch.Tensor  # [T] int64
@@ -25,7 +29,28 @@ class ForwardBatch:
     q_start_loc: torch.Tensor  # [B] int64
     logits_indices: torch.Tensor  # [K] int64
     is_decode: bool  # every sequence adds exactly one token
+    num_decode: int = 0
+
+    def prefill_part(self) -> PrefillPart:
+        """The sequences after the first ``num_decode``, their token offsets rebased to that part."""
+        nd = self.num_decode
+        return PrefillPart(
+            slot_table=self.slot_table[nd:],
+            ctx_lens=self.ctx_lens[nd:],
+            q_lens=self.q_lens[nd:],
+            q_start_loc=self.q_start_loc[nd:] - nd if nd else self.q_start_loc,
+        )
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+@dataclass
+class PrefillPart:
+    """The prefill sequences of a step, addressed from their first token (see ``ForwardBatch``)."""
+
+    slot_table: torch.Tensor
+    ctx_lens: torch.Tensor
+    q_lens: torch.Tensor
+    q_start_loc: torch.Tensor

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kernels
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.model.forward_batch import ForwardBatch
+from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.weights import LayerWeights, ModelWeights
 
 #: Called after each layer's KV is stored, e.g. to start sending it to a decode node.
@@ -42,18 +42,23 @@ class LlamaModel:
         self._kv_size = config.num_kv_heads * config.head_dim
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVLayers, layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """Run one step; store the new tokens' KV; return float32 logits ``[K, vocab]``."""
+    def forward(self, batch: ForwardBatch, kv: KVLayers, layer_hook: LayerHook | None = None,
+                float_logits: bool = True) -> torch.Tensor:
+        """Run one step; store the new tokens' KV; return logits ``[K, vocab]``: float32, or in the
+        model's dtype with ``float_logits=False`` (half the memory, for a caller that converts the
+        rows it keeps)."""
         hidden = F.embedding(batch.input_ids, self.weights.embed)
         residual: torch.Tensor | None = None
+        prefill = None if batch.is_decode else batch.prefill_part()
         for index, layer in enumerate(self.weights.layers):
-            hidden, residual = self._layer(index, layer, hidden, residual, batch, kv)
+            hidden, residual = self._layer(index, layer, hidden, residual, batch, prefill, kv)
             if layer_hook is not None:
                 layer_hook(index)
         hidden = hidden[batch.logits_indices]
         residual = residual[batch.logits_indices] if residual is not None else None
         normed, _ = kernels.rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps, residual)
-        return F.linear(normed, self.weights.lm_head).float()
+        logits = F.linear(normed, self.weights.lm_head)
+        return logits.float() if float_logits else logits
 
     def _layer(
         self,
@@ -62,6 +67,7 @@ class LlamaModel:
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
+        prefill: PrefillPart | None,
         kv: KVLayers,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
@@ -74,13 +80,23 @@ class LlamaModel:
         q, k = kernels.apply_rotary(q, k, batch.positions, self.cos, self.sin)
         k_cache, v_cache = kv.layer(index)
         kernels.store_kv(k, v, k_cache, v_cache, batch.out_slots)
-        if batch.is_decode:
-            attn = kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, self.sm_scale)
-        else:
-            attn = kernels.context_attention(
-                q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, batch.q_lens, batch.q_start_loc, self.sm_scale
-            )
+        attn = self._attention(q, k_cache, v_cache, batch, prefill)
         hidden = F.linear(attn.reshape(-1, self._q_size), w.o)
         x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
         hidden = F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down)
         return hidden, residual
+
+    def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                   prefill: PrefillPart | None) -> torch.Tensor:
+        """One-token rows through the split-K decode kernel, prefill chunks through the prefill
+        kernel (which would walk a decode row's whole context in one program)."""
+        if prefill is None:
+            return kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, self.sm_scale)
+        nd = batch.num_decode
+        out = torch.empty_like(q)
+        if nd:
+            kernels.decode_attention(q[:nd], k_cache, v_cache, batch.slot_table[:nd], batch.ctx_lens[:nd],
+                                     self.sm_scale, out=out[:nd])
+        kernels.context_attention(q[nd:], k_cache, v_cache, prefill.slot_table, prefill.ctx_lens, prefill.q_lens,
+                                  prefill.q_start_loc, self.sm_scale, out=out[nd:])
+        return out

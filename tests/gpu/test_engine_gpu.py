@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pd_cluster.config import EngineConfig
+from pd_cluster.engine.cuda_graphs import GraphShape
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.sampling_params import SamplingParams
 
@@ -85,19 +86,20 @@ def cpu_tokens(model_dir, prompts) -> list[list[int]]:
     return generate(engine(model_dir, "cpu", "float32"), prompts)
 
 
-def count_replays(eng: LLMEngine) -> list[int]:
-    """Record the batch size of every graph replay."""
+def count_replays(eng: LLMEngine) -> list[tuple[GraphShape, int]]:
+    """Record every graph replay: its shape and the step's decode rows."""
     graphs = eng.runner.graphs
     assert graphs is not None
-    sizes: list[int] = []
+    shapes: list[tuple[GraphShape, int]] = []
     replay = graphs.replay
 
-    def counted(ids, positions, slots, rows):
-        sizes.append(len(ids))
-        return replay(ids, positions, slots, rows)
+    def counted(step, layout, shape, device_tokens=None):
+        assert layout.num_decode <= shape.decode and layout.prefill_tokens <= shape.tokens
+        shapes.append((shape, layout.num_decode))
+        return replay(step, layout, shape, device_tokens)
 
     graphs.replay = counted  # type: ignore[method-assign]
-    return sizes
+    return shapes
 
 
 def test_float32_greedy_on_gpu_equals_the_cpu_path_without_graphs(model_dir, prompts, cpu_tokens):
@@ -109,14 +111,37 @@ def test_float32_greedy_on_gpu_equals_the_cpu_path_without_graphs(model_dir, pro
 def test_float32_greedy_with_cuda_graphs_equals_the_cpu_path(model_dir, prompts, cpu_tokens):
     eng = engine(model_dir, "cuda", "float32")
     assert eng.runner.graphs is not None and eng.runner.graphs.batch_sizes == [1, 2, 4, 8]
-    replays = count_replays(eng)
+    shapes = count_replays(eng)
     assert generate(eng, prompts) == cpu_tokens
-    # Every decode step replayed a graph, padded where the batch fell between captured sizes.
-    assert sum(replays) == sum(m - 1 for m in MAX_TOKENS)
-    assert {3, 5, 6} & set(replays)
+    # Every decode step replayed a graph, padded where the batch fell between captured sizes (the
+    # first step, all six prompts at once, is too long for a mixed graph: it ran eagerly).
+    assert all(not shape.tokens for shape, _ in shapes)
+    rows = [n for _, n in shapes]
+    assert sum(rows) == sum(m - 1 for m in MAX_TOKENS)
+    assert {3, 5, 6} & set(rows)
     # The padding rows' slot is reserved out of the capacity: everything else is free again.
     eng.cache.flush()
     assert eng.pool.num_free == eng.pool.capacity  # (the pad slot is out of the capacity)
+
+
+def test_float32_greedy_with_prefill_chunks_in_graphs_equals_the_cpu_path(model_dir, prompts, cpu_tokens):
+    """Prompts arriving one by one while others decode: each prefill rides in a mixed graph (the
+    first one with no decode rows); the tokens still equal the CPU path's."""
+    eng = engine(model_dir, "cuda", "float32")
+    shapes = count_replays(eng)
+    reqs = []
+    for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+        reqs.append(eng.add_request(uuid.uuid4().hex, prompt,
+                                    SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+        eng.step()
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert [list(r.output_token_ids) for r in reqs] == cpu_tokens
+    mixed = [shape for shape, _ in shapes if shape.tokens]
+    assert len(mixed) == len(prompts)
+    assert mixed[0] == GraphShape(0, 64) and all(s.decode for s in mixed[1:])
+    assert GraphShape(8, 512) in mixed or GraphShape(4, 512) in mixed  # the 333-token prompt
 
 
 def test_bfloat16_with_graphs_matches_eager_and_reports_agreement_with_float32(model_dir, prompts, cpu_tokens):

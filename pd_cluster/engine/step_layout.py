@@ -1,0 +1,66 @@
+"""Where a step's requests sit in the model's flattened input.
+
+One-token rows (decode steps) come first, prefill chunks after them: the model serves the first
+part with the split-K decode kernel and the rest with the prefill kernel
+(:class:`pd_cluster.model.forward_batch.ForwardBatch`). A CUDA graph pads the decode part to its
+captured size, so the prefill part may start later than the last decode row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd_cluster.engine.request import PENDING
+from pd_cluster.engine.scheduler import ScheduledStep
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    #: Step indices of the one-token rows, in step order.
+    decode: list[int]
+    #: Step indices of the prefill chunks (more than one token), in step order.
+    prefill: list[int]
+    #: Token offset of each prefill chunk within the prefill part, by position in ``prefill``.
+    prefill_offsets: list[int]
+    #: Tokens of the prefill part.
+    prefill_tokens: int
+
+    @classmethod
+    def of(cls, step: ScheduledStep) -> StepLayout:
+        decode, prefill, offsets = [], [], []
+        total = 0
+        for i, q_len in enumerate(step.q_lens):
+            if q_len == 1:
+                decode.append(i)
+            else:
+                prefill.append(i)
+                offsets.append(total)
+                total += q_len
+        return cls(decode, prefill, offsets, total)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode)
+
+    def token_starts(self, step: ScheduledStep, decode_rows: int | None = None) -> list[int]:
+        """Each request's first token in the flattened input, by step index, with the decode part
+        ``decode_rows`` rows long (default: just its own rows)."""
+        base = self.num_decode if decode_rows is None else decode_rows
+        starts = [0] * len(step.q_lens)
+        for row, i in enumerate(self.decode):
+            starts[i] = row
+        for offset, i in zip(self.prefill_offsets, self.prefill):
+            starts[i] = base + offset
+        return starts
+
+    def pending_inputs(self, step: ScheduledStep, starts: list[int]) -> tuple[list[int], list[int]]:
+        """(flat positions, rows of the last step's sampled ids) of the inputs still on the device."""
+        where, rows = [], []
+        for i, (req, q_len) in enumerate(zip(step.requests, step.q_lens)):
+            last = req.num_computed + q_len - 1
+            if req.token_ids(last, last + 1)[0] == PENDING:
+                if req.pending_index is None:
+                    raise RuntimeError(f"request {req.request_id}: its input is on the device but not in the last step")
+                where.append(starts[i] + q_len - 1)
+                rows.append(req.pending_index)
+        return where, rows
