@@ -34,7 +34,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "next step while the device runs (default: on a GPU, not on CPU)")
     p.add_argument("--mixed-graph-tokens", type=_token_sizes, default=None,
                    help="prefill-token sizes of the CUDA graphs for steps mixing short prefill chunks into the "
-                        "decode batch, e.g. 64,128,256,512 (the default, capped by the step budget); none: such "
+                        "decode batch, e.g. 128,256,512 (default 32,64,128,192,256,320,384,512, capped by the step budget); none: such "
                         "steps run eagerly")
 
 
@@ -351,7 +351,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                           "not on CPU)")
     loc.add_argument("--mixed-graph-tokens", type=_token_sizes, default=None,
                      help="nodes' CUDA graphs for steps mixing short prefill chunks into the decode batch: their "
-                          "prefill-token sizes (default 64,128,256,512), or none")
+                          "prefill-token sizes (default 32,64,128,192,256,320,384,512), or none")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")

@@ -6,8 +6,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 #: Prefill chunks a decode node's local prefill (up to ``local_prefill_max_tokens``, 512 by
-#: default) mostly falls in; a chunk pads to the next size, so these cost at most 2x its compute.
-DEFAULT_MIXED_GRAPH_TOKENS = (64, 128, 256, 512)
+#: default) falls in: a chunk pads to the next size, and from about 256 tokens an 8B-shape step
+#: is bound by its compute, so the sizes there are close together.
+DEFAULT_MIXED_GRAPH_TOKENS = (32, 64, 128, 192, 256, 320, 384, 512)
 
 
 class EngineConfig(BaseModel):
@@ -49,8 +50,8 @@ class EngineConfig(BaseModel):
         default=None,
         description="prefill-token sizes of the CUDA graphs for steps that mix short prefill chunks into the "
                     "decode batch (a decode node's local prefill, a mixed node's short prompts), each captured "
-                    "with every decode batch size; None: 64, 128, 256 and 512, capped by "
-                    "max_num_batched_tokens; []: such steps run eagerly",
+                    "with decode batches of none and of 8 and more; None: 32, 64, 128, 192, 256, 320, 384 and "
+                    "512, capped by max_num_batched_tokens; []: such steps run eagerly",
     )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"

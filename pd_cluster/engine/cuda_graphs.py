@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 _IDS, _POS, _SLOTS, _TROW = range(4)
 _CTX, _QLEN, _QSTART, _LOGIT, _SROW = range(5)
 
+#: Least decode size of a mixed graph above none (smaller batches pad to it).
+MIXED_MIN_DECODE = 8
+
 
 @dataclass(frozen=True, order=True)
 class GraphShape:
@@ -78,8 +81,11 @@ class StepGraphs:
         self._tokens = torch.zeros((4, max_tokens), dtype=torch.int64, device=dev)
         self._seqs = torch.zeros((5, max_seqs), dtype=torch.int64, device=dev)
         self._slot_table = torch.full((max_seqs, width), pad_slot, dtype=torch.int64, device=dev)
+        # A mixed step's padded decode rows cost a GEMM row and one token of attention each, little
+        # beside its prefill tokens: coarse decode sizes keep the graph count (and capture time) down.
+        self.mixed_decode_sizes = [0] + [b for b in self.batch_sizes if b >= MIXED_MIN_DECODE or b == self.max_batch]
         self.shapes = [GraphShape(b) for b in self.batch_sizes] + [
-            GraphShape(b, t) for b in [0, *self.batch_sizes] for t in self.prefill_sizes
+            GraphShape(b, t) for b in self.mixed_decode_sizes for t in self.prefill_sizes
         ]
         self._graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphShape, torch.Tensor] = {}
@@ -111,15 +117,14 @@ class StepGraphs:
 
     def shape_for(self, layout: StepLayout) -> GraphShape | None:
         """The smallest captured shape that holds a step (None: it runs eagerly)."""
-        decode = self.graph_size(layout.num_decode) if layout.num_decode else 0
-        if decode is None:
-            return None
         if not layout.prefill:
+            decode = self.graph_size(layout.num_decode)
             return GraphShape(decode) if decode else None
         if len(layout.prefill) > self.max_prefills:
             return None
+        decode = _bucket(self.mixed_decode_sizes, layout.num_decode)
         tokens = _bucket(self.prefill_sizes, layout.prefill_tokens)
-        return None if tokens is None else GraphShape(decode, tokens)
+        return None if decode is None or tokens is None else GraphShape(decode, tokens)
 
     # ---- capture -------------------------------------------------------------------------------
 
@@ -146,8 +151,9 @@ class StepGraphs:
             self._graphs[shape] = graph
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d CUDA graphs (decode batches %s; with prefill chunks of up to %s tokens, %d prompts) "
-            "in %.1fs, %.0f MiB", len(self._graphs), self.batch_sizes, self.prefill_sizes, self.max_prefills,
+            "captured %d CUDA graphs (decode batches %s; decode batches %s with prefill chunks of up to %s tokens, "
+            "%d prompts) in %.1fs, %.0f MiB", len(self._graphs), self.batch_sizes, self.mixed_decode_sizes,
+            self.prefill_sizes, self.max_prefills,
             time.monotonic() - started, (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
 
