@@ -87,6 +87,7 @@ class StepGraphs:
         self.shapes = [GraphShape(b) for b in self.batch_sizes] + [
             GraphShape(b, t) for b in self.mixed_decode_sizes for t in self.prefill_sizes
         ]
+        self._arange = list(range(max_seqs))
         self._graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphShape, torch.Tensor] = {}
 
@@ -182,28 +183,12 @@ class StepGraphs:
         """Run ``step`` in the graph of ``shape``; float32 logits ``[K, vocab]`` of the requests that
         sample, in step order (for a pure-decode step in order, a view valid until the next replay).
         ``device_tokens``: the previous step's sampled ids on the device, for inputs still there."""
-        tokens, seqs = self._padding(shape)
-        n_tok, n_seq, d = shape.decode + shape.tokens, self._num_seqs(shape), shape.decode
-        ids, pos, slots, trow = (tokens[k * n_tok : (k + 1) * n_tok] for k in range(4))
-        ctx, qlen, qstart, logit, srow = (seqs[k * n_seq : (k + 1) * n_seq] for k in range(5))
-        starts = layout.token_starts(step, d)
-        new_slots = torch.cat(step.new_slots).tolist()
-        slot_at = [0]
-        for q_len in step.q_lens:
-            slot_at.append(slot_at[-1] + q_len)
-        max_ctx = 1
-        for s, i in enumerate(layout.decode + layout.prefill):
-            req, q_len = step.requests[i], step.q_lens[i]
-            first, at = req.num_computed, starts[i]
-            end = at + q_len
-            ids[at:end] = req.token_ids(first, first + q_len)
-            pos[at:end] = range(first, first + q_len)
-            slots[at:end] = new_slots[slot_at[i] : slot_at[i + 1]]
-            trow[at:end] = [req.row] * q_len
-            row = s if s < layout.num_decode else d + s - layout.num_decode
-            ctx[row], qlen[row], qstart[row], logit[row], srow[row] = first + q_len, q_len, at, end - 1, req.row
-            max_ctx = max(max_ctx, first + q_len)
-        self._write(ids + pos + slots + trow, ctx + qlen + qstart + logit + srow, shape)
+        if shape.tokens == 0:
+            tokens, seqs, starts, max_ctx = self._decode_inputs(step, shape)
+        else:
+            tokens, seqs, starts, max_ctx = self._mixed_inputs(step, layout, shape)
+        n_seq, d = self._num_seqs(shape), shape.decode
+        self._write(tokens, seqs, shape)
         if device_tokens is not None:
             where, rows = layout.pending_inputs(step, starts)
             if where:
@@ -225,6 +210,48 @@ class StepGraphs:
         rows_of.update({i: d + j for j, i in enumerate(layout.prefill)})
         keep = [rows_of[i] for i, sample in enumerate(step.samples) if sample]
         return logits.index_select(0, tensor_on(keep, torch.int64, self.device)).float()
+
+    def _decode_inputs(self, step: ScheduledStep, shape: GraphShape) -> tuple[list[int], list[int], list[int], int]:
+        """Host inputs of a pure-decode step (its rows in step order): (tokens, sequences, each
+        request's flat position, longest context)."""
+        reqs, size = step.requests, shape.decode
+        pad = size - len(reqs)
+        positions = [r.num_computed for r in reqs]
+        ids = [r.token_ids(p, p + 1)[0] for r, p in zip(reqs, positions)]
+        rows = [r.row for r in reqs]
+        ctx = [p + 1 for p in positions]
+        slots = torch.cat(step.new_slots).tolist()
+        zeros, order = [0] * pad, self._arange[:size]
+        tokens = ids + zeros + positions + zeros + slots + [self.pad_slot] * pad + rows + zeros
+        seqs = ctx + [1] * pad + [1] * size + order + order + rows + zeros
+        return tokens, seqs, self._arange[: len(reqs)], max(ctx)
+
+    def _mixed_inputs(self, step: ScheduledStep, layout: StepLayout,
+                      shape: GraphShape) -> tuple[list[int], list[int], list[int], int]:
+        """Host inputs of a step with prefill chunks: decode rows, then the chunks (see
+        :class:`StepLayout`), padded to ``shape``."""
+        tokens, seqs = self._padding(shape)
+        n_tok, n_seq, d = shape.decode + shape.tokens, self._num_seqs(shape), shape.decode
+        ids, pos, slots, trow = (tokens[k * n_tok : (k + 1) * n_tok] for k in range(4))
+        ctx, qlen, qstart, logit, srow = (seqs[k * n_seq : (k + 1) * n_seq] for k in range(5))
+        starts = layout.token_starts(step, d)
+        new_slots = torch.cat(step.new_slots).tolist()
+        slot_at = [0]
+        for q_len in step.q_lens:
+            slot_at.append(slot_at[-1] + q_len)
+        max_ctx = 1
+        for s, i in enumerate(layout.decode + layout.prefill):
+            req, q_len = step.requests[i], step.q_lens[i]
+            first, at = req.num_computed, starts[i]
+            end = at + q_len
+            ids[at:end] = req.token_ids(first, first + q_len)
+            pos[at:end] = range(first, first + q_len)
+            slots[at:end] = new_slots[slot_at[i] : slot_at[i + 1]]
+            trow[at:end] = [req.row] * q_len
+            row = s if s < layout.num_decode else d + s - layout.num_decode
+            ctx[row], qlen[row], qstart[row], logit[row], srow[row] = first + q_len, q_len, at, end - 1, req.row
+            max_ctx = max(max_ctx, first + q_len)
+        return ids + pos + slots + trow, ctx + qlen + qstart + logit + srow, starts, max_ctx
 
     def run_graph(self, shape: GraphShape | int) -> torch.Tensor:
         """Replay the graph of ``shape`` (an int: a pure-decode batch size) on the inputs written

@@ -1,0 +1,97 @@
+"""The inputs CUDA step graphs replay on (pd_cluster.engine.cuda_graphs), checked on CPU.
+
+A graph replays a forward over static buffers: decode rows padded to a captured batch size, then
+prefill chunks padded to a captured token count. Here the "replay" runs that forward eagerly on
+the buffers the step wrote, so the layout (which token goes where, which rows' logits come back,
+the request table's new slots, padding that must not disturb real rows) is checked without a
+GPU: greedy tokens must equal the engine's own eager steps, and the shapes used are recorded.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
+from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.step_layout import StepLayout
+from pd_cluster.sampling_params import SamplingParams
+
+PROMPT_LENS = [5, 40, 23, 70, 9]
+MAX_TOKENS = [7, 9, 4, 8, 6]
+
+
+def _engine(model_dir) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_total_tokens=4096, max_model_len=256,
+                                  max_running_requests=8))
+
+
+def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape]) -> StepGraphs:
+    """Step graphs whose replay is the captured forward run eagerly on the static buffers."""
+    pad_slot = int(engine.pool.reserve(1)[0])
+    graphs = StepGraphs(engine.model, engine.pool, engine.table, [1, 2, 4, 8], pad_slot,
+                        prefill_tokens=[32, 64], max_prefills=2)
+
+    def run_graph(shape: GraphShape) -> torch.Tensor:
+        shapes.append(shape)
+        return engine.model.forward(graphs._batch(shape), engine.pool, float_logits=shape.tokens == 0)
+
+    graphs.run_graph = run_graph  # type: ignore[method-assign]
+    return graphs
+
+
+def _staggered(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Prompts arrive one per two steps while the earlier ones decode."""
+    reqs = []
+    for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        reqs.append(engine.add_request(uuid.uuid4().hex, prompt, params))
+        engine.step()
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return [list(r.output_token_ids) for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts):
+    expected = _staggered(_engine(default_model_dir), prompts)
+    engine = _engine(default_model_dir)
+    shapes: list[GraphShape] = []
+    engine.runner.graphs = _eager_graphs(engine, shapes)
+    assert _staggered(engine, prompts) == expected
+    mixed = [s for s in shapes if s.tokens]
+    # The 5-token prompt alone (no decode rows), then prompts beside running streams (padded to 8,
+    # the only mixed decode size here); the 70-token prompt fits no graph and ran eagerly.
+    assert mixed == [GraphShape(0, 32), GraphShape(8, 64), GraphShape(8, 32), GraphShape(8, 32)]
+    assert {s.decode for s in shapes if not s.tokens} >= {1, 2, 4}
+    # Every slot is free again once the prefix cache lets go (the padding rows' is out of the capacity).
+    engine.cache.flush()
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_layout_puts_one_token_rows_first_and_pads_the_decode_part():
+    from pd_cluster.engine.scheduler import ScheduledStep
+
+    class Req:
+        def __init__(self, n: int) -> None:
+            self.num_computed, self.n = 0, n
+
+        def token_ids(self, a: int, b: int) -> list[int]:
+            return list(range(a, b))
+
+    step = ScheduledStep()
+    for q_len in (3, 1, 5, 1):
+        step.add(Req(q_len), q_len, torch.arange(q_len), sample=True)
+    layout = StepLayout.of(step)
+    assert layout.decode == [1, 3] and layout.prefill == [0, 2] and layout.prefill_tokens == 8
+    assert layout.token_starts(step) == [2, 0, 5, 1]
+    assert layout.token_starts(step, decode_rows=8) == [8, 0, 11, 1]
