@@ -10,7 +10,7 @@ token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shap
 from kernels.attention import context_attention, decode_attention
 from kernels.kv_transfer import copy_kv_slots, gather_kv, scatter_kv
 from kernels.rms_norm import rms_norm
-from kernels.rotary import apply_rotary, rotary_cos_sin
+from kernels.rotary import apply_rotary, rotary_cos_sin, rotary_store_kv
 from kernels.silu_mul import silu_mul
 from kernels.store_kv import store_kv
 
@@ -22,6 +22,7 @@ __all__ = [
     "gather_kv",
     "rms_norm",
     "rotary_cos_sin",
+    "rotary_store_kv",
     "scatter_kv",
     "silu_mul",
     "store_kv",

@@ -8,6 +8,7 @@ import torch
 
 from kernels import _tiles
 from kernels._triton import last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+from kernels.store_kv import store_kv_ref
 
 
 def rotary_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -79,9 +80,12 @@ def apply_rotary_ref(
 def _rotary_kernel(
     q_ptr,
     k_ptr,
+    v_ptr,
     q_out_ptr,
     k_out_ptr,
+    v_out_ptr,
     pos_ptr,
+    slots_ptr,
     cos_ptr,
     sin_ptr,
     num_q_heads,
@@ -90,18 +94,25 @@ def _rotary_kernel(
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_qot,
     stride_qoh,
     stride_kot,
     stride_koh,
+    stride_vot,
+    stride_voh,
     stride_cos,
     stride_sin,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    STORE_KV: tl.constexpr,
 ):
     # One token per program: its cos/sin row is loaded once and applied to every q and k head.
-    # Both halves of the tables are read (not assumed equal), as the reference does.
+    # Both halves of the tables are read (not assumed equal), as the reference does. With
+    # STORE_KV the rotated keys, and the values as they are, go straight to the token's KV slot
+    # (k_out / v_out are then the caches, addressed by slot).
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -112,8 +123,20 @@ def _rotary_kernel(
     s2 = tl.load(sin_ptr + pos * stride_sin + HALF + d, mask=dmask, other=0.0).to(tl.float32)[None, :]
     _tiles.rotate_heads(q_ptr + tok * stride_qt, q_out_ptr + tok * stride_qot, num_q_heads, stride_qh, stride_qoh,
                         d, dmask, c1, c2, s1, s2, HALF, BLOCK_H)
-    _tiles.rotate_heads(k_ptr + tok * stride_kt, k_out_ptr + tok * stride_kot, num_kv_heads, stride_kh, stride_koh,
+    if STORE_KV:
+        row = tl.load(slots_ptr + tok).to(tl.int64)
+    else:
+        row = tok
+    _tiles.rotate_heads(k_ptr + tok * stride_kt, k_out_ptr + row * stride_kot, num_kv_heads, stride_kh, stride_koh,
                         d, dmask, c1, c2, s1, s2, HALF, BLOCK_H)
+    if STORE_KV:
+        for h0 in range(0, num_kv_heads, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            m = (h < num_kv_heads)[:, None] & dmask[None, :]
+            src = v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :]
+            dst = v_out_ptr + row * stride_vot + h[:, None] * stride_voh + d[None, :]
+            tl.store(dst, tl.load(src, mask=m), mask=m)
+            tl.store(dst + HALF, tl.load(src + HALF, mask=m), mask=m)
 
 
 def apply_rotary_triton(
@@ -125,25 +148,60 @@ def apply_rotary_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`apply_rotary_ref`; q and k may be strided views (a split qkv)."""
     require_triton()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch_rotary(q, k, None, positions, None, cos, sin, q_out, k_out, None)
+    return q_out, k_out
+
+
+def rotary_store_kv_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Triton version of :func:`rotary_store_kv_ref`: one launch instead of two."""
+    require_triton()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV caches must be contiguous in head_dim")
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_rotary(q, k, v, positions, slots, cos, sin, q_out, k_cache, v_cache)
+    return q_out
+
+
+def _launch_rotary(q, k, v, positions, slots, cos, sin, q_out, k_out, v_out) -> None:
+    """One program per token; with ``v`` given, keys and values go to ``k_out`` / ``v_out`` (the
+    caches) at ``slots``."""
     q, k = last_dim_contiguous(q), last_dim_contiguous(k)
     cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if head_dim % 2:
         raise ValueError("rotary needs an even head_dim")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
-        return q_out, k_out
+        return
+    store = v is not None
+    if store:
+        v = last_dim_contiguous(v)
+    else:
+        v, v_out, slots = k, k_out, positions  # unused by the kernel
     half = head_dim // 2
     block_half = next_pow2(half)
     block_h = min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, 4096 // block_half))
     _rotary_kernel[(num_tokens,)](
         q,
         k,
+        v,
         q_out,
         k_out,
+        v_out,
         positions,
+        slots,
         cos,
         sin,
         num_q_heads,
@@ -152,18 +210,22 @@ def apply_rotary_triton(
         q.stride(1),
         k.stride(0),
         k.stride(1),
+        v.stride(0),
+        v.stride(1),
         q_out.stride(0),
         q_out.stride(1),
         k_out.stride(0),
         k_out.stride(1),
+        v_out.stride(0),
+        v_out.stride(1),
         cos.stride(0),
         sin.stride(0),
         HALF=half,
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
+        STORE_KV=store,
         num_warps=4,
     )
-    return q_out, k_out
 
 
 def apply_rotary(
@@ -177,3 +239,39 @@ def apply_rotary(
     if use_triton(q, k):
         return apply_rotary_triton(q, k, positions, cos, sin)
     return apply_rotary_ref(q, k, positions, cos, sin)
+
+
+def rotary_store_kv_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate q and k by their positions, write the rotated keys and the values into their KV slots
+    (:func:`kernels.store_kv.store_kv_ref`) and return the rotated q: what a layer needs before
+    attention, which reads keys from the cache."""
+    q_out, k_out = apply_rotary_ref(q, k, positions, cos, sin)
+    store_kv_ref(k_out, v, k_cache, v_cache, slots)
+    return q_out
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Triton on CUDA tensors when Triton is installed, else :func:`rotary_store_kv_ref`."""
+    if use_triton(q, k, k_cache):
+        return rotary_store_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
+    return rotary_store_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots)

@@ -426,7 +426,7 @@ def test_public_ops_run_the_reference_on_cpu_tensors(monkeypatch: pytest.MonkeyP
         "kernels.attention": ["context_attention_triton", "decode_attention_triton"],
         "kernels.kv_transfer": ["gather_kv_triton", "scatter_kv_triton", "copy_kv_slots_triton"],
         "kernels.rms_norm": ["rms_norm_triton"],
-        "kernels.rotary": ["apply_rotary_triton"],
+        "kernels.rotary": ["apply_rotary_triton", "rotary_store_kv_triton"],
         "kernels.silu_mul": ["silu_mul_triton"],
         "kernels.store_kv": ["store_kv_triton"],
     }.items():
@@ -442,6 +442,8 @@ def test_public_ops_run_the_reference_on_cpu_tensors(monkeypatch: pytest.MonkeyP
     kernels.apply_rotary(batch.q, batch.q[:, :2], torch.arange(5), cos, sin)
     kernels.silu_mul(torch.randn(3, 8))
     kernels.store_kv(batch.q[:, :2], batch.q[:, :2], batch.k_cache, batch.v_cache, torch.arange(5))
+    kernels.rotary_store_kv(batch.q, batch.q[:, :2], batch.q[:, :2], torch.arange(5), cos, sin, batch.k_cache,
+                            batch.v_cache, torch.arange(5))
     buffer = kernels.gather_kv(batch.k_cache[None], batch.v_cache[None], torch.arange(3))
     kernels.scatter_kv(buffer, batch.k_cache[None], batch.v_cache[None], torch.arange(3))
     kernels.copy_kv_slots(batch.k_cache[None], batch.v_cache[None], torch.arange(3),

@@ -48,7 +48,13 @@ from kernels.kv_transfer import (
     scatter_kv_triton,
 )
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
-from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
+from kernels.rotary import (
+    apply_rotary_ref,
+    apply_rotary_triton,
+    rotary_cos_sin,
+    rotary_store_kv_ref,
+    rotary_store_kv_triton,
+)
 from kernels.penalties import apply_penalties_ref, apply_penalties_triton
 from kernels.sampling import sample_filtered_ref, sample_filtered_triton
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
@@ -153,6 +159,27 @@ class InterpretedCases:
         q_ref, k_ref = apply_rotary_ref(q, k, positions, cos, sin)
         assert_close_elementwise(q_out, q_ref)
         assert_close_elementwise(k_out, k_ref)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_rotary_store_kv_triton_writes_the_rotated_keys_and_values_to_their_slots(self, dtype) -> None:
+        num_tokens, hq, hkv, head_dim = 5, 6, 2, 24
+        gen = torch.Generator().manual_seed(6)
+        qkv = torch.randn(num_tokens, (hq + 2 * hkv) * head_dim, generator=gen).to(dtype)
+        q, k, v = qkv.split((hq * head_dim, hkv * head_dim, hkv * head_dim), dim=-1)
+        q, k, v = q.view(num_tokens, hq, head_dim), k.view(num_tokens, hkv, head_dim), v.view(num_tokens, hkv, head_dim)
+        cos, sin = rotary_cos_sin(head_dim, 64, 10000.0)
+        positions = torch.randint(0, 64, (num_tokens,), generator=gen)
+        slots = torch.randperm(30, generator=gen)[:num_tokens]
+        caches = [torch.full((30, hkv, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+        q_out = rotary_store_kv_triton(q, k, v, positions, cos, sin, caches[0], caches[1], slots)
+        q_ref = rotary_store_kv_ref(q, k, v, positions, cos, sin, caches[2], caches[3], slots)
+        assert_close_elementwise(q_out, q_ref)
+        written = torch.zeros(30, dtype=torch.bool)
+        written[slots] = True
+        for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.isnan(got[~written]).all()
+            assert_close_elementwise(got[written], want[written])
+        assert torch.equal(caches[1][slots], v)  # values are copied as they are
 
     def test_sampling_triton_draws_the_reference_tokens(self) -> None:
         # 700 tokens: the row loops over a partial last block. Rows mix every cut, none, ties
