@@ -24,9 +24,9 @@ PROMPT_LENS = [5, 40, 23, 70, 9]
 MAX_TOKENS = [7, 9, 4, 8, 6]
 
 
-def _engine(model_dir) -> LLMEngine:
+def _engine(model_dir, pipelined: bool = False) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_total_tokens=4096, max_model_len=256,
-                                  max_running_requests=8))
+                                  max_running_requests=8, overlap_schedule=pipelined))
 
 
 def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape]) -> StepGraphs:
@@ -62,9 +62,11 @@ def prompts() -> list[list[int]]:
     return [torch.randint(10, 40000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
-def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts, pipelined):
+    """Pipelined, each step's inputs take the last step's ids on the device (PENDING on the host)."""
     expected = _staggered(_engine(default_model_dir), prompts)
-    engine = _engine(default_model_dir)
+    engine = _engine(default_model_dir, pipelined)
     shapes: list[GraphShape] = []
     engine.runner.graphs = _eager_graphs(engine, shapes)
     assert _staggered(engine, prompts) == expected

@@ -189,11 +189,7 @@ class StepGraphs:
             tokens, seqs, starts, max_ctx = self._mixed_inputs(step, layout, shape)
         n_seq, d = self._num_seqs(shape), shape.decode
         self._write(tokens, seqs, shape)
-        if device_tokens is not None:
-            where, rows = layout.pending_inputs(step, starts)
-            if where:
-                index = tensor_on([where, rows], torch.int64, self.device)
-                self._tokens[_IDS].index_copy_(0, index[0], device_tokens.index_select(0, index[1]))
+        layout.take_device_ids(step, starts, self._tokens[_IDS], device_tokens)
         # The new tokens' slots enter the request table (decode part, then prefill part), then the
         # sequences' live columns are copied into the static slot table (columns past a sequence's
         # context are never read).

@@ -50,10 +50,12 @@ class ModelRunner:
         """Kernels launch on the current device, which a node's thread may not have set."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
-    def prepare(self, step: ScheduledStep, layout: StepLayout | None = None) -> ForwardBatch:
-        """The step's inputs for an eager forward: one-token rows first (see :class:`StepLayout`)."""
+    def prepare(self, step: ScheduledStep, layout: StepLayout | None = None,
+                starts: list[int] | None = None) -> ForwardBatch:
+        """The step's inputs for an eager forward: one-token rows first (see :class:`StepLayout`);
+        ``starts``: ``layout.token_starts(step)`` when the caller has it."""
         layout = layout or StepLayout.of(step)
-        starts = layout.token_starts(step)
+        starts = starts if starts is not None else layout.token_starts(step)
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -103,10 +105,7 @@ class ModelRunner:
                 shape = self.graphs.shape_for(layout)
                 if shape is not None:
                     return self.graphs.replay(step, layout, shape, device_tokens)
-            batch = self.prepare(step, layout)
-            if device_tokens is not None:
-                where, rows = layout.pending_inputs(step, layout.token_starts(step))
-                if where:
-                    index = tensor_on([where, rows], torch.int64, self.device)
-                    batch.input_ids.index_copy_(0, index[0], device_tokens.index_select(0, index[1]))
+            starts = layout.token_starts(step)
+            batch = self.prepare(step, layout, starts)
+            layout.take_device_ids(step, starts, batch.input_ids, device_tokens)
             return self.model.forward(batch, self.pool, layer_hook)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from pd_cluster.engine.device_copy import tensor_on
 from pd_cluster.engine.request import PENDING
 from pd_cluster.engine.scheduler import ScheduledStep
 
@@ -64,3 +67,14 @@ class StepLayout:
                 where.append(starts[i] + q_len - 1)
                 rows.append(req.pending_index)
         return where, rows
+
+    def take_device_ids(self, step: ScheduledStep, starts: list[int], input_ids: torch.Tensor,
+                        device_tokens: torch.Tensor | None) -> None:
+        """Write into ``input_ids`` (flattened as ``starts`` says) the ids of the inputs still on the
+        device: rows of ``device_tokens``, the last step's sampled ids."""
+        if device_tokens is None:
+            return
+        where, rows = self.pending_inputs(step, starts)
+        if where:
+            index = tensor_on([where, rows], torch.int64, input_ids.device)
+            input_ids.index_copy_(0, index[0], device_tokens.index_select(0, index[1]))
