@@ -8,6 +8,7 @@ token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shap
 """
 
 from kernels.attention import context_attention, decode_attention
+from kernels.gemv import linear, norm_linear, silu_linear
 from kernels.kv_transfer import copy_kv_slots, gather_kv, scatter_kv
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary, rotary_cos_sin, rotary_store_kv
@@ -20,10 +21,13 @@ __all__ = [
     "copy_kv_slots",
     "decode_attention",
     "gather_kv",
+    "linear",
+    "norm_linear",
     "rms_norm",
     "rotary_cos_sin",
     "rotary_store_kv",
     "scatter_kv",
+    "silu_linear",
     "silu_mul",
     "store_kv",
 ]

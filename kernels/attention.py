@@ -13,7 +13,19 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _tiles
-from kernels._triton import cdiv, dot_precision, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+from kernels._triton import (
+    cdiv,
+    dot_precision,
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+    use_triton,
+)
 
 _LOG2E = math.log2(math.e)
 
@@ -313,7 +325,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -369,7 +383,9 @@ def _decode_merge_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -439,6 +455,7 @@ def decode_attention_triton(
     block_d = next_pow2(head_dim)
     part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -467,8 +484,10 @@ def decode_attention_triton(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_options(pdl),
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         part_out,
@@ -485,7 +504,9 @@ def decode_attention_triton(
         NUM_SPLITS=num_splits,
         BLOCK_S=next_pow2(num_splits),
         BLOCK_D=block_d,
+        USE_PDL=pdl,
         num_warps=4,
+        **pdl_options(pdl),
     )
     return out
 

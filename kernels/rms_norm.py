@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+from kernels._triton import (
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+    use_triton,
+)
 
 
 def rms_norm_ref(
@@ -38,10 +48,12 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One row per program. Every rounding the reference does (the residual sum in the
     # stream's dtype, the normalised value in that dtype before the weight) is repeated
     # here, so low-precision results match it to the last bit but for the mean's order.
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -79,6 +91,7 @@ def rms_norm_triton(
     if rows == 0:
         return out, new_residual
     block = next_pow2(n_cols)
+    pdl = use_pdl(x2)
     _rms_norm_kernel[(rows,)](
         x2,
         res2,
@@ -93,7 +106,9 @@ def rms_norm_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
+        **pdl_options(pdl),
     )
     return out, new_residual
 

@@ -7,7 +7,17 @@ import math
 import torch
 
 from kernels import _tiles
-from kernels._triton import last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+from kernels._triton import (
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+    use_triton,
+)
 from kernels.store_kv import store_kv_ref
 
 
@@ -108,11 +118,13 @@ def _rotary_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     STORE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # One token per program: its cos/sin row is loaded once and applied to every q and k head.
     # Both halves of the tables are read (not assumed equal), as the reference does. With
     # STORE_KV the rotated keys, and the values as they are, go straight to the token's KV slot
     # (k_out / v_out are then the caches, addressed by slot).
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
     d = tl.arange(0, BLOCK_HALF)
@@ -193,6 +205,7 @@ def _launch_rotary(q, k, v, positions, slots, cos, sin, q_out, k_out, v_out) -> 
     half = head_dim // 2
     block_half = next_pow2(half)
     block_h = min(next_pow2(max(num_q_heads, num_kv_heads)), max(1, 4096 // block_half))
+    pdl = use_pdl(q)
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -224,7 +237,9 @@ def _launch_rotary(q, k, v, positions, slots, cos, sin, q_out, k_out, v_out) -> 
         BLOCK_H=block_h,
         BLOCK_HALF=block_half,
         STORE_KV=store,
+        USE_PDL=pdl,
         num_warps=4,
+        **pdl_options(pdl),
     )
 
 

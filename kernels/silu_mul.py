@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import cdiv, last_dim_contiguous, require_triton, tl, triton, use_triton
+from kernels._triton import cdiv, last_dim_contiguous, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl, use_triton
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
@@ -22,9 +22,11 @@ def _silu_mul_kernel(
     stride_in,
     stride_out,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     # Program (row, column block). silu(gate) is rounded to the input dtype before the
     # product, as the reference's two separate torch ops do.
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -46,8 +48,10 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if rows_in.shape[0] == 0 or n_cols == 0:
         return out
     block = 1024
+    pdl = use_pdl(rows_in)
     _silu_mul_kernel[(rows_in.shape[0], cdiv(n_cols, block))](
-        rows_in, rows_out, n_cols, rows_in.stride(0), rows_out.stride(0), BLOCK=block, num_warps=4
+        rows_in, rows_out, n_cols, rows_in.stride(0), rows_out.stride(0), BLOCK=block, USE_PDL=pdl, num_warps=4,
+        **pdl_options(pdl),
     )
     return out
 

@@ -195,3 +195,22 @@ def test_warm_up_needs_an_idle_engine(llm, chat_prompts):
     finally:
         llm.engine.abort("busy")
     assert not llm.engine.has_unfinished()
+
+
+def test_one_stream_decodes_through_the_fused_projections_token_identical(llm, chat_prompts, hf_reference, monkeypatch):
+    """A lone stream's decode steps take the fused-projection layers (each norm folded into the
+    projection after it; on CPU the same ops unfused), still token-identical to transformers."""
+    model = llm.engine.model
+    assert model.fused_rows == 1
+    calls = []
+    fused_layer = model._fused_layer
+
+    def counted(*args, **kwargs):
+        calls.append(args[4].num_tokens)  # the ForwardBatch
+        return fused_layer(*args, **kwargs)
+
+    monkeypatch.setattr(model, "_fused_layer", counted)
+    prompt = chat_prompts[0]
+    assert llm.generate([prompt], greedy())[0].token_ids == hf_reference.greedy(prompt, NEW_TOKENS)
+    # Every decode step (all but the first token's) ran every layer fused, one row each.
+    assert calls == [1] * (NEW_TOKENS - 1) * model.config.num_layers

@@ -88,7 +88,7 @@ class LLMEngine:
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         weights = load_weights(self.model_path, self.model_config, dtype, self.device)
-        self.model = LlamaModel(self.model_config, weights, self.device)
+        self.model = LlamaModel(self.model_config, weights, self.device, fused_rows=config.fused_decode_rows)
         self.kv_spec = KVSpec(
             model=self.model_config.name,
             num_layers=self.model_config.num_layers,

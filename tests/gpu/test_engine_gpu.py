@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pd_cluster.config import EngineConfig
+from kernels import _triton as kernels_triton
 from pd_cluster.engine.cuda_graphs import GraphShape
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.sampling_params import SamplingParams
@@ -144,6 +145,35 @@ def test_float32_greedy_with_prefill_chunks_in_graphs_equals_the_cpu_path(model_
     # to 8, the least mixed decode size); the 333-token prompt pads to 384 tokens.
     assert mixed[0] == GraphShape(0, 32) and all(s.decode == 8 for s in mixed[1:])
     assert [s.tokens for s in mixed] == [32, 32, 64, 192, 256, 384]
+
+
+def test_float32_greedy_one_stream_at_a_time_through_the_fused_projections_equals_the_cpu_path(
+        model_dir, prompts, cpu_tokens):
+    """Single-row decode steps fold each norm and the SiLU gate into the projection after it (the
+    default for this shape), in graphs, their kernels launched as programmatic dependents."""
+    eng = engine(model_dir, "cuda", "float32")
+    assert eng.model.fused_rows == 1
+    got = []
+    for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+        req = eng.add_request(uuid.uuid4().hex, prompt,
+                              SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        while eng.has_unfinished():
+            eng.step()
+        got.append(list(req.output_token_ids))
+    assert got == cpu_tokens
+
+
+def test_bfloat16_tokens_are_the_same_with_and_without_dependent_launches(model_dir, prompts):
+    """Programmatic dependent launch changes when kernels start, never what they read: a kernel
+    that read its input before the one writing it had finished would change bfloat16 tokens."""
+    try:
+        kernels_triton.set_pdl(False)
+        plain = generate(engine(model_dir, "cuda", "bfloat16"), prompts)
+        single = generate(engine(model_dir, "cuda", "bfloat16"), prompts[:1])
+    finally:
+        kernels_triton.set_pdl(True)
+    assert generate(engine(model_dir, "cuda", "bfloat16"), prompts) == plain
+    assert generate(engine(model_dir, "cuda", "bfloat16"), prompts[:1]) == single
 
 
 def test_bfloat16_with_graphs_matches_eager_and_reports_agreement_with_float32(model_dir, prompts, cpu_tokens):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import kernels
+from kernels import gemv
 from kernels.attention import (
     context_attention_ref,
     context_attention_triton,
@@ -159,6 +160,28 @@ def test_apply_rotary_on_a_split_qkv(dtype: torch.dtype) -> None:
 def test_silu_mul(dtype: torch.dtype) -> None:
     gate_up = (2 * torch.randn(2048, 2 * 14336, device="cuda")).to(dtype)
     assert rel_error(silu_mul_triton(gate_up), silu_mul_ref(gate_up)) < ELEMENTWISE_TOL[dtype]
+
+
+# The default model's projections: qkv, o, gate/up, down, the vocabulary head.
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+PROJECTION_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("shape", PROJECTIONS)
+def test_fused_projections_match_the_unfused_ops(dtype: torch.dtype, rows: int, shape: tuple[int, int]) -> None:
+    n, k = shape
+    x, residual = torch.randn(rows, k, device="cuda").to(dtype), torch.randn(rows, k, device="cuda").to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(k, device="cuda")).to(dtype)
+    weight = (torch.randn(n, k, device="cuda") * k**-0.5).to(dtype)
+    out, new_residual = gemv.norm_linear_triton(x, residual, norm_weight, 1e-5, weight)
+    ref, ref_residual = gemv.norm_linear_ref(x, residual, norm_weight, 1e-5, weight)
+    assert rel_error(out, ref) < PROJECTION_TOL[dtype]
+    assert torch.equal(new_residual, ref_residual)
+    gate_up = (2 * torch.randn(rows, 2 * k, device="cuda")).to(dtype)
+    assert rel_error(gemv.silu_linear_triton(gate_up, weight), gemv.silu_linear_ref(gate_up, weight)) < PROJECTION_TOL[dtype]
+    assert rel_error(gemv.linear_triton(x, weight), gemv.linear_ref(x, weight)) < PROJECTION_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,311 @@
+"""Projections of a few rows with the op before them folded in: RMSNorm (with its residual add)
+before the qkv, gate/up and output heads, the SiLU gate before the down projection.
+
+A decode step of a small model is bound by its number of kernels, not by its bytes: at batch 1
+the default model's 30 layers ran 10 kernels each, every one too short to amortise its launch.
+Folding the norm and the gate into the projection that reads their output takes three kernels out
+of each layer. The math and every rounding are the unfused ops' (``rms_norm``, ``silu_mul`` and a
+float32-accumulated ``F.linear``), so the result differs from them only by the order of the sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import (
+    cdiv,
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+    use_triton,
+)
+from kernels.rms_norm import rms_norm, rms_norm_ref
+from kernels.silu_mul import silu_mul, silu_mul_ref
+
+#: Rows one launch serves; more rows are a GEMM's job (tensor cores, cuBLAS).
+MAX_ROWS = 8
+
+_PLAIN, _NORM, _SILU = 0, 1, 2
+
+
+def norm_linear_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)`` and the new residual
+    stream, both of the ``rows`` picked (all rows by default)."""
+    if rows is not None:
+        x = x[rows]
+        residual = residual[rows] if residual is not None else None
+    normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual)
+    return F.linear(normed, weight, bias), new_residual
+
+
+def silu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(silu_mul(gate_up), weight)``."""
+    return F.linear(silu_mul_ref(gate_up), weight)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+@triton.jit
+def _prologue(
+    x_ptr, res_ptr, norm_w_ptr, sum_ptr, row, m, rk, k_mask, rstd, stride_x, stride_res, stride_sum, K, store,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """Row ``row``'s input to the product at columns ``rk``: rounded as the unfused ops round it."""
+    dtype = sum_ptr.dtype.element_ty
+    if PROLOGUE == 2:
+        gate = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + K + rk, mask=k_mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        a = (act * up).to(dtype).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row * stride_res + rk, mask=k_mask, other=0.0).to(tl.float32)
+                s = (a + r).to(dtype)
+                tl.store(sum_ptr + m * stride_sum + rk, s, mask=k_mask & store)
+                a = s.to(tl.float32)
+            g = tl.load(norm_w_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
+            a = ((a * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)
+    return a
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    res_ptr,
+    rows_ptr,
+    norm_w_ptr,
+    sum_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_res,
+    stride_sum,
+    stride_w,
+    stride_out,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Program: BN output columns of all M rows. Each weight tile is read once and multiplied by
+    # every row in turn (rows unrolled: 2D tiles only, no layout shuffles); the rows' inputs are
+    # read by every program, cheap next to the weight for the few rows this serves. The norm needs
+    # a row's whole sum of squares before its first product, so NORM reads its rows twice, and
+    # program 0 alone stores the residual sum (``sum_ptr``). The first weight tile is read before
+    # waiting on the kernel before (a dependent launch): weights are never written.
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BM)
+    rn = pid * BN + tl.arange(0, BN)
+    n_mask = rn < N
+    rk = tl.arange(0, BK)
+    w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
+                other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    rstd = tl.zeros((BM,), dtype=tl.float32)
+    if PROLOGUE == 1:
+        for m in tl.static_range(BM):
+            row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
+            sq = tl.zeros((BK,), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                k_mask = (rk < K) & ((rk * 0 + m) < M)
+                xs = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
+                if HAS_RESIDUAL:
+                    r = tl.load(res_ptr + row * stride_res + rk, mask=k_mask, other=0.0).to(tl.float32)
+                    xs = (xs + r).to(sum_ptr.dtype.element_ty).to(tl.float32)
+                sq += xs * xs
+            rstd = tl.where(rm == m, tl.rsqrt(tl.sum(sq, axis=0) / K + eps), rstd)
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        rk = k0 + tl.arange(0, BK)
+        if k0 > 0:
+            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
+                        other=0.0).to(tl.float32)
+        store = (rk * 0 + pid) == 0
+        for m in tl.static_range(BM):
+            row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
+            row_rstd = tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
+            a = _prologue(x_ptr, res_ptr, norm_w_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), row_rstd, stride_x,
+                          stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+            part = tl.sum(w * a[None, :], axis=1)
+            acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (rm[None, :] < M))
+
+
+def _tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BM, BN, BK) as measured fastest on an H100 for the default model's matrices: a few output
+    columns a program (more for a vocabulary head, whose programs each redo the norm). One row
+    reads its whole weight tile (up to 2048 inputs) in one block, before waiting on the kernel
+    before it (a dependent launch): a step's replay 0.79 -> 0.56 ms. More rows keep blocks of 256,
+    as their products need the registers."""
+    bn = 16 if n > 16384 else 8 if n >= 2048 else 4
+    if rows == 1 and k <= 2048:
+        bk = next_pow2(k)
+    else:
+        bk = 128 if n > 16384 else 256
+    return next_pow2(rows), bn, bk
+
+
+def _launch(
+    prologue: int,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    k: int,
+    *,
+    residual: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    require_triton()
+    x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
+    m = int(rows.shape[0]) if rows is not None else x2.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"{m} rows: this kernel serves at most {MAX_ROWS}")
+    weight = last_dim_contiguous(weight)
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has {weight.shape[1]} input features, the input {k}")
+    if any(t is not None and t.dtype != x.dtype for t in (weight, residual, norm_weight, bias)):
+        raise ValueError("input, residual and weights must share one dtype")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res2 = last_dim_contiguous(residual.reshape(-1, k)) if residual is not None else x2
+    new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
+    if m == 0 or n == 0:
+        return out, new_residual
+    bm, bn, bk = _tiles(m, n, k)
+    pdl = use_pdl(x)
+    _gemv_kernel[(cdiv(n, bn),)](
+        x2,
+        res2,
+        rows if rows is not None else x2,
+        norm_weight if norm_weight is not None else weight,
+        new_residual if new_residual is not None else out,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        res2.stride(0),
+        new_residual.stride(0) if new_residual is not None else 0,
+        weight.stride(0),
+        out.stride(0),
+        eps,
+        PROLOGUE=prologue,
+        HAS_RESIDUAL=residual is not None,
+        HAS_ROWS=rows is not None,
+        HAS_BIAS=bias is not None,
+        BM=bm,
+        BN=bn,
+        BK=bk,
+        USE_PDL=pdl,
+        num_warps=4,
+        **pdl_options(pdl),
+    )
+    return out, new_residual
+
+
+def norm_linear_triton(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows."""
+    k = x.shape[-1]
+    out, new_residual = _launch(_NORM, x, weight, k, residual=residual, rows=rows, norm_weight=norm_weight,
+                                eps=eps, bias=bias)
+    if new_residual is None:  # No residual to add: the stream is the input (its picked rows).
+        new_residual = x.reshape(-1, k)
+        new_residual = new_residual[rows] if rows is not None else new_residual
+    return out, new_residual
+
+
+def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`silu_linear_ref`, for at most :data:`MAX_ROWS` rows."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError("gate_up's last dimension must be even")
+    return _launch(_SILU, gate_up, weight, gate_up.shape[-1] // 2)[0]
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows."""
+    return _launch(_PLAIN, x, weight, x.shape[-1])[0]
+
+
+def fits(x: torch.Tensor, rows: int) -> bool:
+    """True when the fused Triton projections serve these rows (CUDA, Triton, few rows)."""
+    return use_triton(x) and rows <= MAX_ROWS
+
+
+def _num_rows(x: torch.Tensor, rows: torch.Tensor | None) -> int:
+    return int(rows.shape[0]) if rows is not None else x.numel() // max(1, x.shape[-1])
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton where :func:`fits`, else the two ops it fuses (each Triton on CUDA, torch elsewhere)."""
+    if fits(x, _num_rows(x, rows)):
+        return norm_linear_triton(x, residual, norm_weight, eps, weight, bias, rows)
+    if rows is not None:
+        x = x[rows]
+        residual = residual[rows] if residual is not None else None
+    normed, new_residual = rms_norm(x, norm_weight, eps, residual)
+    return F.linear(normed, weight, bias), new_residual
+
+
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton where :func:`fits`, else the two ops it fuses."""
+    if fits(gate_up, _num_rows(gate_up, None)):
+        return silu_linear_triton(gate_up, weight)
+    return F.linear(silu_mul(gate_up), weight)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Triton where :func:`fits`, else ``F.linear``."""
+    if fits(x, _num_rows(x, None)):
+        return linear_triton(x, weight)
+    return F.linear(x, weight)
