@@ -36,6 +36,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill-token sizes of the CUDA graphs for steps mixing short prefill chunks into the "
                         "decode batch, e.g. 128,256,512 (default 32,64,128,192,256,320,384,512, capped by the step budget); none: such "
                         "steps run eagerly")
+    p.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
+                   help="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the "
+                        "projection after it (default: 1 for models up to hidden size 2048, 0 above)")
 
 
 def _token_sizes(text: str) -> list[int]:
@@ -67,6 +70,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str | None = None):
         block_size=args.block_size, max_running_requests=args.max_running_requests,
         max_num_batched_tokens=budget, enable_prefix_cache=not args.no_prefix_cache,
         overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
+        fused_decode_rows=args.fused_decode_rows,
     )
 
 
@@ -273,7 +277,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         local_prefill_max_tokens=args.local_prefill_max_tokens, model=args.model,
         device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
         overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
-        max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
+        fused_decode_rows=args.fused_decode_rows, max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
     )
@@ -352,6 +356,9 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--mixed-graph-tokens", type=_token_sizes, default=None,
                      help="nodes' CUDA graphs for steps mixing short prefill chunks into the decode batch: their "
                           "prefill-token sizes (default 32,64,128,192,256,320,384,512), or none")
+    loc.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
+                     help="nodes' decode steps of at most this many rows fold each RMSNorm and the SiLU gate into "
+                          "the projection after it (default: 1 for models up to hidden size 2048, 0 above)")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")

@@ -451,6 +451,8 @@ class LocalOptions:
     overlap_schedule: bool | None = None
     #: The nodes' ``--mixed-graph-tokens`` (None: their default; []: none).
     mixed_graph_tokens: list[int] | None = None
+    #: The nodes' ``--fused-decode-rows`` (None: their default).
+    fused_decode_rows: int | None = None
     max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
@@ -571,6 +573,8 @@ class LocalCluster:
                 argv += ["--overlap-schedule" if o.overlap_schedule else "--no-overlap-schedule"]
             if o.mixed_graph_tokens is not None:
                 argv += ["--mixed-graph-tokens", ",".join(map(str, o.mixed_graph_tokens)) or "none"]
+            if o.fused_decode_rows is not None:
+                argv += ["--fused-decode-rows", str(o.fused_decode_rows)]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)
