@@ -37,3 +37,14 @@ def test_cold_start_compares_the_first_sent_request_with_the_median_of_the_rest(
     assert cold["first_ttft_s"] == pytest.approx(0.9)
     assert cold["warm_ttft_p50_s"] == pytest.approx(0.2)
     assert cold["ratio"] == pytest.approx(4.5)
+
+
+def test_results_keep_no_path_of_the_machine_that_ran_them(tmp_path):
+    from pd_cluster.bench.served import portable
+
+    model, out = str(tmp_path / "models" / "m8b"), tmp_path / "results"
+    doc = {"sweep": {"tokenizer": model, "config": {"tokenizer": model, "rate": 2.0}},
+           "plots": [str(out / "run-plots" / "ttft_cdf.png")], "note": f"{model} elsewhere stays"}
+    assert portable(doc, model, out) == {
+        "sweep": {"tokenizer": "m8b", "config": {"tokenizer": "m8b", "rate": 2.0}},
+        "plots": ["run-plots/ttft_cdf.png"], "note": f"{model} elsewhere stays"}

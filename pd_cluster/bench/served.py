@@ -235,6 +235,21 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def portable(value: Any, model: str, out: Path) -> Any:
+    """``value`` with no path of this machine in it, so results can be kept and compared: the
+    model directory becomes its name, files under ``out`` paths relative to it."""
+    if isinstance(value, dict):
+        return {k: portable(v, model, out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v, model, out) for v in value]
+    if isinstance(value, str):
+        if value == model:
+            return Path(model).name
+        if value.startswith(f"{out}/"):
+            return value[len(str(out)) + 1:]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model directory (e.g. from pd_cluster.bench.random_model)")
@@ -339,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       "first token from D")
         finally:
             alt.stop()
+    doc = portable(doc, args.model, args.out)
     (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(doc))
     sys.stdout.write(f"\nresults: {args.out / stem}.json\n")
