@@ -210,7 +210,9 @@ def test_one_stream_decodes_through_the_fused_projections_token_identical(llm, c
         return fused_layer(*args, **kwargs)
 
     monkeypatch.setattr(model, "_fused_layer", counted)
-    prompt = chat_prompts[0]
+    # A prompt no other test sent: its prefill is more than one token (a wholly cached prompt's
+    # one-token prefill would be a decode-shaped step too).
+    prompt = chat_prompts[0] + [504, 3458, 314]
     assert llm.generate([prompt], greedy())[0].token_ids == hf_reference.greedy(prompt, NEW_TOKENS)
     # Every decode step (all but the first token's) ran every layer fused, one row each.
     assert calls == [1] * (NEW_TOKENS - 1) * model.config.num_layers
