@@ -152,9 +152,8 @@ def _gemv_kernel(
         for m in tl.static_range(BM):
             row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
             row_rstd = tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
-            k_mask = (rk < K) & ((rk * 0 + m) < M)
-            a = _prologue(x_ptr, res_ptr, norm_w_ptr, sum_ptr, row, m, rk, k_mask, row_rstd, stride_x, stride_res,
-                          stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+            a = _prologue(x_ptr, res_ptr, norm_w_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M),
+                          row_rstd, stride_x, stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
             part = tl.sum(w * a[None, :], axis=1)
             acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
     if HAS_BIAS:
