@@ -68,6 +68,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 #: ``PD_CLUSTER_PDL=0`` turns it off (to measure it, or on a driver that mishandles it).
 _pdl_enabled = os.environ.get("PD_CLUSTER_PDL", "1") != "0"
 
+#: Triton decides at import whether kernels are interpreted; an interpreted kernel has no launch
+#: options, so the flag is read once here rather than on every launch.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def set_pdl(enabled: bool) -> None:
     """Turn programmatic dependent launch on or off for later launches (and graph captures)."""
@@ -83,7 +87,7 @@ def _compute_capability(index: int) -> int:
 def use_pdl(t: torch.Tensor) -> bool:
     """True when kernels on ``t``'s device launch as programmatic dependents (compiled Triton on a
     GPU of compute capability 9 or above)."""
-    if not (_pdl_enabled and HAS_TRITON and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (_pdl_enabled and HAS_TRITON and t.is_cuda) or _INTERPRETED:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _compute_capability(index) >= 9

@@ -5,7 +5,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import cdiv, last_dim_contiguous, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl, use_triton
+from kernels._triton import (
+    cdiv,
+    last_dim_contiguous,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+    use_triton,
+)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
