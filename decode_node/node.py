@@ -63,7 +63,7 @@ class DecodeNode(NodeRuntime):
             by_request[update.request_id].append(update)
         for request_id, items in by_request.items():
             logprobs = [u.logprob for u in items if u.logprob is not None]
-            cached = self.service.first_token_out(request_id) if items[0].first_token else None
+            first = self.service.first_token_out(request_id) if items[0].first_token else None
             self.send(
                 protocol.TokenDelta(
                     request_id=request_id,
@@ -71,7 +71,8 @@ class DecodeNode(NodeRuntime):
                     text="".join(u.text_delta for u in items),
                     logprobs=logprobs or None,
                     finish_reason=items[-1].finish_reason,
-                    cached_tokens=cached,
+                    cached_tokens=first.cached_tokens if first is not None else None,
+                    node_ttft_s=first.node_ttft_s if first is not None else None,
                 )
             )
 

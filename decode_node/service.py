@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,23 @@ from pd_cluster.transfer import DataMessage, DataPlaneServer, PeerConnection
 logger = logging.getLogger(__name__)
 
 TokenSink = Callable[[list[TokenUpdate]], None]
+
+
+@dataclass
+class LocalPrefill:
+    """A request this node prefills itself, until its first token is out."""
+
+    request: Request
+    #: When the node took the job (monotonic): its own share of the request's TTFT starts here.
+    received_at: float
+
+
+@dataclass
+class FirstTokenOut:
+    """What a local request's first delta tells the master."""
+
+    cached_tokens: int
+    node_ttft_s: float
 
 
 class DecodeService:
@@ -62,7 +81,7 @@ class DecodeService:
         #: Told (on the engine thread) the requests whose lease ran out before P handed them over.
         self.on_lease_expired: Callable[[list[str]], None] | None = None
         #: Requests this node prefills itself (GenerateJob), until their first token is out.
-        self.local_prefills: dict[str, Request] = {}
+        self.local_prefills: dict[str, LocalPrefill] = {}
 
     @property
     def data_address(self) -> str:
@@ -109,22 +128,26 @@ class DecodeService:
         """Take a whole request: the engine prefills what its prefix cache lacks, in chunks that
         share steps with the running decode batch (its token budget), then decodes it. Raises
         ValueError when this engine can never run it."""
+        received_at = time.monotonic()
 
         def _add() -> Request:
             return self.engine.add_request(request_id, token_ids, sampling)
 
-        self.local_prefills[request_id] = await self.worker.call(_add)
+        self.local_prefills[request_id] = LocalPrefill(await self.worker.call(_add), received_at)
 
-    def first_token_out(self, request_id: str) -> int | None:
+    def first_token_out(self, request_id: str) -> FirstTokenOut | None:
         """A local request's first token was delivered: stop counting it as queued prefill and
-        return the prompt tokens its prefix cache held (None if it is not a local request)."""
-        req = self.local_prefills.pop(request_id, None)
-        return None if req is None else req.num_cached_tokens
+        say what its prefix cache held and how long the node took (None: not a local request)."""
+        local = self.local_prefills.pop(request_id, None)
+        if local is None:
+            return None
+        return FirstTokenOut(local.request.num_cached_tokens, time.monotonic() - local.received_at)
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens of local requests not prefilled yet (read from the event loop: plain ints)."""
         total = 0
-        for req in list(self.local_prefills.values()):
+        for local in list(self.local_prefills.values()):
+            req = local.request
             total += max(len(req.prompt_token_ids) - req.num_computed, 0)
         return total
 

@@ -128,6 +128,10 @@ class RelayRequest:
     dispatched: bool = False
     first_token_at: float | None = None
     finished_at: float | None = None
+    #: When the current attempt was sent to its node(s) (monotonic).
+    dispatched_at: float | None = None
+    #: The node's own share of the TTFT: from taking the job to sending the first token.
+    node_ttft_s: float | None = None
     # delivery to the HTTP handler
     buffer: list[object] = field(default_factory=list)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
@@ -305,6 +309,7 @@ class Relay:
         # Of the client's prompt (a migrated attempt's prompt also holds the output so far).
         r.cached_tokens = min(msg.cached_tokens_prefill, len(r.token_ids))
         r.first_token = msg
+        r.node_ttft_s = msg.node_ttft_s
         if self.settings.first_token_via == "decode" and msg.finish_reason is None and not r.early_deltas:
             r.withheld_first = msg
         else:
@@ -378,6 +383,7 @@ class Relay:
         node.pending_prefill.pop(r.attempt_id, None)
         node.reported_kv.add(r.attempt_id)
         r.cached_tokens = min(msg.cached_tokens, len(r.token_ids))
+        r.node_ttft_s = msg.node_ttft_s
         self.metrics.prefix_hit_tokens.inc(msg.cached_tokens)
 
     def on_request_failed(self, node: NodeRecord, msg: protocol.RequestFailed) -> None:
@@ -480,6 +486,8 @@ class Relay:
         r.preferred_decode = None
         r.state = "running"
         r.dispatched = True
+        r.dispatched_at = time.monotonic()
+        r.node_ttft_s = None
         self.attempts[attempt_id] = r
         # A migrated stream goes on from what the client has: prompt + output so far, the rest to generate.
         token_ids = r.token_ids + r.output_ids if r.output_ids else r.token_ids

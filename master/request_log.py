@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -56,6 +57,10 @@ class RequestRecord:
     transfer_bytes: int
     completion_tokens: int
     ttft_s: float | None
+    #: TTFT's parts: arrival to the (last) attempt's dispatch (template, tokenizing, queueing, retries),
+    #: and the node's own from taking the job to sending the first token; the rest is transit.
+    dispatch_s: float | None
+    node_ttft_s: float | None
     tpot_s: float | None
     e2e_s: float | None
     stream: bool
@@ -76,6 +81,20 @@ class RequestRecord:
                 value = json.dumps(value)
             parts.append(f"{key}={value}")
         return "request " + " ".join(parts)
+
+
+_TEXT_LINE = re.compile(r"\brequest (request_id=.*)$")
+_TEXT_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def parse_text_line(line: str) -> dict[str, str] | None:
+    """The fields of one text-form request line (:meth:`RequestRecord.text`), values as written
+    (quoted strings unquoted); None for any other line."""
+    match = _TEXT_LINE.search(line)
+    if match is None:
+        return None
+    return {key: json.loads(value) if value.startswith('"') else value
+            for key, value in _TEXT_FIELD.findall(match.group(1))}
 
 
 def _seconds(value: float | None) -> float | None:
@@ -138,6 +157,8 @@ class RequestLog:
             transfer_bytes=first.transfer_bytes if first is not None else 0,
             completion_tokens=r.completion_tokens,
             ttft_s=_seconds(ttft),
+            dispatch_s=_seconds(r.dispatched_at - r.arrival) if r.dispatched_at is not None else None,
+            node_ttft_s=_seconds(r.node_ttft_s),
             tpot_s=_seconds(tpot),
             e2e_s=_seconds(e2e),
             stream=r.stream,

@@ -120,6 +120,9 @@ class FirstToken(_Message):
     cached_tokens_prefill: int = 0
     hit_blocks_decode: int = 0
     transfer_bytes: int = 0
+    node_ttft_s: float | None = Field(
+        default=None, ge=0, description="seconds from the node taking the job to this token leaving it"
+    )
 
 
 class TokenDelta(_Message):
@@ -134,6 +137,10 @@ class TokenDelta(_Message):
     cached_tokens: int | None = Field(
         default=None, ge=0, description="first delta of a request the node prefilled itself (GenerateJob): "
         "prompt tokens its prefix cache held",
+    )
+    node_ttft_s: float | None = Field(
+        default=None, ge=0, description="first delta of a request the node prefilled itself: seconds from the node "
+        "taking the job to this delta leaving it",
     )
 
 

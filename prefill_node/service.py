@@ -113,6 +113,8 @@ class PrefillService:
         self.lease_s = lease_s
         self.counters = PrefillCounters()
         self._first_tokens: dict[str, asyncio.Future[TokenUpdate]] = {}
+        #: When each job in flight was taken (monotonic), for the node's share of its TTFT.
+        self._received: dict[str, float] = {}
         on_gpu = self.engine.device.type == "cuda"
         self.layerwise = on_gpu if layerwise is None else layerwise
         # Over NCCL the layer groups' sends do not yet run beside the prefill (two H200s, 4k
@@ -173,7 +175,8 @@ class PrefillService:
 
     async def run_job(self, job: PrefillJob, report_first_token: FirstTokenSink) -> PrefillResult:
         """Prefill ``job`` and hand it to its decode node; raises PrefillFailed with a reason."""
-        deadline = time.monotonic() + job.deadline_s
+        received = time.monotonic()
+        deadline = received + job.deadline_s
 
         def left() -> float:
             remaining = deadline - time.monotonic()
@@ -183,6 +186,7 @@ class PrefillService:
 
         self.counters.jobs += 1
         self.counters.queued_prefill_tokens += len(job.token_ids)
+        self._received[job.request_id] = received
         self._jobs_per_address[job.decode_address] += 1
         try:
             try:
@@ -203,6 +207,7 @@ class PrefillService:
             self.counters.failed += 1
             raise PrefillFailed(f"lost decode node {job.decode_node_id}: {e or type(e).__name__}") from e
         finally:
+            self._received.pop(job.request_id, None)
             self.counters.queued_prefill_tokens -= len(job.token_ids)
             self._jobs_per_address[job.decode_address] -= 1
             if self._jobs_per_address[job.decode_address] <= 0:
@@ -409,6 +414,7 @@ class PrefillService:
         writer.write_all(slots)
 
     def _report(self, job: PrefillJob, req: Request, first: TokenUpdate, hit_blocks: int, transfer_bytes: int) -> FirstToken:
+        received = self._received.get(job.request_id)
         return FirstToken(
             request_id=job.request_id,
             token_id=first.token_id,
@@ -418,6 +424,7 @@ class PrefillService:
             cached_tokens_prefill=req.num_cached_tokens,
             hit_blocks_decode=hit_blocks,
             transfer_bytes=transfer_bytes,
+            node_ttft_s=None if received is None else time.monotonic() - received,
         )
 
     def _layer_hook_for(self, step: ScheduledStep) -> LayerHook | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pd_cluster.bench.compare import markdown, parse_sweeps, slo_goodput, turn_summary
+from pd_cluster.bench.compare import markdown, parse_sweeps, server_lines, slo_goodput, ttft_parts, turn_summary
 from pd_cluster.bench.serve.records import RequestRecord
 
 
@@ -20,6 +20,29 @@ def test_turn_summary_splits_first_turns_from_later_ones():
     assert summary["ttft_later_p50_s"] == pytest.approx(0.2)
     assert summary["failed"] == 1 and summary["requests"] == 6
     assert summary["tpot_p50_s"] == pytest.approx((1.1 - 0.3) / 10)  # the median of the five completed
+
+
+def test_later_turns_ttft_splits_into_the_parts_the_master_logged():
+    log = "\n".join([
+        "2026-11-25 10:00:00,000 INFO master.requests: request request_id=cmpl-a outcome=ok ttft_s=0.0300 "
+        "dispatch_s=0.0020 node_ttft_s=0.0200 routing=\"cache_aware; D held 9/10\"",
+        "2026-11-25 10:00:00,001 INFO master.requests: request request_id=cmpl-b outcome=ok ttft_s=0.0500 "
+        "dispatch_s=0.0040 node_ttft_s=0.0400",
+        "2026-11-25 10:00:00,002 INFO master.requests: request request_id=cmpl-c outcome=ok ttft_s=0.9000 "
+        "dispatch_s=0.0010 node_ttft_s=0.8000",
+        "2026-11-25 10:00:00,003 INFO decode_node: not a request line",
+    ])
+    lines = server_lines(log)
+    assert set(lines) == {"cmpl-a", "cmpl-b", "cmpl-c"} and lines["cmpl-a"]["routing"] == "cache_aware; D held 9/10"
+    a, b, first = _record(1, 0.034), _record(2, 0.056), _record(0, 0.95)
+    a.request_id, b.request_id, first.request_id = "cmpl-a", "cmpl-b", "cmpl-c"
+    unlogged = _record(1, 5.0)
+    unlogged.request_id = "cmpl-z"
+    parts = ttft_parts([a, b, first, unlogged], lines)  # the first turn and the unlogged one count nowhere
+    assert parts["http"] == pytest.approx((0.004 + 0.006) / 2)
+    assert parts["master"] == pytest.approx(0.003) and parts["node"] == pytest.approx(0.03)
+    assert parts["hops"] == pytest.approx((0.008 + 0.006) / 2)
+    assert ttft_parts([], lines) == {"http": None, "master": None, "node": None, "hops": None}
 
 
 def test_tight_slo_goodput_counts_only_requests_within_both_bounds():

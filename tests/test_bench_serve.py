@@ -278,10 +278,12 @@ async def test_client_times_content_chunks_and_reads_usage():
         usage = {"prompt_tokens": 9, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
         body = sse(chat_chunk(""), chat_chunk("a"), chat_chunk(" b"), chat_chunk(" c", "length"),
                    {"choices": [], "usage": usage}, "[DONE]")
-        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream",
+                                                          "x-request-id": "chatcmpl-7"})
 
     r = await stream_one(handler, ServeBenchConfig(api_key="k"))
     assert seen["auth"] == "Bearer k"
+    assert r.request_id == "chatcmpl-7"  # the master's id: its request log line
     # clock ticks: start 0, then one tick per data line: 1 ("" role chunk), 2, 3, 4 (content), 5 (usage)
     assert r.ok and r.text == "a b c" and r.chunk_times == [2.0, 3.0, 4.0] and r.start == 0.0
     assert (r.ttft, r.itl, r.finish_reason) == (2.0, [1.0, 1.0], "length")

@@ -96,6 +96,8 @@ def test_multi_turn_later_turns_reuse_the_cached_history(cluster, tmp_path, kv_b
     assert doc["config"]["endpoint"] == "chat"
     assert_complete_result(result, 4)
     by_turn = {(r["conversation"], r["turn"]): r for r in result["requests"]}
+    ids = {r["request_id"] for r in result["requests"]}  # the master's, to find each in its request log
+    assert len(ids) == 4 and all(i and i.startswith("chatcmpl-") for i in ids)
     for conversation in range(2):
         first, second = by_turn[(conversation, 0)], by_turn[(conversation, 1)]
         assert second["start"] >= first["end"]  # turn 2 left only after turn 1's answer arrived

@@ -7,11 +7,11 @@ the decode nodes serve whole requests with none failed."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import re
 
 import openai
 import pytest
 
+from master.request_log import parse_text_line
 from tests.cluster_harness import Cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -48,12 +48,7 @@ def decisions(cluster: Cluster, path: str, reason: str) -> float:
 
 def request_lines(cluster: Cluster) -> list[dict[str, str]]:
     """The master's request log lines (text form: ``request key=value ...``)."""
-    lines = []
-    for line in cluster.log("master").splitlines():
-        match = re.search(r"\brequest (request_id=.*)$", line)
-        if match:
-            lines.append(dict(re.findall(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)', match.group(1))))
-    return lines
+    return [fields for line in cluster.log("master").splitlines() if (fields := parse_text_line(line)) is not None]
 
 
 def expected(tokenizer, hf_reference, prompt: list[int], n: int = NEW_TOKENS) -> str:
@@ -93,6 +88,9 @@ def test_short_miss_is_prefilled_on_d_and_long_one_on_p_with_the_reference_outpu
     assert (last["path"], last["route_reason"]) == ("local", "short_miss")
     assert "prefill" not in last  # no P took part
     assert int(last["decode_hit_tokens"]) == usage.prompt_tokens_details.cached_tokens
+    # D's own share of the TTFT came with its first delta, and fits in it beside the master's.
+    assert 0 < float(last["node_ttft_s"]) and 0 < float(last["dispatch_s"])
+    assert float(last["dispatch_s"]) + float(last["node_ttft_s"]) < float(last["ttft_s"])
 
 
 def test_requests_sharing_only_the_chat_template_spread_over_both_decode_nodes(cluster, client):

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from master.request_log import parse_text_line
 from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.metrics import meets_slo
 from pd_cluster.bench.serve.records import RequestRecord
@@ -74,6 +75,38 @@ def turn_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
     }
 
 
+def server_lines(log_text: str) -> dict[str, dict[str, str]]:
+    """The master's request log lines in a launcher's log, by request id."""
+    lines = (parse_text_line(line) for line in log_text.splitlines())
+    return {fields["request_id"]: fields for fields in lines if fields is not None}
+
+
+def _float(fields: dict[str, str], key: str) -> float | None:
+    value = fields.get(key)
+    return None if value in (None, "None") else float(value)
+
+
+def ttft_parts(records: Sequence[RequestRecord], lines: dict[str, dict[str, str]]) -> dict[str, float | None]:
+    """Where later turns' TTFT goes, p50 of each part over the requests the master logged:
+    ``http`` (the client's TTFT less the master's: request and first chunk on the wire),
+    ``master`` (arrival to dispatch: template, tokenizing, routing, queueing), ``node`` (the node
+    from taking the job to sending the first token) and ``hops`` (the rest: the job to the node
+    and the token back over the websockets)."""
+    parts: dict[str, list[float]] = {"http": [], "master": [], "node": [], "hops": []}
+    for r in records:
+        fields = lines.get(r.request_id or "")
+        if not r.ok or r.turn == 0 or r.ttft is None or fields is None:
+            continue
+        ttft, dispatch, node = _float(fields, "ttft_s"), _float(fields, "dispatch_s"), _float(fields, "node_ttft_s")
+        if ttft is None or dispatch is None or node is None:
+            continue
+        parts["http"].append(r.ttft - ttft)
+        parts["master"].append(dispatch)
+        parts["node"].append(node)
+        parts["hops"].append(ttft - dispatch - node)
+    return {key: statistics.median(values) if values else None for key, values in parts.items()}
+
+
 def slo_goodput(records: Sequence[RequestRecord], duration_s: float, slo_ttft: float, slo_tpot: float) -> dict:
     good = sum(1 for r in records if meets_slo(r, slo_ttft, slo_tpot))
     return {"slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot, "goodput": good / max(duration_s, 1e-9),
@@ -111,6 +144,7 @@ def compare_conditional(start: Callable[[list[str], str], Any], base: ServeBench
             out[name]["route_decisions"] = route_decisions(cluster.url)
         finally:
             cluster.stop()
+        out[name]["ttft_later_parts_p50_s"] = ttft_parts(sweep.results[0].records, server_lines(cluster.log_text()))
     c, a = out["conditional"], out["always_pd"]
     out["ratios"] = {
         "ttft_later_p50": _ratio(c["ttft_later_p50_s"], a["ttft_later_p50_s"]),
@@ -196,6 +230,13 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | {ms(r['ttft_turn1_p50_s'])} ms | {ms(r['ttft_later_p50_s'])} / "
                          f"{ms(r['ttft_later_p90_s'])} ms | {ms(r['tpot_p50_s'])} / {ms(r['tpot_p99_s'])} ms | "
                          f"{r['failed']}/{r['requests']} | {decisions} |")
+        lines += ["", "Where later turns' TTFT goes (p50 of each part; http: the client's TTFT less the master's; master: "
+                  "arrival to dispatch; node: job to first token sent; hops: the websockets both ways):", "",
+                  "| routing | http | master | node | hops |", "|---|---|---|---|---|"]
+        for name in ("conditional", "always_pd"):
+            parts = cond[name].get("ttft_later_parts_p50_s") or {}
+            lines.append(f"| {name} | " + " | ".join(f"{ms(parts.get(k))} ms" for k in ("http", "master", "node", "hops"))
+                         + " |")
         ratios = cond["ratios"]
         lines += ["", f"Conditional over always-P->D: TTFT turns 2+ p50 {x(ratios['ttft_later_p50'])} (target <= "
                   f"0.5x), TPOT p99 {x(ratios['tpot_p99'])} (target <= 1.2x), TTFT turn 1 "

@@ -92,6 +92,9 @@ class LocalClusterProcess:
             time.sleep(0.5)
         return self.log_path.read_text(errors="replace")
 
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 

@@ -95,6 +95,7 @@ class StreamingClient:
     async def _stream(self, record: RequestRecord, path: str, body: dict[str, Any]) -> None:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         async with self.http.stream("POST", self.config.base_url + path, json=body, headers=headers) as response:
+            record.request_id = response.headers.get("x-request-id")
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")
                 record.error = f"HTTP {response.status_code}"

@@ -32,6 +32,8 @@ class RequestRecord:
     error: str | None = None
     error_message: str | None = None
     text: str = ""
+    #: The master's id for it (its ``X-Request-Id`` answer), to find it in the master's request log.
+    request_id: str | None = None
 
     @property
     def ok(self) -> bool:
