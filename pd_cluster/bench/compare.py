@@ -144,7 +144,7 @@ def compare_conditional(start: Callable[[list[str], str], Any], base: ServeBench
             out[name]["route_decisions"] = route_decisions(cluster.url)
         finally:
             cluster.stop()
-        out[name]["ttft_later_parts_p50_s"] = ttft_parts(sweep.results[0].records, server_lines(cluster.log_text()))
+        out[name]["ttft_later_parts_p50_s"] = ttft_parts(sweep.results[0].records, server_lines(cluster.master_log()))
     c, a = out["conditional"], out["always_pd"]
     out["ratios"] = {
         "ttft_later_p50": _ratio(c["ttft_later_p50_s"], a["ttft_later_p50_s"]),

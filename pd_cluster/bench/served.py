@@ -53,8 +53,11 @@ def device_kind() -> str:
 class LocalClusterProcess:
     """``pd-cluster local`` as a child process, stopped with SIGTERM (its documented stop)."""
 
-    def __init__(self, args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None) -> None:
-        self.args = args
+    def __init__(self, args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None,
+                 log_dir: Path | None = None) -> None:
+        #: Where the launcher writes each process's log (``--log-dir``); None: its default.
+        self.log_dir = log_dir
+        self.args = args + (["--log-dir", str(log_dir)] if log_dir is not None else [])
         self.env = env
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{port}"
@@ -92,8 +95,10 @@ class LocalClusterProcess:
             time.sleep(0.5)
         return self.log_path.read_text(errors="replace")
 
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    def master_log(self) -> str:
+        """The master's own log (its request lines), when the launcher was given a log directory."""
+        path = self.log_dir / "master.log" if self.log_dir is not None else None
+        return path.read_text(errors="replace") if path is not None and path.is_file() else ""
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -376,7 +381,8 @@ def run_comparisons(args: argparse.Namespace) -> int:
 
     def start(flags: list[str], name: str) -> LocalClusterProcess:
         cluster = LocalClusterProcess(["--model", args.model, "--port", str(args.port), *args.local_args.split(),
-                                       *flags], args.out / f"{stem}-{name}-local.log", args.port)
+                                       *flags], args.out / f"{stem}-{name}-local.log", args.port,
+                                      log_dir=args.out / f"{stem}-{name}-logs")
         cluster.start(args.ready_timeout)
         return cluster
 
