@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from decode_node.node import DecodeNode, MixedNode
+from pd_cluster.aio import run
 from pd_cluster.node.config import NodeSettings
 
 
 def run_decode_node(settings: NodeSettings) -> None:
-    asyncio.run(DecodeNode(settings).run())
+    run(DecodeNode(settings).run())
 
 
 def run_mixed_node(settings: NodeSettings) -> None:
-    asyncio.run(MixedNode(settings).run())
+    run(MixedNode(settings).run())

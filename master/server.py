@@ -8,6 +8,7 @@ from master.app import ConfigError, create_app
 from master.config import MasterSettings
 from master.request_log import use_json_logs
 from pd_cluster import protocol
+from pd_cluster.aio import prepare_process
 
 __all__ = ["ConfigError", "create_app", "run_master"]
 
@@ -30,7 +31,8 @@ def run_master(settings: MasterSettings | None = None) -> None:
     if settings.log_format == "json":
         use_json_logs()  # uvicorn's own lines too: it then configures no handlers of its own
     app = create_app(settings)
-    uvicorn.run(
+    prepare_process()
+    uvicorn.run(  # on uvloop and httptools where they are installed (the ``fast`` extra)
         app,
         host=settings.host,
         port=settings.port,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from prefill_node.node import PrefillNode
+from pd_cluster.aio import run
 from pd_cluster.node.config import NodeSettings
 
 
 def run_prefill_node(settings: NodeSettings) -> None:
-    asyncio.run(PrefillNode(settings).run())
+    run(PrefillNode(settings).run())
