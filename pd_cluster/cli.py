@@ -38,7 +38,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "steps run eagerly")
     p.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
                    help="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the "
-                        "projection after it (default: 1 for models up to hidden size 2048, 0 above)")
+                        "projection after it (default: 1)")
 
 
 def _token_sizes(text: str) -> list[int]:
@@ -358,7 +358,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                           "prefill-token sizes (default 32,64,128,192,256,320,384,512), or none")
     loc.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
                      help="nodes' decode steps of at most this many rows fold each RMSNorm and the SiLU gate into "
-                          "the projection after it (default: 1 for models up to hidden size 2048, 0 above)")
+                          "the projection after it (default: 1)")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")

@@ -56,8 +56,7 @@ class EngineConfig(BaseModel):
     fused_decode_rows: int | None = Field(
         default=None, ge=0, le=8,
         description="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the projection "
-                    "after it, a third fewer kernels a layer (Triton on CUDA); None: 1 for models up to hidden size "
-                    "2048, whose steps are bound by their number of kernels, 0 (off) above",
+                    "after it, a third fewer kernels a layer (Triton on CUDA); None: 1 (a lone stream's steps)",
     )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"

@@ -297,6 +297,20 @@ class InterpretedCases:
         x = torch.randn(5, 300, generator=gen).to(dtype)
         assert_matches(linear_triton(x, weight), linear_ref(x, weight), *GEMV_TOL[dtype])
 
+    def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
+        # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third
+        # partial, with the norm's sum taken over all of them first; and 9000 of them (the down
+        # projection's long rows): sixteen columns a program.
+        gen = torch.Generator().manual_seed(14)
+        x, residual = torch.randn(1, 2400, generator=gen), torch.randn(1, 2400, generator=gen)
+        norm_weight, weight = torch.rand(2400, generator=gen) + 0.5, torch.randn(19, 2400, generator=gen) * 0.02
+        out, new_residual = norm_linear_triton(x, residual, norm_weight, 1e-5, weight)
+        ref, ref_residual = norm_linear_ref(x, residual, norm_weight, 1e-5, weight)
+        assert_matches(out, ref, *GEMV_TOL[torch.float32])
+        assert_close_elementwise(new_residual, ref_residual)
+        gate_up, down = torch.randn(1, 18000, generator=gen), torch.randn(21, 9000, generator=gen) * 0.01
+        assert_matches(silu_linear_triton(gate_up, down), silu_linear_ref(gate_up, down), *GEMV_TOL[torch.float32])
+
     def test_few_row_projections_refuse_more_rows_than_they_serve(self) -> None:
         x, weight = torch.randn(MAX_GEMV_ROWS + 1, 16), torch.randn(4, 16)
         with pytest.raises(ValueError, match="at most"):

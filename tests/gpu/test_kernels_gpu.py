@@ -162,8 +162,10 @@ def test_silu_mul(dtype: torch.dtype) -> None:
     assert rel_error(silu_mul_triton(gate_up), silu_mul_ref(gate_up)) < ELEMENTWISE_TOL[dtype]
 
 
-# The default model's projections: qkv, o, gate/up, down, the vocabulary head.
-PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+# The default model's projections (qkv, o, gate/up, down, the vocabulary head), and an 8B shape's,
+# whose long rows go in blocks of 1024.
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576),
+               (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 PROJECTION_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
