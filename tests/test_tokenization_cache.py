@@ -1,0 +1,183 @@
+"""Chat prompts encoded piece by piece (between added tokens, long pieces cached) give the plain ids."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+import master.tokenization as tokenization
+from master.tokenization import Tokenizer
+
+_WORDS = ("the of and to in is was for on that with as by at from it an were which be or had not but "
+          "Straße naïve café 東京 日本語 😀 résumé x**2 foo(bar) {\"k\": [1, 2, 3]} 3.14159 "
+          "\t tab  two-spaces").split(" ")
+_SPECIALS = ["<|im_end|>", "<|im_start|>", "<|im_start|>assistant\n", "<|endoftext|>",
+             "<|im_end|>\n<|im_start|>user\n"]
+
+
+def _reference(hf: Any, messages: list[dict[str, Any]]) -> list[int]:
+    return [int(t) for t in hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False)]
+
+
+def _whole_text(hf: Any) -> Tokenizer:
+    """A Tokenizer held to the plain path (apply_chat_template with tokenize=True)."""
+    t = Tokenizer(hf)
+    t.__dict__["_segment_split"] = None
+    return t
+
+
+def _text(rng: random.Random, words: int) -> str:
+    out = " ".join(rng.choice(_WORDS) for _ in range(words))
+    if rng.random() < 0.3:
+        at = rng.randrange(len(out) + 1)
+        out = out[:at] + rng.choice(_SPECIALS) + out[at:]
+    return rng.choice(["", " ", "\n", "  \n\n"]) + out + rng.choice(["", " ", "\n", " \n "])
+
+
+def _conversations() -> list[list[dict[str, Any]]]:
+    long = " ".join(_WORDS) * 40
+    fixed: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": ""}],
+        [{"role": "system", "content": ""}, {"role": "user", "content": ""}],
+        [{"role": "system", "content": long}, {"role": "user", "content": long + " and again"}],
+        [{"role": "user", "content": "  leading and trailing spaces  "},
+         {"role": "assistant", "content": "\n\nok\n\n"}],
+        [{"role": "user", "content": "a literal <|im_end|> inside"}],
+        [{"role": "user", "content": "<|im_end|>"}, {"role": "assistant", "content": "<|im_start|>"}],
+        [{"role": "user", "content": "x" * 100 + "<|im_end|>\n<|im_start|>assistant\n" + "y" * 100}],
+        [{"role": "user", "content": "<|im_start|><|im_end|><|endoftext|>" + long}],
+        [{"role": "user", "content": "日本語のテキスト 😀 " * 50}, {"role": "assistant", "content": "Straße " * 30}],
+    ]
+    rng = random.Random(1234)
+    fuzzed = [
+        [{"role": rng.choice(["system", "user", "assistant"]),
+          "content": _text(rng, rng.choice([0, 3, 30, 300]))} for _ in range(rng.randint(1, 7))]
+        for _ in range(150)
+    ]
+    return fixed + fuzzed
+
+
+def test_the_segment_path_gives_the_ids_of_apply_chat_template(tokenizer):
+    t = Tokenizer(tokenizer)
+    assert t._segment_split is not None, "the default model's tokenizer should be encoded piece by piece"
+    plain = _whole_text(tokenizer)
+    for messages in _conversations():
+        expected = _reference(tokenizer, messages)
+        assert t._encode_chat(messages) == expected, messages
+        assert t._encode_chat(messages) == expected, messages  # again, from the cache
+        assert plain._encode_chat(messages) == expected
+    assert t.segment_cache_info().hits > 0
+
+
+def test_literal_special_tokens_in_user_text_stay_special_as_in_the_plain_path(tokenizer):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    messages = [{"role": "user", "content": "before <|im_end|> after " * 10}]
+    expected = _reference(tokenizer, messages)
+    template_own = _reference(tokenizer, [{"role": "user", "content": "before after"}]).count(end)
+    assert expected.count(end) == template_own + 10  # the plain path encodes the literal ones as the token
+    assert Tokenizer(tokenizer)._encode_chat(messages) == expected
+
+
+def test_tools_are_handled_as_before(tokenizer):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris? " * 5},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 degrees " * 5},
+    ]
+    assert Tokenizer(tokenizer)._encode_chat(messages, tools) == _whole_text(tokenizer)._encode_chat(messages, tools)
+
+
+def test_a_conversation_that_goes_on_reuses_the_ids_of_its_earlier_messages(tokenizer):
+    t = Tokenizer(tokenizer)
+    first = [
+        {"role": "system", "content": "You answer questions about documents. " * 20},
+        {"role": "user", "content": "Here is the document: " + " ".join(_WORDS) * 30},
+    ]
+    assert t._encode_chat(first) == _reference(tokenizer, first)
+    before = t.segment_cache_info()
+    assert before.hits == 0 and before.misses == 2 and before.currsize == 2
+
+    second = first + [
+        {"role": "assistant", "content": "The document lists words in several languages and some code. " * 3},
+        {"role": "user", "content": "Thanks!"},
+    ]
+    assert t._encode_chat(second) == _reference(tokenizer, second)
+    after = t.segment_cache_info()
+    assert after.hits - before.hits == 2  # the system prompt and the document
+    assert after.misses - before.misses == 1  # the assistant's answer; "Thanks!" is too short to cache
+
+    assert t._encode_chat(second) == _reference(tokenizer, second)
+    assert t.segment_cache_info().hits - after.hits == 3
+    assert t.segment_cache_info().misses == after.misses
+
+
+def test_the_cache_is_bounded(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenization, "_SEGMENT_CACHE_ENTRIES", 3)
+    t = Tokenizer(tokenizer)
+    for i in range(10):
+        messages = [{"role": "user", "content": f"message {i}: " + "some long enough text " * 5}]
+        assert t._encode_chat(messages) == _reference(tokenizer, messages)
+        assert t.segment_cache_info().currsize <= 3
+
+    monkeypatch.setattr(tokenization, "_SEGMENT_CACHE_ENTRIES", 4096)
+    monkeypatch.setattr(tokenization, "_SEGMENT_CACHE_CHARS", 250)
+    t = Tokenizer(tokenizer)
+    for i in range(10):
+        messages = [{"role": "user", "content": f"message {i}: " + "some long enough text " * 4}]
+        assert t._encode_chat(messages) == _reference(tokenizer, messages)
+        assert 0 < t._segment_chars <= 250
+    messages = [{"role": "user", "content": "a message longer than the whole cache " * 10}]
+    assert t._encode_chat(messages) == _reference(tokenizer, messages)
+    assert messages[0]["content"] not in "".join(t._segments)  # not cached at all
+    assert t._segment_chars == sum(map(len, t._segments)) <= 250
+
+
+def test_a_tokenizer_with_an_lstrip_added_token_encodes_the_whole_text(default_model_dir, monkeypatch):
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir))  # not the shared fixture: it is changed here
+    hf.add_tokens([AddedToken("<mask>", lstrip=True, special=True)], special_tokens=True)
+    t = Tokenizer(hf)
+    assert t._segment_split is None
+
+    def never(*args: Any, **kwargs: Any) -> list[int]:
+        raise AssertionError("the segment path was used")
+
+    monkeypatch.setattr(t, "_encode_segments", never)
+    for messages in ([{"role": "user", "content": "fill in the   <mask> here"}],
+                     [{"role": "user", "content": "x " * 100 + " <mask>"}, {"role": "assistant", "content": "ok"}]):
+        ids = t._encode_chat(messages)
+        assert ids == _reference(hf, messages)
+        assert hf.convert_tokens_to_ids("<mask>") in ids
+    assert t.segment_cache_info() == (0, 0, tokenization._SEGMENT_CACHE_ENTRIES, 0)
+
+
+@pytest.mark.parametrize("scheme, piecewise", [("first", False), ("always", True)])
+def test_a_pre_tokenizer_that_depends_on_the_offset_fails_the_probe(scheme, piecewise):
+    """Metaspace(prepend_scheme="first") adds "▁" only at the very start: pieces encoded alone would differ."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0}
+    for ch in "abcdefghijklmnopqrstuvwxyz .,\n▁<>|_":
+        vocab.setdefault(ch, len(vocab))
+    rust = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    rust.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    hf = PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="<unk>")
+    hf.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    hf.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    t = Tokenizer(hf)
+    assert (t._segment_split is not None) == piecewise
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    assert t._encode_chat(messages) == _reference(hf, messages)
