@@ -131,7 +131,7 @@ class DecodeService:
         received_at = time.monotonic()
 
         def _add() -> Request:
-            return self.engine.add_request(request_id, token_ids, sampling)
+            return self.engine.add_request(request_id, token_ids, sampling, prefill_now=True)
 
         self.local_prefills[request_id] = LocalPrefill(await self.worker.call(_add), received_at)
 

@@ -453,6 +453,8 @@ class LocalOptions:
     mixed_graph_tokens: list[int] | None = None
     #: The nodes' ``--fused-decode-rows`` (None: their default).
     fused_decode_rows: int | None = None
+    #: The nodes' ``--side-prefill-max-tokens`` (None: their default).
+    side_prefill_max_tokens: int | None = None
     max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
@@ -575,6 +577,8 @@ class LocalCluster:
                 argv += ["--mixed-graph-tokens", ",".join(map(str, o.mixed_graph_tokens)) or "none"]
             if o.fused_decode_rows is not None:
                 argv += ["--fused-decode-rows", str(o.fused_decode_rows)]
+            if o.side_prefill_max_tokens is not None:
+                argv += ["--side-prefill-max-tokens", str(o.side_prefill_max_tokens)]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)

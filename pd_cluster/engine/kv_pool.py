@@ -38,6 +38,8 @@ class KVPool:
         self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
         self._num_free = num_slots
         self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        #: Calls to :meth:`free` so far: an engine compares it across a step's launch.
+        self.frees = 0
 
     @property
     def capacity(self) -> int:
@@ -72,6 +74,7 @@ class KVPool:
         """Return slots to the pool; each must be in use, and listed once."""
         if slots.numel() == 0:
             return
+        self.frees += 1
         slots = slots.to(device="cpu", dtype=torch.int64)
         if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
             raise RuntimeError("KV slot freed twice")

@@ -18,13 +18,13 @@ from pd_cluster.engine.length_predictor import OutputLengthPredictor
 from pd_cluster.engine.model_runner import ModelRunner, StepHook
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.outputs import EngineStats, TokenUpdate
-from pd_cluster.engine.penalties import PenaltyBook
+from pd_cluster.engine.penalties import PenaltyBook, has_penalties
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import PENDING, Request, RequestStatus
 from pd_cluster.engine.sampler import DeviceSample, SampledToken, SamplingState, fetch, sample, sample_on_device
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.engine.scheduler import Scheduler
+from pd_cluster.engine.scheduler import ScheduledStep, Scheduler
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
@@ -65,6 +65,21 @@ class _InFlight:
     result: DeviceSample
     #: The sampling states of all of ``result``'s rows, in row order.
     states: list[SamplingState]
+
+
+@dataclass
+class _Aside:
+    """A request prefilled on the side stream beside the step in flight, its first token not read
+    back yet; it joins the decode batch once it is."""
+
+    request: Request
+    result: DeviceSample
+    #: KV slots it took, counted against admission until it joins the batch.
+    held: int
+
+
+#: Requests prefilled on the side stream at once, at most.
+MAX_ASIDE = 4
 
 
 class LLMEngine:
@@ -118,6 +133,13 @@ class LLMEngine:
         self._deferred: list[tuple[Request, SampledToken, bool]] = []
         #: Overlap scheduling: the step launched last, its tokens not yet read back.
         self._in_flight: _InFlight | None = None
+        #: Prefills started on the side stream (:meth:`add_request` with ``prefill_now``).
+        self._aside: list[_Aside] = []
+        self._side_stream = (torch.cuda.Stream(self.device, priority=-1)
+                             if self.device.type == "cuda" and config.side_prefill_max_tokens > 0 else None)
+        #: KV slots and request rows freed up to the last pipelined launch (the step in flight may
+        #: still write those freed after it).
+        self._frees_at_launch: tuple[int, int] | None = None
         logger.info(
             "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
             self.model_config.name, self.device, self.dtype_name, num_slots,
@@ -177,17 +199,93 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-        hold_kv: bool = False, prefill_only: bool = False,
+        hold_kv: bool = False, prefill_only: bool = False, prefill_now: bool = False,
     ) -> Request:
         """Queue a request. ``prefill_only`` stops it after its first token; with ``hold_kv``
-        its KV stays allocated until :meth:`release` (a prefill node sends it first)."""
+        its KV stays allocated until :meth:`release` (a prefill node sends it first).
+        ``prefill_now``: where it is safe, prefill it at once on a side stream, beside the
+        pipelined step in flight, instead of in the step after that one (see :meth:`_prefill_aside`)."""
         req = self.make_request(request_id, prompt_token_ids, params)
         req.hold_kv = hold_kv
         req.prefill_only = prefill_only
         self.requests[request_id] = req
-        self.scheduler.add(req)
         self.stats.prompt_tokens += len(prompt_token_ids)
+        if not (prefill_now and not hold_kv and not prefill_only and self._prefill_aside(req)):
+            self.scheduler.add(req)
         return req
+
+    def _prefill_aside(self, req: Request) -> bool:
+        """Prefill a new request now on the side stream, while the pipelined step in flight runs;
+        its first token is read back with that step's and it joins the next batch. A short miss
+        (a later turn prefilled where it decodes) then waits for no decode step at all, where
+        the batch would take it two steps later: one in flight, then its own.
+
+        Safe only with nothing freed since that step's launch: the step may still write the KV
+        slots or read the request rows freed after it (a request found finished as it ran), and
+        this prefill takes free ones. Requests with penalties or a grammar, whose state the
+        batch's sampling updates, and misses above ``side_prefill_max_tokens`` join the batch as
+        usual. Returns whether it started."""
+        config = self.config
+        sched = self.scheduler
+        if (self._side_stream is None or self._in_flight is None or len(self._aside) >= MAX_ASIDE
+                or self._frees_at_launch != (self.pool.frees, self.table.frees)
+                or req.grammar is not None or has_penalties(req.sampling)
+                or len(sched.running) + len(self._aside) >= config.max_running_requests
+                or self.table.num_free_rows == 0):
+            return False
+        n = req.num_tokens
+        match = self.cache.match_prefix(req.token_ids(0, n))
+        block = self.cache.block_size
+        usable = min(match.num_tokens, ((n - 1) // block) * block)
+        miss = n - usable
+        if miss > min(config.side_prefill_max_tokens, config.max_num_batched_tokens):
+            return False
+        if sched.running and not sched.fits(n, sched.predicted_left(req.sampling.params, 0)):
+            return False
+        self.cache.inc_ref(match.node)
+        slots = sched.alloc_slots(miss)
+        if slots is None:
+            self.cache.dec_ref(match.node)
+            return False
+        row = self.table.alloc_row()
+        assert row is not None  # checked above
+        req.row, req.prefix_node, req.num_computed = row, match.node, usable
+        req.num_cached_tokens, req.admitted_once = usable, True
+        req.status = RequestStatus.RUNNING
+        step = ScheduledStep()
+        step.add(req, miss, slots, sample=True)
+        with torch.cuda.stream(self._side_stream):
+            if usable:
+                self.table.write(row, 0, match.slots[:usable])
+            logits = self.runner.run(step, eager=True)
+            result = sample_on_device(logits, [req.sampling], self.penalties)
+        req.num_computed = n
+        sched.external_held += miss
+        self.stats.computed_tokens += miss
+        self._aside.append(_Aside(req, result, miss))
+        return True
+
+    def _collect_aside(self, block: bool) -> None:
+        """Read back the side prefills that are done (``block``: wait for all of them), accept
+        their first tokens and join them to the batch; free those aborted meanwhile."""
+        if not self._aside:
+            return
+        waiting: list[_Aside] = []
+        now = time.monotonic()
+        for entry in self._aside:
+            ready = entry.result.ready
+            if not block and ready is not None and not ready.query():
+                waiting.append(entry)
+                continue
+            [tok] = fetch(entry.result, [entry.request.sampling])
+            self.scheduler.external_held -= entry.held
+            req = entry.request
+            if req.finished:  # aborted while its prefill ran: its KV is free to go now
+                self.scheduler.release_kv(req)
+                continue
+            self.scheduler.add_running(req)
+            self._accept_id(req, tok, now)
+        self._aside = waiting
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -195,6 +293,11 @@ class LLMEngine:
             return False
         req.finish_reason = "abort"
         req.hold_kv = False
+        if any(entry.request is req for entry in self._aside):
+            # Its prefill may still write its KV slots: they are freed once it is read back.
+            self.penalties.release(req.sampling)
+            req.status = RequestStatus.FINISHED
+            return True
         self._drop_pending(req)
         self.scheduler.remove(req)
         self.penalties.release(req.sampling)
@@ -206,7 +309,8 @@ class LLMEngine:
         self.scheduler.release_kv(req)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
+        return (self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
+                or bool(self._aside))
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -226,6 +330,7 @@ class LLMEngine:
             if self._can_pipeline():
                 return self._step_pipelined()
             self._read_back_in_flight()
+            self._collect_aside(block=True)
             return self._step_overlapped()
         step = self.scheduler.schedule()
         if not step.requests:
@@ -313,12 +418,15 @@ class LLMEngine:
         if step.requests:
             device_tokens = previous.result.tokens if previous is not None else None
             logits = self.runner.run(step, None, device_tokens)
+            self._frees_at_launch = (self.pool.frees, self.table.frees)
             self.stats.steps += 1
             self.stats.computed_tokens += step.num_tokens
             for req, q_len in zip(step.requests, step.q_lens):
                 req.num_computed += q_len
         if previous is not None:
             self._read_back(previous)
+        # Side prefills launched beside ``previous`` are done about now; with nothing else to do, wait.
+        self._collect_aside(block=logits is None and previous is None)
         if logits is not None:
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
             if sampling_reqs:

@@ -91,17 +91,18 @@ class ModelRunner:
         )
 
     def run(self, step: ScheduledStep, layer_hooks: StepHook | None = None,
-            device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+            device_tokens: torch.Tensor | None = None, eager: bool = False) -> torch.Tensor:
         """Logits ``[K, vocab]`` for the requests of the step that sample (in step order).
 
         ``layer_hooks(step)`` may give a hook for this step's layers. Steps without a layer hook
         replay a CUDA graph when one holds them. ``device_tokens``: the previous step's sampled ids,
         still on the device; a request whose input is :data:`PENDING` reads its id there (row
-        ``request.pending_index``)."""
+        ``request.pending_index``). ``eager``: never a graph (their input buffers are shared: a
+        step on another stream beside a replay runs eagerly)."""
         with self._on_device():
             layer_hook = layer_hooks(step) if layer_hooks is not None else None
             layout = StepLayout.of(step)
-            if layer_hook is None and self.graphs is not None:
+            if layer_hook is None and self.graphs is not None and not eager:
                 shape = self.graphs.shape_for(layout)
                 if shape is not None:
                     return self.graphs.replay(step, layout, shape, device_tokens)

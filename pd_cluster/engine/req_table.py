@@ -14,6 +14,8 @@ class ReqSlotTable:
         self.table = torch.zeros((max_requests, max_len), dtype=torch.int64, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.max_len = max_len
+        #: Rows freed so far: an engine compares it across a step's launch.
+        self.frees = 0
 
     @property
     def num_free_rows(self) -> int:
@@ -25,6 +27,7 @@ class ReqSlotTable:
     def free_row(self, row: int) -> None:
         if row in self._free_rows:
             raise RuntimeError(f"request row {row} freed twice")
+        self.frees += 1
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:

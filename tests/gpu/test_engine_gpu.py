@@ -147,6 +147,39 @@ def test_float32_greedy_with_prefill_chunks_in_graphs_equals_the_cpu_path(model_
     assert [s.tokens for s in mixed] == [32, 32, 64, 192, 256, 384]
 
 
+def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(model_dir, prompts, cpu_tokens):
+    """Requests a node prefills itself, arriving while pipelined steps run, prefill at once on the
+    side stream beside the step in flight and then join the batch: the tokens still equal the
+    CPU path's (a KV slot or request row shared with the step in flight would change them), one
+    aborted mid-prefill gives its KV back, and nothing leaks."""
+    eng = engine(model_dir, "cuda", "float32")
+    assert eng.pipelined and eng._side_stream is not None
+    started: list[bool] = []
+    prefill_aside = eng._prefill_aside
+
+    def counted(req):
+        started.append(prefill_aside(req))
+        return started[-1]
+
+    eng._prefill_aside = counted  # type: ignore[method-assign]
+    reqs = []
+    for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        reqs.append(eng.add_request(uuid.uuid4().hex, prompt, params, prefill_now=True))
+        gone = eng.add_request("aborted-" + uuid.uuid4().hex, prompt, params, prefill_now=True)
+        assert eng.abort(gone.request_id)
+        eng.step()
+        eng.step()
+    while eng.has_unfinished():
+        eng.step()
+    assert [list(r.output_token_ids) for r in reqs] == cpu_tokens
+    # The first prompt found no step in flight; most later ones (those after no free) went aside.
+    assert started[0] is False and sum(started) >= 4, started
+    assert eng.scheduler.external_held == 0 and not eng._aside
+    eng.cache.flush()
+    assert eng.pool.num_free == eng.pool.capacity and eng.table.num_free_rows == 8
+
+
 def test_float32_greedy_one_stream_at_a_time_through_the_fused_projections_equals_the_cpu_path(
         model_dir, prompts, cpu_tokens):
     """Single-row decode steps fold each norm and the SiLU gate into the projection after it (the
