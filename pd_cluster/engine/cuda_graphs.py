@@ -66,6 +66,8 @@ class StepGraphs:
         self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, batch_sizes: Sequence[int], pad_slot: int,
         prefill_tokens: Sequence[int] = (), max_prefills: int = 0,
     ) -> None:
+        """``batch_sizes`` empty: prefill-only graphs (no decode rows), such as a second set with
+        buffers of its own for steps on a second stream."""
         self.model = model
         self.pool = pool
         self.table = table
@@ -73,7 +75,7 @@ class StepGraphs:
         self.batch_sizes = sorted(set(batch_sizes))
         self.prefill_sizes = sorted(set(prefill_tokens)) if max_prefills > 0 else []
         self.max_prefills = max_prefills if self.prefill_sizes else 0
-        self.max_batch = self.batch_sizes[-1]
+        self.max_batch = self.batch_sizes[-1] if self.batch_sizes else 0
         self.pad_slot = pad_slot
         width, dev = table.table.shape[1], self.device
         max_tokens = self.max_batch + (self.prefill_sizes[-1] if self.prefill_sizes else 0)
@@ -84,6 +86,8 @@ class StepGraphs:
         # A mixed step's padded decode rows cost a GEMM row and one token of attention each, little
         # beside its prefill tokens: coarse decode sizes keep the graph count (and capture time) down.
         self.mixed_decode_sizes = [0] + [b for b in self.batch_sizes if b >= MIXED_MIN_DECODE or b == self.max_batch]
+        if not self.batch_sizes and not self.prefill_sizes:
+            raise ValueError("no shapes to capture: neither decode batch sizes nor prefill sizes")
         self.shapes = [GraphShape(b) for b in self.batch_sizes] + [
             GraphShape(b, t) for b in self.mixed_decode_sizes for t in self.prefill_sizes
         ]

@@ -37,6 +37,8 @@ CPU_DEFAULT_KV_TOKENS = 16384
 #: Activations and CUDA graphs, kept out of the KV pool (an 8B-shape engine's 39 step graphs take
 #: about 270 MiB, a 2048-token eager prefill about 300 MiB more).
 GPU_HEADROOM_BYTES = 768 * 2**20
+#: More of it for the side stream's prefill graphs (their own buffers and memory pool).
+SIDE_GRAPHS_HEADROOM_BYTES = 256 * 2**20
 KVEventSink = Callable[[list[int], list[int]], None]
 
 
@@ -154,13 +156,16 @@ class LLMEngine:
         if self.device.type != "cuda":
             return CPU_DEFAULT_KV_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
+        headroom = GPU_HEADROOM_BYTES
+        if self.config.cuda_graphs and self.config.side_prefill_max_tokens > 0:
+            headroom += SIDE_GRAPHS_HEADROOM_BYTES
         fraction = self.config.gpu_memory_fraction
         if fraction is None:
-            budget = int(free * self.config.kv_memory_fraction) - GPU_HEADROOM_BYTES
+            budget = int(free * self.config.kv_memory_fraction) - headroom
         else:
             # Reserved, not just allocated: the allocator's cached blocks are this process's too.
             held = torch.cuda.memory_reserved(self.device)
-            budget = min(int(fraction * total) - held, free) - GPU_HEADROOM_BYTES
+            budget = min(int(fraction * total) - held, free) - headroom
         return max(budget // self.kv_spec.bytes_per_token, 1024)
 
     # ---- requests --------------------------------------------------------------------------
@@ -257,7 +262,7 @@ class LLMEngine:
         with torch.cuda.stream(self._side_stream):
             if usable:
                 self.table.write(row, 0, match.slots[:usable])
-            logits = self.runner.run(step, eager=True)
+            logits = self.runner.run(step, side=True)
             result = sample_on_device(logits, [req.sampling], self.penalties)
         req.num_computed = n
         sched.external_held += miss

@@ -34,17 +34,24 @@ class ModelRunner:
         self.table = table
         self.device = device
         self.graphs: StepGraphs | None = None
+        #: Prefill-only graphs with buffers of their own, for prefills on the engine's side stream
+        #: beside a replay of :attr:`graphs` (see ``LLMEngine._prefill_aside``).
+        self.side_graphs: StepGraphs | None = None
         if config is not None and config.cuda_graphs and device.type == "cuda":
-            self.graphs = self._capture(config)
+            self.graphs, self.side_graphs = self._capture(config)
 
-    def _capture(self, config: EngineConfig) -> StepGraphs:
+    def _capture(self, config: EngineConfig) -> tuple[StepGraphs, StepGraphs | None]:
         # One slot no request owns takes the padding rows' KV writes.
-        pad_slot = self.pool.reserve(1)
-        graphs = StepGraphs(self.model, self.pool, self.table, config.graph_batch_sizes(), int(pad_slot[0]),
+        pad_slot = int(self.pool.reserve(1)[0])
+        graphs = StepGraphs(self.model, self.pool, self.table, config.graph_batch_sizes(), pad_slot,
                             config.graph_prefill_tokens(), config.mixed_graph_prefills)
+        side_sizes = [t for t in config.graph_prefill_tokens() if t <= config.side_prefill_max_tokens]
+        side = StepGraphs(self.model, self.pool, self.table, [], pad_slot, side_sizes, 1) if side_sizes else None
         with self._on_device():
             graphs.capture()
-        return graphs
+            if side is not None:
+                side.capture()
+        return graphs, side
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         """Kernels launch on the current device, which a node's thread may not have set."""
@@ -91,21 +98,22 @@ class ModelRunner:
         )
 
     def run(self, step: ScheduledStep, layer_hooks: StepHook | None = None,
-            device_tokens: torch.Tensor | None = None, eager: bool = False) -> torch.Tensor:
+            device_tokens: torch.Tensor | None = None, side: bool = False) -> torch.Tensor:
         """Logits ``[K, vocab]`` for the requests of the step that sample (in step order).
 
         ``layer_hooks(step)`` may give a hook for this step's layers. Steps without a layer hook
         replay a CUDA graph when one holds them. ``device_tokens``: the previous step's sampled ids,
         still on the device; a request whose input is :data:`PENDING` reads its id there (row
-        ``request.pending_index``). ``eager``: never a graph (their input buffers are shared: a
-        step on another stream beside a replay runs eagerly)."""
+        ``request.pending_index``). ``side``: a step on the engine's side stream, beside a replay of
+        the main graphs: it replays a side graph (buffers of its own) or runs eagerly."""
         with self._on_device():
             layer_hook = layer_hooks(step) if layer_hooks is not None else None
             layout = StepLayout.of(step)
-            if layer_hook is None and self.graphs is not None and not eager:
-                shape = self.graphs.shape_for(layout)
+            graphs = self.side_graphs if side else self.graphs
+            if layer_hook is None and graphs is not None:
+                shape = graphs.shape_for(layout)
                 if shape is not None:
-                    return self.graphs.replay(step, layout, shape, device_tokens)
+                    return graphs.replay(step, layout, shape, device_tokens)
             starts = layout.token_starts(step)
             batch = self.prepare(step, layout, starts)
             layout.take_device_ids(step, starts, batch.input_ids, device_tokens)

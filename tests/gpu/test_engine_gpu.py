@@ -154,6 +154,16 @@ def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(
     aborted mid-prefill gives its KV back, and nothing leaks."""
     eng = engine(model_dir, "cuda", "float32")
     assert eng.pipelined and eng._side_stream is not None
+    side_graphs = eng.runner.side_graphs
+    assert side_graphs is not None and {s.decode for s in side_graphs.shapes} == {0}
+    side_shapes: list[GraphShape] = []
+    side_replay = side_graphs.replay
+
+    def replayed(step, layout, shape, device_tokens=None):
+        side_shapes.append(shape)
+        return side_replay(step, layout, shape, device_tokens)
+
+    side_graphs.replay = replayed  # type: ignore[method-assign]
     started: list[bool] = []
     prefill_aside = eng._prefill_aside
 
@@ -175,6 +185,7 @@ def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(
     assert [list(r.output_token_ids) for r in reqs] == cpu_tokens
     # The first prompt found no step in flight; most later ones (those after no free) went aside.
     assert started[0] is False and sum(started) >= 4, started
+    assert len(side_shapes) == sum(started)  # each in a side graph: no prompt here is over 512 tokens
     assert eng.scheduler.external_held == 0 and not eng._aside
     eng.cache.flush()
     assert eng.pool.num_free == eng.pool.capacity and eng.table.num_free_rows == 8
