@@ -215,6 +215,8 @@ class LLMEngine:
         req.prefill_only = prefill_only
         self.requests[request_id] = req
         self.stats.prompt_tokens += len(prompt_token_ids)
+        if prefill_now:
+            self.stats.prefill_now_requests += 1
         if not (prefill_now and not hold_kv and not prefill_only and self._prefill_aside(req)):
             self.scheduler.add(req)
         return req
@@ -267,6 +269,10 @@ class LLMEngine:
         req.num_computed = n
         sched.external_held += miss
         self.stats.computed_tokens += miss
+        self.stats.side_prefills += 1
+        if self.stats.side_prefills & (self.stats.side_prefills - 1) == 0:  # 1, 2, 4, 8, ...: a trace, not a flood
+            logger.info("%d of %d requests asked to prefill at once did so on the side stream",
+                        self.stats.side_prefills, self.stats.prefill_now_requests)
         self._aside.append(_Aside(req, result, miss))
         return True
 
@@ -430,8 +436,9 @@ class LLMEngine:
                 req.num_computed += q_len
         if previous is not None:
             self._read_back(previous)
-        # Side prefills launched beside ``previous`` are done about now; with nothing else to do, wait.
-        self._collect_aside(block=logits is None and previous is None)
+        # Side prefills were launched beside ``previous`` (after its launch, before this call): they
+        # end about when it does, so wait for them rather than a whole step more.
+        self._collect_aside(block=True)
         if logits is not None:
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
             if sampling_reqs:

@@ -49,4 +49,7 @@ class EngineStats:
     finished_requests: int = 0
     #: Tokens drawn for a request a stop string had already ended (overlap scheduling).
     dropped_tokens: int = 0
+    #: Requests asked to prefill at once (``prefill_now``), and those that did, on the side stream.
+    prefill_now_requests: int = 0
+    side_prefills: int = 0
     extra: dict = field(default_factory=dict)
