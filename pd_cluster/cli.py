@@ -41,7 +41,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "projection after it (default: 1)")
     p.add_argument("--side-prefill-max-tokens", type=int, default=None, metavar="N",
                    help="a request this node prefills itself while a pipelined step runs is prefilled at once on a "
-                        "second CUDA stream when it misses at most N tokens (default 512; 0: off)")
+                        "second CUDA stream when it misses at most N tokens (default 0: off)")
 
 
 def _token_sizes(text: str) -> list[int]:
@@ -366,7 +366,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                           "the projection after it (default: 1)")
     loc.add_argument("--side-prefill-max-tokens", type=int, default=None, metavar="N",
                      help="nodes prefill a request they take whole at once on a second CUDA stream, beside the "
-                          "step in flight, when it misses at most N tokens (default 512; 0: off)")
+                          "step in flight, when it misses at most N tokens (default 0: off)")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")

@@ -59,11 +59,12 @@ class EngineConfig(BaseModel):
                     "after it, a third fewer kernels a layer (Triton on CUDA); None: 1 (a lone stream's steps)",
     )
     side_prefill_max_tokens: int = Field(
-        default=512, ge=0,
+        default=0, ge=0,
         description="a request a node prefills itself (a decode node's short miss, a mixed node's short prompt) "
                     "arriving while a pipelined step runs is prefilled at once on a second CUDA stream beside it "
                     "when it misses at most this many tokens (and has no penalties or grammar), instead of "
-                    "joining the batch after that step; 0: off",
+                    "joining the batch after that step; 0 (default): off, since with P and D sharing one GPU "
+                    "the two streams' contention cost more than the step it saves (docs/benchmarks/README.md)",
     )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"

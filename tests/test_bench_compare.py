@@ -62,3 +62,14 @@ def test_sweep_specs_parse_and_the_report_names_the_ratios():
                            "ratios": {"ttft_later_p50": 0.25, "ttft_turn1_p50": 1.0, "tpot_p99": 1.0}}}
     text = markdown(doc)
     assert "TTFT turns 2+ p50 0.25x" in text and "local/short_miss 6" in text
+    assert "Model: tiny (random weights)." in text
+
+
+def test_the_report_names_a_real_model_by_its_directory_and_the_launchers_extra_flags():
+    """A model that was not written with a shape is not called one, and a run's extra flags
+    (what set it apart from the run beside it) are in its report."""
+    doc = {"device": "cpu", "date": "2026-11-25", "model_shape": None, "model": "SmolLM2-135M-Instruct",
+           "local_args": "--side-prefill-max-tokens 0", "slo": {"ttft_s": 1.0, "tpot_s": 0.05}}
+    text = markdown(doc)
+    assert ("Model: `SmolLM2-135M-Instruct`, `pd-cluster local --side-prefill-max-tokens 0`." in text
+            and "random weights" not in text)

@@ -204,6 +204,16 @@ def compare_mixed(start: Callable[[list[str], str], Any], base: ServeBenchConfig
     return out
 
 
+def model_words(doc: dict[str, Any]) -> str:
+    """What served the runs, for a report: the shape a random-weight model was written with
+    (``--model-shape``), else the model directory's name, and the extra flags of the launcher."""
+    words = (f"{doc['model_shape']} (random weights)" if doc.get("model_shape")
+             else f"`{doc.get('model') or 'unnamed'}`")
+    if doc.get("local_args"):
+        words += f", `pd-cluster local {doc['local_args']}`"
+    return words
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The comparison tables of one results document."""
     def ms(v: float | None) -> str:
@@ -213,7 +223,7 @@ def markdown(doc: dict[str, Any]) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
     lines = [f"# Disaggregate or not, on {doc['device']} ({doc['date']})", "",
-             f"Model: {doc['model_shape']} (random weights). Every run restarts `pd-cluster local`; SLO: TTFT <= "
+             f"Model: {model_words(doc)}. Every run restarts `pd-cluster local`; SLO: TTFT <= "
              f"{doc['slo']['ttft_s']:g} s, TPOT <= {doc['slo']['tpot_s'] * 1000:g} ms.", ""]
     cond = doc.get("conditional")
     if cond:

@@ -32,6 +32,7 @@ import math
 
 import httpx
 
+from pd_cluster.bench.compare import model_words
 from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.report import format_table, results_document
 from pd_cluster.bench.serve.runner import SweepResult, run_serve_bench
@@ -195,7 +196,7 @@ def _run(config: ServeBenchConfig, name: str, out_dir: Path) -> SweepResult:
 
 def markdown(doc: dict[str, Any]) -> str:
     lines = [f"# Served system on {doc['device']} ({doc['date']})", "",
-             f"`pd-cluster local --model <{doc['model_shape']} random weights>` with default flags; "
+             f"`pd-cluster local` serving {model_words(doc)}; "
              f"ready after {doc['ready_s']:.0f} s. SLO: TTFT <= {doc['slo']['ttft_s']:g} s, "
              f"TPOT <= {doc['slo']['tpot_s'] * 1000:g} ms.", "", "```", doc["placement"] or "(no table)", "```", ""]
     cold = doc.get("cold_start")
@@ -258,10 +259,17 @@ def portable(value: Any, model: str, out: Path) -> Any:
     return value
 
 
+def model_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """What a results document says of the model and the launcher's flags (no machine paths)."""
+    return {"model_shape": args.model_shape, "model": Path(args.model).name, "local_args": args.local_args}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model directory (e.g. from pd_cluster.bench.random_model)")
-    parser.add_argument("--model-shape", default="llama3-8b", help="what the model is, for the report")
+    parser.add_argument("--model-shape", default=None,
+                        help="the shape a random-weight --model was written with, for the report "
+                             "(default: the model directory's name)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--local-args", default="", help="extra flags for pd-cluster local (default: none)")
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     base = ServeBenchConfig(base_url=cluster.url, model=None, tokenizer=args.model, input_len=args.input_len,
                             output_len=args.output_len, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
                             save_requests=False, progress=False, request_timeout=args.request_timeout)
-    doc: dict[str, Any] = {"device": kind, "date": date, "model_shape": args.model_shape,
+    doc: dict[str, Any] = {"device": kind, "date": date, **model_fields(args),
                            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
     if args.colocated_requests:
         doc["colocated"] = colocated_baseline(args.model, args.input_len, args.output_len, args.colocated_requests)
@@ -389,7 +397,7 @@ def run_comparisons(args: argparse.Namespace) -> int:
     base = ServeBenchConfig(base_url=f"http://127.0.0.1:{args.port}", model=None, tokenizer=args.model,
                             slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, save_requests=False, progress=False,
                             request_timeout=args.request_timeout)
-    doc: dict[str, Any] = {"device": kind, "date": date, "model_shape": args.model_shape,
+    doc: dict[str, Any] = {"device": kind, "date": date, **model_fields(args),
                            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
 
     def run(config: ServeBenchConfig, name: str) -> SweepResult:

@@ -152,7 +152,7 @@ def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(
     side stream beside the step in flight and then join the batch: the tokens still equal the
     CPU path's (a KV slot or request row shared with the step in flight would change them), one
     aborted mid-prefill gives its KV back, and nothing leaks."""
-    eng = engine(model_dir, "cuda", "float32")
+    eng = engine(model_dir, "cuda", "float32", side_prefill_max_tokens=512)
     assert eng.pipelined and eng._side_stream is not None
     side_graphs = eng.runner.side_graphs
     assert side_graphs is not None and {s.decode for s in side_graphs.shapes} == {0}
