@@ -25,7 +25,7 @@ from master.errors import APIError, bad_request, internal_error, unavailable
 from master.metrics import CONTENT_TYPE, status_of_http
 from master.relay import ClientDisconnected, RelayRequest, StreamFailed
 from master.request_log import REQUEST_ID_HEADER
-from master.tokenization import ChatTemplateError
+from master.tokenization import ChatTemplateError, Encoded
 from pd_cluster.engine.grammar import GrammarError, check_spec
 
 logger = logging.getLogger(__name__)
@@ -187,8 +187,26 @@ def _check_json(doc: Any) -> None:
                 stack.append((item, depth + 1))
 
 
-async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[Any, list[int], Any]:
-    """Validate and tokenize; returns (request model, prompt token ids, sampling params)."""
+@dataclass(frozen=True)
+class _Prepared:
+    """A request validated and tokenized: its model, prompt ids, sampling, and (when routing
+    looks up prefixes) the prompt's block hashes."""
+
+    req: Any
+    token_ids: list[int]
+    sampling: Any
+    block_size: int | None
+    block_hashes: list[int] | None
+
+    def route(self, r: RelayRequest) -> None:
+        """Hand the block hashes to the relay request's routing."""
+        if self.block_size is not None and self.block_hashes is not None:
+            r.route.remember_hashes(self.block_size, self.block_hashes)
+
+
+async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> _Prepared:
+    """Validate and tokenize (hashing the prompt's blocks in the same trip to the tokenizer
+    thread when routing will look them up)."""
     body = await _read_json(request)
     req = oa.parse_request(oa.ChatCompletionRequest if kind == "chat" else oa.CompletionRequest, body)
     req.check_supported()
@@ -198,6 +216,7 @@ async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[An
         raise _model_not_found(req.model)
 
     param = "messages" if kind == "chat" else "prompt"
+    block_size = _prefix_block_size(ctx)
     structured = req.structured()
     if structured is not None:
         grammar_param = "tools" if kind == "chat" and req.forced_functions is not None else "response_format"
@@ -208,20 +227,22 @@ async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[An
     if kind == "chat":
         messages = [m.for_template(i) for i, m in enumerate(req.messages)]
         try:
-            token_ids = await ctx.tokenizer.encode_chat(messages, req.template_tools())
+            encoded = await ctx.tokenizer.encode_chat(messages, req.template_tools(), block_size)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
         requested, logprobs = req.requested_max_tokens, req.logprobs_count
     else:
         prompt = req.single_prompt()
         if isinstance(prompt, str):
-            token_ids = await ctx.tokenizer.encode_prompt(prompt)
+            encoded = await ctx.tokenizer.encode_prompt(prompt, block_size)
         else:
             vocab = ctx.tokenizer.vocab_size
             if any(t < 0 or t >= vocab for t in prompt):
                 raise bad_request(f"Token ids must be in [0, {vocab}).", "prompt")
-            token_ids = list(prompt)
+            encoded = (await ctx.tokenizer.hash_blocks(list(prompt), block_size) if block_size is not None
+                       else Encoded(list(prompt)))
         requested, logprobs = req.max_tokens, req.logprobs
+    token_ids = encoded.ids
     if not token_ids:
         raise bad_request(f"The {param} must not be empty.", param)
 
@@ -253,7 +274,7 @@ async def _prepare(ctx: MasterContext, request: Request, kind: Kind) -> tuple[An
     if sampling.seed is None:
         # Chosen once here, so a retry on another node draws the same stream.
         sampling = sampling.model_copy(update={"seed": secrets.randbits(63)})
-    return req, token_ids, sampling
+    return _Prepared(req, token_ids, sampling, block_size, encoded.block_hashes)
 
 
 @dataclass(frozen=True)
@@ -361,7 +382,7 @@ async def _serve(request: Request, kind: Kind) -> Response:
         return answer  # several prompts, or echo: one request per prompt, answered as one
     arrival = time.monotonic()
     try:
-        req, token_ids, sampling = await _prepare(ctx, request, kind)
+        prepared = await _prepare(ctx, request, kind)
     except APIError as exc:
         ctx.metrics.requests_total.labels(status=status_of_http(exc.status)).inc()
         return exc.response()
@@ -371,18 +392,16 @@ async def _serve(request: Request, kind: Kind) -> Response:
         ctx.metrics.requests_total.labels(status="error").inc()
         return internal_error().response()
     shape = _SHAPES[kind]
+    req, token_ids, sampling = prepared.req, prepared.token_ids, prepared.sampling
     if req.choice_count > 1:
-        return await _serve_choices(request, ctx, kind, req, token_ids, sampling, arrival)
-    block_size = _prefix_block_size(ctx)
+        return await _serve_choices(request, ctx, kind, prepared, arrival)
     r = ctx.relay.create(ctx.relay.new_request_id(shape.id_prefix), token_ids, sampling, req.stream, arrival)
+    prepared.route(r)
     r.client_slot = request.state.client_slot
     r.client_slot.handed = True
     r.client_request_id = request.headers.get(REQUEST_ID_HEADER)
     request.state.request_id = r.request_id  # answered in the X-Request-Id header (RequestIdMiddleware)
     try:
-        if block_size is not None:
-            # Hash the prompt's blocks off the event loop; routing then finds them computed.
-            await ctx.tokenizer.run(r.route.block_hashes, block_size)
         await ctx.relay.admit(r, request.is_disconnected)
     except ClientDisconnected:
         ctx.relay.release(r)
@@ -529,12 +548,13 @@ async def _admit_followers(
 
 
 async def _serve_choices(
-    request: Request, ctx: MasterContext, kind: Kind, req: Any, token_ids: list[int], sampling: Any, arrival: float
+    request: Request, ctx: MasterContext, kind: Kind, prepared: _Prepared, arrival: float
 ) -> Response:
     """A request with several choices: one relay request per choice, admitted after choice 0 (see
     :func:`_admit_followers`); the answer lists them by ``index`` (the best ``n`` by mean token
     logprob when best_of > n), and its usage counts the prompt once."""
     shape = _SHAPES[kind]
+    req, token_ids, sampling = prepared.req, prepared.token_ids, prepared.sampling
     count, returned = req.choice_count, req.choices_returned
     base_id = ctx.relay.new_request_id(shape.id_prefix)
     relays: list[RelayRequest] = []
@@ -543,15 +563,13 @@ async def _serve_choices(
         r = ctx.relay.create(base_id if index == 0 else f"{base_id}-c{index}", token_ids, choice, req.stream, arrival)
         r.choice_index = index
         r.client_request_id = request.headers.get(REQUEST_ID_HEADER)
+        prepared.route(r)
         relays.append(r)
     first = relays[0]
     first.client_slot = request.state.client_slot
     first.client_slot.handed = True
     request.state.request_id = base_id
     try:
-        block_size = _prefix_block_size(ctx)
-        if block_size is not None:
-            await ctx.tokenizer.run(first.route.block_hashes, block_size)
         await ctx.relay.admit(first, request.is_disconnected)
     except ClientDisconnected:
         _release_all(ctx, relays)

@@ -63,6 +63,10 @@ class RouteRequest:
     def max_tokens(self) -> int:
         return max(self.kv_need - len(self.token_ids), 1)
 
+    def remember_hashes(self, block_size: int, hashes: list[int]) -> None:
+        """Block hashes computed elsewhere (with the prompt's encoding, off the event loop)."""
+        self._hashes[block_size] = hashes
+
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the prompt's full blocks (computed once per block size; the API
         handler computes them off the event loop before routing asks)."""

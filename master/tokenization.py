@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, TypeVar
 
 from master.tool_calls import messages_without_tool_support, template_renders_tools
+from pd_cluster.block_hash import block_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,15 @@ _MIN_CACHED_SEGMENT_CHARS = 64
 # a token per 4 characters), so a few huge documents cannot pin gigabytes: about 32 MiB at most.
 _SEGMENT_CACHE_ENTRIES = 4096
 _SEGMENT_CACHE_CHARS = 16 * 1024 * 1024
+
+
+class Encoded(NamedTuple):
+    """A prompt's ids and, when routing asked for them, its blocks' chained hashes (computed in
+    the same trip to the tokenizer thread: each trip costs the event loop a wake-up and the
+    thread a wait for the GIL, about as much as hashing a long prompt)."""
+
+    ids: list[int]
+    block_hashes: list[int] | None = None
 
 
 class SegmentCacheInfo(NamedTuple):
@@ -75,16 +85,28 @@ class Tokenizer:
         """Run ``fn`` on the tokenizer thread (also used for other per-request CPU work)."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return await self.run(self._encode_chat, messages, tools)
+    async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                          block_size: int | None = None) -> Encoded:
+        """The rendered chat's ids (and, given ``block_size``, their block hashes)."""
+        return await self.run(self._encoded, block_size, self._encode_chat, messages, tools)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
         """Whether the model's chat template writes the tools (and tool calls) itself."""
         return template_renders_tools(getattr(self.hf, "chat_template", None) or "")
 
-    async def encode_prompt(self, text: str) -> list[int]:
-        return await self.run(self._encode_prompt, text)
+    async def encode_prompt(self, text: str, block_size: int | None = None) -> Encoded:
+        """A completion prompt's ids (and, given ``block_size``, their block hashes)."""
+        return await self.run(self._encoded, block_size, self._encode_prompt, text)
+
+    async def hash_blocks(self, ids: list[int], block_size: int) -> Encoded:
+        """Block hashes of a prompt given as ids."""
+        return await self.run(self._encoded, block_size, list, ids)
+
+    @staticmethod
+    def _encoded(block_size: int | None, encode: Callable[..., list[int]], *args: Any) -> Encoded:
+        ids = encode(*args)
+        return Encoded(ids, block_hashes(ids, block_size) if block_size else None)
 
     def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         from jinja2 import TemplateError

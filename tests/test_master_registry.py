@@ -348,6 +348,33 @@ async def test_cache_aware_routing_follows_kv_events_to_the_decode_node(master):
         await node.close()
 
 
+async def test_a_chat_request_goes_to_the_decode_node_holding_its_rendered_prefix(master):
+    """A chat prompt's blocks (hashed with its encoding, on the tokenizer thread) are looked up in
+    the decode nodes' prefix indexes: the conversation whose rendered prefix a node announced goes
+    there."""
+    prefill = await _join(master, "p0", "prefill")
+    d0 = await _join(master, "d0", "decode")
+    d1 = await _join(master, "d1", "decode")
+    history = [{"role": "user", "content": "a long first question, " * 4}, {"role": "assistant", "content": "ok"}]
+    held = (await master.ctx.tokenizer.encode_chat(history)).ids
+    await d1.send(protocol.KVEvents(stored=block_hashes(held, 4)))
+    # d0 holds the template's opening (every prompt's first two blocks): a prompt that shares no
+    # more with the history ties, and goes to d0.
+    await d0.send(protocol.KVEvents(stored=block_hashes(held[:8], 4)))
+    await wait_until(lambda: len(master.ctx.registry.nodes["d1"].prefix) == len(held) // 4
+                     and len(master.ctx.registry.nodes["d0"].prefix) == 2, what="kv events")
+    await wait_warm(master, 2)
+    for messages, expected in ((history + [{"role": "user", "content": "and then?"}], "d1"),
+                               ([{"role": "user", "content": "something else entirely, " * 4}], "d0")):
+        call = asyncio.create_task(master.http.post("/v1/chat/completions",
+                                                    json={"model": MODEL, "messages": messages, "max_tokens": 4}))
+        job = await serve_one(prefill, d1 if expected == "d1" else d0, [(5, "a")])
+        assert (await call).status_code == 200
+        assert job.decode_node_id == expected
+    for node in (prefill, d0, d1):
+        await node.close()
+
+
 async def test_request_past_its_deadline_is_aborted_with_504(tmp_path: Path):
     async with LiveMaster(make_settings(write_model_dir(tmp_path), request_timeout_s=0.5)) as master:
         prefill = await _join(master, "p0", "prefill")

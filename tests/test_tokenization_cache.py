@@ -181,3 +181,18 @@ def test_a_pre_tokenizer_that_depends_on_the_offset_fails_the_probe(scheme, piec
     assert (t._segment_split is not None) == piecewise
     messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
     assert t._encode_chat(messages) == _reference(hf, messages)
+
+
+async def test_encoding_with_a_block_size_hashes_the_ids_in_the_same_call(tokenizer):
+    """Routing's block hashes come with the ids: those of the ids returned, none unasked."""
+    from pd_cluster.block_hash import block_hashes
+
+    t = Tokenizer(tokenizer)
+    messages = [{"role": "user", "content": "the of and to in " * 20}]
+    plain = await t.encode_chat(messages)
+    hashed = await t.encode_chat(messages, None, 16)
+    assert plain.block_hashes is None and hashed.ids == plain.ids == _reference(tokenizer, messages)
+    assert hashed.block_hashes == block_hashes(plain.ids, 16) and len(hashed.block_hashes) == len(plain.ids) // 16
+    prompt = await t.encode_prompt("the of and to", 2)
+    assert prompt.block_hashes == block_hashes(prompt.ids, 2)
+    assert (await t.hash_blocks([5, 6, 7, 8, 9], 2)).block_hashes == block_hashes([5, 6, 7, 8, 9], 2)
