@@ -32,7 +32,7 @@ def run_master(settings: MasterSettings | None = None) -> None:
         use_json_logs()  # uvicorn's own lines too: it then configures no handlers of its own
     app = create_app(settings)
     prepare_process()
-    uvicorn.run(  # on uvloop and httptools where they are installed (the ``fast`` extra)
+    uvicorn.run(  # on uvloop and httptools (dependencies; uvicorn picks them up itself)
         app,
         host=settings.host,
         port=settings.port,
