@@ -356,17 +356,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help='"default" or an HF model directory (template, tokenizer)')
     p.add_argument("--decode-nodes", type=int, default=d.decode_nodes, help="synthetic decode nodes")
     p.add_argument("--step-ms", type=float, default=d.step_ms, help="their decode step, one token a request")
-    p.add_argument("--conversations", type=int, default=d.conversations)
-    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--conversations", type=int, default=d.conversations, help="multi-turn conversations sent")
+    p.add_argument("--turns", type=int, default=d.turns, help="turns a conversation")
     p.add_argument("--rate", type=float, default=d.rate, help="conversations started a second")
-    p.add_argument("--first-turn-len", type=int, default=d.first_turn_len)
-    p.add_argument("--turn-len", type=int, default=d.turn_len)
-    p.add_argument("--output-len", type=int, default=d.output_len)
-    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--first-turn-len", type=int, default=d.first_turn_len, help="tokens of a first message")
+    p.add_argument("--turn-len", type=int, default=d.turn_len, help="tokens of each later message")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="tokens of each answer")
+    p.add_argument("--port", type=int, default=d.port, help="the master's port on 127.0.0.1")
     p.add_argument("--master-args", default="", help="extra flags of pd-cluster master")
     p.add_argument("--repeat", type=int, default=1, help="runs, each on a fresh master (the report's median)")
-    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    p.add_argument("--tag", default="")
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks"),
+                   help="where master-load-cpu-<date>[-tag].{json,md} and each run's master log go")
+    p.add_argument("--tag", default="", help="appended to the results' names")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
