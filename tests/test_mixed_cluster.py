@@ -64,6 +64,8 @@ def test_a_cluster_of_mixed_nodes_only_serves_token_identical(cluster, client, c
 
 
 def test_mixed_prefill_and_decode_nodes_serve_together(cluster, client, chat_prompts, tokenizer, hf_reference):
+    # What the module's earlier tests sent counts apart: this test runs alone as well.
+    m0_before, routed_before = served_by(cluster, "m0"), cluster.metric("pdc_route_decisions_total")
     cluster.start_node("prefill", "p0")
     cluster.start_node("decode", "d0", "--data-port", "0")
     wait_until(lambda: cluster.health()[1].get("warm_pairs") == 1, 60, "a warm pair")
@@ -77,5 +79,5 @@ def test_mixed_prefill_and_decode_nodes_serve_together(cluster, client, chat_pro
         texts = list(pool.map(run, prompts))
     assert texts == [expected(tokenizer, hf_reference, p) for p in prompts]
     # Concurrent requests filled both the mixed node and the P -> D pair.
-    assert served_by(cluster, "m0") >= 7 and served_by(cluster, "d0") >= 1
-    assert cluster.metric("pdc_route_decisions_total") == 6 + len(prompts)
+    assert served_by(cluster, "m0") - m0_before >= 1 and served_by(cluster, "d0") >= 1
+    assert cluster.metric("pdc_route_decisions_total") == routed_before + len(prompts)
