@@ -45,7 +45,8 @@ def route_decisions(url: str) -> dict[str, float]:
     }
 
 
-def _p(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank below), None for no values."""
     if not values:
         return None
     ordered = sorted(values)
@@ -62,9 +63,9 @@ def turn_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "requests": len(records), "failed": len(records) - len(ok),
         "ttft_turn1_p50_s": statistics.median(first) if first else None,
         "ttft_later_p50_s": statistics.median(later) if later else None,
-        "ttft_later_p90_s": _p(later, 0.9),
+        "ttft_later_p90_s": percentile(later, 0.9),
         "tpot_p50_s": statistics.median(tpot) if tpot else None,
-        "tpot_p99_s": _p(tpot, 0.99),
+        "tpot_p99_s": percentile(tpot, 0.99),
         # The streams behind the tail: which turn, how long, how much of the prompt was cached.
         "slowest_tpot": [
             {"conversation": r.conversation, "turn": r.turn, "tpot_s": r.tpot, "ttft_s": r.ttft, "e2e_s": r.e2e,
@@ -81,7 +82,8 @@ def server_lines(log_text: str) -> dict[str, dict[str, str]]:
     return {fields["request_id"]: fields for fields in lines if fields is not None}
 
 
-def _float(fields: dict[str, str], key: str) -> float | None:
+def log_seconds(fields: dict[str, str], key: str) -> float | None:
+    """A request log line's field in seconds (None where the line has none)."""
     value = fields.get(key)
     return None if value in (None, "None") else float(value)
 
@@ -97,7 +99,7 @@ def ttft_parts(records: Sequence[RequestRecord], lines: dict[str, dict[str, str]
         fields = lines.get(r.request_id or "")
         if not r.ok or r.turn == 0 or r.ttft is None or fields is None:
             continue
-        ttft, dispatch, node = _float(fields, "ttft_s"), _float(fields, "dispatch_s"), _float(fields, "node_ttft_s")
+        ttft, dispatch, node = log_seconds(fields, "ttft_s"), log_seconds(fields, "dispatch_s"), log_seconds(fields, "node_ttft_s")
         if ttft is None or dispatch is None or node is None:
             continue
         parts["http"].append(r.ttft - ttft)

@@ -26,10 +26,11 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the CLI builds its parser from this module: the rest is imported when a run starts
-    from pd_cluster.kv_spec import KVSpec
+from pd_cluster import protocol
+from pd_cluster.block_hash import block_hashes
+from pd_cluster.kv_spec import KVSpec
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +92,6 @@ class SyntheticDecode:
     async def run(self) -> None:
         from websockets.asyncio.client import connect
 
-        from pd_cluster import protocol
-
         headers = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
         async with connect(self.url, additional_headers=headers, max_size=2 * protocol.MAX_MESSAGE_BYTES) as ws:
             register = protocol.Register(
@@ -108,9 +107,6 @@ class SyntheticDecode:
             await asyncio.gather(self._read(ws), self._steps(ws), self._heartbeat(ws))
 
     async def _read(self, ws: Any) -> None:
-        from pd_cluster import protocol
-        from pd_cluster.block_hash import block_hashes
-
         async for frame in ws:
             msg = protocol.parse_master_message(frame)
             if isinstance(msg, protocol.GenerateJob):
@@ -124,8 +120,6 @@ class SyntheticDecode:
     async def _steps(self, ws: Any) -> None:
         """Every step, one token for every job (a job that came in during a step starts at the
         next one, as on an engine)."""
-        from pd_cluster import protocol
-
         loop = asyncio.get_running_loop()
         tick = loop.time()
         while True:
@@ -150,8 +144,6 @@ class SyntheticDecode:
                     del self.jobs[job.request_id]
 
     async def _heartbeat(self, ws: Any) -> None:
-        from pd_cluster import protocol
-
         while True:
             running = len(self.jobs)
             await ws.send(protocol.encode(protocol.NodeStatus(
@@ -163,7 +155,6 @@ class SyntheticDecode:
 
 def kv_spec_for(model_dir: Path, block_size: int = 16) -> tuple[KVSpec, int]:
     """The KV spec an engine would register for this model (bfloat16), and its context length."""
-    from pd_cluster.kv_spec import KVSpec
     from pd_cluster.model.config import ModelConfig
 
     config = ModelConfig.from_path(model_dir)
@@ -256,8 +247,7 @@ class MasterProcess:
 
 def run_master_load(options: LoadOptions, work_dir: Path) -> dict[str, Any]:
     """Start the master and the synthetic nodes, send the conversations, and report."""
-    from pd_cluster import protocol
-    from pd_cluster.bench.compare import server_lines, ttft_parts, turn_summary
+    from pd_cluster.bench.compare import log_seconds, percentile, server_lines, ttft_parts, turn_summary
     from pd_cluster.bench.serve.config import ServeBenchConfig
     from pd_cluster.bench.serve.runner import run_serve_bench
     from pd_cluster.default_model import resolve_model_path
@@ -295,7 +285,7 @@ def run_master_load(options: LoadOptions, work_dir: Path) -> dict[str, Any]:
     lines = server_lines((work_dir / "master.log").read_text(errors="replace"))
     tokens = sum(r.output_tokens for r in records if r.ok)
     cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
-    dispatch = [float(f["dispatch_s"]) for f in lines.values() if f.get("dispatch_s") not in (None, "None")]
+    dispatch = [d for d in (log_seconds(f, "dispatch_s") for f in lines.values()) if d is not None]
     # Cache-aware routing at work: a conversation's later turns find its earlier turns' blocks on
     # the decode node that served them, and stay there.
     later = [r for r in records if r.ok and r.turn > 0]
@@ -310,7 +300,7 @@ def run_master_load(options: LoadOptions, work_dir: Path) -> dict[str, Any]:
         **turn_summary(records),
         "ttft_later_parts_p50_s": ttft_parts(records, lines),
         "dispatch_p50_s": statistics.median(dispatch) if dispatch else None,
-        "dispatch_p90_s": sorted(dispatch)[int(0.9 * len(dispatch))] if dispatch else None,
+        "dispatch_p90_s": percentile(dispatch, 0.9),
         "later_turns_cached_fraction": (sum(r.cached_tokens or 0 for r in later)
                                         / max(sum(r.prompt_tokens or 0 for r in later), 1)),
         "conversations_on_one_decode": sum(1 for h in homes.values() if len(h) == 1) / max(len(homes), 1),
