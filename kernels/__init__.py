@@ -10,6 +10,7 @@ token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shap
 from kernels.attention import context_attention, decode_attention
 from kernels.gemv import linear, norm_linear, silu_linear
 from kernels.kv_transfer import copy_kv_slots, gather_kv, scatter_kv
+from kernels.qkv_rotary import norm_qkv_rotary
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary, rotary_cos_sin, rotary_store_kv
 from kernels.silu_mul import silu_mul
@@ -23,6 +24,7 @@ __all__ = [
     "gather_kv",
     "linear",
     "norm_linear",
+    "norm_qkv_rotary",
     "rms_norm",
     "rotary_cos_sin",
     "rotary_store_kv",

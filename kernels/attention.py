@@ -407,14 +407,22 @@ def _decode_config(dtype: torch.dtype) -> tuple[int, int]:
     return 32, 4
 
 
+#: Most splits of one sequence's context. The count is fixed by shapes (the slot table is as wide
+#: as the longest context), so at batch 1 a typical context leaves most splits empty; measured on
+#: an H100 with the default model's heads at batch 1 and 1k tokens of context: 64 splits 4.75 us
+#: a launch pair, 32 splits 4.03 us.
+MAX_SPLITS = 32
+
+
 def _decode_num_splits(batch: int, num_kv_heads: int, max_ctx: int, block_n: int, device: torch.device) -> int:
-    """Enough splits for ~4 programs per multiprocessor, never a split shorter than one tile."""
+    """Enough splits for ~4 programs per multiprocessor, never a split shorter than one tile, at
+    most :data:`MAX_SPLITS`."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 4
     wanted = cdiv(4 * sms, max(1, batch * num_kv_heads))
-    return max(1, min(wanted, cdiv(max_ctx, block_n), 64))
+    return max(1, min(wanted, cdiv(max_ctx, block_n), MAX_SPLITS))
 
 
 def decode_attention_triton(

@@ -65,6 +65,7 @@ from kernels.rotary import (
     rotary_store_kv_triton,
 )
 from kernels.penalties import apply_penalties_ref, apply_penalties_triton
+from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.sampling import sample_filtered_ref, sample_filtered_triton
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
@@ -74,11 +75,12 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
-                  "kernels.gemv", "kernels._triton"]  # fmt: skip
+                  "kernels.gemv", "kernels.qkv_rotary", "kernels._triton"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge,
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
-# few-row projection and its input prologue, the dependent-launch wait.
-NUM_KERNELS = 16
+# few-row projection, its products and its input prologue, the qkv projection with rotary and
+# KV store, the dependent-launch wait.
+NUM_KERNELS = 18
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -109,6 +111,10 @@ def assert_close_elementwise(out: torch.Tensor, ref: torch.Tensor) -> None:
 # Projections: the sums run in another order than torch's, and in bfloat16 the interpreter
 # truncates the normalised inputs where the reference rounds them (two ulps of outputs up to 16).
 GEMV_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.3e-1)}
+
+# The projection then the rotation: two bfloat16 truncations in the interpreter where the
+# reference rounds twice (a rotated output mixes two truncated inputs).
+QKV_ROTARY_TOL = {torch.float32: GEMV_TOL[torch.float32], torch.bfloat16: (2e-2, 1.3e-1)}
 
 # Attention: float16 probabilities enter the second product, as in every flash kernel.
 ATTENTION_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2)}
@@ -310,6 +316,35 @@ class InterpretedCases:
         assert_close_elementwise(new_residual, ref_residual)
         gate_up, down = torch.randn(1, 18000, generator=gen), torch.randn(21, 9000, generator=gen) * 0.01
         assert_matches(silu_linear_triton(gate_up, down), silu_linear_ref(gate_up, down), *GEMV_TOL[torch.float32])
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize(("num_rows", "head_dim", "with_bias"), [(1, 16, False), (3, 24, True), (1, 64, True)])
+    def test_qkv_projection_with_rotary_and_kv_store_matches_the_unfused_ops(
+        self, dtype: torch.dtype, num_rows: int, head_dim: int, with_bias: bool,
+    ) -> None:
+        # 3 q heads over 1 kv head (a group of 3); head_dim 24: pairs of 12, tiles cut to divide them.
+        hq, hkv, hidden = 3, 1, 80
+        gen = torch.Generator().manual_seed(15)
+        x = (torch.randn(num_rows, hidden, generator=gen) * 2).to(dtype)
+        residual = torch.randn(num_rows, hidden, generator=gen).to(dtype)
+        norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        weight = (torch.randn((hq + 2 * hkv) * head_dim, hidden, generator=gen) * 0.1).to(dtype)
+        bias = torch.randn(weight.shape[0], generator=gen).to(dtype) if with_bias else None
+        cos, sin = rotary_cos_sin(head_dim, 64, 10000.0)
+        positions = torch.randint(0, 64, (num_rows,), generator=gen)
+        slots = torch.randperm(20, generator=gen)[:num_rows]
+        caches = [torch.full((20, hkv, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+        args = (x, residual, norm_weight, 1e-5, weight, bias, positions, cos, sin)
+        q, new_residual = norm_qkv_rotary_triton(*args, caches[0], caches[1], slots, hq, hkv)
+        q_ref, ref_residual = norm_qkv_rotary_ref(*args, caches[2], caches[3], slots, hq, hkv)
+        assert q.shape == (num_rows, hq, head_dim)
+        assert_matches(q, q_ref, *QKV_ROTARY_TOL[dtype])
+        assert_close_elementwise(new_residual, ref_residual)
+        written = torch.zeros(20, dtype=torch.bool)
+        written[slots] = True
+        for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.isnan(got[~written]).all()
+            assert_matches(got[written], want[written], *QKV_ROTARY_TOL[dtype])
 
     def test_few_row_projections_refuse_more_rows_than_they_serve(self) -> None:
         x, weight = torch.randn(MAX_GEMV_ROWS + 1, 16), torch.randn(4, 16)

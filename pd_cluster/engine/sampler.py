@@ -166,8 +166,8 @@ _K0, _K1, _POS, _TOP_K, _GREEDY = range(5)
 class _Batch:
     """What ``sample`` needs to know about the rows, gathered in one pass over the states."""
 
-    floats: torch.Tensor  # [B, 6] on the device
-    ints: torch.Tensor  # [B, 5] on the device
+    floats: torch.Tensor | None  # [B, 6] on the device (None: every row plain greedy)
+    ints: torch.Tensor | None  # [B, 5] on the device
     any_random: bool
     use_top_k: bool
     use_top_p: bool
@@ -176,6 +176,17 @@ class _Batch:
     use_counts: bool
     logprob_rows: list[int]
     max_logprobs: int
+
+
+#: The rows of a batch whose every row takes the plain argmax (no settings to copy to the device).
+_PLAIN_GREEDY = _Batch(floats=None, ints=None, any_random=False, use_top_k=False, use_top_p=False, bias_rows=[],
+                       use_rep=False, use_counts=False, logprob_rows=[], max_logprobs=0)
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes or reads the logits: the argmax of the raw logits."""
+    return (is_greedy(params) and not params.logit_bias and params.logprobs is None
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
 
 
 def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -> _Batch:
@@ -259,6 +270,9 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(states)} states")
     batch, vocab = logits.shape
     device = logits.device
+    if all(_plain_greedy(s.params) for s in states):
+        # Most decode batches: one argmax, no settings to pack, no copy of the logits.
+        return _queue_host_copy(DeviceSample(logits.argmax(dim=-1), None, _PLAIN_GREEDY))
     rows = _gather(states, vocab, device)
     x = logits.to(torch.float32, copy=True)
 
@@ -277,9 +291,13 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
         tokens = torch.where(rows.ints[:, _GREEDY].bool(), tokens, sampled)
     if rows.use_rep or rows.use_counts:
         book.record(states, tokens)
-    result = DeviceSample(tokens, logprobs, rows)
-    if device.type == "cuda":
-        packed = _pack(tokens, logprobs, rows)
+    return _queue_host_copy(DeviceSample(tokens, logprobs, rows))
+
+
+def _queue_host_copy(result: DeviceSample) -> DeviceSample:
+    """On a GPU, queue the copy of the result to pinned host memory right behind the sampling."""
+    if result.tokens.device.type == "cuda":
+        packed = _pack(result.tokens, result.logprobs, result.rows)
         result.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         result.host.copy_(packed, non_blocking=True)
         result.ready = torch.cuda.Event()

@@ -75,6 +75,11 @@ class StepLayout:
         if device_tokens is None:
             return
         where, rows = self.pending_inputs(step, starts)
-        if where:
+        n = len(where)
+        if n and where[-1] == rows[-1] == n - 1 and where == rows == list(range(n)):
+            # The common decode step: the same rows in the same order as the last one (no index
+            # to copy to the device).
+            input_ids[:n].copy_(device_tokens[:n])
+        elif where:
             index = tensor_on([where, rows], torch.int64, input_ids.device)
             input_ids.index_copy_(0, index[0], device_tokens.index_select(0, index[1]))

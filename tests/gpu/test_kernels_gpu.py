@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import gemv
+from kernels import gemv, qkv_rotary
 from kernels.attention import (
     context_attention_ref,
     context_attention_triton,
@@ -185,6 +185,29 @@ def test_fused_projections_match_the_unfused_ops(dtype: torch.dtype, rows: int, 
     silu_out = gemv.silu_linear_triton(gate_up, weight)
     assert rel_error(silu_out, gemv.silu_linear_ref(gate_up, weight)) < PROJECTION_TOL[dtype]
     assert rel_error(gemv.linear_triton(x, weight), gemv.linear_ref(x, weight)) < PROJECTION_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize(("heads", "hidden"), [((9, 3, 64), 576), ((32, 8, 128), 4096)])
+def test_qkv_projection_with_rotary_and_kv_store(dtype: torch.dtype, rows: int, heads: tuple[int, int, int],
+                                                 hidden: int) -> None:
+    hq, hkv, head_dim = heads
+    x, residual = torch.randn(rows, hidden, device="cuda").to(dtype), torch.randn(rows, hidden, device="cuda").to(dtype)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, device="cuda")).to(dtype)
+    weight = (torch.randn((hq + 2 * hkv) * head_dim, hidden, device="cuda") * hidden**-0.5).to(dtype)
+    cos, sin = rotary_cos_sin(head_dim, 8192, 100000.0, device="cuda")
+    positions = torch.randint(0, 8192, (rows,), device="cuda")
+    slots = torch.randperm(64, device="cuda")[:rows]
+    caches = [torch.full((64, hkv, head_dim), float("nan"), dtype=dtype, device="cuda") for _ in range(4)]
+    args = (x, residual, norm_weight, 1e-5, weight, None, positions, cos, sin)
+    q, new_residual = qkv_rotary.norm_qkv_rotary_triton(*args, caches[0], caches[1], slots, hq, hkv)
+    q_ref, ref_residual = qkv_rotary.norm_qkv_rotary_ref(*args, caches[2], caches[3], slots, hq, hkv)
+    assert rel_error(q, q_ref) < PROJECTION_TOL[dtype]
+    assert torch.equal(new_residual, ref_residual)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        assert torch.isnan(got).sum() == torch.isnan(want).sum() == (64 - rows) * hkv * head_dim
+        assert rel_error(got[slots], want[slots]) < PROJECTION_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
