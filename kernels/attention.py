@@ -327,7 +327,6 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -342,15 +341,31 @@ def _decode_split_kernel(
     head = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table_row = slot_table_ptr + seq * stride_table
     n_offs = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
+
+    # The split's first tile is read before waiting on the kernel before (a dependent launch), all
+    # but the newest key, which that kernel stores: the inputs and the older keys were written
+    # before this step. At batch 1 a split is one tile, so the wait hides all of its reads.
+    n = lo + n_offs
+    n_ok = n < hi
+    slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+    newest = n_ok & (n == ctx_len - 1)
+    k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, (n_ok & ~newest)[:, None] & d_ok[None, :],
+                               stride_ks, stride_kh, stride_vs, stride_vh)
+    pdl_wait(USE_PDL)
+    k_new, v_new = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, newest[:, None] & d_ok[None, :],
+                                       stride_ks, stride_kh, stride_vs, stride_vh)
+    k = tl.where(newest[:, None], k_new, k)
+    v = tl.where(newest[:, None], v_new, v)
+    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if lo < hi:
+        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
         n = start + n_offs
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
@@ -440,7 +455,9 @@ def decode_attention_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out`` as in
-    :func:`context_attention_triton`.
+    :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
+    context) must have been stored before the kernel launched before this one: with dependent
+    launches they are read while that kernel (the one storing the newest key) still runs.
 
     ``num_splits`` defaults to a count picked from the batch, the kv heads, the slot table's
     width and the GPU's multiprocessors; it depends on shapes only. Unset tile sizes come from
