@@ -10,11 +10,13 @@ GPU: greedy tokens must equal the engine's own eager steps, and the shapes used 
 from __future__ import annotations
 
 import uuid
+from unittest import mock
 
 import pytest
 import torch
 
 from pd_cluster.config import EngineConfig
+from pd_cluster.engine import llm_engine
 from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.step_layout import StepLayout
@@ -37,7 +39,10 @@ def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape]) -> StepGraphs:
 
     def run_graph(shape: GraphShape) -> torch.Tensor:
         shapes.append(shape)
-        return engine.model.forward(graphs._batch(shape), engine.pool, float_logits=shape.tokens == 0)
+        logits = engine.model.forward(graphs._batch(shape), engine.pool, float_logits=shape.tokens == 0)
+        if shape.tokens == 0:  # a decode graph takes its rows' argmax too (greedy sampling in the graph)
+            graphs._argmax[shape] = logits.argmax(dim=-1)
+        return logits
 
     graphs.run_graph = run_graph  # type: ignore[method-assign]
     return graphs
@@ -64,12 +69,22 @@ def prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
 def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts, pipelined):
-    """Pipelined, each step's inputs take the last step's ids on the device (PENDING on the host)."""
+    """Pipelined, each step's inputs take the last step's ids on the device (PENDING on the host).
+    Greedy decode steps sample the argmax their graph took."""
     expected = _staggered(_engine(default_model_dir), prompts)
     engine = _engine(default_model_dir, pipelined)
     shapes: list[GraphShape] = []
     engine.runner.graphs = _eager_graphs(engine, shapes)
-    assert _staggered(engine, prompts) == expected
+    graph_argmax = []
+    sample_on_device = llm_engine.sample_on_device
+
+    def spy(logits, states, penalties=None, argmax=None):
+        graph_argmax.append(argmax is not None)
+        return sample_on_device(logits, states, penalties, argmax)
+
+    with mock.patch.object(llm_engine, "sample_on_device", spy):
+        assert _staggered(engine, prompts) == expected
+    assert graph_argmax.count(True) == sum(1 for s in shapes if not s.tokens)
     mixed = [s for s in shapes if s.tokens]
     # The 5-token prompt alone (no decode rows), then prompts beside running streams (padded to 8,
     # the only mixed decode size here); the 70-token prompt fits no graph and ran eagerly.

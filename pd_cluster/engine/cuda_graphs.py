@@ -14,7 +14,8 @@ Padding rows and tokens write their KV to a slot reserved for them (no request o
 decode rows read one token of context; padding prefill sequences have no tokens; their logits
 are dropped. The slot table is as wide as the request table (the model's context length), so one
 capture serves every context length. Mixed graphs keep their logits in the model's dtype; the
-rows a step samples are converted to float32 after the replay.
+rows a step samples are converted to float32 after the replay. Pure-decode graphs also take each
+row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,11 @@ class StepGraphs:
         self._arange = list(range(max_seqs))
         self._graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphShape, torch.Tensor] = {}
+        self._argmax: dict[GraphShape, torch.Tensor] = {}
+        #: Each sampling row's argmax from the last :meth:`replay`, computed in its graph (a view
+        #: valid until the next replay), or None: that step's graph took none (a mixed step, or
+        #: rows that do not sample).
+        self.last_argmax: torch.Tensor | None = None
 
     # ---- shapes --------------------------------------------------------------------------------
 
@@ -153,6 +159,8 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
                 self._logits[shape] = self.model.forward(batch, self.pool, float_logits=float_logits)
+                if float_logits:
+                    self._argmax[shape] = self._logits[shape].argmax(dim=-1)
             self._graphs[shape] = graph
         torch.cuda.synchronize(self.device)
         logger.info(
@@ -204,7 +212,10 @@ class StepGraphs:
                 table.index_put_((part[_TROW], part[_POS]), part[_SLOTS])
         self._slot_table[:n_seq, :max_ctx] = table[:, :max_ctx].index_select(0, self._seqs[_SROW, :n_seq])
         logits = self.run_graph(shape)
+        self.last_argmax = None
         if shape.tokens == 0 and all(step.samples):  # decode rows only, in step order
+            argmax = self._argmax.get(shape)
+            self.last_argmax = argmax[: len(step.requests)] if argmax is not None else None
             return logits[: len(step.requests)]
         rows_of = {i: s for s, i in enumerate(layout.decode)}
         rows_of.update({i: d + j for j, i in enumerate(layout.prefill)})

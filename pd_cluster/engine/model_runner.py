@@ -34,6 +34,9 @@ class ModelRunner:
         self.table = table
         self.device = device
         self.graphs: StepGraphs | None = None
+        #: The argmax of each row the last :meth:`run` returned, taken inside its CUDA graph (None:
+        #: not taken; valid until the next run). A greedy batch samples it without another launch.
+        self.last_argmax: torch.Tensor | None = None
         #: Prefill-only graphs with buffers of their own, for prefills on the engine's side stream
         #: beside a replay of :attr:`graphs` (see ``LLMEngine._prefill_aside``).
         self.side_graphs: StepGraphs | None = None
@@ -110,10 +113,13 @@ class ModelRunner:
             layer_hook = layer_hooks(step) if layer_hooks is not None else None
             layout = StepLayout.of(step)
             graphs = self.side_graphs if side else self.graphs
+            self.last_argmax = None
             if layer_hook is None and graphs is not None:
                 shape = graphs.shape_for(layout)
                 if shape is not None:
-                    return graphs.replay(step, layout, shape, device_tokens)
+                    logits = graphs.replay(step, layout, shape, device_tokens)
+                    self.last_argmax = graphs.last_argmax
+                    return logits
             starts = layout.token_starts(step)
             batch = self.prepare(step, layout, starts)
             layout.take_device_ids(step, starts, batch.input_ids, device_tokens)

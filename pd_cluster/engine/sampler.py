@@ -263,16 +263,18 @@ def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[Sampled
 
 
 def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
-                     penalties: PenaltyBook | None = None) -> DeviceSample:
+                     penalties: PenaltyBook | None = None, argmax: torch.Tensor | None = None) -> DeviceSample:
     """:func:`sample` up to the host copy: on a GPU this returns before the kernels ran, so the
-    host can do other work (the previous step's detokenization) before :func:`fetch`."""
+    host can do other work (the previous step's detokenization) before :func:`fetch`.
+    ``argmax``: each row's argmax of ``logits``, already taken (in the step's CUDA graph)."""
     if logits.dim() != 2 or logits.shape[0] != len(states) or not states:
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(states)} states")
     batch, vocab = logits.shape
     device = logits.device
     if all(_plain_greedy(s.params) for s in states):
         # Most decode batches: one argmax, no settings to pack, no copy of the logits.
-        return _queue_host_copy(DeviceSample(logits.argmax(dim=-1), None, _PLAIN_GREEDY))
+        tokens = argmax if argmax is not None and argmax.shape[0] == batch else logits.argmax(dim=-1)
+        return _queue_host_copy(DeviceSample(tokens, None, _PLAIN_GREEDY))
     rows = _gather(states, vocab, device)
     x = logits.to(torch.float32, copy=True)
 
