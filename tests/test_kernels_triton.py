@@ -439,10 +439,16 @@ class InterpretedCases:
             (torch.float16, (4, 1), 5),
         ],
     )
-    def test_decode_attention_triton_matches_reference(self, 
-        dtype: torch.dtype, heads: tuple[int, int], num_splits: int | None
+    @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
+    def test_decode_attention_triton_matches_reference(
+        self, dtype: torch.dtype, heads: tuple[int, int], num_splits: int | None, prefetch: bool,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        # Contexts from one token (most splits empty) to several tiles per split.
+        # Contexts from one token (most splits empty) to several tiles per split; the split kernel
+        # reads its first tile before its wait (few sequence-heads) or all after it.
+        import kernels.attention
+
+        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
         batch = make_paged_batch([1, 33, 64, 17], [1] * 4, *heads, 16, layout="shuffled", dtype=dtype, seed=10)
         args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
         out = decode_attention_triton(*args, block_n=16, num_splits=num_splits)
