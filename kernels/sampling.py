@@ -238,7 +238,8 @@ def sample_filtered_triton(
         if k1.stride(0) != key_stride or pos.stride(0) != key_stride:
             raise ValueError("keys must share one stride")
         u = out  # unused
-    columns = [temperature.to(torch.float32), top_k.to(torch.int64), top_p.to(torch.float32), min_p.to(torch.float32)]
+    columns = [t if t.dtype == dtype else t.to(dtype) for t, dtype in
+               ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32), (min_p, torch.float32))]
     scratch = torch.empty((batch, vocab), dtype=torch.float32, device=x.device)
     _sample_kernel[(batch,)](
         x, x.stride(0), scratch, vocab,

@@ -169,6 +169,7 @@ class _Batch:
     floats: torch.Tensor | None  # [B, 6] on the device (None: every row plain greedy)
     ints: torch.Tensor | None  # [B, 5] on the device
     any_random: bool
+    any_greedy: bool
     use_top_k: bool
     use_top_p: bool
     bias_rows: list[int]
@@ -179,8 +180,8 @@ class _Batch:
 
 
 #: The rows of a batch whose every row takes the plain argmax (no settings to copy to the device).
-_PLAIN_GREEDY = _Batch(floats=None, ints=None, any_random=False, use_top_k=False, use_top_p=False, bias_rows=[],
-                       use_rep=False, use_counts=False, logprob_rows=[], max_logprobs=0)
+_PLAIN_GREEDY = _Batch(floats=None, ints=None, any_random=False, any_greedy=True, use_top_k=False, use_top_p=False,
+                       bias_rows=[], use_rep=False, use_counts=False, logprob_rows=[], max_logprobs=0)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
@@ -193,7 +194,7 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
     floats: list[tuple[float, ...]] = []
     ints: list[tuple[int, ...]] = []
     bias_rows, logprob_rows = [], []
-    any_random = use_top_k = use_top_p = use_rep = use_counts = False
+    any_random = any_greedy = use_top_k = use_top_p = use_rep = use_counts = False
     max_logprobs = 0
     for i, s in enumerate(states):
         p = s.params
@@ -205,6 +206,7 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
         ints.append((s.key[0], s.key[1], s.position, top_k, int(greedy)))
         any_random |= not greedy
+        any_greedy |= greedy
         use_top_k |= top_k < vocab
         use_top_p |= top_p < 1.0
         use_rep |= p.repetition_penalty != 1.0
@@ -217,7 +219,7 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
     return _Batch(
         floats=tensor_on(floats, torch.float32, device),
         ints=tensor_on(ints, torch.int64, device),
-        any_random=any_random, use_top_k=use_top_k, use_top_p=use_top_p, bias_rows=bias_rows,
+        any_random=any_random, any_greedy=any_greedy, use_top_k=use_top_k, use_top_p=use_top_p, bias_rows=bias_rows,
         use_rep=use_rep, use_counts=use_counts, logprob_rows=logprob_rows, max_logprobs=max_logprobs,
     )
 
@@ -276,7 +278,8 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
         tokens = argmax if argmax is not None and argmax.shape[0] == batch else logits.argmax(dim=-1)
         return _queue_host_copy(DeviceSample(tokens, None, _PLAIN_GREEDY))
     rows = _gather(states, vocab, device)
-    x = logits.to(torch.float32, copy=True)
+    # Logit bias and penalties change the logits in place: then on a copy, else read as they are.
+    x = logits.to(torch.float32, copy=bool(rows.bias_rows) or rows.use_rep or rows.use_counts)
 
     logprobs = None
     if rows.logprob_rows:
@@ -287,10 +290,13 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
     apply_logit_bias(x, states, rows.bias_rows)
     apply_penalties(x, states, rows, book)
 
-    tokens = x.argmax(dim=-1)
-    if rows.any_random:
-        sampled = _sample_random(x, rows)
-        tokens = torch.where(rows.ints[:, _GREEDY].bool(), tokens, sampled)
+    if not rows.any_random:
+        tokens = x.argmax(dim=-1)
+    elif rows.any_greedy:
+        assert rows.ints is not None
+        tokens = torch.where(rows.ints[:, _GREEDY].bool(), x.argmax(dim=-1), _sample_random(x, rows))
+    else:
+        tokens = _sample_random(x, rows)
     if rows.use_rep or rows.use_counts:
         book.record(states, tokens)
     return _queue_host_copy(DeviceSample(tokens, logprobs, rows))
