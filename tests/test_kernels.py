@@ -429,6 +429,8 @@ def test_public_ops_run_the_reference_on_cpu_tensors(monkeypatch: pytest.MonkeyP
         "kernels.rotary": ["apply_rotary_triton", "rotary_store_kv_triton"],
         "kernels.silu_mul": ["silu_mul_triton"],
         "kernels.store_kv": ["store_kv_triton"],
+        "kernels.gemv": ["norm_linear_triton", "silu_linear_triton", "linear_triton"],
+        "kernels.qkv_rotary": ["norm_qkv_rotary_triton"],
     }.items():
         for name in launchers:
             monkeypatch.setattr(importlib.import_module(module), name, refuse)
@@ -444,6 +446,10 @@ def test_public_ops_run_the_reference_on_cpu_tensors(monkeypatch: pytest.MonkeyP
     kernels.store_kv(batch.q[:, :2], batch.q[:, :2], batch.k_cache, batch.v_cache, torch.arange(5))
     kernels.rotary_store_kv(batch.q, batch.q[:, :2], batch.q[:, :2], torch.arange(5), cos, sin, batch.k_cache,
                             batch.v_cache, torch.arange(5))
+    x, weight = torch.randn(1, 8), torch.randn(6 * 8, 8)  # 4 q heads and 1 kv head of 8
+    kernels.norm_linear(x, x, torch.ones(8), 1e-6, weight)
+    kernels.norm_qkv_rotary(x, x, torch.ones(8), 1e-6, weight, None, torch.arange(1), cos, sin,
+                            batch.k_cache[:, :1], batch.v_cache[:, :1], torch.arange(1), 4, 1)
     buffer = kernels.gather_kv(batch.k_cache[None], batch.v_cache[None], torch.arange(3))
     kernels.scatter_kv(buffer, batch.k_cache[None], batch.v_cache[None], torch.arange(3))
     kernels.copy_kv_slots(batch.k_cache[None], batch.v_cache[None], torch.arange(3),
