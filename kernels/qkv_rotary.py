@@ -21,8 +21,6 @@ from kernels._triton import cdiv, last_dim_contiguous, pdl_options, require_trit
 from kernels.gemv import MAX_ROWS, fits, norm_linear, norm_linear_ref, project_rows, projection_tiles
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
 
-_NORM = 1
-
 
 def _split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +109,7 @@ def _qkv_rotary_kernel(
     n_mask = tl.where(rotary, head < QK_HEADS, v_col < V_COLS)
     acc = project_rows(x_ptr, res_ptr, x_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
-                       1, HAS_RESIDUAL, False, BM, BN, BK, USE_PDL)
+                       1, HAS_RESIDUAL, False, BM, BN, BK, USE_PDL)  # prologue 1: the RMSNorm
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     dtype = q_ptr.dtype.element_ty

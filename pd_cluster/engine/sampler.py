@@ -278,8 +278,12 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
         tokens = argmax if argmax is not None and argmax.shape[0] == batch else logits.argmax(dim=-1)
         return _queue_host_copy(DeviceSample(tokens, None, _PLAIN_GREEDY))
     rows = _gather(states, vocab, device)
-    # Logit bias and penalties change the logits in place: then on a copy, else read as they are.
-    x = logits.to(torch.float32, copy=bool(rows.bias_rows) or rows.use_rep or rows.use_counts)
+    # Logit bias and penalties change the logits in place: then on a copy, else read as they are
+    # (and the argmax already taken still holds).
+    changed = bool(rows.bias_rows) or rows.use_rep or rows.use_counts
+    x = logits.to(torch.float32, copy=changed)
+    if changed or argmax is None or argmax.shape[0] != batch:
+        argmax = None
 
     logprobs = None
     if rows.logprob_rows:
@@ -291,10 +295,11 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
     apply_penalties(x, states, rows, book)
 
     if not rows.any_random:
-        tokens = x.argmax(dim=-1)
+        tokens = argmax if argmax is not None else x.argmax(dim=-1)
     elif rows.any_greedy:
         assert rows.ints is not None
-        tokens = torch.where(rows.ints[:, _GREEDY].bool(), x.argmax(dim=-1), _sample_random(x, rows))
+        greedy_ids = argmax if argmax is not None else x.argmax(dim=-1)
+        tokens = torch.where(rows.ints[:, _GREEDY].bool(), greedy_ids, _sample_random(x, rows))
     else:
         tokens = _sample_random(x, rows)
     if rows.use_rep or rows.use_counts:
