@@ -19,6 +19,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine import llm_engine
 from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
 from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.sampler import DrawInputs
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.sampling_params import SamplingParams
 
@@ -31,28 +32,50 @@ def _engine(model_dir, pipelined: bool = False) -> LLMEngine:
                                   max_running_requests=8, overlap_schedule=pipelined))
 
 
-def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape]) -> StepGraphs:
-    """Step graphs whose replay is the captured forward run eagerly on the static buffers."""
+def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape], draws: list[GraphShape] | None = None) -> StepGraphs:
+    """Step graphs whose replay is the captured forward run eagerly on the static buffers; with
+    ``draws``, their draw graphs too (replays recorded there), run eagerly on the same buffers."""
     pad_slot = int(engine.pool.reserve(1)[0])
     graphs = StepGraphs(engine.model, engine.pool, engine.table, [1, 2, 4, 8], pad_slot,
-                        prefill_tokens=[32, 64], max_prefills=2)
+                        prefill_tokens=[32, 64], max_prefills=2, draws=draws is not None)
+    draw_inputs = graphs.draw_inputs = DrawInputs(8, engine.device) if draws is not None else None
 
     def run_graph(shape: GraphShape) -> torch.Tensor:
         shapes.append(shape)
         logits = engine.model.forward(graphs._batch(shape), engine.pool, float_logits=shape.tokens == 0)
         if shape.tokens == 0:  # a decode graph takes its rows' argmax too (greedy sampling in the graph)
+            graphs._logits[shape] = logits
             graphs._argmax[shape] = logits.argmax(dim=-1)
         return logits
 
+    def run_draw(shape: GraphShape) -> torch.Tensor:
+        assert draws is not None and draw_inputs is not None
+        draws.append(shape)
+        return draw_inputs.draw(graphs._logits[shape], graphs._argmax[shape])
+
     graphs.run_graph = run_graph  # type: ignore[method-assign]
+    graphs.run_draw = run_draw  # type: ignore[method-assign]
     return graphs
 
 
-def _staggered(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy(index: int, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _mixed_settings(index: int, max_tokens: int) -> SamplingParams:
+    """Seeded draws with every cut, one row greedy, one asking for logprobs."""
+    if index == 2:
+        return _greedy(index, max_tokens)
+    return SamplingParams(temperature=0.9, top_p=0.9 if index % 2 else 1.0, top_k=40 if index == 1 else 0,
+                          min_p=0.05 if index == 3 else 0.0, seed=100 + index, max_tokens=max_tokens, ignore_eos=True,
+                          logprobs=2 if index == 4 else None)
+
+
+def _staggered(engine: LLMEngine, prompts: list[list[int]], settings=_greedy) -> list[list[int]]:
     """Prompts arrive one per two steps while the earlier ones decode."""
     reqs = []
-    for prompt, max_tokens in zip(prompts, MAX_TOKENS):
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for index, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS)):
+        params = settings(index, max_tokens)
         reqs.append(engine.add_request(uuid.uuid4().hex, prompt, params))
         engine.step()
         engine.step()
@@ -78,9 +101,9 @@ def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts, pi
     graph_argmax = []
     sample_on_device = llm_engine.sample_on_device
 
-    def spy(logits, states, penalties=None, argmax=None):
+    def spy(logits, states, penalties=None, argmax=None, draw=None):
         graph_argmax.append(argmax is not None)
-        return sample_on_device(logits, states, penalties, argmax)
+        return sample_on_device(logits, states, penalties, argmax, draw)
 
     with mock.patch.object(llm_engine, "sample_on_device", spy):
         assert _staggered(engine, prompts) == expected
@@ -93,6 +116,23 @@ def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts, pi
     # Every slot is free again once the prefix cache lets go (the padding rows' is out of the capacity).
     engine.cache.flush()
     assert engine.pool.num_free == engine.pool.capacity
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
+def test_sampled_decode_steps_replay_their_draw_and_draw_the_eager_tokens(default_model_dir, prompts, pipelined):
+    """A decode batch with seeded draws (and a greedy row, and every cut) replays the draw graph
+    beside its forward, reading the settings from its static buffers: the tokens are the eager
+    sampling's."""
+    expected = _staggered(_engine(default_model_dir), prompts, _mixed_settings)
+    engine = _engine(default_model_dir, pipelined)
+    shapes: list[GraphShape] = []
+    draws: list[GraphShape] = []
+    engine.runner.graphs = _eager_graphs(engine, shapes, draws)
+    assert _staggered(engine, prompts, _mixed_settings) == expected
+    decode_shapes = [s for s in shapes if not s.tokens]
+    # Every decode step drew in its graph but those whose rows were all greedy (a lone greedy
+    # request's last steps).
+    assert draws and set(draws) <= set(decode_shapes) and len(draws) >= len(decode_shapes) - 3
 
 
 def test_layout_puts_one_token_rows_first_and_pads_the_decode_part():

@@ -15,12 +15,15 @@ decode rows read one token of context; padding prefill sequences have no tokens;
 are dropped. The slot table is as wide as the request table (the model's context length), so one
 capture serves every context length. Mixed graphs keep their logits in the model's dtype; the
 rows a step samples are converted to float32 after the replay. Pure-decode graphs also take each
-row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`).
+row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`),
+and each has a draw graph beside it (:attr:`StepGraphs.last_draw`): a sampled batch's draw is one
+more replay, its settings written to static buffers, rather than kernels launched from the host.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -31,6 +34,7 @@ import torch
 from pd_cluster.engine.device_copy import tensor_on
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.req_table import ReqSlotTable
+from pd_cluster.engine.sampler import DrawInputs, GraphDraw
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.model.forward_batch import ForwardBatch
@@ -65,10 +69,11 @@ class StepGraphs:
 
     def __init__(
         self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, batch_sizes: Sequence[int], pad_slot: int,
-        prefill_tokens: Sequence[int] = (), max_prefills: int = 0,
+        prefill_tokens: Sequence[int] = (), max_prefills: int = 0, draws: bool = False,
     ) -> None:
         """``batch_sizes`` empty: prefill-only graphs (no decode rows), such as a second set with
-        buffers of its own for steps on a second stream."""
+        buffers of its own for steps on a second stream. ``draws``: also capture, for each
+        pure-decode graph, a draw graph sampling its logits (see :class:`DrawInputs`)."""
         self.model = model
         self.pool = pool
         self.table = table
@@ -100,6 +105,13 @@ class StepGraphs:
         #: valid until the next replay), or None: that step's graph took none (a mixed step, or
         #: rows that do not sample).
         self.last_argmax: torch.Tensor | None = None
+        self.draws = draws and bool(self.batch_sizes)
+        #: The draws' settings buffers, made when they are captured (None: no draws).
+        self.draw_inputs: DrawInputs | None = None
+        self._draws: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._draw_handles: dict[GraphShape, GraphDraw] = {}
+        #: The last :meth:`replay`'s draw (a pure-decode step whose rows all sample), or None.
+        self.last_draw: GraphDraw | None = None
 
     # ---- shapes --------------------------------------------------------------------------------
 
@@ -162,13 +174,47 @@ class StepGraphs:
                 if float_logits:
                     self._argmax[shape] = self._logits[shape].argmax(dim=-1)
             self._graphs[shape] = graph
+        if self.draws:  # after the forwards: their memory is laid out as without draws
+            self.draw_inputs = DrawInputs(self.max_batch, self.device)
+            draw_pool = torch.cuda.graph_pool_handle()
+            for shape in self._argmax:
+                self._capture_draw(shape, side, draw_pool)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graphs (decode batches %s; decode batches %s with prefill chunks of up to %s tokens, "
-            "%d prompts) in %.1fs, %.0f MiB", len(self._graphs), self.batch_sizes, self.mixed_decode_sizes,
-            self.prefill_sizes, self.max_prefills,
+            "%d prompts) and %d draws in %.1fs, %.0f MiB", len(self._graphs), self.batch_sizes, self.mixed_decode_sizes,
+            self.prefill_sizes, self.max_prefills, len(self._draws),
             time.monotonic() - started, (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
+
+    def _capture_draw(self, shape: GraphShape, stream: torch.cuda.Stream, mempool: tuple) -> None:
+        """A graph of its own for the draw over ``shape``'s logits: greedy batches (most) replay
+        the forward alone, sampled ones both, with no kernel launched from the host."""
+        assert self.draw_inputs is not None
+        logits, argmax = self._logits[shape], self._argmax[shape]
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            self.draw_inputs.draw(logits, argmax)  # compiles the kernels outside the capture
+        current.wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
+            tokens = self.draw_inputs.draw(logits, argmax)
+        self._draws[shape] = (graph, tokens)
+
+    def _draw_handle(self, shape: GraphShape) -> GraphDraw:
+        handle = self._draw_handles.get(shape)
+        if handle is None:
+            assert self.draw_inputs is not None
+            handle = self._draw_handles[shape] = GraphDraw(self.draw_inputs, shape.decode,
+                                                           functools.partial(self.run_draw, shape))
+        return handle
+
+    def run_draw(self, shape: GraphShape) -> torch.Tensor:
+        """Replay the draw of ``shape`` on its forward's last logits; the tokens of every row."""
+        graph, tokens = self._draws[shape]
+        graph.replay()
+        return tokens
 
     def _padding(self, shape: GraphShape) -> tuple[list[int], list[int]]:
         """Host inputs of an all-padding step of ``shape``: (tokens, sequences), flattened by row."""
@@ -213,10 +259,14 @@ class StepGraphs:
         self._slot_table[:n_seq, :max_ctx] = table[:, :max_ctx].index_select(0, self._seqs[_SROW, :n_seq])
         logits = self.run_graph(shape)
         self.last_argmax = None
+        self.last_draw = None
         if shape.tokens == 0 and all(step.samples):  # decode rows only, in step order
+            n = len(step.requests)
             argmax = self._argmax.get(shape)
-            self.last_argmax = argmax[: len(step.requests)] if argmax is not None else None
-            return logits[: len(step.requests)]
+            self.last_argmax = argmax[:n] if argmax is not None else None
+            if self.draw_inputs is not None:
+                self.last_draw = self._draw_handle(shape)
+            return logits[:n]
         rows_of = {i: s for s, i in enumerate(layout.decode)}
         rows_of.update({i: d + j for j, i in enumerate(layout.prefill)})
         keep = [rows_of[i] for i, sample in enumerate(step.samples) if sample]

@@ -22,7 +22,14 @@ from pd_cluster.engine.penalties import PenaltyBook, has_penalties
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import PENDING, Request, RequestStatus
-from pd_cluster.engine.sampler import DeviceSample, SampledToken, SamplingState, fetch, sample_on_device
+from pd_cluster.engine.sampler import (
+    DeviceSample,
+    GraphDraw,
+    SampledToken,
+    SamplingState,
+    fetch,
+    sample_on_device,
+)
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.engine.scheduler import ScheduledStep, Scheduler
 from pd_cluster.kv_spec import KVSpec
@@ -347,7 +354,7 @@ class LLMEngine:
         if not step.requests:
             return []
         logits = self.runner.run(step, self._layer_hooks)
-        argmax = self.runner.last_argmax
+        argmax, draw = self.runner.last_argmax, self.runner.last_draw
         self.stats.steps += 1
         self.stats.computed_tokens += step.num_tokens
         sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
@@ -357,7 +364,7 @@ class LLMEngine:
         if not sampling_reqs:
             return updates
         self.grammars.apply_masks(logits, sampling_reqs)
-        tokens = fetch(self._sample(logits, argmax, sampling_reqs), [r.sampling for r in sampling_reqs])
+        tokens = fetch(self._sample(logits, argmax, draw, sampling_reqs), [r.sampling for r in sampling_reqs])
         now = time.monotonic()
         for req, tok in zip(sampling_reqs, tokens):
             updates.append(self._accept(req, tok.token_id, tok.logprob, now))
@@ -377,7 +384,7 @@ class LLMEngine:
         launched = None
         if step.requests:
             logits = self.runner.run(step, self._layer_hooks)
-            argmax = self.runner.last_argmax
+            argmax, draw = self.runner.last_argmax, self.runner.last_draw
             self.stats.steps += 1
             self.stats.computed_tokens += step.num_tokens
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
@@ -385,7 +392,7 @@ class LLMEngine:
                 req.num_computed += q_len
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
-                launched = (sampling_reqs, self._sample(logits, argmax, sampling_reqs))
+                launched = (sampling_reqs, self._sample(logits, argmax, draw, sampling_reqs))
         updates = self._detokenize_deferred()
         if launched is not None:
             sampling_reqs, result = launched
@@ -430,7 +437,7 @@ class LLMEngine:
         if step.requests:
             device_tokens = previous.result.tokens if previous is not None else None
             logits = self.runner.run(step, None, device_tokens)
-            argmax = self.runner.last_argmax
+            argmax, draw = self.runner.last_argmax, self.runner.last_draw
             self._frees_at_launch = (self.pool.frees, self.table.frees)
             self.stats.steps += 1
             self.stats.computed_tokens += step.num_tokens
@@ -445,7 +452,7 @@ class LLMEngine:
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
-                result = self._sample(logits, argmax, sampling_reqs)
+                result = self._sample(logits, argmax, draw, sampling_reqs)
                 live, positions, rows = [], [], []
                 for i, req in enumerate(sampling_reqs):
                     if req.finished or req.row < 0:  # ended when its previous token was read back
@@ -462,12 +469,14 @@ class LLMEngine:
                     self._in_flight = _InFlight(live, positions, rows, result, [r.sampling for r in sampling_reqs])
         return self._detokenize_deferred()
 
-    def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, reqs: list[Request]) -> DeviceSample:
-        """Launch the sampling of ``reqs``' rows of ``logits``; ``argmax``: the rows' argmax taken in
-        the step's graph, unused where a grammar mask changed the logits after it."""
+    def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, draw: GraphDraw | None,
+                reqs: list[Request]) -> DeviceSample:
+        """Launch the sampling of ``reqs``' rows of ``logits``; ``argmax`` and ``draw``: the rows'
+        argmax taken in the step's graph and the draw captured beside it, unused where a grammar
+        mask changed the logits after them."""
         if any(r.grammar is not None for r in reqs):
-            argmax = None
-        return sample_on_device(logits, [r.sampling for r in reqs], self.penalties, argmax)
+            argmax = draw = None
+        return sample_on_device(logits, [r.sampling for r in reqs], self.penalties, argmax, draw)
 
     def _read_back_in_flight(self) -> None:
         """Read back and accept the pipelined step in flight, if any (before a step that cannot

@@ -8,11 +8,13 @@ from collections.abc import Callable
 
 import torch
 
+from kernels._triton import HAS_TRITON
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cuda_graphs import StepGraphs
 from pd_cluster.engine.device_copy import tensor_on, to_device
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.req_table import ReqSlotTable
+from pd_cluster.engine.sampler import GraphDraw
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.model.forward_batch import ForwardBatch
@@ -37,6 +39,8 @@ class ModelRunner:
         #: The argmax of each row the last :meth:`run` returned, taken inside its CUDA graph (None:
         #: not taken; valid until the next run). A greedy batch samples it without another launch.
         self.last_argmax: torch.Tensor | None = None
+        #: The draw captured beside the last :meth:`run`'s graph (None: none), for its sampling.
+        self.last_draw: GraphDraw | None = None
         #: Prefill-only graphs with buffers of their own, for prefills on the engine's side stream
         #: beside a replay of :attr:`graphs` (see ``LLMEngine._prefill_aside``).
         self.side_graphs: StepGraphs | None = None
@@ -47,7 +51,7 @@ class ModelRunner:
         # One slot no request owns takes the padding rows' KV writes.
         pad_slot = int(self.pool.reserve(1)[0])
         graphs = StepGraphs(self.model, self.pool, self.table, config.graph_batch_sizes(), pad_slot,
-                            config.graph_prefill_tokens(), config.mixed_graph_prefills)
+                            config.graph_prefill_tokens(), config.mixed_graph_prefills, draws=HAS_TRITON)
         side_sizes = [t for t in config.graph_prefill_tokens() if t <= config.side_prefill_max_tokens]
         side = StepGraphs(self.model, self.pool, self.table, [], pad_slot, side_sizes, 1) if side_sizes else None
         with self._on_device():
@@ -114,11 +118,13 @@ class ModelRunner:
             layout = StepLayout.of(step)
             graphs = self.side_graphs if side else self.graphs
             self.last_argmax = None
+            self.last_draw = None
             if layer_hook is None and graphs is not None:
                 shape = graphs.shape_for(layout)
                 if shape is not None:
                     logits = graphs.replay(step, layout, shape, device_tokens)
                     self.last_argmax = graphs.last_argmax
+                    self.last_draw = graphs.last_draw
                     return logits
             starts = layout.token_starts(step)
             batch = self.prepare(step, layout, starts)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
@@ -160,6 +160,7 @@ def is_greedy(params: SamplingParams) -> bool:
 _TEMP, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(6)
 # Columns of the per-row integer settings.
 _K0, _K1, _POS, _TOP_K, _GREEDY = range(5)
+_NUM_FLOATS, _NUM_INTS = 6, 5
 
 
 @dataclass
@@ -190,7 +191,10 @@ def _plain_greedy(params: SamplingParams) -> bool:
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
 
 
-def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -> _Batch:
+def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device,
+            into: DrawInputs | None = None) -> _Batch:
+    """The rows' settings on ``device``: new tensors, or the first rows of ``into``'s static
+    buffers (what a captured draw reads)."""
     floats: list[tuple[float, ...]] = []
     ints: list[tuple[int, ...]] = []
     bias_rows, logprob_rows = [], []
@@ -216,9 +220,13 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device) -
         if p.logprobs is not None:
             logprob_rows.append(i)
             max_logprobs = max(max_logprobs, p.logprobs)
+    if into is not None:
+        float_rows, int_rows = into.write(floats, ints)
+    else:
+        float_rows, int_rows = tensor_on(floats, torch.float32, device), tensor_on(ints, torch.int64, device)
     return _Batch(
-        floats=tensor_on(floats, torch.float32, device),
-        ints=tensor_on(ints, torch.int64, device),
+        floats=float_rows,
+        ints=int_rows,
         any_random=any_random, any_greedy=any_greedy, use_top_k=use_top_k, use_top_p=use_top_p, bias_rows=bias_rows,
         use_rep=use_rep, use_counts=use_counts, logprob_rows=logprob_rows, max_logprobs=max_logprobs,
     )
@@ -265,10 +273,13 @@ def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[Sampled
 
 
 def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
-                     penalties: PenaltyBook | None = None, argmax: torch.Tensor | None = None) -> DeviceSample:
+                     penalties: PenaltyBook | None = None, argmax: torch.Tensor | None = None,
+                     draw: GraphDraw | None = None) -> DeviceSample:
     """:func:`sample` up to the host copy: on a GPU this returns before the kernels ran, so the
     host can do other work (the previous step's detokenization) before :func:`fetch`.
-    ``argmax``: each row's argmax of ``logits``, already taken (in the step's CUDA graph)."""
+    ``argmax``: each row's argmax of ``logits``, already taken (in the step's CUDA graph).
+    ``draw``: the step's draw captured over these logits; a batch with nothing that changes the
+    logits replays it (one launch) rather than launching the draw's kernels."""
     if logits.dim() != 2 or logits.shape[0] != len(states) or not states:
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(states)} states")
     batch, vocab = logits.shape
@@ -277,7 +288,15 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
         # Most decode batches: one argmax, no settings to pack, no copy of the logits.
         tokens = argmax if argmax is not None and argmax.shape[0] == batch else logits.argmax(dim=-1)
         return _queue_host_copy(DeviceSample(tokens, None, _PLAIN_GREEDY))
-    rows = _gather(states, vocab, device)
+    if draw is not None and (draw.rows < batch or not all(_drawable(s.params) for s in states)):
+        draw = None
+    rows = _gather(states, vocab, device, draw.inputs if draw is not None else None)
+    if draw is not None and rows.any_random:
+        logprobs = None
+        if rows.logprob_rows:
+            index = tensor_on(rows.logprob_rows, torch.int64, device)
+            logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        return _queue_host_copy(DeviceSample(draw.run()[:batch], logprobs, rows))
     # Logit bias and penalties change the logits in place: then on a copy, else read as they are
     # (and the argmax already taken still holds).
     changed = bool(rows.bias_rows) or rows.use_rep or rows.use_counts
@@ -338,6 +357,52 @@ def apply_penalties(x: torch.Tensor, states: Sequence[SamplingState], rows: _Bat
     assert book.counts is not None and book.seen is not None
     f = rows.floats
     penalize(x, index, book.counts, book.seen, f[:, _REP], f[:, _FREQ], f[:, _PRES], rows.use_rep, rows.use_counts)
+
+
+def _drawable(params: SamplingParams) -> bool:
+    """Nothing changes this row's logits before its draw (what a captured draw assumes)."""
+    return (not params.logit_bias and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0)
+
+
+class DrawInputs:
+    """Static device buffers of a batch's sampling settings (the columns :func:`_gather` packs),
+    read by draws captured in CUDA graphs: a step writes its rows' settings here (two host
+    copies, as uncaptured sampling does) and replays its draw."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.floats = torch.zeros((max_rows, _NUM_FLOATS), dtype=torch.float32, device=device)
+        self.ints = torch.zeros((max_rows, _NUM_INTS), dtype=torch.int64, device=device)
+
+    def write(self, floats: list[tuple[float, ...]], ints: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the rows' settings into the first rows of the buffers (queued); those rows."""
+        n = len(floats)
+        float_rows, int_rows = self.floats[:n], self.ints[:n]
+        for rows, values, dtype in ((float_rows, floats, torch.float32), (int_rows, ints, torch.int64)):
+            host = torch.tensor(values, dtype=dtype)
+            rows.copy_(host.pin_memory() if rows.is_cuda else host, non_blocking=True)
+        return float_rows, int_rows
+
+    def draw(self, logits: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+        """What a captured draw computes for the first ``len(logits)`` rows: greedy rows take
+        ``argmax``, the others the inverse-transform draw (every cut's code compiled in: a row
+        without a cut skips it)."""
+        n = logits.shape[0]
+        rows = _Batch(floats=self.floats[:n], ints=self.ints[:n], any_random=True, any_greedy=True, use_top_k=True,
+                      use_top_p=True, bias_rows=[], use_rep=False, use_counts=False, logprob_rows=[],
+                      max_logprobs=0)
+        return torch.where(self.ints[:n, _GREEDY].bool(), argmax, _sample_random(logits, rows))
+
+
+@dataclass(frozen=True)
+class GraphDraw:
+    """A draw captured over a graph's logits: ``run`` replays it (after the settings were written
+    to ``inputs``) and returns the tokens of all its ``rows``, valid until the next replay; a step
+    with fewer rows takes the first ones."""
+
+    inputs: DrawInputs
+    rows: int
+    run: Callable[[], torch.Tensor]
 
 
 def _sample_random(x: torch.Tensor, rows: _Batch) -> torch.Tensor:

@@ -125,6 +125,41 @@ def test_float32_greedy_with_cuda_graphs_equals_the_cpu_path(model_dir, prompts,
     assert eng.pool.num_free == eng.pool.capacity  # (the pad slot is out of the capacity)
 
 
+def sampled_params(index: int, max_tokens: int) -> SamplingParams:
+    """Seeded draws with each cut, and one greedy row beside them."""
+    if index == 1:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.8, top_p=0.95 if index % 2 else 1.0, top_k=50 if index == 2 else 0,
+                          min_p=0.02 if index == 3 else 0.0, seed=7 + index, max_tokens=max_tokens, ignore_eos=True)
+
+
+def generate_sampled(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    reqs = [eng.add_request(uuid.uuid4().hex, p, sampled_params(i, m))
+            for i, (p, m) in enumerate(zip(prompts, MAX_TOKENS))]
+    while eng.has_unfinished():
+        eng.step()
+    return [list(r.output_token_ids) for r in reqs]
+
+
+def test_float32_seeded_draws_replayed_in_graphs_equal_the_cpu_path(model_dir, prompts):
+    """Sampled decode batches replay the draw captured beside their forward; the tokens are the
+    CPU path's (same seeds, same uniforms)."""
+    expected = generate_sampled(engine(model_dir, "cpu", "float32"), prompts)
+    eng = engine(model_dir, "cuda", "float32")
+    graphs = eng.runner.graphs
+    assert graphs is not None
+    drawn: list[GraphShape] = []
+    run_draw = graphs.run_draw
+
+    def counted(shape: GraphShape) -> torch.Tensor:
+        drawn.append(shape)
+        return run_draw(shape)
+
+    graphs.run_draw = counted  # type: ignore[method-assign]
+    assert generate_sampled(eng, prompts) == expected
+    assert len(drawn) >= min(MAX_TOKENS) - 1
+
+
 def test_float32_greedy_with_prefill_chunks_in_graphs_equals_the_cpu_path(model_dir, prompts, cpu_tokens):
     """Prompts arriving one by one while others decode: each prefill rides in a mixed graph (the
     first one with no decode rows); the tokens still equal the CPU path's."""
