@@ -66,6 +66,13 @@ class EngineConfig(BaseModel):
                     "joining the batch after that step; 0 (default): off, since with P and D sharing one GPU "
                     "the two streams' contention cost more than the step it saves (docs/benchmarks/README.md)",
     )
+    draw_graphs: bool | None = Field(
+        default=None,
+        description="capture, beside each decode CUDA graph, its sampling draw in a graph of its own, replayed by "
+                    "sampled batches with no logit bias, penalty or grammar (no kernel launched from the host); "
+                    "None: only for models whose weights a decode step reads take at most 1 GiB, whose steps are "
+                    "short enough for the host to bound them (docs/benchmarks/README.md)",
+    )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"
     )

@@ -152,3 +152,17 @@ def test_layout_puts_one_token_rows_first_and_pads_the_decode_part():
     assert layout.decode == [1, 3] and layout.prefill == [0, 2] and layout.prefill_tokens == 8
     assert layout.token_starts(step) == [2, 0, 5, 1]
     assert layout.token_starts(step, decode_rows=8) == [8, 0, 11, 1]
+
+
+def test_draw_graphs_by_default_only_where_the_weights_are_small(default_model_dir):
+    """The default model gets draw graphs; an 8B shape's decode bytes do not, unless asked for."""
+    from pd_cluster.engine.model_runner import DRAW_GRAPHS_MAX_BYTES, wants_draw_graphs
+
+    engine = _engine(default_model_dir)
+    small = engine.model.weights.decode_bytes()
+    assert 100 * 2**20 < small <= DRAW_GRAPHS_MAX_BYTES  # float32 on CPU: about 0.5 GB
+    eight_b = 15 * 2**30
+    default, off, on = (engine.config, engine.config.model_copy(update={"draw_graphs": False}),
+                        engine.config.model_copy(update={"draw_graphs": True}))
+    assert wants_draw_graphs(default, small) and not wants_draw_graphs(default, eight_b)
+    assert not wants_draw_graphs(off, small) and wants_draw_graphs(on, eight_b)

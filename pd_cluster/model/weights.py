@@ -33,6 +33,16 @@ class ModelWeights:
     final_norm: torch.Tensor
     lm_head: torch.Tensor
 
+    def decode_bytes(self) -> int:
+        """Bytes a decode step reads from the weights: every matrix but the embedding table (a step
+        gathers only its rows), the vocabulary head once even when tied to the embedding."""
+        tensors = [self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
+            if layer.qkv_bias is not None:
+                tensors.append(layer.qkv_bias)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"

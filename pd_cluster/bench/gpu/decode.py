@@ -91,15 +91,8 @@ def start_decoding(engine: LLMEngine, batch: int, context: int, gen: torch.Gener
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes a decode step reads from the weights: every matrix but the embedding table (a step
-    gathers only its rows), the lm_head counted once even when tied."""
-    w = engine.model.weights
-    tensors = [w.final_norm, w.lm_head]
-    for layer in w.layers:
-        tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
-        if layer.qkv_bias is not None:
-            tensors.append(layer.qkv_bias)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes a decode step reads from the weights (see ``ModelWeights.decode_bytes``)."""
+    return engine.model.weights.decode_bytes()
 
 
 def time_decode_steps(engine: LLMEngine, reqs: list, steps: int) -> dict:
