@@ -66,12 +66,13 @@ class EngineConfig(BaseModel):
                     "joining the batch after that step; 0 (default): off, since with P and D sharing one GPU "
                     "the two streams' contention cost more than the step it saves (docs/benchmarks/README.md)",
     )
-    draw_graphs: bool | None = Field(
-        default=None,
+    draw_graphs: bool = Field(
+        default=False,
         description="capture, beside each decode CUDA graph, its sampling draw in a graph of its own, replayed by "
-                    "sampled batches with no logit bias, penalty or grammar (no kernel launched from the host); "
-                    "None: only for models whose weights a decode step reads take at most 1 GiB, whose steps are "
-                    "short enough for the host to bound them (docs/benchmarks/README.md)",
+                    "sampled batches with no logit bias, penalty or grammar, so no kernel is launched from the host: "
+                    "where the host bounds the step (a small model, few streams) sampled TPOT falls (the default "
+                    "model served at temperature 0.8: 0.75-0.91x); off by default, since with the draws captured "
+                    "the decode graphs themselves replayed 1-6% slower on an H100 (docs/benchmarks/README.md)",
     )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"

@@ -455,6 +455,8 @@ class LocalOptions:
     fused_decode_rows: int | None = None
     #: The nodes' ``--side-prefill-max-tokens`` (None: their default).
     side_prefill_max_tokens: int | None = None
+    #: The nodes' ``--draw-graphs`` (None: their default).
+    draw_graphs: bool | None = None
     max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
@@ -579,6 +581,8 @@ class LocalCluster:
                 argv += ["--fused-decode-rows", str(o.fused_decode_rows)]
             if o.side_prefill_max_tokens is not None:
                 argv += ["--side-prefill-max-tokens", str(o.side_prefill_max_tokens)]
+            if o.draw_graphs is not None:
+                argv.append("--draw-graphs" if o.draw_graphs else "--no-draw-graphs")
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)

@@ -154,15 +154,18 @@ def test_layout_puts_one_token_rows_first_and_pads_the_decode_part():
     assert layout.token_starts(step, decode_rows=8) == [8, 0, 11, 1]
 
 
-def test_draw_graphs_by_default_only_where_the_weights_are_small(default_model_dir):
-    """The default model gets draw graphs; an 8B shape's decode bytes do not, unless asked for."""
-    from pd_cluster.engine.model_runner import DRAW_GRAPHS_MAX_BYTES, wants_draw_graphs
+def test_draw_graphs_are_asked_for_on_the_command_line_and_reach_every_node():
+    """Off by default; ``--draw-graphs`` sets the engine's setting, and ``pd-cluster local`` hands
+    it to each node it starts."""
+    from pd_cluster.cli import build_parser, engine_config_from_args
+    from pd_cluster.local_cluster import LocalCluster, LocalOptions
 
-    engine = _engine(default_model_dir)
-    small = engine.model.weights.decode_bytes()
-    assert 100 * 2**20 < small <= DRAW_GRAPHS_MAX_BYTES  # float32 on CPU: about 0.5 GB
-    eight_b = 15 * 2**30
-    default, off, on = (engine.config, engine.config.model_copy(update={"draw_graphs": False}),
-                        engine.config.model_copy(update={"draw_graphs": True}))
-    assert wants_draw_graphs(default, small) and not wants_draw_graphs(default, eight_b)
-    assert not wants_draw_graphs(off, small) and wants_draw_graphs(on, eight_b)
+    parser = build_parser()
+    configs = [engine_config_from_args(parser.parse_args(["decode", "--master", "http://m", *extra]), "decode")
+               for extra in ([], ["--draw-graphs"], ["--no-draw-graphs"])]
+    assert [c.draw_graphs for c in configs] == [False, True, False]
+    local = parser.parse_args(["local", "--device", "cpu", "--draw-graphs"])
+    cluster = LocalCluster(LocalOptions(device="cpu", draw_graphs=local.draw_graphs))
+    cluster.plan()
+    nodes = [spec.argv for spec in cluster.process_specs("token", "admin") if spec.name != "master"]
+    assert nodes and all("--draw-graphs" in argv for argv in nodes)

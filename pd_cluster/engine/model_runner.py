@@ -26,19 +26,6 @@ logger = logging.getLogger(__name__)
 StepHook = Callable[[ScheduledStep], LayerHook | None]
 
 
-#: Decode-step weight bytes up to which draw graphs are captured by default. With the default
-#: model's 0.27 GB, served temperature-0.8 TPOT fell to 0.75-0.91x with them; with an 8B shape's
-#: 15 GB the host is far from the bound and the forward replayed about 1% slower with them captured.
-DRAW_GRAPHS_MAX_BYTES = 2**30
-
-
-def wants_draw_graphs(config: EngineConfig, decode_bytes: int) -> bool:
-    """Whether decode graphs get draw graphs: ``config.draw_graphs``, else by the model's size."""
-    if config.draw_graphs is not None:
-        return config.draw_graphs
-    return decode_bytes <= DRAW_GRAPHS_MAX_BYTES
-
-
 class ModelRunner:
     def __init__(
         self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, device: torch.device,
@@ -63,9 +50,9 @@ class ModelRunner:
     def _capture(self, config: EngineConfig) -> tuple[StepGraphs, StepGraphs | None]:
         # One slot no request owns takes the padding rows' KV writes.
         pad_slot = int(self.pool.reserve(1)[0])
-        draws = HAS_TRITON and wants_draw_graphs(config, self.model.weights.decode_bytes())
         graphs = StepGraphs(self.model, self.pool, self.table, config.graph_batch_sizes(), pad_slot,
-                            config.graph_prefill_tokens(), config.mixed_graph_prefills, draws=draws)
+                            config.graph_prefill_tokens(), config.mixed_graph_prefills,
+                            draws=HAS_TRITON and config.draw_graphs)
         side_sizes = [t for t in config.graph_prefill_tokens() if t <= config.side_prefill_max_tokens]
         side = StepGraphs(self.model, self.pool, self.table, [], pad_slot, side_sizes, 1) if side_sizes else None
         with self._on_device():

@@ -145,7 +145,7 @@ def test_float32_seeded_draws_replayed_in_graphs_equal_the_cpu_path(model_dir, p
     """Sampled decode batches replay the draw captured beside their forward; the tokens are the
     CPU path's (same seeds, same uniforms)."""
     expected = generate_sampled(engine(model_dir, "cpu", "float32"), prompts)
-    eng = engine(model_dir, "cuda", "float32")
+    eng = engine(model_dir, "cuda", "float32", draw_graphs=True)
     graphs = eng.runner.graphs
     assert graphs is not None
     drawn: list[GraphShape] = []
