@@ -15,9 +15,10 @@ decode rows read one token of context; padding prefill sequences have no tokens;
 are dropped. The slot table is as wide as the request table (the model's context length), so one
 capture serves every context length. Mixed graphs keep their logits in the model's dtype; the
 rows a step samples are converted to float32 after the replay. Pure-decode graphs also take each
-row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`),
-and each has a draw graph beside it (:attr:`StepGraphs.last_draw`): a sampled batch's draw is one
-more replay, its settings written to static buffers, rather than kernels launched from the host.
+row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`).
+With draws asked for, each also has a draw graph beside it (:attr:`StepGraphs.last_draw`): a sampled
+batch's draw is one more replay, its settings written to static buffers, rather than kernels
+launched from the host.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class StepGraphs:
                 if float_logits:
                     self._argmax[shape] = self._logits[shape].argmax(dim=-1)
             self._graphs[shape] = graph
-        if self.draws:  # after the forwards: their memory is laid out as without draws
+        if self.draws:  # after every forward, in a pool of their own
             self.draw_inputs = DrawInputs(self.max_batch, self.device)
             draw_pool = torch.cuda.graph_pool_handle()
             for shape in self._argmax:
