@@ -25,8 +25,11 @@ def test_a_small_load_is_served_and_the_report_holds_the_masters_share(default_m
     assert doc["later_turns_cached_fraction"] > 0.5, doc
     assert doc["conversations_on_one_decode"] == 1.0, doc
     parts = doc["ttft_later_parts_p50_s"]
-    # Each part is positive: the client's TTFT exceeds the master's, which exceeds dispatch + node.
-    assert all(parts[k] is not None and parts[k] > 0 for k in ("http", "master", "node", "hops")), parts
+    # Each part is there and the client's TTFT exceeds the master's, which exceeds dispatch + node.
+    # The node's part may round to zero: a synthetic node whose step loop runs late (a loaded
+    # machine) answers a job in the same pass that reads it (seen once in CI: p50 0.0 s).
+    assert all(parts[k] is not None and parts[k] > 0 for k in ("http", "master", "hops")), parts
+    assert parts["node"] is not None and parts["node"] >= 0, parts
     assert doc["master_cpu_s"] > 0 and doc["master_cpu_us_per_token"] > 0
     doc.update(device="cpu", date="2026-11-25")
     text = markdown(doc)
