@@ -26,8 +26,8 @@ def test_a_small_load_is_served_and_the_report_holds_the_masters_share(default_m
     assert doc["conversations_on_one_decode"] == 1.0, doc
     parts = doc["ttft_later_parts_p50_s"]
     # Each part is there and the client's TTFT exceeds the master's, which exceeds dispatch + node.
-    # The node's part may round to zero: a synthetic node whose step loop runs late (a loaded
-    # machine) answers a job in the same pass that reads it (seen once in CI: p50 0.0 s).
+    # The node's part only has to be there: on a loaded 2-core machine its p50 once came out as
+    # 0.0 s, which is not explained yet.
     assert all(parts[k] is not None and parts[k] > 0 for k in ("http", "master", "hops")), parts
     assert parts["node"] is not None and parts["node"] >= 0, parts
     assert doc["master_cpu_s"] > 0 and doc["master_cpu_us_per_token"] > 0
