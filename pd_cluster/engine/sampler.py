@@ -187,8 +187,7 @@ _PLAIN_GREEDY = _Batch(floats=None, ints=None, any_random=False, any_greedy=True
 
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes or reads the logits: the argmax of the raw logits."""
-    return (is_greedy(params) and not params.logit_bias and params.logprobs is None
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0)
+    return is_greedy(params) and params.logprobs is None and _drawable(params)
 
 
 def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device,
@@ -291,11 +290,11 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
     if draw is not None and (draw.rows < batch or not all(_drawable(s.params) for s in states)):
         draw = None
     rows = _gather(states, vocab, device, draw.inputs if draw is not None else None)
+    logprobs = None
+    if rows.logprob_rows:  # of the raw logits, before bias and penalties
+        index = tensor_on(rows.logprob_rows, torch.int64, device)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
     if draw is not None and rows.any_random:
-        logprobs = None
-        if rows.logprob_rows:
-            index = tensor_on(rows.logprob_rows, torch.int64, device)
-            logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
         return _queue_host_copy(DeviceSample(draw.run()[:batch], logprobs, rows))
     # Logit bias and penalties change the logits in place: then on a copy, else read as they are
     # (and the argmax already taken still holds).
@@ -303,11 +302,6 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
     x = logits.to(torch.float32, copy=changed)
     if changed or argmax is None or argmax.shape[0] != batch:
         argmax = None
-
-    logprobs = None
-    if rows.logprob_rows:
-        index = tensor_on(rows.logprob_rows, torch.int64, device)
-        logprobs = torch.log_softmax(x.index_select(0, index), dim=-1)
 
     book = penalties if penalties is not None else PenaltyBook(vocab, device)
     apply_logit_bias(x, states, rows.bias_rows)
