@@ -416,8 +416,10 @@ def _decode_merge_kernel(
     lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + sp, mask=sp_ok, other=float("-inf"))
     m = tl.max(lse, axis=0)
     w = tl.where(sp_ok & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    # Every split stores its partial (zero where it had no keys), so the partials are read
+    # beside the log-sum-exps rather than after them.
     part = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + sp[:, None] * stride_ps + d[None, :],
-                   mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)
+                   mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out, mask=d_ok)
 

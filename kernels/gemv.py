@@ -87,53 +87,103 @@ def _prologue(
 
 
 @triton.jit
+def first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
+    """Weight rows ``rn``'s first ``BK`` inputs, in float32: read before waiting on the kernel
+    before (a dependent launch), as weights are never written."""
+    rk = tl.arange(0, BK)
+    return tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def project_rows(
     x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """The float32 products ``[BN, BM]`` of weight rows ``rn`` with the (prologued) input rows.
+    """The float32 products ``[BN, BM]`` of weight rows ``rn`` with the (prologued) input rows:
+    the first weight tile (and the norm's weight) read, the wait on the kernel before, then
+    :func:`project_loaded`. Any set of weight rows works: ``rn`` need not be a range."""
+    w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
+    g = first_norm_tile(norm_w_ptr, K, PROLOGUE, BK, ONE_BLOCK)
+    pdl_wait(USE_PDL)
+    return project_loaded(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
+                          stride_x, stride_res, stride_sum, stride_w, eps,
+                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK)
+
+
+@triton.jit
+def first_norm_tile(norm_w_ptr, K, PROLOGUE: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """The norm's weight where a row fits one tile (else unused: ones), read before the wait like
+    the weight tile."""
+    rk = tl.arange(0, BK)
+    if PROLOGUE == 1 and ONE_BLOCK:
+        return tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+    return tl.full((BK,), 1.0, tl.float32)
+
+
+@triton.jit
+def project_loaded(
+    x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
+    stride_x, stride_res, stride_sum, stride_w, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+):
+    """:func:`project_rows` after its wait, given the first weight tile ``w`` and norm tile ``g``.
 
     Each weight tile is read once and multiplied by every row in turn (rows unrolled: 2D tiles
     only, no layout shuffles); the rows' inputs are read by every program, cheap next to the
     weight for the few rows this serves. The norm needs a row's whole sum of squares before its
-    first product, so NORM reads its rows twice, and program 0 alone stores the residual sum
-    (``sum_ptr``). The first weight tile is read before waiting on the kernel before (a dependent
-    launch): weights are never written. Any set of weight rows works: ``rn`` need not be a range."""
+    first product: where a row fits one tile (``ONE_BLOCK``: ``K <= BK``) it is read once and normalised in
+    registers, else it is read twice. Program 0 alone stores the residual sum (``sum_ptr``)."""
     rm = tl.arange(0, BM)
-    rk = tl.arange(0, BK)
-    w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
-                other=0.0).to(tl.float32)
-    pdl_wait(USE_PDL)
-    rstd = tl.zeros((BM,), dtype=tl.float32)
-    if PROLOGUE == 1:
-        for m in tl.static_range(BM):
-            row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-            sq = tl.zeros((BK,), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                rk = k0 + tl.arange(0, BK)
-                k_mask = (rk < K) & ((rk * 0 + m) < M)
-                xs = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
-                if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + row * stride_res + rk, mask=k_mask, other=0.0).to(tl.float32)
-                    xs = (xs + r).to(sum_ptr.dtype.element_ty).to(tl.float32)
-                sq += xs * xs
-            rstd = tl.where(rm == m, tl.rsqrt(tl.sum(sq, axis=0) / K + eps), rstd)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        rk = k0 + tl.arange(0, BK)
-        if k0 > 0:
-            w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
-                        other=0.0).to(tl.float32)
+    if PROLOGUE == 1 and ONE_BLOCK:
+        dtype = sum_ptr.dtype.element_ty
+        rk = tl.arange(0, BK)
         store = (rk * 0 + pid) == 0
         for m in tl.static_range(BM):
             row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-            row_rstd = tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
-            a = _prologue(x_ptr, res_ptr, norm_w_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M),
-                          row_rstd, stride_x, stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+            k_mask = (rk < K) & ((rk * 0 + m) < M)
+            a = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row * stride_res + rk, mask=k_mask, other=0.0).to(tl.float32)
+                s = (a + r).to(dtype)
+                tl.store(sum_ptr + m * stride_sum + rk, s, mask=k_mask & store)
+                a = s.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(a * a, axis=0) / K + eps)
+            a = ((a * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)
             part = tl.sum(w * a[None, :], axis=1)
             acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+    else:
+        rstd = tl.zeros((BM,), dtype=tl.float32)
+        if PROLOGUE == 1:
+            for m in tl.static_range(BM):
+                row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
+                sq = tl.zeros((BK,), dtype=tl.float32)
+                for k0 in range(0, K, BK):
+                    rk = k0 + tl.arange(0, BK)
+                    k_mask = (rk < K) & ((rk * 0 + m) < M)
+                    xs = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
+                    if HAS_RESIDUAL:
+                        r = tl.load(res_ptr + row * stride_res + rk, mask=k_mask, other=0.0).to(tl.float32)
+                        xs = (xs + r).to(sum_ptr.dtype.element_ty).to(tl.float32)
+                    sq += xs * xs
+                rstd = tl.where(rm == m, tl.rsqrt(tl.sum(sq, axis=0) / K + eps), rstd)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            if k0 > 0:
+                w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
+                            other=0.0).to(tl.float32)
+            store = (rk * 0 + pid) == 0
+            for m in tl.static_range(BM):
+                row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
+                row_rstd = tl.sum(tl.where(rm == m, rstd, 0.0), axis=0)
+                a = _prologue(x_ptr, res_ptr, norm_w_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M),
+                              row_rstd, stride_x, stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+                part = tl.sum(w * a[None, :], axis=1)
+                acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
     return acc
 
 
@@ -163,6 +213,7 @@ def _gemv_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Program: BN output columns of all M rows (see ``project_rows``).
@@ -172,7 +223,7 @@ def _gemv_kernel(
     n_mask = rn < N
     acc = project_rows(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
-                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, USE_PDL)
+                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty),
@@ -253,6 +304,7 @@ def _launch(
         BM=bm,
         BN=bn,
         BK=bk,
+        ONE_BLOCK=k <= bk,
         USE_PDL=pdl,
         num_warps=4,
         **pdl_options(pdl),

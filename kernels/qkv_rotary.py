@@ -17,8 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, last_dim_contiguous, pdl_options, require_triton, tl, triton, use_pdl
-from kernels.gemv import MAX_ROWS, fits, norm_linear, norm_linear_ref, project_rows, projection_tiles
+from kernels._triton import cdiv, last_dim_contiguous, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl
+from kernels.gemv import (
+    MAX_ROWS,
+    first_norm_tile,
+    first_weight_tile,
+    fits,
+    norm_linear,
+    norm_linear_ref,
+    project_loaded,
+    projection_tiles,
+)
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
 
 
@@ -90,6 +99,7 @@ def _qkv_rotary_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     # Programs below ``rot_programs`` own BN // 2 rotary pairs of the q and k heads, their columns
@@ -107,19 +117,26 @@ def _qkv_rotary_kernel(
     rotary = (i * 0 + pid) < rot_programs
     rn = tl.where(rotary, head * HEAD_DIM + d, QK_HEADS * HEAD_DIM + v_col)
     n_mask = tl.where(rotary, head < QK_HEADS, v_col < V_COLS)
-    acc = project_rows(x_ptr, res_ptr, x_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
-                       stride_x, stride_res, stride_sum, stride_w, eps,
-                       1, HAS_RESIDUAL, False, BM, BN, BK, USE_PDL)  # prologue 1: the RMSNorm
+    # Before the wait (a dependent launch): the weights, and the step's positions, slots and their
+    # rotation, which the host wrote before the step's first kernel; none of them is written by
+    # the kernels before this one.
+    w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
+    g = first_norm_tile(norm_w_ptr, K, 1, BK, ONE_BLOCK)
+    row_ok = rm < M
+    slot = tl.load(slots_ptr + rm, mask=row_ok, other=0).to(tl.int64)
+    rot_ok = row_ok[None, :] & ((i * 0 + pid) < rot_programs)[:, None]
+    pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.int64)
+    c = tl.load(cos_ptr + pos[None, :] * stride_cos + d[:, None], mask=rot_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos[None, :] * stride_sin + d[:, None], mask=rot_ok, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    acc = project_loaded(x_ptr, res_ptr, x_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
+                         stride_x, stride_res, stride_sum, stride_w, eps,
+                         1, HAS_RESIDUAL, False, BM, BN, BK, ONE_BLOCK)  # prologue 1: the RMSNorm
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     dtype = q_ptr.dtype.element_ty
     val = acc.to(dtype).to(tl.float32)  # the projection's output, as the unfused op stores it
-    row_ok = rm < M
-    slot = tl.load(slots_ptr + rm, mask=row_ok, other=0).to(tl.int64)
     if pid < rot_programs:
-        pos = tl.load(pos_ptr + rm, mask=row_ok, other=0).to(tl.int64)
-        c = tl.load(cos_ptr + pos[None, :] * stride_cos + d[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + pos[None, :] * stride_sin + d[:, None], mask=row_ok[None, :], other=0.0).to(tl.float32)
         # Each column's partner in its pair (the neighbouring column of the tile).
         partner = tl.sum(tl.where(((i[:, None] ^ 1) == i[None, :])[:, :, None], val[None, :, :], 0.0), axis=1)
         out = tl.where(which[:, None] == 0, val * c - partner * s, val * c + partner * s)
@@ -226,6 +243,7 @@ def norm_qkv_rotary_triton(
         BM=bm,
         BN=bn,
         BK=bk,
+        ONE_BLOCK=k <= bk,
         USE_PDL=pdl,
         num_warps=4,
         **pdl_options(pdl),
