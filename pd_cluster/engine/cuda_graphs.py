@@ -60,6 +60,38 @@ class GraphShape:
     tokens: int = 0
 
 
+class _PinnedRing:
+    """Pinned host buffers that stage a step's inputs, taken in turn: a buffer is written again
+    only once the copy that last read it has run (it almost always has: the ring is deeper than
+    the steps in flight), so a step allocates nothing and makes one copy."""
+
+    DEPTH = 4
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"  # elsewhere (tests of the layout on CPU) copies are plain
+        self._buffers = [torch.empty(size, dtype=torch.int64, pin_memory=self._cuda) for _ in range(self.DEPTH)]
+        self._arrays = [b.numpy() for b in self._buffers]
+        self._copied: list[torch.cuda.Event | None] = [None] * self.DEPTH
+        self._next = 0
+        self._device = device
+
+    def copy_to(self, dest: torch.Tensor, *parts: list[int]) -> None:
+        """Copy the concatenated ``parts`` to the front of ``dest``, queued on the current stream."""
+        i = self._next
+        self._next = (i + 1) % self.DEPTH
+        done = self._copied[i]
+        if done is not None:
+            done.synchronize()
+        array, n = self._arrays[i], 0
+        for part in parts:
+            array[n : n + len(part)] = part
+            n += len(part)
+        dest[:n].copy_(self._buffers[i][:n], non_blocking=self._cuda)
+        if self._cuda:
+            event = self._copied[i] = self._copied[i] or torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+
+
 def _bucket(sizes: list[int], n: int) -> int | None:
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None
@@ -87,8 +119,10 @@ class StepGraphs:
         width, dev = table.table.shape[1], self.device
         max_tokens = self.max_batch + (self.prefill_sizes[-1] if self.prefill_sizes else 0)
         max_seqs = self.max_batch + self.max_prefills
-        self._tokens = torch.zeros((4, max_tokens), dtype=torch.int64, device=dev)
-        self._seqs = torch.zeros((5, max_seqs), dtype=torch.int64, device=dev)
+        # Every shape's inputs, packed: its 4 token rows then its 5 sequence rows, read by its graph
+        # as views of the front of one buffer, so a step's inputs are one host-to-device copy.
+        self._inputs = torch.zeros(4 * max_tokens + 5 * max_seqs, dtype=torch.int64, device=dev)
+        self._staging = _PinnedRing(self._inputs.numel(), self.device)
         self._slot_table = torch.full((max_seqs, width), pad_slot, dtype=torch.int64, device=dev)
         # A mixed step's padded decode rows cost a GEMM row and one token of attention each, little
         # beside its prefill tokens: coarse decode sizes keep the graph count (and capture time) down.
@@ -119,9 +153,19 @@ class StepGraphs:
     def _num_seqs(self, shape: GraphShape) -> int:
         return shape.decode + (self.max_prefills if shape.tokens else 0)
 
+    def _token_rows(self, shape: GraphShape) -> torch.Tensor:
+        """``shape``'s per-token inputs ``[4, tokens]`` (ids, positions, KV slots, table rows)."""
+        n_tok = shape.decode + shape.tokens
+        return self._inputs[: 4 * n_tok].view(4, n_tok)
+
+    def _seq_rows(self, shape: GraphShape) -> torch.Tensor:
+        """``shape``'s per-sequence inputs ``[5, sequences]`` (see ``_CTX`` ... ``_SROW``)."""
+        n_tok, n_seq = shape.decode + shape.tokens, self._num_seqs(shape)
+        return self._inputs[4 * n_tok : 4 * n_tok + 5 * n_seq].view(5, n_seq)
+
     def _batch(self, shape: GraphShape) -> ForwardBatch:
-        tokens = self._tokens[:, : shape.decode + shape.tokens]
-        seqs = self._seqs[:, : self._num_seqs(shape)]
+        tokens = self._token_rows(shape)
+        seqs = self._seq_rows(shape)
         return ForwardBatch(
             input_ids=tokens[_IDS],
             positions=tokens[_POS],
@@ -229,11 +273,9 @@ class StepGraphs:
         return tokens, seqs
 
     def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape) -> None:
-        """One host-to-device copy of a step's inputs into the static buffers of ``shape``."""
-        n_tok, n_seq = shape.decode + shape.tokens, self._num_seqs(shape)
-        staged = tensor_on(tokens + seqs, torch.int64, self.device)
-        self._tokens[:, :n_tok].copy_(staged[: 4 * n_tok].view(4, n_tok))
-        self._seqs[:, :n_seq].copy_(staged[4 * n_tok :].view(5, n_seq))
+        """One host-to-device copy of a step's inputs (``shape``'s token rows, then its sequence
+        rows, flattened) into the front of the static input buffer."""
+        self._staging.copy_to(self._inputs, tokens, seqs)
 
     # ---- replay --------------------------------------------------------------------------------
 
@@ -248,16 +290,17 @@ class StepGraphs:
             tokens, seqs, starts, max_ctx = self._mixed_inputs(step, layout, shape)
         n_seq, d = self._num_seqs(shape), shape.decode
         self._write(tokens, seqs, shape)
-        layout.take_device_ids(step, starts, self._tokens[_IDS], device_tokens)
+        token_rows = self._token_rows(shape)
+        layout.take_device_ids(step, starts, token_rows[_IDS], device_tokens)
         # The new tokens' slots enter the request table (decode part, then prefill part), then the
         # sequences' live columns are copied into the static slot table (columns past a sequence's
         # context are never read).
         table = self.table.table
         for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
             if hi > lo:
-                part = self._tokens[:, lo:hi]
+                part = token_rows[:, lo:hi]
                 table.index_put_((part[_TROW], part[_POS]), part[_SLOTS])
-        self._slot_table[:n_seq, :max_ctx] = table[:, :max_ctx].index_select(0, self._seqs[_SROW, :n_seq])
+        self._slot_table[:n_seq, :max_ctx] = table[:, :max_ctx].index_select(0, self._seq_rows(shape)[_SROW])
         logits = self.run_graph(shape)
         self.last_argmax = None
         self.last_draw = None
