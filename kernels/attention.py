@@ -120,6 +120,7 @@ def _context_attention_kernel(
     q_lens_ptr,
     q_start_ptr,
     tile_ends_ptr,
+    rows_ptr,
     num_seqs,
     scale_log2,
     stride_qt,
@@ -139,6 +140,7 @@ def _context_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,7 +172,8 @@ def _context_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    table_row = slot_table_ptr + seq.to(tl.int64) * stride_table
+    row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq.to(tl.int64)
+    table_row = slot_table_ptr + row * stride_table
     n_offs = tl.arange(0, BLOCK_N)
 
     # Keys before this tile's first query position: every row sees all of them, no mask.
@@ -226,9 +229,11 @@ def context_attention_triton(
     num_warps: int | None = None,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`context_attention_ref`; ``out`` (shaped like ``q``, any row stride)
-    receives the result when given.
+    receives the result when given. ``table_rows``: ``slot_table`` is a request table read in
+    place, sequence ``b``'s slots its row ``table_rows[b]`` (no per-step copy of the rows).
 
     ``block_m`` rows of a tile hold ``block_m // group`` query tokens times the ``group`` q heads
     of one kv head. Unset tile sizes come from :func:`_context_config`. Rows of ``q`` that belong
@@ -242,7 +247,7 @@ def context_attention_triton(
     num_kv_heads = k_cache.shape[1]
     group = num_q_heads // num_kv_heads
     out = _output_for(q, out)
-    num_seqs = slot_table.shape[0]
+    num_seqs = ctx_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     default_m, default_n, default_warps = _context_config(q.dtype)
@@ -263,6 +268,7 @@ def context_attention_triton(
         q_lens,
         q_start_loc,
         tile_ends,
+        table_rows if table_rows is not None else ctx_lens,
         num_seqs,
         sm_scale * _LOG2E,
         q.stride(0),
@@ -282,6 +288,7 @@ def context_attention_triton(
         BLOCK_D=next_pow2(head_dim),
         BLOCK_B=max(next_pow2(num_seqs), MIN_BLOCK_B),
         DOT_PRECISION=dot_precision(q.dtype),
+        HAS_ROWS=table_rows is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -303,6 +310,7 @@ def _decode_split_kernel(
     v_cache_ptr,
     slot_table_ptr,
     ctx_lens_ptr,
+    rows_ptr,
     part_out_ptr,
     part_lse_ptr,
     scale_log2,
@@ -326,6 +334,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -345,7 +354,9 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    table_row = slot_table_ptr + seq * stride_table
+    # The request table is read in place (``HAS_ROWS``: sequence -> its row) or a per-sequence copy.
+    row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq
+    table_row = slot_table_ptr + row * stride_table
     n_offs = tl.arange(0, BLOCK_N)
 
     # PREFETCH: the split's first tile is read before waiting on the kernel before (a dependent
@@ -479,9 +490,10 @@ def decode_attention_triton(
     num_warps: int | None = None,
     num_stages: int = 2,
     out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out`` as in
-    :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
+    """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out`` and
+    ``table_rows`` as in :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
     context) must have been stored before the kernel launched before this one: with dependent
     launches they are read while that kernel (the one storing the newest key) still runs.
 
@@ -513,6 +525,7 @@ def decode_attention_triton(
         v_cache,
         slot_table,
         ctx_lens,
+        table_rows if table_rows is not None else ctx_lens,
         part_out,
         part_lse,
         sm_scale * _LOG2E,
@@ -536,6 +549,7 @@ def decode_attention_triton(
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
         PREFETCH=batch * num_kv_heads <= PREFETCH_MAX_HEADS,
+        HAS_ROWS=table_rows is not None,
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -626,12 +640,15 @@ def context_attention(
     q_start_loc: torch.Tensor,
     sm_scale: float,
     out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`context_attention_cpu`;
-    written into ``out`` when given."""
+    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`."""
     if use_triton(q, k_cache, v_cache):
         return context_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale,
-                                        out=out)
+                                        out=out, table_rows=table_rows)
+    if table_rows is not None:
+        slot_table = slot_table.index_select(0, table_rows)
     result = context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale)
     return result if out is None else out.copy_(result)
 
@@ -644,10 +661,14 @@ def decode_attention(
     ctx_lens: torch.Tensor,
     sm_scale: float,
     out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_cpu`;
-    written into ``out`` when given."""
+    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`."""
     if use_triton(q, k_cache, v_cache):
-        return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out)
+        return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out,
+                                       table_rows=table_rows)
+    if table_rows is not None:
+        slot_table = slot_table.index_select(0, table_rows)
     result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale)
     return result if out is None else out.copy_(result)

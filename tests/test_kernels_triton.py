@@ -454,6 +454,26 @@ class InterpretedCases:
         out = decode_attention_triton(*args, block_n=16, num_splits=num_splits)
         assert_matches(out, decode_attention_ref(*args), *ATTENTION_TOL[dtype])
 
+    @pytest.mark.parametrize("decode", [True, False], ids=["decode", "context"])
+    def test_attention_reads_a_request_table_in_place_through_rows(self, decode: bool) -> None:
+        # CUDA graphs pass the engine's request table and each sequence's row in it: the result
+        # equals the same kernel over the rows copied out, whatever the other rows hold.
+        q_lens = [1] * 3 if decode else [6, 40, 1]
+        batch = make_paged_batch([9, 40, 23], q_lens, 4, 2, 16, layout="shuffled", seed=12)
+        rows = torch.tensor([5, 0, 2])
+        table = torch.randint(0, batch.k_cache.shape[0], (7, batch.slot_table.shape[1] + 3))
+        table[rows, : batch.slot_table.shape[1]] = batch.slot_table
+        common = (batch.k_cache, batch.v_cache)
+        if decode:
+            args = (batch.ctx_lens, 0.25)
+            out = decode_attention_triton(batch.q, *common, table, *args, block_n=16, num_splits=3, table_rows=rows)
+            want = decode_attention_triton(batch.q, *common, batch.slot_table, *args, block_n=16, num_splits=3)
+        else:
+            args = (batch.ctx_lens, batch.q_lens, batch.q_start_loc, 0.3)
+            out = context_attention_triton(batch.q, *common, table, *args, block_m=16, block_n=16, table_rows=rows)
+            want = context_attention_triton(batch.q, *common, batch.slot_table, *args, block_m=16, block_n=16)
+        assert torch.equal(out, want)
+
 
 if INTERPRETER:
     TestTritonKernelsInterpreted = InterpretedCases

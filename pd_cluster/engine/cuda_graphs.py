@@ -116,14 +116,13 @@ class StepGraphs:
         self.max_prefills = max_prefills if self.prefill_sizes else 0
         self.max_batch = self.batch_sizes[-1] if self.batch_sizes else 0
         self.pad_slot = pad_slot
-        width, dev = table.table.shape[1], self.device
+        dev = self.device
         max_tokens = self.max_batch + (self.prefill_sizes[-1] if self.prefill_sizes else 0)
         max_seqs = self.max_batch + self.max_prefills
         # Every shape's inputs, packed: its 4 token rows then its 5 sequence rows, read by its graph
         # as views of the front of one buffer, so a step's inputs are one host-to-device copy.
         self._inputs = torch.zeros(4 * max_tokens + 5 * max_seqs, dtype=torch.int64, device=dev)
         self._staging = _PinnedRing(self._inputs.numel(), self.device)
-        self._slot_table = torch.full((max_seqs, width), pad_slot, dtype=torch.int64, device=dev)
         # A mixed step's padded decode rows cost a GEMM row and one token of attention each, little
         # beside its prefill tokens: coarse decode sizes keep the graph count (and capture time) down.
         self.mixed_decode_sizes = [0] + [b for b in self.batch_sizes if b >= MIXED_MIN_DECODE or b == self.max_batch]
@@ -170,13 +169,14 @@ class StepGraphs:
             input_ids=tokens[_IDS],
             positions=tokens[_POS],
             out_slots=tokens[_SLOTS],
-            slot_table=self._slot_table[: seqs.shape[1]],
+            slot_table=self.table.table,  # read in place, through each sequence's request-table row
             ctx_lens=seqs[_CTX],
             q_lens=seqs[_QLEN],
             q_start_loc=seqs[_QSTART],
             logits_indices=seqs[_LOGIT],
             is_decode=shape.tokens == 0,
             num_decode=shape.decode,
+            table_rows=seqs[_SROW],
         )
 
     def graph_size(self, batch: int) -> int | None:
@@ -285,22 +285,20 @@ class StepGraphs:
         sample, in step order (for a pure-decode step in order, a view valid until the next replay).
         ``device_tokens``: the previous step's sampled ids on the device, for inputs still there."""
         if shape.tokens == 0:
-            tokens, seqs, starts, max_ctx = self._decode_inputs(step, shape)
+            tokens, seqs, starts = self._decode_inputs(step, shape)
         else:
-            tokens, seqs, starts, max_ctx = self._mixed_inputs(step, layout, shape)
-        n_seq, d = self._num_seqs(shape), shape.decode
+            tokens, seqs, starts = self._mixed_inputs(step, layout, shape)
+        d = shape.decode
         self._write(tokens, seqs, shape)
         token_rows = self._token_rows(shape)
         layout.take_device_ids(step, starts, token_rows[_IDS], device_tokens)
-        # The new tokens' slots enter the request table (decode part, then prefill part), then the
-        # sequences' live columns are copied into the static slot table (columns past a sequence's
-        # context are never read).
+        # The new tokens' slots enter the request table (decode part, then prefill part), which the
+        # attention kernels read in place through each sequence's row.
         table = self.table.table
         for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
             if hi > lo:
                 part = token_rows[:, lo:hi]
                 table.index_put_((part[_TROW], part[_POS]), part[_SLOTS])
-        self._slot_table[:n_seq, :max_ctx] = table[:, :max_ctx].index_select(0, self._seq_rows(shape)[_SROW])
         logits = self.run_graph(shape)
         self.last_argmax = None
         self.last_draw = None
@@ -316,9 +314,9 @@ class StepGraphs:
         keep = [rows_of[i] for i, sample in enumerate(step.samples) if sample]
         return logits.index_select(0, tensor_on(keep, torch.int64, self.device)).float()
 
-    def _decode_inputs(self, step: ScheduledStep, shape: GraphShape) -> tuple[list[int], list[int], list[int], int]:
+    def _decode_inputs(self, step: ScheduledStep, shape: GraphShape) -> tuple[list[int], list[int], list[int]]:
         """Host inputs of a pure-decode step (its rows in step order): (tokens, sequences, each
-        request's flat position, longest context)."""
+        request's flat position)."""
         reqs, size = step.requests, shape.decode
         pad = size - len(reqs)
         positions = [r.num_computed for r in reqs]
@@ -329,10 +327,10 @@ class StepGraphs:
         zeros, order = [0] * pad, self._arange[:size]
         tokens = ids + zeros + positions + zeros + slots + [self.pad_slot] * pad + rows + zeros
         seqs = ctx + [1] * pad + [1] * size + order + order + rows + zeros
-        return tokens, seqs, self._arange[: len(reqs)], max(ctx)
+        return tokens, seqs, self._arange[: len(reqs)]
 
     def _mixed_inputs(self, step: ScheduledStep, layout: StepLayout,
-                      shape: GraphShape) -> tuple[list[int], list[int], list[int], int]:
+                      shape: GraphShape) -> tuple[list[int], list[int], list[int]]:
         """Host inputs of a step with prefill chunks: decode rows, then the chunks (see
         :class:`StepLayout`), padded to ``shape``."""
         tokens, seqs = self._padding(shape)
@@ -344,7 +342,6 @@ class StepGraphs:
         slot_at = [0]
         for q_len in step.q_lens:
             slot_at.append(slot_at[-1] + q_len)
-        max_ctx = 1
         for s, i in enumerate(layout.decode + layout.prefill):
             req, q_len = step.requests[i], step.q_lens[i]
             first, at = req.num_computed, starts[i]
@@ -355,8 +352,7 @@ class StepGraphs:
             trow[at:end] = [req.row] * q_len
             row = s if s < layout.num_decode else d + s - layout.num_decode
             ctx[row], qlen[row], qstart[row], logit[row], srow[row] = first + q_len, q_len, at, end - 1, req.row
-            max_ctx = max(max_ctx, first + q_len)
-        return ids + pos + slots + trow, ctx + qlen + qstart + logit + srow, starts, max_ctx
+        return ids + pos + slots + trow, ctx + qlen + qstart + logit + srow, starts
 
     def run_graph(self, shape: GraphShape | int) -> torch.Tensor:
         """Replay the graph of ``shape`` (an int: a pure-decode batch size) on the inputs written

@@ -30,15 +30,20 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [K] int64
     is_decode: bool  # every sequence adds exactly one token
     num_decode: int = 0
+    #: When set, ``slot_table`` is the engine's request table, read in place: sequence ``b``'s
+    #: slots are its row ``table_rows[b]`` (CUDA graphs: no per-step copy of the rows).
+    table_rows: torch.Tensor | None = None  # [B] int64
 
     def prefill_part(self) -> PrefillPart:
         """The sequences after the first ``num_decode``, their token offsets rebased to that part."""
         nd = self.num_decode
+        rows = self.table_rows
         return PrefillPart(
-            slot_table=self.slot_table[nd:],
+            slot_table=self.slot_table if rows is not None else self.slot_table[nd:],
             ctx_lens=self.ctx_lens[nd:],
             q_lens=self.q_lens[nd:],
             q_start_loc=self.q_start_loc[nd:] - nd if nd else self.q_start_loc,
+            table_rows=rows[nd:] if rows is not None else None,
         )
 
     @property
@@ -54,3 +59,4 @@ class PrefillPart:
     ctx_lens: torch.Tensor
     q_lens: torch.Tensor
     q_start_loc: torch.Tensor
+    table_rows: torch.Tensor | None = None

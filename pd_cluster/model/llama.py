@@ -137,13 +137,16 @@ class LlamaModel:
                    prefill: PrefillPart | None) -> torch.Tensor:
         """One-token rows through the split-K decode kernel, prefill chunks through the prefill
         kernel (which would walk a decode row's whole context in one program)."""
+        rows = batch.table_rows
         if prefill is None:
-            return kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, self.sm_scale)
+            return kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, self.sm_scale,
+                                            table_rows=rows)
         nd = batch.num_decode
         out = torch.empty_like(q)
         if nd:
-            kernels.decode_attention(q[:nd], k_cache, v_cache, batch.slot_table[:nd], batch.ctx_lens[:nd],
-                                     self.sm_scale, out=out[:nd])
+            kernels.decode_attention(q[:nd], k_cache, v_cache, batch.slot_table if rows is not None else
+                                     batch.slot_table[:nd], batch.ctx_lens[:nd], self.sm_scale, out=out[:nd],
+                                     table_rows=rows[:nd] if rows is not None else None)
         kernels.context_attention(q[nd:], k_cache, v_cache, prefill.slot_table, prefill.ctx_lens, prefill.q_lens,
-                                  prefill.q_start_loc, self.sm_scale, out=out[nd:])
+                                  prefill.q_start_loc, self.sm_scale, out=out[nd:], table_rows=prefill.table_rows)
         return out
