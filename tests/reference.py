@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -26,27 +26,45 @@ CHAT_MESSAGES = [
 
 
 class GreedyReference:
+    """Greedy continuations, each computed by one loop per prompt that is extended, never rerun: a
+    request for fewer tokens than already computed is answered with a prefix (the first ``n`` tokens
+    of a greedy loop do not depend on how far it runs), one for more continues the same loop from the
+    logits and KV cache it stopped at (the very forwards a fresh, longer loop would run)."""
+
+    #: Prompts whose loop state (last logits, KV cache) is kept to be extended; others keep tokens only.
+    KEEP_STATES = 24
+
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.model.eval()
+        self._tokens: dict[tuple[int, ...], list[int]] = {}
+        self._states: OrderedDict[tuple[int, ...], tuple[torch.Tensor, object]] = OrderedDict()
 
     @torch.inference_mode()
-    def _run(self, prompt: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        out = self.model(torch.tensor([prompt]), use_cache=True)
-        past = out.past_key_values
-        tokens: list[int] = []
-        for _ in range(max_new_tokens):
-            token = int(out.logits[0, -1].argmax())
+    def _extend(self, prompt: tuple[int, ...], max_new_tokens: int) -> None:
+        state = self._states.pop(prompt, None)
+        tokens = self._tokens.get(prompt) if state is not None else None
+        if tokens is None:  # a fresh loop (first ask, or its state was dropped)
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+            logits, past, tokens = out.logits[0, -1].clone(), out.past_key_values, []
+        else:
+            logits, past = state
+        while len(tokens) < max_new_tokens:
+            token = int(logits.argmax())
             tokens.append(token)
             out = self.model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-        return tokens
-
-    @lru_cache(maxsize=256)
-    def _cached(self, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
-        return tuple(self._run(prompt, max_new_tokens))
+            logits, past = out.logits[0, -1].clone(), out.past_key_values
+        self._tokens[prompt] = tokens
+        self._states[prompt] = (logits, past)
+        while len(self._states) > self.KEEP_STATES:
+            self._states.popitem(last=False)
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        return list(self._cached(tuple(prompt), max_new_tokens))
+        key = tuple(prompt)
+        if len(self._tokens.get(key, ())) < max_new_tokens:
+            self._extend(key, max_new_tokens)
+        elif key in self._states:
+            self._states.move_to_end(key)
+        return list(self._tokens[key][:max_new_tokens])
