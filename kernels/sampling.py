@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import require_triton, tl, triton, use_triton
+from kernels._triton import pdl_options, pdl_wait, require_triton, tl, triton, use_pdl, use_triton
 
 #: Bit pattern of float32 1.0: the largest ``e`` (and threshold) there is.
 _ONE_BITS = 0x3F800000
@@ -92,8 +92,9 @@ def _sample_kernel(
     x_ptr, stride_x, e_ptr, vocab, temp_ptr, stride_temp, top_k_ptr, stride_top_k, top_p_ptr, stride_top_p,
     min_p_ptr, stride_min_p, u_ptr, k0_ptr, k1_ptr, pos_ptr, stride_key, out_ptr,
     USE_TOP_K: tl.constexpr, USE_TOP_P: tl.constexpr, HASH: tl.constexpr, PROBES: tl.constexpr,
-    ONE_BITS: tl.constexpr, BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr,
+    ONE_BITS: tl.constexpr, BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     e_row = e_ptr + row.to(tl.int64) * vocab
@@ -241,12 +242,13 @@ def sample_filtered_triton(
     columns = [t if t.dtype == dtype else t.to(dtype) for t, dtype in
                ((temperature, torch.float32), (top_k, torch.int64), (top_p, torch.float32), (min_p, torch.float32))]
     scratch = torch.empty((batch, vocab), dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x)
     _sample_kernel[(batch,)](
         x, x.stride(0), scratch, vocab,
         columns[0], columns[0].stride(0), columns[1], columns[1].stride(0), columns[2], columns[2].stride(0),
         columns[3], columns[3].stride(0), u, k0, k1, pos, key_stride, out,
         USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, HASH=keys is not None, PROBES=_PROBES, ONE_BITS=_ONE_BITS,
-        BLOCK=block, DRAW_BLOCK=block, num_warps=num_warps,
+        BLOCK=block, DRAW_BLOCK=block, USE_PDL=pdl, num_warps=num_warps, **pdl_options(pdl),
     )
     return out
 

@@ -43,8 +43,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a request this node prefills itself while a pipelined step runs is prefilled at once on a "
                         "second CUDA stream when it misses at most N tokens (default 0: off)")
     p.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay a sampled decode batch's draw as a CUDA graph beside the step's (default: off; "
-                        "pays for small models serving few sampled streams)")
+                   help="replay a sampled decode batch's draw as a CUDA graph beside the step's (default: on; "
+                        "--no-draw-graphs launches its kernels instead)")
 
 
 def _token_sizes(text: str) -> list[int]:
@@ -372,7 +372,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                      help="nodes prefill a request they take whole at once on a second CUDA stream, beside the "
                           "step in flight, when it misses at most N tokens (default 0: off)")
     loc.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="nodes replay a sampled decode batch's draw as a CUDA graph beside the step's (default: off)")
+                     help="nodes replay a sampled decode batch's draw as a CUDA graph beside the step's (default: on)")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")

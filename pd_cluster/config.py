@@ -67,12 +67,12 @@ class EngineConfig(BaseModel):
                     "the two streams' contention cost more than the step it saves (docs/benchmarks/README.md)",
     )
     draw_graphs: bool = Field(
-        default=False,
+        default=True,
         description="capture, beside each decode CUDA graph, its sampling draw in a graph of its own, replayed by "
                     "sampled batches with no logit bias, penalty or grammar, so no kernel is launched from the host: "
                     "where the host bounds the step (a small model, few streams) sampled TPOT falls (the default "
-                    "model served at temperature 0.8: 0.75-0.91x); off by default, since with the draws captured "
-                    "the decode graphs themselves replayed 1-6% slower on an H100 (docs/benchmarks/README.md)",
+                    "model served at temperature 0.8: 0.75-0.91x); off: sampled batches launch their kernels "
+                    "(docs/benchmarks/README.md)",
     )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"

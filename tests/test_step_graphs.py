@@ -155,17 +155,17 @@ def test_layout_puts_one_token_rows_first_and_pads_the_decode_part():
 
 
 def test_draw_graphs_are_asked_for_on_the_command_line_and_reach_every_node():
-    """Off by default; ``--draw-graphs`` sets the engine's setting, and ``pd-cluster local`` hands
-    it to each node it starts."""
+    """On by default; ``--no-draw-graphs`` turns the engine's setting off, and ``pd-cluster local``
+    hands the flag to each node it starts."""
     from pd_cluster.cli import build_parser, engine_config_from_args
     from pd_cluster.local_cluster import LocalCluster, LocalOptions
 
     parser = build_parser()
     configs = [engine_config_from_args(parser.parse_args(["decode", "--master", "http://m", *extra]), "decode")
                for extra in ([], ["--draw-graphs"], ["--no-draw-graphs"])]
-    assert [c.draw_graphs for c in configs] == [False, True, False]
-    local = parser.parse_args(["local", "--device", "cpu", "--draw-graphs"])
+    assert [c.draw_graphs for c in configs] == [True, True, False]
+    local = parser.parse_args(["local", "--device", "cpu", "--no-draw-graphs"])
     cluster = LocalCluster(LocalOptions(device="cpu", draw_graphs=local.draw_graphs))
     cluster.plan()
     nodes = [spec.argv for spec in cluster.process_specs("token", "admin") if spec.name != "master"]
-    assert nodes and all("--draw-graphs" in argv for argv in nodes)
+    assert nodes and all("--no-draw-graphs" in argv for argv in nodes)
