@@ -13,8 +13,13 @@ from pathlib import Path
 
 import httpx
 
+from tests import process_server
+from tests.process_server import ForkedProcess
+
 CLUSTER_TOKEN = "e2e-cluster-token"
 ADMIN_TOKEN = "e2e-admin-token"
+#: Start masters and nodes as fresh interpreters instead of forking them from the process server.
+FRESH_PROCESSES = os.environ.get("PD_TESTS_FRESH_PROCESSES") == "1"
 
 
 def free_port() -> int:
@@ -39,7 +44,7 @@ class Cluster:
     model_dir: Path
     log_dir: Path
     port: int = field(default_factory=free_port)
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[str, subprocess.Popen | ForkedProcess] = field(default_factory=dict)
     node_args: tuple[str, ...] = ("--device", "cpu", "--dtype", "float32", "--max-total-tokens", "4096")
     #: The master's ``local_prefill_max_tokens``: 0 sends every request through a P (the tests of
     #: the P -> D path); tests of D-local prefill and mixed nodes set it.
@@ -53,10 +58,16 @@ class Cluster:
         return {**os.environ, "PD_CLUSTER_TOKEN": token, "PD_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1",
                 "PD_LOCAL_PREFILL_MAX_TOKENS": str(self.local_prefill_max_tokens)}
 
-    def _spawn(self, name: str, args: list[str], token: str = CLUSTER_TOKEN) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.cli", *args], env=self.env(token),
-                                stdout=log, stderr=subprocess.STDOUT)
+    def _spawn(self, name: str, args: list[str], token: str = CLUSTER_TOKEN) -> subprocess.Popen | ForkedProcess:
+        """``python -m pd_cluster.cli *args``, forked from the process server (tests/process_server.py:
+        the same command without re-importing torch and transformers), or a fresh interpreter with
+        PD_TESTS_FRESH_PROCESSES=1."""
+        if FRESH_PROCESSES:
+            log = open(self.log_dir / f"{name}.log", "wb")
+            proc = subprocess.Popen([sys.executable, "-m", "pd_cluster.cli", *args], env=self.env(token),
+                                    stdout=log, stderr=subprocess.STDOUT)
+        else:
+            proc = process_server.start(args, self.env(token), self.log_dir / f"{name}.log")
         self.procs[name] = proc
         return proc
 
@@ -66,7 +77,7 @@ class Cluster:
         wait_until(lambda: self._get("/livez") == 200, 60, "the master to serve")
 
     def start_node(self, role: str, name: str, *extra: str, token: str = CLUSTER_TOKEN,
-                   model: Path | None = None, wait: bool = True) -> subprocess.Popen:
+                   model: Path | None = None, wait: bool = True) -> subprocess.Popen | ForkedProcess:
         args = [role, "--master", self.url, "--node-id", name, "--model", str(model or self.model_dir),
                 *self.node_args, *extra]
         proc = self._spawn(name, args, token)

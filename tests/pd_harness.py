@@ -14,7 +14,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-_ctx = mp.get_context("spawn")
+from tests.process_server import PRELOAD
+
+# Forked from multiprocessing's fork server, which imports torch, transformers and the rest of the
+# third-party libraries once (what a fresh "spawn" child spends most of its start on); the node
+# services and everything of the project are imported in each child.
+_ctx = mp.get_context("forkserver")
+_ctx.set_forkserver_preload(list(PRELOAD))
 
 
 def _command_reader(conn, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
