@@ -8,19 +8,17 @@ D's token stream, the way the master does over websockets. Commands are tuples
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.process_server import PRELOAD
+from tests.process_server import forkserver_context
 
 # Forked from multiprocessing's fork server, which imports torch, transformers and the rest of the
 # third-party libraries once (what a fresh "spawn" child spends most of its start on); the node
 # services and everything of the project are imported in each child.
-_ctx = mp.get_context("forkserver")
-_ctx.set_forkserver_preload(list(PRELOAD))
+_ctx = forkserver_context()
 
 
 def _command_reader(conn, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:

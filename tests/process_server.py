@@ -16,6 +16,7 @@ tests over real sockets, as before; :class:`ForkedProcess` gives the tests what 
 from __future__ import annotations
 
 import io
+import multiprocessing as mp
 import os
 import pickle
 import select
@@ -36,6 +37,15 @@ PRELOAD = ("numpy", "torch", "triton", "triton.language", "safetensors.torch", "
            "pydantic", "fastapi", "starlette", "uvicorn", "websockets", "httpx", "prometheus_client", "jinja2")
 
 _HEADER = struct.Struct("!I")
+
+
+def forkserver_context() -> mp.context.BaseContext:
+    """multiprocessing's "forkserver" context, its server preloading :data:`PRELOAD`: for the tests
+    whose node processes run a function of theirs (tests/pd_harness.py, tests/test_transfer.py).
+    Each child still imports the project's modules itself, as a "spawn" child does."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def _send(sock: socket.socket, message: object) -> None:

@@ -1,6 +1,6 @@
 """Data plane between a prefill (P) and a decode (D) node, each in its own process, over gloo.
 
-D runs in a spawned process (several servers on loopback, logging to a file the tests read);
+D runs in a process of its own (several servers on loopback, logging to a file the tests read);
 P is the test process itself.
 """
 
@@ -35,6 +35,7 @@ from pd_cluster.transfer import (
 )
 from pd_cluster.transfer.framing import FramedStream, decode_message
 from pd_cluster.transfer.handshake import Hello, Refused
+from tests.process_server import forkserver_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -172,7 +173,7 @@ class DecodeNode:
 
 
 def start_decode(log_path: Path, ports: list[int], device: str = "cpu") -> DecodeNode:
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()  # a fresh process, without importing torch again (tests/process_server.py)
     ready = ctx.Queue()
     process = ctx.Process(target=_decode_process, args=(ports, str(log_path), ready, device), daemon=True)
     process.start()
