@@ -78,9 +78,10 @@ KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm"
                   "kernels.gemv", "kernels.qkv_rotary", "kernels._triton"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge,
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
-# few-row projection, its products and its input prologue, the qkv projection with rotary and
-# KV store, the dependent-launch wait.
-NUM_KERNELS = 18
+# few-row projection, its products (the first weight tile, the norm's tile, the products after
+# the wait) and its input prologue, the qkv projection with rotary and KV store, the
+# dependent-launch wait.
+NUM_KERNELS = 21
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
