@@ -55,8 +55,10 @@ class Cluster:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self, token: str = CLUSTER_TOKEN) -> dict[str, str]:
+        # One compute thread a process: the nodes share the runner's cores, and torch's default (a
+        # thread per core in each of them) oversubscribes two cores into spinning (a third slower).
         return {**os.environ, "PD_CLUSTER_TOKEN": token, "PD_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1",
-                "PD_LOCAL_PREFILL_MAX_TOKENS": str(self.local_prefill_max_tokens)}
+                "PD_LOCAL_PREFILL_MAX_TOKENS": str(self.local_prefill_max_tokens), "OMP_NUM_THREADS": "1"}
 
     def _spawn(self, name: str, args: list[str], token: str = CLUSTER_TOKEN) -> subprocess.Popen | ForkedProcess:
         """``python -m pd_cluster.cli *args``, forked from the process server (tests/process_server.py:

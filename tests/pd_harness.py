@@ -35,6 +35,10 @@ def _command_reader(conn, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue)
 def decode_main(conn, config: dict, token: str, lease_check: bool = True, stall_push: bool = False) -> None:
     import logging
 
+    import torch
+
+    torch.set_num_threads(1)  # P and D share the runner's cores (see Cluster.env in cluster_harness.py)
+
     logging.basicConfig(level=logging.INFO)
     asyncio.run(_decode(conn, config, token, stall_push))
 
@@ -98,6 +102,10 @@ async def _decode(conn, config: dict, token: str, stall_push: bool) -> None:
 
 def prefill_main(conn, config: dict, token: str, lease_s: float) -> None:
     import logging
+
+    import torch
+
+    torch.set_num_threads(1)  # P and D share the runner's cores (see Cluster.env in cluster_harness.py)
 
     logging.basicConfig(level=logging.INFO)
     asyncio.run(_prefill(conn, config, token, lease_s))

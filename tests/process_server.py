@@ -119,6 +119,10 @@ def _become(argv: list[str], env: dict[str, str], cwd: str, log_path: str) -> No
     os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if env.get("OMP_NUM_THREADS"):  # read when torch loads, which was before the fork
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     import runpy
 
     sys.argv = ["-m", *argv]
