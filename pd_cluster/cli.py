@@ -45,6 +45,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay a sampled decode batch's draw as a CUDA graph beside the step's (default: on; "
                         "--no-draw-graphs launches its kernels instead)")
+    p.add_argument("--late-launch", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch a pipelined step just before the one in flight ends, so requests arriving meanwhile "
+                        "join it (default: on; --no-late-launch launches it as soon as the one before starts)")
 
 
 def _token_sizes(text: str) -> list[int]:
@@ -79,6 +82,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str | None = None):
         fused_decode_rows=args.fused_decode_rows,
         **({} if args.side_prefill_max_tokens is None else {"side_prefill_max_tokens": args.side_prefill_max_tokens}),
         **({} if args.draw_graphs is None else {"draw_graphs": args.draw_graphs}),
+        **({} if args.late_launch is None else {"late_launch": args.late_launch}),
     )
 
 
@@ -286,7 +290,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
         overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
         fused_decode_rows=args.fused_decode_rows, side_prefill_max_tokens=args.side_prefill_max_tokens,
-        draw_graphs=args.draw_graphs, max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
+        draw_graphs=args.draw_graphs, late_launch=args.late_launch, max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
     )
@@ -373,6 +377,9 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                           "step in flight, when it misses at most N tokens (default 0: off)")
     loc.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="nodes replay a sampled decode batch's draw as a CUDA graph beside the step's (default: on)")
+    loc.add_argument("--late-launch", action=argparse.BooleanOptionalAction, default=None,
+                     help="nodes launch a pipelined step just before the one in flight ends, so requests arriving "
+                          "meanwhile join it (default: on)")
     loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")

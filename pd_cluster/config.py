@@ -66,6 +66,13 @@ class EngineConfig(BaseModel):
                     "joining the batch after that step; 0 (default): off, since with P and D sharing one GPU "
                     "the two streams' contention cost more than the step it saves (docs/benchmarks/README.md)",
     )
+    late_launch: bool = Field(
+        default=True,
+        description="with overlap scheduling on a GPU, launch the next step just before the step in flight ends "
+                    "(estimated from the recent steps' device times) rather than as soon as it starts, so a "
+                    "request arriving meanwhile joins the next step instead of the one after it; steps under "
+                    "2 ms launch at once; off: always at once",
+    )
     draw_graphs: bool = Field(
         default=True,
         description="capture, beside each decode CUDA graph, its sampling draw in a graph of its own, replayed by "

@@ -457,6 +457,8 @@ class LocalOptions:
     side_prefill_max_tokens: int | None = None
     #: The nodes' ``--draw-graphs`` (None: their default).
     draw_graphs: bool | None = None
+    #: The nodes' ``--late-launch`` (None: their default).
+    late_launch: bool | None = None
     max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
@@ -583,6 +585,8 @@ class LocalCluster:
                 argv += ["--side-prefill-max-tokens", str(o.side_prefill_max_tokens)]
             if o.draw_graphs is not None:
                 argv.append("--draw-graphs" if o.draw_graphs else "--no-draw-graphs")
+            if o.late_launch is not None:
+                argv.append("--late-launch" if o.late_launch else "--no-late-launch")
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)

@@ -14,6 +14,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import resolve_model_path
 from pd_cluster.engine.grammar import Grammars
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
+from pd_cluster.engine.launch_timing import LaunchTimer, StepMarks
 from pd_cluster.engine.length_predictor import OutputLengthPredictor
 from pd_cluster.engine.model_runner import ModelRunner, StepHook
 from pd_cluster.engine.output_processor import OutputProcessor
@@ -74,6 +75,8 @@ class _InFlight:
     result: DeviceSample
     #: The sampling states of all of ``result``'s rows, in row order.
     states: list[SamplingState]
+    #: Events around the step's kernels (late launch's timing), if kept.
+    marks: StepMarks | None = None
 
 
 @dataclass
@@ -149,6 +152,10 @@ class LLMEngine:
         #: KV slots and request rows freed up to the last pipelined launch (the step in flight may
         #: still write those freed after it).
         self._frees_at_launch: tuple[int, int] | None = None
+        #: Late launch (``config.late_launch``): step times, and the step that has the device now.
+        self._launch_timer = LaunchTimer() if self.device.type == "cuda" and config.late_launch else None
+        self._running_since = 0.0
+        self._running_key: int | None = None
         logger.info(
             "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
             self.model_config.name, self.device, self.dtype_name, num_slots,
@@ -432,11 +439,18 @@ class LLMEngine:
         they are out."""
         previous = self._in_flight
         self._in_flight = None
+        timer = self._launch_timer
+        began = time.monotonic()
         step = self.scheduler.schedule()
         logits = None
+        marks = None
         if step.requests:
             device_tokens = previous.result.tokens if previous is not None else None
+            if timer is not None:
+                marks = timer.begin(step.num_tokens, self.device)
             logits = self.runner.run(step, None, device_tokens)
+            if timer is not None:
+                timer.note_launch(time.monotonic() - began)
             argmax, draw = self.runner.last_argmax, self.runner.last_draw
             self._frees_at_launch = (self.pool.frees, self.table.frees)
             self.stats.steps += 1
@@ -445,6 +459,11 @@ class LLMEngine:
                 req.num_computed += q_len
         if previous is not None:
             self._read_back(previous)
+            if timer is not None and previous.marks is not None:
+                timer.observe(previous.marks)
+        # This step has the device from about now (the one before it just ended).
+        self._running_since = time.monotonic()
+        self._running_key = step.num_tokens if logits is not None else None
         # Side prefills were launched beside ``previous`` (after its launch, before this call): they
         # end about when it does, so wait for them rather than a whole step more.
         self._collect_aside(block=True)
@@ -453,6 +472,8 @@ class LLMEngine:
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
                 result = self._sample(logits, argmax, draw, sampling_reqs)
+                if marks is not None:
+                    timer.finish(marks, self.device)
                 live, positions, rows = [], [], []
                 for i, req in enumerate(sampling_reqs):
                     if req.finished or req.row < 0:  # ended when its previous token was read back
@@ -466,8 +487,20 @@ class LLMEngine:
                     req.pending_index = i
                     req.last_token_pending = len(out) >= req.sampling.params.max_tokens
                 if live:
-                    self._in_flight = _InFlight(live, positions, rows, result, [r.sampling for r in sampling_reqs])
+                    self._in_flight = _InFlight(live, positions, rows, result, [r.sampling for r in sampling_reqs],
+                                                marks)
         return self._detokenize_deferred()
+
+    def launch_deadline(self) -> float | None:
+        """When the next step is best launched (``time.monotonic()``), or None for at once: just
+        before the pipelined step in flight ends, so requests arriving meanwhile join the next step
+        rather than the one after it (see :mod:`pd_cluster.engine.launch_timing`). The caller may
+        add requests until then."""
+        if self._launch_timer is None or self._in_flight is None or self._running_key is None:
+            return None
+        if not self._can_pipeline():
+            return None
+        return self._launch_timer.launch_at(self._running_since, self._running_key)
 
     def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, draw: GraphDraw | None,
                 reqs: list[Request]) -> DeviceSample:

@@ -77,6 +77,23 @@ class EngineWorker:
         else:
             loop.call_soon_threadsafe(_set_result, future, result)
 
+    def _wait_for_launch(self) -> bool:
+        """Until the engine's next launch is due (:meth:`LLMEngine.launch_deadline`), run the calls
+        that arrive, so requests added meanwhile join that step. False: the worker is stopping."""
+        deadline = self.engine.launch_deadline()
+        while deadline is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                item = self._calls.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if item is None:
+                return False
+            self._run_call(item)
+        return True
+
     def _run(self) -> None:
         engine = self.engine
         assert self._loop is not None
@@ -92,8 +109,10 @@ class EngineWorker:
                         return
                     self._run_call(item)
                 if engine.has_unfinished():
-                    engine.scheduler.last_step = None
                     started = time.perf_counter()
+                    if not self._wait_for_launch():
+                        return
+                    engine.scheduler.last_step = None
                     updates = engine.step()
                     step = engine.scheduler.last_step
                     if step is not None and step.requests:

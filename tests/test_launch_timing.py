@@ -1,0 +1,122 @@
+"""Late launch: the step estimates it rests on, and the engine thread running calls until the
+launch is due (so a request added meanwhile joins the next step)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from pd_cluster.engine.launch_timing import MAX_KEYS, WINDOW, LaunchTimer
+from pd_cluster.engine.worker import EngineWorker
+
+
+def test_a_step_is_estimated_from_below_by_the_largest_token_count_seen_up_to_it():
+    timer = LaunchTimer(min_step_s=0.002, margin_s=0.001)
+    assert timer.device_estimate(8) is None  # nothing seen: launch at once
+    for seconds in (0.0075, 0.0071, 0.0090):
+        timer.record(8, seconds)
+    timer.record(136, 0.0095)
+    assert timer.device_estimate(8) == 0.0071  # the least recent step of that count
+    assert timer.device_estimate(100) == 0.0071  # more tokens never take less
+    assert timer.device_estimate(136) == 0.0095
+    assert timer.device_estimate(4) is None  # only larger steps seen: no bound from below
+    for _ in range(WINDOW):
+        timer.record(8, 0.0080)
+    assert timer.device_estimate(8) == 0.0080  # older steps leave the window
+
+
+def test_launch_is_due_before_the_step_in_flight_ends_by_the_hosts_slowest_launch_and_a_margin():
+    timer = LaunchTimer(min_step_s=0.002, margin_s=0.001)
+    timer.record(8, 0.0075)
+    for seconds in (0.0002, 0.0006, 0.0003):
+        timer.note_launch(seconds)
+    assert timer.lead_s() == pytest.approx(0.0016)
+    assert timer.launch_at(100.0, 8) == pytest.approx(100.0 + 0.0075 - 0.0016)
+    assert timer.launch_at(100.0, 2) is None  # no estimate
+    timer.record(1, 0.0015)
+    assert timer.launch_at(100.0, 1) is None  # too short a step to wait in
+
+
+def test_the_timer_forgets_the_oldest_token_counts_first():
+    timer = LaunchTimer()
+    for key in range(MAX_KEYS + 3):
+        timer.record(key + 1, 0.005)
+    assert timer.device_estimate(1) is None and timer.device_estimate(3) is None
+    assert timer.device_estimate(MAX_KEYS + 3) == 0.005
+
+
+class _Scheduler:
+    last_step = None
+
+
+class _TimedEngine:
+    """What the worker asks of an engine: its first step's launch is due ``delay`` from now."""
+
+    def __init__(self, delay: float) -> None:
+        self.scheduler = _Scheduler()
+        self.deadline = time.monotonic() + delay
+        self.events: list[tuple[str, float]] = []
+        self.stepped = threading.Event()
+
+    def has_unfinished(self) -> bool:
+        return not self.stepped.is_set()
+
+    def launch_deadline(self) -> float | None:
+        return self.deadline
+
+    def step(self) -> list:
+        self.events.append(("step", time.monotonic()))
+        self.stepped.set()
+        return []
+
+
+def test_the_engine_thread_runs_calls_until_the_launch_is_due_then_steps():
+    async def main() -> None:
+        engine = _TimedEngine(delay=0.5)
+        worker = EngineWorker(engine, lambda updates: None)  # type: ignore[arg-type]
+        worker.start()
+        try:
+            # Made while the worker waits for the launch: it runs at once, before the step.
+            await worker.call(lambda: engine.events.append(("call", time.monotonic())), timeout=5)
+            assert [name for name, _ in engine.events] == ["call"]
+            assert engine.events[0][1] < engine.deadline
+            assert await asyncio.get_running_loop().run_in_executor(None, engine.stepped.wait, 5)
+            assert [name for name, _ in engine.events] == ["call", "step"]
+            assert engine.events[1][1] >= engine.deadline
+        finally:
+            await worker.stop()
+        assert worker.failed is None
+
+    asyncio.run(main())
+
+
+def test_stopping_the_worker_ends_its_wait_for_a_launch():
+    async def main() -> None:
+        engine = _TimedEngine(delay=60.0)
+        worker = EngineWorker(engine, lambda updates: None)  # type: ignore[arg-type]
+        worker.start()
+        started = time.monotonic()
+        await worker.stop(timeout=10)
+        assert worker._thread is not None and not worker._thread.is_alive()
+        assert time.monotonic() - started < 10
+        assert not engine.stepped.is_set()
+
+    asyncio.run(main())
+
+
+def test_late_launch_is_asked_for_on_the_command_line_and_reaches_every_node():
+    from pd_cluster.cli import build_parser, engine_config_from_args
+    from pd_cluster.local_cluster import LocalCluster, LocalOptions
+
+    parser = build_parser()
+    configs = [engine_config_from_args(parser.parse_args(["decode", "--master", "http://m", *extra]), "decode")
+               for extra in ([], ["--late-launch"], ["--no-late-launch"])]
+    assert [c.late_launch for c in configs] == [True, True, False]
+    local = parser.parse_args(["local", "--device", "cpu", "--no-late-launch"])
+    cluster = LocalCluster(LocalOptions(device="cpu", late_launch=local.late_launch))
+    cluster.plan()
+    nodes = [spec.argv for spec in cluster.process_specs("token", "admin") if spec.name != "master"]
+    assert nodes and all("--no-late-launch" in argv for argv in nodes)
