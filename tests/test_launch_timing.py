@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pd_cluster.engine.launch_timing import MAX_KEYS, WINDOW, LaunchTimer
+from pd_cluster.engine.launch_timing import MAX_KEYS, MAX_WAIT_S, WINDOW, LaunchTimer
 from pd_cluster.engine.worker import EngineWorker
 
 
@@ -38,6 +38,16 @@ def test_launch_is_due_before_the_step_in_flight_ends_by_the_hosts_slowest_launc
     assert timer.launch_at(100.0, 2) is None  # no estimate
     timer.record(1, 0.0015)
     assert timer.launch_at(100.0, 1) is None  # too short a step to wait in
+
+
+def test_a_late_launch_drops_the_estimate_it_came_from_and_no_wait_is_long():
+    timer = LaunchTimer(min_step_s=0.002, margin_s=0.001)
+    timer.record(8, 0.0075)
+    timer.record(16, 0.0080)
+    timer.forget(12)  # the largest count up to 12: 8's
+    assert timer.device_estimate(12) is None and timer.device_estimate(16) == 0.0080
+    timer.record(32, 5.0)  # a span that held the host's own stall, say
+    assert timer.launch_at(100.0, 32) == pytest.approx(100.0 + MAX_WAIT_S)
 
 
 def test_the_timer_forgets_the_oldest_token_counts_first():

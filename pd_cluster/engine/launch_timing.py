@@ -24,6 +24,8 @@ import torch
 WINDOW = 4
 #: Token counts remembered (oldest forgotten first).
 MAX_KEYS = 64
+#: The longest wait for a launch, whatever the estimate.
+MAX_WAIT_S = 0.1
 
 
 @dataclass
@@ -33,6 +35,10 @@ class StepMarks:
     key: int
     start: torch.cuda.Event
     end: torch.cuda.Event | None = None
+    #: Whether the step before still ran once this one's kernels were queued: then the start event
+    #: completed when that step ended, and the span is the device's time alone. Otherwise it may
+    #: hold the host's own (a first launch, a compile, a capture) and says nothing of the step.
+    device_bound: bool = False
 
 
 @dataclass
@@ -59,8 +65,9 @@ class LaunchTimer:
         marks.end.record(torch.cuda.current_stream(device))
 
     def observe(self, marks: StepMarks) -> None:
-        """Take a step's device time once its tokens are read back (its end follows them at once)."""
-        if marks.end is None:
+        """Take a step's device time once its tokens are read back (its end follows them at once),
+        if the span measured it alone (:attr:`StepMarks.device_bound`)."""
+        if marks.end is None or not marks.device_bound:
             return
         marks.end.synchronize()
         self.record(marks.key, marks.start.elapsed_time(marks.end) / 1e3)
@@ -74,6 +81,13 @@ class LaunchTimer:
             times = self._device_s[key] = deque(maxlen=WINDOW)
             bisect.insort(self._keys, key)
         times.append(seconds)
+
+    def forget(self, key: int) -> None:
+        """Drop what is known of steps up to ``key`` tokens' length: a launch timed from it came too
+        late (the step ran out first), so the next ones launch at once and measure again."""
+        i = bisect.bisect_right(self._keys, key)
+        if i:
+            self._device_s.pop(self._keys.pop(i - 1))
 
     def note_launch(self, seconds: float) -> None:
         """The host's time from deciding to launch a step to its kernels being queued."""
@@ -98,4 +112,4 @@ class LaunchTimer:
         estimate = self.device_estimate(key)
         if estimate is None or estimate < self.min_step_s:
             return None
-        return running_since + estimate - self.lead_s()
+        return running_since + min(estimate - self.lead_s(), MAX_WAIT_S)

@@ -156,6 +156,8 @@ class LLMEngine:
         self._launch_timer = LaunchTimer() if self.device.type == "cuda" and config.late_launch else None
         self._running_since = 0.0
         self._running_key: int | None = None
+        #: The launch time last handed out (:meth:`launch_deadline`), until the launch it was for.
+        self._deadline: float | None = None
         logger.info(
             "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
             self.model_config.name, self.device, self.dtype_name, num_slots,
@@ -450,7 +452,7 @@ class LLMEngine:
                 marks = timer.begin(step.num_tokens, self.device)
             logits = self.runner.run(step, None, device_tokens)
             if timer is not None:
-                timer.note_launch(time.monotonic() - began)
+                self._note_launch(timer, marks, previous, time.monotonic() - began)
             argmax, draw = self.runner.last_argmax, self.runner.last_draw
             self._frees_at_launch = (self.pool.frees, self.table.frees)
             self.stats.steps += 1
@@ -500,7 +502,20 @@ class LLMEngine:
             return None
         if not self._can_pipeline():
             return None
-        return self._launch_timer.launch_at(self._running_since, self._running_key)
+        self._deadline = self._launch_timer.launch_at(self._running_since, self._running_key)
+        return self._deadline
+
+    def _note_launch(self, timer: LaunchTimer, marks: StepMarks, previous: _InFlight | None,
+                     seconds: float) -> None:
+        """After a pipelined launch: its host time, whether the step before still ran (this step's
+        span then times the device alone), and if not though the launch waited for a deadline,
+        the estimate that set it is dropped."""
+        timer.note_launch(seconds)
+        before = previous.marks if previous is not None else None
+        marks.device_bound = before is not None and before.end is not None and not before.end.query()
+        if self._deadline is not None and before is not None and not marks.device_bound:
+            timer.forget(before.key)
+        self._deadline = None
 
     def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, draw: GraphDraw | None,
                 reqs: list[Request]) -> DeviceSample:
