@@ -10,6 +10,7 @@ import time
 import pytest
 
 from pd_cluster.engine.launch_timing import MAX_KEYS, MAX_WAIT_S, WINDOW, LaunchTimer
+from pd_cluster.engine.outputs import EngineStats
 from pd_cluster.engine.worker import EngineWorker
 
 
@@ -67,6 +68,7 @@ class _TimedEngine:
 
     def __init__(self, delay: float) -> None:
         self.scheduler = _Scheduler()
+        self.stats = EngineStats()
         self.deadline = time.monotonic() + delay
         self.events: list[tuple[str, float]] = []
         self.stepped = threading.Event()
@@ -96,6 +98,7 @@ def test_the_engine_thread_runs_calls_until_the_launch_is_due_then_steps():
             assert await asyncio.get_running_loop().run_in_executor(None, engine.stepped.wait, 5)
             assert [name for name, _ in engine.events] == ["call", "step"]
             assert engine.events[1][1] >= engine.deadline
+            assert engine.stats.late_launches == 1 and engine.stats.late_launch_wait_s > 0
         finally:
             await worker.stop()
         assert worker.failed is None

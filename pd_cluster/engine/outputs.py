@@ -52,4 +52,7 @@ class EngineStats:
     #: Requests asked to prefill at once (``prefill_now``), and those that did, on the side stream.
     prefill_now_requests: int = 0
     side_prefills: int = 0
+    #: Launches that waited for the step in flight to near its end (late launch), and how long.
+    late_launches: int = 0
+    late_launch_wait_s: float = 0.0
     extra: dict = field(default_factory=dict)

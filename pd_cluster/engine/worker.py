@@ -81,10 +81,10 @@ class EngineWorker:
         """Until the engine's next launch is due (:meth:`LLMEngine.launch_deadline`), run the calls
         that arrive, so requests added meanwhile join that step. False: the worker is stopping."""
         deadline = self.engine.launch_deadline()
-        while deadline is not None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
+        if deadline is None:
+            return True
+        waited_from = time.monotonic()
+        while (remaining := deadline - time.monotonic()) > 0:
             try:
                 item = self._calls.get(timeout=remaining)
             except queue.Empty:
@@ -92,6 +92,12 @@ class EngineWorker:
             if item is None:
                 return False
             self._run_call(item)
+        stats = self.engine.stats
+        stats.late_launches += 1
+        stats.late_launch_wait_s += time.monotonic() - waited_from
+        if stats.late_launches & (stats.late_launches - 1) == 0:  # 1, 2, 4, ...: a trace, not a flood
+            logger.info("%d launches waited for the step in flight to near its end, %.2f ms each on average",
+                        stats.late_launches, 1e3 * stats.late_launch_wait_s / stats.late_launches)
         return True
 
     def _run(self) -> None:
