@@ -58,13 +58,15 @@ class DecodeNode(NodeRuntime):
             self._loop.call_soon_threadsafe(self.send, protocol.KVEvents(stored=stored, evicted=evicted))
 
     def _on_tokens(self, updates: list[TokenUpdate]) -> None:
+        """One step's tokens: a ``TokenDelta`` a request (its tokens in order), all in one frame."""
         by_request: dict[str, list[TokenUpdate]] = defaultdict(list)
         for update in updates:
             by_request[update.request_id].append(update)
+        deltas = []
         for request_id, items in by_request.items():
             logprobs = [u.logprob for u in items if u.logprob is not None]
             first = self.service.first_token_out(request_id) if items[0].first_token else None
-            self.send(
+            deltas.append(
                 protocol.TokenDelta(
                     request_id=request_id,
                     token_ids=[u.token_id for u in items],
@@ -75,6 +77,8 @@ class DecodeNode(NodeRuntime):
                     node_ttft_s=first.node_ttft_s if first is not None else None,
                 )
             )
+        if deltas:
+            self.send(protocol.TokenDeltas(deltas=deltas))
 
     def register_message(self) -> protocol.Register:
         engine = self.service.engine

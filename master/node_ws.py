@@ -132,6 +132,13 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
         if count <= _LOGGED_MALFORMED or count % 1000 == 0:
             logger.warning("dropped malformed frame #%d from node %s: %s", count, record.node_id, _short(exc))
         return
+    if isinstance(msg, protocol.TokenDeltas):
+        for delta in msg.deltas:  # one request's failure leaves the others' tokens flowing
+            try:
+                ctx.relay.on_token_delta(record, delta)
+            except Exception:
+                logger.exception("handling a token delta of %s from node %s failed", delta.request_id, record.node_id)
+        return
     try:
         if isinstance(msg, protocol.NodeStatus):
             ctx.registry.handle_status(record, msg)

@@ -144,6 +144,19 @@ class TokenDelta(_Message):
     )
 
 
+class TokenDeltas(_Message):
+    """D -> master: one engine step's ``TokenDelta``s, every request's in one frame.
+
+    A step emits a token for each running request; one frame for all of them is one socket
+    read and one parse on the master instead of one a request. A request's deltas keep their
+    order within the frame and across frames; :func:`encode_frames` splits a batch that would
+    exceed ``MAX_MESSAGE_BYTES``.
+    """
+
+    type: Literal["token_deltas"] = "token_deltas"
+    deltas: list[TokenDelta] = Field(min_length=1)
+
+
 class RequestFailed(_Message):
     """A node could not serve a request; ``retryable`` says another node may."""
 
@@ -245,7 +258,9 @@ class DecodePeers(_Message):
 
 
 NodeMessage = Annotated[
-    Union[Register, NodeStatus, KVEvents, FirstToken, TokenDelta, RequestFailed, KVTransferred, Drained],
+    Union[
+        Register, NodeStatus, KVEvents, FirstToken, TokenDelta, TokenDeltas, RequestFailed, KVTransferred, Drained
+    ],
     Field(discriminator="type"),
 ]
 MasterMessage = Annotated[
@@ -280,3 +295,14 @@ def parse_master_message(frame: str | bytes) -> BaseModel:
 
 def encode(message: BaseModel) -> str:
     return message.model_dump_json()
+
+
+def encode_frames(message: BaseModel) -> list[str]:
+    """``message`` as the frames to send: one, except a ``TokenDeltas`` too large for one frame,
+    which goes as several (halves, in order) so that no frame exceeds ``MAX_MESSAGE_BYTES``."""
+    frame = message.model_dump_json()
+    if len(frame) <= MAX_MESSAGE_BYTES or not isinstance(message, TokenDeltas) or len(message.deltas) < 2:
+        return [frame]
+    half = len(message.deltas) // 2
+    return [*encode_frames(TokenDeltas(deltas=message.deltas[:half])),
+            *encode_frames(TokenDeltas(deltas=message.deltas[half:]))]

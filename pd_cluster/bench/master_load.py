@@ -126,22 +126,30 @@ class SyntheticDecode:
             tick += self.step_s
             await asyncio.sleep(max(0.0, tick - loop.time()))
             now = time.monotonic()
+            deltas: list[protocol.TokenDelta] = []
+            stored: list[list[int]] = []
             for job in list(self.jobs.values()):
                 job.remaining -= 1
                 done = job.remaining <= 0
-                delta = protocol.TokenDelta(
+                deltas.append(protocol.TokenDelta(
                     request_id=job.request_id, token_ids=[self.token_id], text=self.text,
                     finish_reason="length" if done else None,
                     cached_tokens=job.cached_tokens if job.first else None,
                     node_ttft_s=now - job.received if job.first else None,
-                )
-                await ws.send(protocol.encode(delta))
+                ))
                 if job.first:
                     job.first = False
                     self.stored.update(job.blocks)
-                    await ws.send(protocol.encode(protocol.KVEvents(stored=job.blocks)))
+                    stored.append(job.blocks)
                 if done:
                     del self.jobs[job.request_id]
+            # What a decode node sends after a step: the step's deltas in one frame, and the blocks
+            # each new request stored (its prefix cache reports an insert at a time).
+            if deltas:
+                for frame in protocol.encode_frames(protocol.TokenDeltas(deltas=deltas)):
+                    await ws.send(frame)
+            for blocks in stored:
+                await ws.send(protocol.encode(protocol.KVEvents(stored=blocks)))
 
     async def _heartbeat(self, ws: Any) -> None:
         while True:

@@ -34,6 +34,11 @@ StatusSource = Callable[[], protocol.NodeStatus]
 def log_request_frame(direction: str, message: BaseModel) -> None:
     """A line in the node's log where a request starts or ends here, with the request id the
     master's request log and its ``X-Request-Id`` answer carry (a retry's id ends in ``-rN``)."""
+    if isinstance(message, protocol.TokenDeltas):
+        for delta in message.deltas:
+            if delta.finish_reason is not None:
+                log_request_frame(direction, delta)
+        return
     if isinstance(message, protocol.PrefillJob):
         what = f"prefill job ({len(message.token_ids)} prompt tokens, decode node {message.decode_node_id})"
     elif isinstance(message, (protocol.FirstToken, protocol.TokenDelta)) and message.finish_reason is not None:
@@ -182,16 +187,18 @@ class NodeAgent:
     async def _flush(self, ws) -> None:
         """Send what is still queued (a drained node's last frames) before closing."""
         while not self._outbox.empty():
-            async with asyncio.timeout(5):
-                await ws.send(protocol.encode(self._outbox.get_nowait()))
+            for frame in protocol.encode_frames(self._outbox.get_nowait()):
+                async with asyncio.timeout(5):
+                    await ws.send(frame)
 
     async def _sender(self, ws) -> None:
         while True:
             message = await self._outbox.get()
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-            # arrives as the send completes, and this task would never stop.
-            async with asyncio.timeout(10):
-                await ws.send(protocol.encode(message))
+            for frame in protocol.encode_frames(message):
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+                # arrives as the send completes, and this task would never stop.
+                async with asyncio.timeout(10):
+                    await ws.send(frame)
 
     async def _reporter(self) -> None:
         while True:
@@ -271,7 +278,11 @@ class MasterLinks:
 
     def send_nowait(self, message: BaseModel) -> None:
         """To the request's master when known, else to every master the node is registered with.
-        A master whose link is down gets nothing: it has settled this node's requests already."""
+        A master whose link is down gets nothing: it has settled this node's requests already.
+        A step's ``TokenDeltas`` is split by owner the same way."""
+        if isinstance(message, protocol.TokenDeltas) and self._owner:
+            self._send_deltas(message)
+            return
         request_id = getattr(message, "request_id", None)
         owner = self._owner.get(request_id) if request_id is not None else None
         if owner is not None and owner.url in self.agents:
@@ -284,6 +295,23 @@ class MasterLinks:
 
     async def send(self, message: BaseModel) -> None:
         self.send_nowait(message)
+
+    def _send_deltas(self, message: protocol.TokenDeltas) -> None:
+        """Each delta to its request's master when known, the rest to every registered master."""
+        owned: dict[str, list[protocol.TokenDelta]] = {}
+        unowned: list[protocol.TokenDelta] = []
+        for delta in message.deltas:
+            owner = self._owner.get(delta.request_id)
+            if owner is None:
+                unowned.append(delta)
+            elif owner.url in self.agents and owner.registered.is_set():
+                owned.setdefault(owner.url, []).append(delta)
+        for agent in list(self.agents.values()):
+            if not agent.registered.is_set():
+                continue
+            deltas = owned.get(agent.url, []) + unowned
+            if deltas:
+                agent.send_nowait(protocol.TokenDeltas(deltas=deltas))
 
     async def close(self, timeout: float = 10.0) -> None:
         self.stopped.set()
