@@ -46,6 +46,8 @@ class Request:
     admitted_once: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    #: When the scheduler first took it into a step (``time.monotonic()``).
+    admitted_time: float | None = None
     first_token_time: float | None = None
     #: Keep the KV after the request finishes (a prefill node still has to send it).
     hold_kv: bool = False

@@ -8,6 +8,8 @@ peak future KV need fits the pool; if memory still runs out, the newest request 
 
 from __future__ import annotations
 
+import time
+
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -220,6 +222,7 @@ class Scheduler:
         if not req.admitted_once:
             req.num_cached_tokens = usable
             req.admitted_once = True
+            req.admitted_time = time.monotonic()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         step.add(req, n, slots, sample=n == req.num_tokens - usable)
