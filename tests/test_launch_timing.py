@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pd_cluster.engine.launch_timing import MAX_KEYS, MAX_WAIT_S, WINDOW, LaunchTimer
+from pd_cluster.engine.launch_timing import MAX_KEYS, MAX_WAIT_S, SHORT_STEP_SAMPLING, WINDOW, LaunchTimer
 from pd_cluster.engine.outputs import EngineStats
 from pd_cluster.engine.worker import EngineWorker
 
@@ -49,6 +49,16 @@ def test_a_late_launch_drops_the_estimate_it_came_from_and_no_wait_is_long():
     assert timer.device_estimate(12) is None and timer.device_estimate(16) == 0.0080
     timer.record(32, 5.0)  # a span that held the host's own stall, say
     assert timer.launch_at(100.0, 32) == pytest.approx(100.0 + MAX_WAIT_S)
+
+
+def test_steps_known_too_short_to_wait_in_are_timed_once_in_a_while():
+    timer = LaunchTimer(min_step_s=0.002)
+    assert timer.wants(1)  # not known yet
+    timer.record(1, 0.0004)
+    wanted = [timer.wants(1) for _ in range(2 * SHORT_STEP_SAMPLING)]
+    assert sum(wanted) == 2
+    timer.record(8, 0.0075)
+    assert timer.wants(8)  # long enough: every step
 
 
 def test_the_timer_forgets_the_oldest_token_counts_first():

@@ -448,7 +448,7 @@ class LLMEngine:
         marks = None
         if step.requests:
             device_tokens = previous.result.tokens if previous is not None else None
-            if timer is not None:
+            if timer is not None and timer.wants(step.num_tokens):
                 marks = timer.begin(step.num_tokens, self.device)
             logits = self.runner.run(step, None, device_tokens)
             if timer is not None:
@@ -505,16 +505,18 @@ class LLMEngine:
         self._deadline = self._launch_timer.launch_at(self._running_since, self._running_key)
         return self._deadline
 
-    def _note_launch(self, timer: LaunchTimer, marks: StepMarks, previous: _InFlight | None,
+    def _note_launch(self, timer: LaunchTimer, marks: StepMarks | None, previous: _InFlight | None,
                      seconds: float) -> None:
-        """After a pipelined launch: its host time, whether the step before still ran (this step's
-        span then times the device alone), and if not though the launch waited for a deadline,
-        the estimate that set it is dropped."""
+        """After a pipelined launch: its host time, and whether the step before still ran (this
+        step's span, if timed, then times the device alone). If it did not though the launch
+        waited for a deadline, the estimate that set it is dropped."""
         timer.note_launch(seconds)
-        before = previous.marks if previous is not None else None
-        marks.device_bound = before is not None and before.end is not None and not before.end.query()
-        if self._deadline is not None and before is not None and not marks.device_bound:
-            timer.forget(before.key)
+        ready = previous.result.ready if previous is not None else None
+        device_bound = ready is not None and not ready.query()
+        if marks is not None:
+            marks.device_bound = device_bound
+        if self._deadline is not None and not device_bound and self._running_key is not None:
+            timer.forget(self._running_key)
         self._deadline = None
 
     def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, draw: GraphDraw | None,
