@@ -49,6 +49,17 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+#: Stands for a piece's text in a chunk template (no client text holds a NUL).
+_PIECE = "\x00piece\x00"
+
+
+def _text_template(event: str) -> tuple[str, str]:
+    """An SSE event built around ``_PIECE``, split where the piece's JSON string goes: a token's
+    event is then ``head + json.dumps(text) + tail``, the same bytes as serialising it whole."""
+    head, _, tail = event.rpartition(json.dumps(_PIECE, ensure_ascii=False))  # the choices come last
+    return head, tail
+
+
 # ---- small routes ---------------------------------------------------------------------------
 
 
@@ -154,6 +165,16 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 async def _read_json(request: Request) -> Any:
+    """The request's JSON body, checked; parsed once a request (the route reads it again)."""
+    parsed = getattr(request.state, "json_body", None)
+    if parsed is not None:
+        return parsed[0]
+    doc = await _parse_json(request)
+    request.state.json_body = (doc,)
+    return doc
+
+
+async def _parse_json(request: Request) -> Any:
     body = await request.body()
     if not body.strip():
         raise bad_request("The request body is empty; send a JSON object.")
@@ -452,6 +473,8 @@ async def _stream(
         doc.update(extra)
         return doc
 
+    # Most events are a piece of text alone (no logprobs, not the last): from a template.
+    head, tail = _text_template(_sse(chunk([_choice(shape.delta(_PIECE))])))
     try:
         if shape.opening is not None:
             yield _sse(chunk([_choice(shape.opening)]))
@@ -464,10 +487,14 @@ async def _stream(
                     for body in _tool_call_deltas(calls, piece, logprobs):
                         yield _sse(chunk([body]))
                     continue
-                if not piece.text and logprobs is None and piece.finish_reason is None:
+                text = piece.text
+                if logprobs is None and piece.finish_reason is None:
+                    if text:
+                        offset += len(text)
+                        yield head + json.dumps(text, ensure_ascii=False) + tail
                     continue
-                offset += len(piece.text)
-                yield _sse(chunk([_choice(shape.delta(piece.text), piece.finish_reason, logprobs)]))
+                offset += len(text)
+                yield _sse(chunk([_choice(shape.delta(text), piece.finish_reason, logprobs)]))
         except StreamFailed as exc:
             yield _sse(chunk([_choice(shape.delta(""), "error")]))
             yield _sse(oa.error_event(exc.error))

@@ -236,7 +236,11 @@ class Relay:
             raise r.failure
 
     async def events(self, r: RelayRequest) -> AsyncIterator[TokenChunk]:
-        """Output chunks of a streaming request until it finishes; raises StreamFailed."""
+        """Output chunks of a streaming request until it finishes; raises StreamFailed.
+
+        The wait for the next chunk has no timeout of its own: the request's deadline timer
+        (set in :meth:`create`, cancelled only by :meth:`release`) fails it and wakes this loop,
+        so a token costs no timer here."""
         while True:
             items, r.buffer = r.buffer, []
             for item in items:
@@ -244,15 +248,11 @@ class Relay:
                     return
                 if isinstance(item, APIError):
                     raise StreamFailed(item)
-                assert isinstance(item, TokenChunk)
-                yield item
+                yield item  # type: ignore[misc]
             if items:
                 continue
             r.wakeup.clear()
-            try:
-                await wait_for(r.wakeup.wait(), max(r.deadline - time.monotonic(), 0.0) + 1.0)
-            except asyncio.TimeoutError:
-                self._deadline_expired(r)
+            await r.wakeup.wait()
 
     async def wait(self, r: RelayRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Wait until a non-streaming request is done; raises APIError or ClientDisconnected."""

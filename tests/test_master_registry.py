@@ -389,6 +389,23 @@ async def test_request_past_its_deadline_is_aborted_with_504(tmp_path: Path):
         await decode.close()
 
 
+async def test_a_stream_past_its_deadline_ends_with_a_timeout_error(tmp_path: Path):
+    async with LiveMaster(make_settings(write_model_dir(tmp_path), request_timeout_s=0.5)) as master:
+        prefill = await _join(master, "p0", "prefill")
+        decode = await _join(master, "d0", "decode")
+        body = {"model": MODEL, "prompt": "hi", "stream": True}
+        call = asyncio.create_task(master.http.post("/v1/completions", json=body))
+        job = await prefill.next_job()
+        await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=5, text="a"))
+        response = await asyncio.wait_for(call, 5.0)  # the stream waits on no timer of its own
+        events = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "timeout"
+        await wait_until(lambda: job.request_id in decode.aborts, what="abort")
+        await prefill.close()
+        await decode.close()
+
+
 async def test_node_reporting_draining_gets_no_new_work(master):
     p0 = await _join(master, "p0", "prefill")
     p1 = await _join(master, "p1", "prefill")

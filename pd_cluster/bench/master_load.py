@@ -93,7 +93,8 @@ class SyntheticDecode:
         from websockets.asyncio.client import connect
 
         headers = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
-        async with connect(self.url, additional_headers=headers, max_size=2 * protocol.MAX_MESSAGE_BYTES) as ws:
+        async with connect(self.url, additional_headers=headers, max_size=2 * protocol.MAX_MESSAGE_BYTES,
+                           compression=None) as ws:  # as a node's link dials
             register = protocol.Register(
                 node_id=self.node_id, role="decode", model=self.spec.model, kv_spec=self.spec,
                 data_address=f"127.0.0.1:{9 + len(self.node_id)}", device="cpu",

@@ -149,6 +149,7 @@ class NodeAgent:
         async with connect(
             self.url, additional_headers=headers, max_size=protocol.MAX_MESSAGE_BYTES + 65536,
             open_timeout=5, ping_interval=20, ping_timeout=20, close_timeout=5,
+            compression=None,  # frames stay on the cluster's network: deflate would cost both ends CPU a frame
         ) as ws:
             try:
                 await ws.send(protocol.encode(self.register_msg))
