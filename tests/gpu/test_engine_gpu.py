@@ -226,6 +226,40 @@ def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(
     assert eng.pool.num_free == eng.pool.capacity and eng.table.num_free_rows == 8
 
 
+def test_float32_greedy_with_late_launches_through_the_engine_thread_equals_the_cpu_path(
+        model_dir, prompts, cpu_tokens):
+    """Every launch waits for the step in flight to near its end (however short the steps) while
+    requests arrive through the engine thread: the tokens still equal the CPU path's, launches did
+    wait, and no KV slot or request row is left behind."""
+    from pd_cluster.engine.worker import EngineWorker
+
+    eng = engine(model_dir, "cuda", "float32")
+    assert eng.pipelined and eng._launch_timer is not None
+    eng._launch_timer.min_step_s = 0.0
+
+    async def main() -> list[list[int]]:
+        worker = EngineWorker(eng, lambda updates: None)
+        worker.start()
+        try:
+            reqs = []
+            for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+                reqs.append(await worker.call(eng.add_request, uuid.uuid4().hex, prompt, params))
+                for _ in range(3):  # a few steps run before the next request arrives
+                    await worker.call(lambda: None)
+            deadline = asyncio.get_running_loop().time() + 120
+            while await worker.call(eng.has_unfinished):
+                assert asyncio.get_running_loop().time() < deadline, "requests did not finish"
+            return [list(r.output_token_ids) for r in reqs]
+        finally:
+            await worker.stop()
+
+    assert asyncio.run(main()) == cpu_tokens
+    assert eng.stats.late_launches > 0
+    eng.cache.flush()
+    assert eng.pool.num_free == eng.pool.capacity and eng.table.num_free_rows == 8
+
+
 def test_float32_greedy_one_stream_at_a_time_through_the_fused_projections_equals_the_cpu_path(
         model_dir, prompts, cpu_tokens):
     """Single-row decode steps fold each norm and the SiLU gate into the projection after it (the
