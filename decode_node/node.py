@@ -62,7 +62,7 @@ class DecodeNode(NodeRuntime):
         by_request: dict[str, list[TokenUpdate]] = defaultdict(list)
         for update in updates:
             by_request[update.request_id].append(update)
-        deltas = []
+        deltas: list[protocol.TokenDelta] = []
         for request_id, items in by_request.items():
             logprobs = [u.logprob for u in items if u.logprob is not None]
             first = self.service.first_token_out(request_id) if items[0].first_token else None
