@@ -157,6 +157,9 @@ async def test_the_last_failed_attempt_ends_the_stream_with_an_error_that_says_w
         call = await _stream_call(master)
         job = await p0.next_job()
         await p0.send(protocol.FirstToken(request_id=job.request_id, token_id=20, text="A"))
+        # Two sockets: D's failure must not overtake P's first token on its way into the master.
+        relay = master.ctx.relay
+        await wait_until(lambda: relay.attempts[job.request_id].sent, what="the first token to reach the client")
         await d0.send(protocol.RequestFailed(request_id=job.request_id, message="engine fell over"))
         retry = await p0.next_job()
         await d0.send(protocol.RequestFailed(request_id=retry.request_id, message="engine fell over again"))
