@@ -500,9 +500,9 @@ class LLMEngine:
         add requests until then."""
         if self._launch_timer is None or self._in_flight is None or self._running_key is None:
             return None
-        if not self._can_pipeline():
-            return None
-        self._deadline = self._launch_timer.launch_at(self._running_since, self._running_key)
+        deadline = self._launch_timer.launch_at(self._running_since, self._running_key)
+        # The queues are scanned only where there is a wait to give (not for short steps).
+        self._deadline = deadline if deadline is not None and self._can_pipeline() else None
         return self._deadline
 
     def _note_launch(self, timer: LaunchTimer, marks: StepMarks | None, previous: _InFlight | None,
