@@ -12,6 +12,7 @@ import pytest
 from pd_cluster.engine.launch_timing import MAX_KEYS, MAX_WAIT_S, SHORT_STEP_SAMPLING, WINDOW, LaunchTimer
 from pd_cluster.engine.outputs import EngineStats
 from pd_cluster.engine.worker import EngineWorker
+from tests.engine_flags import check_switch_reaches_every_node
 
 
 def test_a_step_is_estimated_from_below_by_the_largest_token_count_seen_up_to_it():
@@ -131,15 +132,4 @@ def test_stopping_the_worker_ends_its_wait_for_a_launch():
 
 
 def test_late_launch_is_asked_for_on_the_command_line_and_reaches_every_node():
-    from pd_cluster.cli import build_parser, engine_config_from_args
-    from pd_cluster.local_cluster import LocalCluster, LocalOptions
-
-    parser = build_parser()
-    configs = [engine_config_from_args(parser.parse_args(["decode", "--master", "http://m", *extra]), "decode")
-               for extra in ([], ["--late-launch"], ["--no-late-launch"])]
-    assert [c.late_launch for c in configs] == [True, True, False]
-    local = parser.parse_args(["local", "--device", "cpu", "--no-late-launch"])
-    cluster = LocalCluster(LocalOptions(device="cpu", late_launch=local.late_launch))
-    cluster.plan()
-    nodes = [spec.argv for spec in cluster.process_specs("token", "admin") if spec.name != "master"]
-    assert nodes and all("--no-late-launch" in argv for argv in nodes)
+    check_switch_reaches_every_node("late-launch", "late_launch")

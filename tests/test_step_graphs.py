@@ -22,6 +22,7 @@ from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.sampler import DrawInputs
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.sampling_params import SamplingParams
+from tests.engine_flags import check_switch_reaches_every_node
 
 PROMPT_LENS = [5, 40, 23, 70, 9]
 MAX_TOKENS = [7, 9, 4, 8, 6]
@@ -157,15 +158,4 @@ def test_layout_puts_one_token_rows_first_and_pads_the_decode_part():
 def test_draw_graphs_are_asked_for_on_the_command_line_and_reach_every_node():
     """On by default; ``--no-draw-graphs`` turns the engine's setting off, and ``pd-cluster local``
     hands the flag to each node it starts."""
-    from pd_cluster.cli import build_parser, engine_config_from_args
-    from pd_cluster.local_cluster import LocalCluster, LocalOptions
-
-    parser = build_parser()
-    configs = [engine_config_from_args(parser.parse_args(["decode", "--master", "http://m", *extra]), "decode")
-               for extra in ([], ["--draw-graphs"], ["--no-draw-graphs"])]
-    assert [c.draw_graphs for c in configs] == [True, True, False]
-    local = parser.parse_args(["local", "--device", "cpu", "--no-draw-graphs"])
-    cluster = LocalCluster(LocalOptions(device="cpu", draw_graphs=local.draw_graphs))
-    cluster.plan()
-    nodes = [spec.argv for spec in cluster.process_specs("token", "admin") if spec.name != "master"]
-    assert nodes and all("--no-draw-graphs" in argv for argv in nodes)
+    check_switch_reaches_every_node("draw-graphs", "draw_graphs")
