@@ -64,8 +64,13 @@ def test_local_cluster_serves_and_ctrl_c_stops_everything(default_model_dir, tmp
         assert oct(token_file.stat().st_mode & 0o777) == "0o600"
         token = token_file.read_text().strip()
         assert token not in (tmp_path / "local.log").read_text()  # never printed
-        nodes = httpx.get(url + "/admin/nodes", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
-        assert sorted(n["role"] for n in nodes["data"]) == roles
+        # /health turns ready with the first node that can serve a whole request (a decode node
+        # prefills itself when no prefill node is ready), so the others may still be joining.
+        def listed() -> list[str]:
+            nodes = httpx.get(url + "/admin/nodes", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
+            return sorted(n["role"] for n in nodes["data"])
+
+        wait_until(lambda: listed() == roles, 120, f"every node ({roles}) to be listed")
 
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         assert proc.wait(60) == 0
