@@ -8,13 +8,14 @@ import asyncio
 import json
 import math
 import sys
+from dataclasses import replace
 
-import httpx
 import numpy as np
 import pytest
+from aiohttp import web
 
 from pd_cluster.bench.serve.arrivals import arrival_times
-from pd_cluster.bench.serve.client import StreamingClient, request_body
+from pd_cluster.bench.serve.client import StreamingClient, make_stream_session, request_body
 from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.metrics import meets_slo, percentile, summarize
 from pd_cluster.bench.serve.options import add_arguments, config_from_args
@@ -27,6 +28,7 @@ from pd_cluster.bench.serve.runner import (
 )
 from pd_cluster.bench.serve.server_metrics import KV_TRANSFER_BYTES, parse_counter
 from pd_cluster.bench.serve.workloads import Conversation, Turn, build_workload
+from tests.cluster_harness import free_port
 
 EXACT = {"abs": 1e-12}
 
@@ -264,25 +266,43 @@ def chat_chunk(content: str | None, finish: str | None = None) -> dict:
 
 
 async def stream_one(handler, config: ServeBenchConfig, path: str = "/v1/chat/completions") -> RequestRecord:
+    """``handler``'s answer, served by an aiohttp server on loopback, read by the client (``handler``
+    None: a port nothing listens on)."""
     ticks = iter(range(100))
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
-        client = StreamingClient(http, config, lambda: float(next(ticks)), lambda text: len(text.split()))
-        return await client.send(RequestRecord(0, requested_prompt_tokens=7), path, {"max_tokens": 3})
+    runner = None
+    if handler is None:
+        port = free_port()
+    else:
+        app = web.Application()
+        app.router.add_post(path, handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+    try:
+        config = replace(config, base_url=f"http://127.0.0.1:{port}")
+        async with make_stream_session(config) as session:
+            client = StreamingClient(session, config, lambda: float(next(ticks)), lambda text: len(text.split()))
+            return await client.send(RequestRecord(0, requested_prompt_tokens=7), path, {"max_tokens": 3})
+    finally:
+        if runner is not None:
+            await runner.cleanup()
 
 
 async def test_client_times_content_chunks_and_reads_usage():
     seen = {}
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.Response:
         seen["auth"] = request.headers.get("authorization")
+        seen["body"] = await request.json()
         usage = {"prompt_tokens": 9, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
         body = sse(chat_chunk(""), chat_chunk("a"), chat_chunk(" b"), chat_chunk(" c", "length"),
                    {"choices": [], "usage": usage}, "[DONE]")
-        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream",
-                                                          "x-request-id": "chatcmpl-7"})
+        return web.Response(body=body, headers={"content-type": "text/event-stream", "x-request-id": "chatcmpl-7"})
 
     r = await stream_one(handler, ServeBenchConfig(api_key="k"))
-    assert seen["auth"] == "Bearer k"
+    assert seen == {"auth": "Bearer k", "body": {"max_tokens": 3}}
     assert r.request_id == "chatcmpl-7"  # the master's id: its request log line
     # clock ticks: start 0, then one tick per data line: 1 ("" role chunk), 2, 3, 4 (content), 5 (usage)
     assert r.ok and r.text == "a b c" and r.chunk_times == [2.0, 3.0, 4.0] and r.start == 0.0
@@ -291,33 +311,43 @@ async def test_client_times_content_chunks_and_reads_usage():
 
 
 async def test_client_without_usage_counts_text_with_the_tokenizer():
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.Response:
         chunks = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("x", " y")]
-        return httpx.Response(200, content=sse(*chunks, "[DONE]"))
+        return web.Response(body=sse(*chunks, "[DONE]"), content_type="text/event-stream")
 
     r = await stream_one(handler, ServeBenchConfig(), "/v1/completions")
     assert r.ok and r.output_tokens == 2 and r.prompt_tokens == 7 and r.cached_tokens is None
 
 
+async def test_client_reads_events_longer_than_a_read_buffer():
+    # An event with logprobs can run to hundreds of kilobytes: it is one line of the stream.
+    long_text = "x" * 300_000
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=sse(chat_chunk(long_text), chat_chunk("y", "stop"), "[DONE]"),
+                            content_type="text/event-stream")
+
+    r = await stream_one(handler, ServeBenchConfig())
+    assert r.ok and r.text == long_text + "y" and len(r.chunk_times) == 2
+
+
 async def test_client_records_http_stream_and_connection_errors():
-    def refused(request):
-        return httpx.Response(429, json={"error": {"message": "busy"}})
+    async def refused(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "busy"}}, status=429)
 
     r = await stream_one(refused, ServeBenchConfig())
     assert r.error == "HTTP 429" and "busy" in r.error_message
 
-    def broken(request):
+    async def broken(request: web.Request) -> web.Response:
         error = {"error": {"message": "decode node lost", "type": "server_error"}}
-        return httpx.Response(200, content=sse(chat_chunk("a"), chat_chunk(None, "error"), error, "[DONE]"))
+        return web.Response(body=sse(chat_chunk("a"), chat_chunk(None, "error"), error, "[DONE]"),
+                            content_type="text/event-stream")
 
     r = await stream_one(broken, ServeBenchConfig())
     assert r.error == "stream:server_error" and r.error_message == "decode node lost"
 
-    def down(request):
-        raise httpx.ConnectError("connection refused")
-
-    r = await stream_one(down, ServeBenchConfig())
-    assert r.error == "ConnectError" and not r.ok
+    r = await stream_one(None, ServeBenchConfig())
+    assert r.error == "ClientConnectorError" and not r.ok
 
 
 def test_request_body_asks_for_streamed_usage_and_a_forced_length():

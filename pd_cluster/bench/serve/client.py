@@ -1,7 +1,10 @@
 """One request, streamed and timed: the request body, the SSE parse, and the record it fills.
 
 SSE is parsed here (``data:`` lines of JSON, ``[DONE]`` at the end) rather than through the
-``openai`` package, so the benchmark needs only httpx and sees the raw chunk times. A chunk
+``openai`` package, so the benchmark sees the raw chunk times. The streams go through aiohttp:
+one Python process reads every stream of a run, and httpx's per-chunk cost there showed up as
+client time in every TTFT (``pd-cluster bench master``: the part outside the master 5.8 to 8.0 ms
+with httpx, 2.8 to 3.9 ms with aiohttp, on 2 cores; docs/benchmarks/README.md). A chunk
 counts as a token arrival when it carries text; the first such chunk gives TTFT. Failures are
 recorded, never raised: an HTTP status as ``HTTP <code>``, an error event inside the stream as
 ``stream:<type>``, and anything else by its exception class.
@@ -16,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import aiohttp
 
 from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.records import RequestRecord
@@ -62,15 +65,15 @@ def chat_messages(conversation: Conversation, turn: int, answers: list[str]) -> 
 
 
 class StreamingClient:
-    """Sends requests over one shared ``httpx.AsyncClient`` and times their streamed chunks.
+    """Sends requests over one shared ``aiohttp.ClientSession`` and times their streamed chunks.
 
     ``clock`` returns seconds since the run started; ``count_tokens`` counts the streamed text
     when a server reports no usage.
     """
 
-    def __init__(self, http: httpx.AsyncClient, config: ServeBenchConfig, clock: Callable[[], float],
+    def __init__(self, session: aiohttp.ClientSession, config: ServeBenchConfig, clock: Callable[[], float],
                  count_tokens: Callable[[str], int]) -> None:
-        self.http = http
+        self.session = session
         self.config = config
         self.clock = clock
         self.count_tokens = count_tokens
@@ -94,19 +97,19 @@ class StreamingClient:
 
     async def _stream(self, record: RequestRecord, path: str, body: dict[str, Any]) -> None:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-        async with self.http.stream("POST", self.config.base_url + path, json=body, headers=headers) as response:
+        async with self.session.post(self.config.base_url + path, json=body, headers=headers) as response:
             record.request_id = response.headers.get("x-request-id")
-            if response.status_code != 200:
-                text = (await response.aread()).decode("utf-8", "replace")
-                record.error = f"HTTP {response.status_code}"
+            if response.status != 200:
+                text = (await response.read()).decode("utf-8", "replace")
+                record.error = f"HTTP {response.status}"
                 record.error_message = text[:_ERROR_BODY_CHARS]
                 return
             pieces: list[str] = []
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in response.content:  # one line at a time
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                data = raw[len(b"data:"):].strip()
+                if data == b"[DONE]":
                     break
                 now = self.clock()
                 text = self._apply_chunk(record, json.loads(data))
@@ -143,12 +146,17 @@ class StreamingClient:
         return text
 
 
-def make_http_client(config: ServeBenchConfig) -> httpx.AsyncClient:
-    """One pooled client for the run; its own timeouts back up the per-request deadline."""
-    limit = config.max_concurrency or None
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(config.request_timeout, connect=min(30.0, config.request_timeout)),
-        limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+#: Longest line of a stream the client reads (an SSE event with logprobs can run long).
+_MAX_LINE_BYTES = 1 << 20
+
+
+def make_stream_session(config: ServeBenchConfig) -> aiohttp.ClientSession:
+    """One pooled session for the run's streams; the per-request deadline is ``send``'s."""
+    limit = config.max_concurrency or 0  # 0: no limit
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(30.0, config.request_timeout)),
+        read_bufsize=_MAX_LINE_BYTES,
     )
 
 

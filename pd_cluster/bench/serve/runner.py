@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from pd_cluster.bench.serve.arrivals import arrival_times
-from pd_cluster.bench.serve.client import StreamingClient, make_http_client, monotonic_clock, request_body
+from pd_cluster.bench.serve.client import StreamingClient, make_stream_session, monotonic_clock, request_body
 from pd_cluster.bench.serve.config import ServeBenchConfig, rate_label
 from pd_cluster.bench.serve.metrics import RunMetrics, summarize
 from pd_cluster.bench.serve.records import RequestRecord
@@ -92,8 +93,8 @@ async def run_conversations(conversations: Sequence[Conversation], offsets: Sequ
     return records
 
 
-async def run_rate(config: ServeBenchConfig, http: httpx.AsyncClient, tokenizer: Any, model: str, rate: float,
-                   rate_index: int) -> RateResult:
+async def run_rate(config: ServeBenchConfig, http: httpx.AsyncClient, session: aiohttp.ClientSession, tokenizer: Any,
+                   model: str, rate: float, rate_index: int) -> RateResult:
     """One rate: a fresh workload, its arrivals, the requests, and the KV bytes moved meanwhile."""
     seed = config.seed + rate_index
     conversations = build_workload(config, tokenizer, seed)
@@ -102,7 +103,7 @@ async def run_rate(config: ServeBenchConfig, http: httpx.AsyncClient, tokenizer:
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     kv_before = await scrape_counter(http, config.base_url, KV_TRANSFER_BYTES, headers)
     clock = monotonic_clock()
-    client = StreamingClient(http, config, clock, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
+    client = StreamingClient(session, config, clock, lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
     with _progress(config, rate) as bar:
         records = await run_conversations(conversations, offsets, config, model, client.send, clock,
                                           on_done=lambda _: bar.update(1))
@@ -116,15 +117,21 @@ async def run_rate(config: ServeBenchConfig, http: httpx.AsyncClient, tokenizer:
     return RateResult(metrics, records)
 
 
+def make_http_client(config: ServeBenchConfig) -> httpx.AsyncClient:
+    """The client of the calls around the streams (the model list, the metrics)."""
+    return httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout, connect=min(30.0, config.request_timeout)))
+
+
 async def run_sweep(config: ServeBenchConfig) -> SweepResult:
-    """Every rate of ``config.rates`` in order, on one HTTP client and one tokenizer."""
-    async with make_http_client(config) as http:
+    """Every rate of ``config.rates`` in order, on one stream session and one tokenizer (and an
+    httpx client for the model list and the metrics)."""
+    async with make_http_client(config) as http, make_stream_session(config) as session:
         model = await resolve_model_name(http, config)
         source = tokenizer_source(config, model)
         tokenizer = load_tokenizer(source)
         result = SweepResult(config, model, source)
         for i, rate in enumerate(config.rates):
-            result.results.append(await run_rate(config, http, tokenizer, model, rate, i))
+            result.results.append(await run_rate(config, http, session, tokenizer, model, rate, i))
     return result
 
 
