@@ -1,7 +1,10 @@
 """Chat templates and tokenization for the master (nodes receive token ids, never text).
 
-All encoding runs on one worker thread: it keeps long prompts off the event loop, and a fast
-tokenizer must not be used by two threads at once (it raises "Already borrowed").
+Encoding runs on one worker thread: it keeps long prompts off the event loop, and a fast
+tokenizer must not be used by two threads at once (it raises "Already borrowed"). A chat whose
+uncached text is short (a later turn: the history's pieces are cached) is encoded on the loop
+itself when the tokenizer is free: the trip to the thread and back, with the GIL taken in turn by
+the loop's token streams, cost about a millisecond of a later turn's first token.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import functools
 import logging
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,6 +37,9 @@ _MIN_CACHED_SEGMENT_CHARS = 64
 # a token per 4 characters), so a few huge documents cannot pin gigabytes: about 32 MiB at most.
 _SEGMENT_CACHE_ENTRIES = 4096
 _SEGMENT_CACHE_CHARS = 16 * 1024 * 1024
+# Most uncached characters of a chat encoded on the event loop (a few hundred tokens of text, well
+# under a millisecond for common words); more go to the tokenizer thread.
+INLINE_ENCODE_CHARS = 2048
 
 
 class Encoded(NamedTuple):
@@ -70,8 +77,12 @@ class Tokenizer:
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        # Held while the fast tokenizer encodes (the loop takes it only if free) and while the
+        # segment cache changes (both threads read and update it).
+        self._hf_lock = threading.Lock()
+        self._segments_lock = threading.Lock()
         self._token_text = functools.lru_cache(maxsize=65536)(self._decode_one)
-        # Segment text -> ids, least recently used first. Only the tokenizer thread touches it: no lock.
+        # Segment text -> ids, least recently used first.
         self._segments: OrderedDict[str, array[int]] = OrderedDict()
         self._segment_chars = 0
         self._segment_hits = 0
@@ -87,8 +98,22 @@ class Tokenizer:
 
     async def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                           block_size: int | None = None) -> Encoded:
-        """The rendered chat's ids (and, given ``block_size``, their block hashes)."""
-        return await self.run(self._encoded, block_size, self._encode_chat, messages, tools)
+        """The rendered chat's ids (and, given ``block_size``, their block hashes): rendered and
+        looked up in the segment cache on the loop, the rest encoded there too when it is short
+        and the tokenizer free, else on the tokenizer thread."""
+        split = self.__dict__.get("_segment_split")  # set up once, on the thread (it probes the tokenizer)
+        if split is None:
+            return await self.run(self._encoded, block_size, self._encode_chat, messages, tools)
+        text = self._render(messages, tools)
+        if not isinstance(text, str):
+            return await self.run(self._encoded, block_size, self._encode_chat, messages, tools)
+        pieces, todo = self._lookup_segments(text, split)
+        if sum(len(part) for _, part in todo) <= INLINE_ENCODE_CHARS and self._hf_lock.acquire(blocking=False):
+            try:
+                return self._encoded(block_size, self._finish_segments, pieces, todo)
+            finally:
+                self._hf_lock.release()
+        return await self.run(self._encoded, block_size, self._finish_segments_locked, pieces, todo)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
@@ -108,23 +133,41 @@ class Tokenizer:
         ids = encode(*args)
         return Encoded(ids, block_hashes(ids, block_size) if block_size else None)
 
-    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        from jinja2 import TemplateError
-
+    def _template_args(self, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The messages and extra arguments the template is rendered with: tools in the template
+        where it writes them, else folded into the messages."""
         extra: dict[str, Any] = {}
         if not self.renders_tools:
             if tools or any("tool_calls" in m or "tool_call_id" in m for m in messages):
                 messages = messages_without_tool_support(messages, tools)
         elif tools:
             extra["tools"] = tools
-        split = self._segment_split
+        return messages, extra
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> Any:
+        """The chat rendered as text (the template alone: no tokenizer call)."""
+        from jinja2 import TemplateError
+
+        messages, extra = self._template_args(messages, tools)
         try:
-            if split is not None:
-                text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
-                if isinstance(text, str):
-                    return self._encode_segments(text, split)
-            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                              **extra)
+            return self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        except (TemplateError, ValueError) as exc:  # raise_exception() in templates, "no chat template"
+            raise ChatTemplateError(f"could not apply the chat template: {exc}") from exc
+
+    def _encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        from jinja2 import TemplateError
+
+        split = self._segment_split
+        if split is not None:
+            text = self._render(messages, tools)
+            if isinstance(text, str):
+                return self._encode_segments(text, split)
+        messages, extra = self._template_args(messages, tools)
+        try:
+            with self._hf_lock:
+                ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False, **extra)
         except (TemplateError, ValueError) as exc:  # raise_exception() in templates, "no chat template"
             raise ChatTemplateError(f"could not apply the chat template: {exc}") from exc
         if hasattr(ids, "keys"):
@@ -175,24 +218,44 @@ class Tokenizer:
         Every turn of a conversation re-sends its whole history: cutting at the template's special
         tokens gives one piece per message, and only the new ones need encoding.
         """
+        pieces, todo = self._lookup_segments(text, split, cache)
+        return self._finish_segments_locked(pieces, todo, cache)
+
+    def _finish_segments_locked(self, pieces: list[Sequence[int]], todo: list[tuple[int, str]],
+                                cache: bool = True) -> list[int]:
+        """:meth:`_finish_segments`, taking the tokenizer first."""
+        with self._hf_lock:
+            return self._finish_segments(pieces, todo, cache)
+
+    def _lookup_segments(self, text: str, split: _SegmentSplit,
+                         cache: bool = True) -> tuple[list[Sequence[int]], list[tuple[int, str]]]:
+        """The pieces of a rendered chat, the cached ones' ids filled in, and the (index, text)
+        of those left to encode (their places hold ``()``)."""
         parts = split.pattern.split(text)
         pieces: list[Sequence[int]] = []
         todo: list[tuple[int, str]] = []
         segments = self._segments
-        for i, part in enumerate(parts):
-            if i % 2:
-                pieces.append((split.token_ids[part],))
-            elif part:
-                if cache and len(part) >= _MIN_CACHED_SEGMENT_CHARS:
-                    hit = segments.get(part)
-                    if hit is not None:
-                        segments.move_to_end(part)
-                        self._segment_hits += 1
-                        pieces.append(hit)
-                        continue
-                    self._segment_misses += 1
-                todo.append((len(pieces), part))
-                pieces.append(())
+        with self._segments_lock:
+            for i, part in enumerate(parts):
+                if i % 2:
+                    pieces.append((split.token_ids[part],))
+                elif part:
+                    if cache and len(part) >= _MIN_CACHED_SEGMENT_CHARS:
+                        hit = segments.get(part)
+                        if hit is not None:
+                            segments.move_to_end(part)
+                            self._segment_hits += 1
+                            pieces.append(hit)
+                            continue
+                        self._segment_misses += 1
+                    todo.append((len(pieces), part))
+                    pieces.append(())
+        return pieces, todo
+
+    def _finish_segments(self, pieces: list[Sequence[int]], todo: list[tuple[int, str]],
+                         cache: bool = True) -> list[int]:
+        """Encode the pieces ``todo`` names (the caller holds the tokenizer: ``_hf_lock``), cache
+        the long ones, and join every piece's ids."""
         if todo:
             # One batched call, as apply_chat_template calls the tokenizer (add_special_tokens=False).
             encoded = self.hf([part for _, part in todo], add_special_tokens=False)["input_ids"]
@@ -206,13 +269,14 @@ class Tokenizer:
         return out
 
     def _remember(self, segment: str, ids: Sequence[int]) -> None:
-        if segment in self._segments or len(segment) > _SEGMENT_CACHE_CHARS:
-            return
-        self._segments[segment] = array("i", ids)
-        self._segment_chars += len(segment)
-        while len(self._segments) > _SEGMENT_CACHE_ENTRIES or self._segment_chars > _SEGMENT_CACHE_CHARS:
-            old, _ = self._segments.popitem(last=False)
-            self._segment_chars -= len(old)
+        with self._segments_lock:
+            if segment in self._segments or len(segment) > _SEGMENT_CACHE_CHARS:
+                return
+            self._segments[segment] = array("i", ids)
+            self._segment_chars += len(segment)
+            while len(self._segments) > _SEGMENT_CACHE_ENTRIES or self._segment_chars > _SEGMENT_CACHE_CHARS:
+                old, _ = self._segments.popitem(last=False)
+                self._segment_chars -= len(old)
 
     def segment_cache_info(self) -> SegmentCacheInfo:
         """Hits and misses of the chat segment cache (pieces too short to cache are not counted)."""
@@ -220,7 +284,8 @@ class Tokenizer:
                                 len(self._segments))
 
     def _encode_prompt(self, text: str) -> list[int]:
-        return [int(t) for t in self.hf(text, add_special_tokens=True)["input_ids"]]
+        with self._hf_lock:
+            return [int(t) for t in self.hf(text, add_special_tokens=True)["input_ids"]]
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as OpenAI's logprobs show it."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 from typing import Any
 
@@ -196,3 +197,39 @@ async def test_encoding_with_a_block_size_hashes_the_ids_in_the_same_call(tokeni
     prompt = await t.encode_prompt("the of and to", 2)
     assert prompt.block_hashes == block_hashes(prompt.ids, 2)
     assert (await t.hash_blocks([5, 6, 7, 8, 9], 2)).block_hashes == block_hashes([5, 6, 7, 8, 9], 2)
+
+
+async def test_a_short_new_part_is_encoded_on_the_loop_unless_the_tokenizer_is_busy(tokenizer):
+    t = Tokenizer(tokenizer)
+    trips: list[str] = []
+    to_thread = t.run
+
+    async def counted(fn, *args):
+        trips.append(getattr(fn, "__name__", "?"))
+        return await to_thread(fn, *args)
+
+    t.run = counted  # type: ignore[method-assign]
+    history = [{"role": "system", "content": "You answer questions about documents. " * 20},
+               {"role": "user", "content": "Here is the document: " + " ".join(_WORDS) * 30}]
+    try:
+        first = await t.encode_chat(history, block_size=4)
+        assert first.ids == _reference(tokenizer, history) and first.block_hashes
+        assert len(trips) == 1  # the split is set up on the thread, with the first chat
+
+        later = history + [{"role": "assistant", "content": "It lists words. " * 5}, {"role": "user", "content": "Why?"}]
+        assert (await t.encode_chat(later, block_size=4)).ids == _reference(tokenizer, later)
+        assert len(trips) == 1  # the history from the cache, the new pieces encoded on the loop
+
+        long_new = later + [{"role": "assistant", "content": "ok"},
+                            {"role": "user", "content": "and " * (tokenization.INLINE_ENCODE_CHARS // 4 + 1)}]
+        assert (await t.encode_chat(long_new)).ids == _reference(tokenizer, long_new)
+        assert len(trips) == 2  # a long new part goes to the thread
+
+        busy = later + [{"role": "assistant", "content": "Because."}, {"role": "user", "content": "Sure?"}]
+        with t._hf_lock:  # the thread is encoding something else
+            pending = asyncio.ensure_future(t.encode_chat(busy))
+            await asyncio.sleep(0)  # the task runs up to its trip to the thread, which waits for the lock
+            assert len(trips) == 3 and not pending.done()
+        assert (await pending).ids == _reference(tokenizer, busy)
+    finally:
+        t.close()
