@@ -40,6 +40,9 @@ _SEGMENT_CACHE_CHARS = 16 * 1024 * 1024
 # Most uncached characters of a chat encoded on the event loop (a few hundred tokens of text, well
 # under a millisecond for common words); more go to the tokenizer thread.
 INLINE_ENCODE_CHARS = 2048
+# Longest conversation (characters of its messages) rendered and split on the event loop: a few
+# hundred microseconds; a longer one (up to the body limit) goes to the thread whole.
+INLINE_RENDER_CHARS = 256 * 1024
 
 
 class Encoded(NamedTuple):
@@ -102,7 +105,7 @@ class Tokenizer:
         looked up in the segment cache on the loop, the rest encoded there too when it is short
         and the tokenizer free, else on the tokenizer thread."""
         split = self.__dict__.get("_segment_split")  # set up once, on the thread (it probes the tokenizer)
-        if split is None:
+        if split is None or _message_chars(messages) > INLINE_RENDER_CHARS:
             return await self.run(self._encoded, block_size, self._encode_chat, messages, tools)
         text = self._render(messages, tools)
         if not isinstance(text, str):
@@ -299,3 +302,15 @@ class Tokenizer:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _message_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' text contents (parts included), roughly what a render copies."""
+    total = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return total

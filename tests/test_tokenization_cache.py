@@ -225,11 +225,15 @@ async def test_a_short_new_part_is_encoded_on_the_loop_unless_the_tokenizer_is_b
         assert (await t.encode_chat(long_new)).ids == _reference(tokenizer, long_new)
         assert len(trips) == 2  # a long new part goes to the thread
 
+        huge = history * (tokenization.INLINE_RENDER_CHARS // sum(len(m["content"]) for m in history) + 1)
+        assert (await t.encode_chat(huge)).ids == _reference(tokenizer, huge)
+        assert len(trips) == 3  # a conversation too long to render on the loop goes whole to the thread
+
         busy = later + [{"role": "assistant", "content": "Because."}, {"role": "user", "content": "Sure?"}]
         with t._hf_lock:  # the thread is encoding something else
             pending = asyncio.ensure_future(t.encode_chat(busy))
             await asyncio.sleep(0)  # the task runs up to its trip to the thread, which waits for the lock
-            assert len(trips) == 3 and not pending.done()
+            assert len(trips) == 4 and not pending.done()
         assert (await pending).ids == _reference(tokenizer, busy)
     finally:
         t.close()
