@@ -277,9 +277,8 @@ async def stream_one(handler, config: ServeBenchConfig, path: str = "/v1/chat/co
         app.router.add_post(path, handler)
         runner = web.AppRunner(app)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        port = runner.addresses[0][1]
     try:
         config = replace(config, base_url=f"http://127.0.0.1:{port}")
         async with make_stream_session(config) as session:
