@@ -142,6 +142,30 @@ def test_random_prompts_have_the_asked_lengths_in_their_range(tokenizer):
         assert len(c.turns[0].prompt) == 32 and not special & set(c.turns[0].prompt)
 
 
+def test_word_prompts_encode_back_to_the_ids_drawn_inside_the_chat_template(tokenizer):
+    from pd_cluster.bench.words import whole_word_ids
+
+    words = set(whole_word_ids(tokenizer))
+    config = ServeBenchConfig(workload="multi-turn", num_conversations=3, turns=2, input_len=40, prompt_vocab="words")
+    for conv in build_workload(config, tokenizer, seed=3):
+        for turn in conv.turns:
+            ids = tokenizer.encode(turn.prompt, add_special_tokens=False)
+            assert len(ids) == turn.input_len == 40 and set(ids) <= words
+        # As an answer inside the template, the same text is the same ids after the role header.
+        header = list(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False))
+        chat = list(tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                                   {"role": "assistant", "content": conv.turns[0].prompt}],
+                                                  tokenize=True, return_dict=False))
+        answer = tokenizer.encode(conv.turns[0].prompt, add_special_tokens=False)
+        assert chat[:len(header) + len(answer)] == header + answer
+    anywhere = build_workload(replace(config, prompt_vocab="any"), tokenizer, seed=3)
+    assert any(not set(tokenizer.encode(t.prompt, add_special_tokens=False)) <= words
+               for c in anywhere for t in c.turns)
+    with pytest.raises(ValueError, match="prompt_vocab"):
+        ServeBenchConfig(prompt_vocab="letters")
+
+
 def test_shared_prefix_groups_share_their_prompt_start(tokenizer):
     config = ServeBenchConfig(workload="shared-prefix", num_requests=6, num_groups=2, prefix_len=50, input_len=10,
                               prompt_format="token-ids")

@@ -35,6 +35,31 @@ def test_tiny_shape_loads_in_the_engine_and_matches_transformers(tmp_path, defau
     assert list(ours.token_ids) == sequence[len(ids):]
 
 
+def test_a_model_written_to_answer_in_words_generates_ids_that_encode_back(tmp_path, default_model_dir):
+    from transformers import AutoTokenizer
+
+    from pd_cluster import LLM, SamplingParams
+    from pd_cluster.bench.words import whole_word_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    prompts = [tokenizer.encode(text, add_special_tokens=False) for text in ("The capital of France is", "x = [1,")]
+    answers = {}
+    for mode in ("any", "words"):
+        out = write_random_model("tiny", tmp_path / mode, default_model_dir, dtype="float32", device="cpu",
+                                 answers=mode)
+        llm = LLM(model=str(out), device="cpu", dtype="float32")
+        answers[mode] = [list(o.token_ids)
+                         for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))]
+    words = set(whole_word_ids(tokenizer))
+    for ids in answers["words"]:
+        assert set(ids) <= words
+        assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+    # The same weights with an all-random head answer in other tokens too (word pieces, punctuation).
+    assert any(not set(ids) <= words for ids in answers["any"])
+    with pytest.raises(ValueError, match="answers"):
+        write_random_model("tiny", tmp_path / "bad", default_model_dir, device="cpu", answers="letters")
+
+
 def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="shape"):
         shape_config("llama-9000")

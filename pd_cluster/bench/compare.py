@@ -59,6 +59,8 @@ def turn_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
     first = [r.ttft for r in ok if r.turn == 0 and r.ttft is not None]
     later = [r.ttft for r in ok if r.turn > 0 and r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
+    missed = [r.prompt_tokens - r.cached_tokens for r in ok
+              if r.turn > 0 and r.prompt_tokens is not None and r.cached_tokens is not None]
     return {
         "requests": len(records), "failed": len(records) - len(ok),
         "ttft_turn1_p50_s": statistics.median(first) if first else None,
@@ -66,6 +68,8 @@ def turn_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "ttft_later_p90_s": percentile(later, 0.9),
         "tpot_p50_s": statistics.median(tpot) if tpot else None,
         "tpot_p99_s": percentile(tpot, 0.99),
+        # Prompt tokens of a later turn that no cache on its path held (a short miss prefills fast).
+        "later_uncached_tokens_p50": statistics.median(missed) if missed else None,
         # The streams behind the tail: which turn, how long, how much of the prompt was cached.
         "slowest_tpot": [
             {"conversation": r.conversation, "turn": r.turn, "tpot_s": r.tpot, "ttft_s": r.ttft, "e2e_s": r.e2e,
@@ -137,7 +141,8 @@ def compare_conditional(start: Callable[[list[str], str], Any], base: ServeBench
                      first_turn_len=first_turn_len, input_len=turn_len, output_len=output_len, rates=[rate],
                      save_requests=True, seed=77)
     out: dict[str, Any] = {"conversations": conversations, "turns": turns, "first_turn_len": first_turn_len,
-                           "turn_len": turn_len, "output_len": output_len, "rate": rate}
+                           "turn_len": turn_len, "output_len": output_len, "rate": rate,
+                           "prompt_vocab": base.prompt_vocab}
     for name, flags in (("conditional", []), ("always_pd", ["--local-prefill-max-tokens", "0"])):
         cluster = start(flags, name)
         try:
@@ -229,10 +234,11 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{doc['slo']['ttft_s']:g} s, TPOT <= {doc['slo']['tpot_s'] * 1000:g} ms.", ""]
     cond = doc.get("conditional")
     if cond:
+        words = "; prompts of whole words" if cond.get("prompt_vocab") == "words" else ""
         lines += ["## Conditional disaggregation: multi-turn", "",
                   f"{cond['conversations']} conversations of {cond['turns']} turns at {cond['rate']:g} conversations/s; "
                   f"first message {cond['first_turn_len']} tokens, later ones {cond['turn_len']}, answers "
-                  f"{cond['output_len']} tokens. `pd-cluster local` (1 P + 1 D), default routing against "
+                  f"{cond['output_len']} tokens{words}. `pd-cluster local` (1 P + 1 D), default routing against "
                   "`--local-prefill-max-tokens 0`.", "",
                   "| routing | TTFT turn 1 p50 | TTFT turns 2+ p50 / p90 | TPOT p50 / p99 | failed | decisions |",
                   "|---|---|---|---|---|---|"]
@@ -244,11 +250,12 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{r['failed']}/{r['requests']} | {decisions} |")
         lines += ["", "Where later turns' TTFT goes (p50 of each part; http: the client's TTFT less the master's; master: "
                   "arrival to dispatch; node: job to first token sent; hops: the websockets both ways):", "",
-                  "| routing | http | master | node | hops |", "|---|---|---|---|---|"]
+                  "| routing | http | master | node | hops | uncached tokens p50 |", "|---|---|---|---|---|---|"]
         for name in ("conditional", "always_pd"):
             parts = cond[name].get("ttft_later_parts_p50_s") or {}
+            uncached = cond[name].get("later_uncached_tokens_p50")
             lines.append(f"| {name} | " + " | ".join(f"{ms(parts.get(k))} ms" for k in ("http", "master", "node", "hops"))
-                         + " |")
+                         + f" | {'-' if uncached is None else f'{uncached:.0f}'} |")
         ratios = cond["ratios"]
         lines += ["", f"Conditional over always-P->D: TTFT turns 2+ p50 {x(ratios['ttft_later_p50'])} (target <= "
                   f"0.5x), TPOT p99 {x(ratios['tpot_p99'])} (target <= 1.2x), TTFT turn 1 "

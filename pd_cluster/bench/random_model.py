@@ -8,6 +8,14 @@ beyond the tokenizer's vocabulary would decode to nothing, so by default the voc
 tokenizer's (for the Llama-3-8B shape: 49,152 rows instead of 128,256, 15.4 GB of bf16 weights
 instead of 16.06 GB).
 
+A random model's greedy answers are arbitrary tokens, whose text does not encode back to the
+ids it generated, so a conversation's next turn would miss its last answer in every prefix cache,
+which a real model's chats seldom do. With ``--answers words`` the output head's rows are zero
+for every token but the whole-word ones (:mod:`pd_cluster.bench.words`): every other logit is 0
+while the largest word logit is well above it, so greedy answers are words that encode back to
+the ids generated (the compute per token is unchanged). With tied embeddings the same rows of the
+embedding are zero too.
+
     python -m pd_cluster.bench.random_model --shape llama3-8b --out /tmp/llama3-8b-random
 """
 
@@ -65,7 +73,7 @@ def _layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
 
 def write_random_model(
     shape: str, out_dir: Path, tokenizer_dir: Path | None = None, *, dtype: str = "bfloat16", seed: int = 0,
-    device: str | None = None, vocab: str = "tokenizer",
+    device: str | None = None, vocab: str = "tokenizer", answers: str = "any",
 ) -> Path:
     """Write config, safetensors shards and tokenizer files into ``out_dir``; returns it."""
     cfg = shape_config(shape)
@@ -93,6 +101,15 @@ def write_random_model(
         cfg["vocab_size"] = max(cfg["vocab_size"], tokenizer_vocab)
     else:
         raise ValueError(f"vocab: {vocab!r}; expected 'tokenizer' or 'shape'")
+    if answers not in ("any", "words"):
+        raise ValueError(f"answers: {answers!r}; expected 'any' or 'words'")
+    head = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings", False) else "lm_head.weight"
+    silent_rows = None
+    if answers == "words":
+        from pd_cluster.bench.words import whole_word_ids
+
+        silent_rows = torch.ones(cfg["vocab_size"], dtype=torch.bool)
+        silent_rows[whole_word_ids(AutoTokenizer.from_pretrained(tokenizer_dir))] = False
     cfg["_name_or_path"] = out_dir.name
     cfg["torch_dtype"] = dtype
 
@@ -105,6 +122,8 @@ def write_random_model(
             tensor = torch.ones(tensor_shape, dtype=torch_dtype)
         else:
             tensor = torch.empty(tensor_shape, dtype=torch_dtype, device=device).normal_(0.0, 0.02, generator=gen).cpu()
+            if name == head and silent_rows is not None:
+                tensor[silent_rows] = 0
         nbytes = tensor.numel() * tensor.element_size()
         if size and size + nbytes > SHARD_BYTES:
             shards.append({})
@@ -140,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab", default="tokenizer", choices=["tokenizer", "shape"],
                         help="vocabulary size: the tokenizer's (every id decodes) or the shape's own")
+    parser.add_argument("--answers", default="any", choices=["any", "words"],
+                        help="any: the head is all random; words: greedy answers are whole words that encode back "
+                             "to the ids generated, as a real model's mostly do")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    write_random_model(args.shape, args.out, args.tokenizer, dtype=args.dtype, seed=args.seed, vocab=args.vocab)
+    write_random_model(args.shape, args.out, args.tokenizer, dtype=args.dtype, seed=args.seed, vocab=args.vocab,
+                       answers=args.answers)
     return 0
 
 

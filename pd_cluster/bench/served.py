@@ -304,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-rate", type=float, default=2.0, help="conversations per second of the multi-turn runs")
     parser.add_argument("--first-turn-len", type=int, default=1024)
     parser.add_argument("--turn-len", type=int, default=128)
+    parser.add_argument("--prompt-vocab", choices=["any", "words"], default="any",
+                        help="prompts from any ordinary token or from whole words only (with a model written with "
+                             "--answers words, a conversation's answers then encode back to the ids generated)")
     parser.add_argument("--tight-tpot", type=float, default=0.015, help="the tight TPOT SLO of --compare-mixed")
     args = parser.parse_args(argv)
     if args.compare_conditional or args.compare_mixed:
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
                            args.out / f"{stem}-local.log", args.port)
     base = ServeBenchConfig(base_url=cluster.url, model=None, tokenizer=args.model, input_len=args.input_len,
                             output_len=args.output_len, slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot,
-                            save_requests=False, progress=False, request_timeout=args.request_timeout)
+                            save_requests=False, progress=False, prompt_vocab=args.prompt_vocab, request_timeout=args.request_timeout)
     doc: dict[str, Any] = {"device": kind, "date": date, **model_fields(args),
                            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}
     if args.colocated_requests:
@@ -395,7 +398,7 @@ def run_comparisons(args: argparse.Namespace) -> int:
         return cluster
 
     base = ServeBenchConfig(base_url=f"http://127.0.0.1:{args.port}", model=None, tokenizer=args.model,
-                            slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, save_requests=False, progress=False,
+                            slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, save_requests=False, progress=False, prompt_vocab=args.prompt_vocab,
                             request_timeout=args.request_timeout)
     doc: dict[str, Any] = {"device": kind, "date": date, **model_fields(args),
                            "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot}}

@@ -10,6 +10,7 @@ Workload = Literal["random", "shared-prefix", "multi-turn", "mixed"]
 Endpoint = Literal["completions", "chat"]
 ArrivalMode = Literal["poisson", "bursts"]
 PromptFormat = Literal["text", "token-ids"]
+PromptVocab = Literal["any", "words"]
 
 WORKLOADS: tuple[str, ...] = ("random", "shared-prefix", "multi-turn", "mixed")
 
@@ -48,6 +49,9 @@ class ServeBenchConfig:
     long_input_len: int = 4096
     long_output_len: int = 128
     prompt_format: PromptFormat = "text"
+    #: "any": prompts from every ordinary token; "words": from whole-word tokens only, text that
+    #: encodes back to the same ids (pd_cluster.bench.words)
+    prompt_vocab: PromptVocab = "any"
     ignore_eos: bool = True
     temperature: float = 0.0
     rates: list[float] = field(default_factory=lambda: [math.inf])
@@ -67,6 +71,8 @@ class ServeBenchConfig:
             raise ValueError(f"unknown workload {self.workload!r}; choose from {', '.join(WORKLOADS)}")
         if self.workload == "multi-turn" and self.endpoint != "chat":
             self.endpoint = "chat"  # a conversation's history is a list of chat messages
+        if self.prompt_vocab not in ("any", "words"):
+            raise ValueError(f"prompt_vocab: {self.prompt_vocab!r}; expected 'any' or 'words'")
         if not 0.0 <= self.range_ratio <= 1.0:
             raise ValueError("range_ratio must lie in [0, 1]")
         if not 0.0 <= self.long_fraction <= 1.0:

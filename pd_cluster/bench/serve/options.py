@@ -63,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--long-output-len", type=int, default=128, help="mixed: max_tokens of a long request")
     work.add_argument("--prompt-format", choices=["text", "token-ids"], default="text",
                       help="completions prompts as decoded text or as token-id lists")
+    work.add_argument("--prompt-vocab", choices=["any", "words"], default="any",
+                      help="prompts from any ordinary token, or from whole-word tokens only (text that encodes "
+                           "back to the same ids, as real text does)")
     work.add_argument("--no-ignore-eos", action="store_true",
                       help="do not send ignore_eos (for servers that refuse it); outputs may then end early")
     work.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
@@ -97,7 +100,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         num_conversations=args.num_conversations, turns=args.turns, first_turn_len=args.first_turn_len,
         long_fraction=args.long_fraction,
         long_input_len=args.long_input_len, long_output_len=args.long_output_len,
-        prompt_format=args.prompt_format, ignore_eos=not args.no_ignore_eos, temperature=args.temperature,
+        prompt_format=args.prompt_format, prompt_vocab=args.prompt_vocab, ignore_eos=not args.no_ignore_eos, temperature=args.temperature,
         rates=args.sweep or [args.rate], arrival=args.arrival, burstiness=args.burstiness,
         burst_size=args.burst_size, max_concurrency=args.max_concurrency, seed=args.seed,
         slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot, request_timeout=args.request_timeout,

@@ -4,7 +4,9 @@ Every workload is a list of :class:`Conversation`; single-request workloads are 
 of one turn, so the runner has one shape to drive. Prompts are random token ids drawn from the
 tokenizer's ordinary vocabulary (special and added tokens left out, so no prompt ends a turn
 early), decoded to text and trimmed so they re-encode to the intended length; with
-``prompt_format="token-ids"`` the ids themselves are sent. One seed gives the same prompts.
+``prompt_format="token-ids"`` the ids themselves are sent; with ``prompt_vocab="words"`` they
+are drawn from the whole-word tokens only (:mod:`pd_cluster.bench.words`), so the text is
+words that encode back to exactly those ids, as real text does. One seed gives the same prompts.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from pd_cluster.bench.serve.config import ServeBenchConfig
+from pd_cluster.bench.serve.config import PromptVocab, ServeBenchConfig
+from pd_cluster.bench.words import whole_word_ids
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +48,12 @@ class Conversation:
 class TokenSource:
     """Random prompts of a given token length from one tokenizer and one seeded stream."""
 
-    def __init__(self, tokenizer: Any, rng: random.Random) -> None:
+    def __init__(self, tokenizer: Any, rng: random.Random, vocab: PromptVocab = "any") -> None:
         self.tokenizer = tokenizer
         self.rng = rng
+        if vocab == "words":
+            self.vocab = whole_word_ids(tokenizer)
+            return
         excluded = set(getattr(tokenizer, "all_special_ids", []) or [])
         excluded |= set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
         size = getattr(tokenizer, "vocab_size", None) or len(tokenizer)
@@ -95,7 +101,7 @@ def sample_length(rng: random.Random, mean: int, range_ratio: float) -> int:
 def build_workload(config: ServeBenchConfig, tokenizer: Any, seed: int) -> list[Conversation]:
     """The conversations of one run; the same (config, tokenizer, seed) gives the same ones."""
     rng = random.Random(seed)
-    source = TokenSource(tokenizer, rng)
+    source = TokenSource(tokenizer, rng, config.prompt_vocab)
     builder = _BUILDERS[config.workload]
     conversations = builder(config, source, rng)
     logger.info("workload %s: %d conversations, %d requests", config.workload, len(conversations),
