@@ -109,12 +109,40 @@ def decode_attention_ref(
 # and a batch of 21 would each compile their own kernel, stalling every stream for about a second
 # the first time a step mixed a prefill with a decode batch (seen on an H200). The arguments that
 # follow the batch are not specialized: one compiled kernel serves every step.
+@triton.jit
+def _context_tile_seq(tile, tile_ends_ptr, num_seqs, BLOCK_B: tl.constexpr):
+    """The sequence that owns ``tile``: sequence b owns tiles [tile_ends[b-1], tile_ends[b]);
+    ``num_seqs`` for a tile past the last (a program with nothing to do)."""
+    b_offs = tl.arange(0, BLOCK_B)
+    ends = tl.load(tile_ends_ptr + b_offs, mask=b_offs < num_seqs, other=2147483647)
+    return tl.sum((ends <= tile).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _context_tile_rows(tile, seq, kv_head, tile_ends_ptr, q_lens_ptr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_M: tl.constexpr):
+    """A tile's rows: ``BLOCK_Q`` query tokens of ``seq`` times the ``GROUP`` q heads of ``kv_head``.
+    Returns (the tile's index within its sequence, each row's token within the sequence's new
+    tokens, each row's q head, which rows hold a token)."""
+    seq_end = tl.load(tile_ends_ptr + seq)
+    q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
+    q_tile = tile - (seq_end - tl.cdiv(q_len, BLOCK_Q))
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    return q_tile, tok, head, row_ok
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _context_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
     slot_table_ptr,
     ctx_lens_ptr,
     q_lens_ptr,
@@ -141,27 +169,20 @@ def _context_attention_kernel(
     BLOCK_B: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     HAS_ROWS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    # Sequence b owns tiles [tile_ends[b-1], tile_ends[b]).
-    b_offs = tl.arange(0, BLOCK_B)
-    ends = tl.load(tile_ends_ptr + b_offs, mask=b_offs < num_seqs, other=2147483647)
-    seq = tl.sum((ends <= tile).to(tl.int32), axis=0)
+    split = tl.program_id(2)
+    seq = _context_tile_seq(tile, tile_ends_ptr, num_seqs, BLOCK_B)
     if seq >= num_seqs:
         return
-    seq_end = tl.load(tile_ends_ptr + seq)
     ctx_len = tl.load(ctx_lens_ptr + seq).to(tl.int32)
     q_len = tl.load(q_lens_ptr + seq).to(tl.int32)
     q_start = tl.load(q_start_ptr + seq).to(tl.int64)
-    num_tiles = tl.cdiv(q_len, BLOCK_Q)
-    q_tile = tile - (seq_end - num_tiles)
+    q_tile, tok, head, row_ok = _context_tile_rows(tile, seq, kv_head, tile_ends_ptr, q_lens_ptr, GROUP, BLOCK_Q,
+                                                   BLOCK_M)
     prefix_len = ctx_len - q_len  # position of the first new token
-
-    rows = tl.arange(0, BLOCK_M)
-    tok = q_tile * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
     q_pos = prefix_len + tok
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
@@ -176,28 +197,97 @@ def _context_attention_kernel(
     table_row = slot_table_ptr + row * stride_table
     n_offs = tl.arange(0, BLOCK_N)
 
-    # Keys before this tile's first query position: every row sees all of them, no mask.
+    # The keys this tile sees, [0, kv_end); with splits, this program's share [lo, hi) of them,
+    # whole BLOCK_N tiles but the last.
     first_pos = prefix_len + q_tile * BLOCK_Q
     full_end = (first_pos // BLOCK_N) * BLOCK_N
-    for start in range(0, full_end, BLOCK_N):
+    kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_end
+    else:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(kv_end, lo + per_split)
+
+    # Keys before this tile's first query position: every row sees all of them, no mask.
+    for start in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         slots = tl.load(table_row + start + n_offs).to(tl.int64)
         k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, d_ok[None, :],
                                    stride_ks, stride_kh, stride_vs, stride_vh)
         acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, None, None, None, DOT_PRECISION)
 
-    # The diagonal: causal mask, and the context's end.
-    kv_end = tl.minimum(ctx_len, first_pos + BLOCK_Q)
-    for start in range(full_end, kv_end, BLOCK_N):
+    # The diagonal: causal mask, and the end of the keys this program sees.
+    for start in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         n = start + n_offs
-        n_ok = n < kv_end
+        n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
         k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
                                    stride_ks, stride_kh, stride_vs, stride_vh)
         acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION)
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # Unnormalised partials, merged by _context_merge_kernel: [split, tile, kv head, row(, d)].
+        rows = tl.arange(0, BLOCK_M)
+        at = ((split * tl.num_programs(0) + tile) * tl.num_programs(1) + kv_head).to(tl.int64) * BLOCK_M + rows
+        tl.store(part_m_ptr + at, m_i)
+        tl.store(part_l_ptr + at, l_i)
+        tl.store(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _context_merge_kernel(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    out_ptr,
+    q_lens_ptr,
+    q_start_ptr,
+    tile_ends_ptr,
+    num_seqs,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """One tile's rows from the splits' partials: each split's sum rescaled to the rows' overall
+    maximum (base 2), divided by the rescaled sum of weights."""
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    num_tiles = tl.num_programs(0)
+    num_kv_heads = tl.num_programs(1)
+    seq = _context_tile_seq(tile, tile_ends_ptr, num_seqs, BLOCK_B)
+    if seq >= num_seqs:
+        return
+    q_start = tl.load(q_start_ptr + seq).to(tl.int64)
+    q_tile, tok, head, row_ok = _context_tile_rows(tile, seq, kv_head, tile_ends_ptr, q_lens_ptr, GROUP, BLOCK_Q,
+                                                   BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        at = ((s * num_tiles + tile) * num_kv_heads + kv_head).to(tl.int64) * BLOCK_M + rows
+        m_max = tl.maximum(m_max, tl.load(part_m_ptr + at))
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        at = ((s * num_tiles + tile) * num_kv_heads + kv_head).to(tl.int64) * BLOCK_M + rows
+        w = tl.exp2(tl.load(part_m_ptr + at) - m_max)
+        l_sum += w * tl.load(part_l_ptr + at)
+        acc += w[:, None] * tl.load(part_acc_ptr + at[:, None] * BLOCK_D + d[None, :])
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
     o_ptrs = out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & (d < HEAD_DIM)[None, :])
 
 
 def _context_config(dtype: torch.dtype) -> tuple[int, int, int]:
@@ -205,6 +295,24 @@ def _context_config(dtype: torch.dtype) -> tuple[int, int, int]:
     250 TFLOP/s on fresh 4k prompts, 200 with a long cached prefix); it also keeps float32's split
     tf32 operands within shared memory."""
     return 64, 32, 4
+
+
+#: Most splits of a tile's keys (see :func:`_context_num_splits`).
+MAX_CONTEXT_SPLITS = 8
+
+
+def _context_num_splits(programs: int, device: torch.device) -> int:
+    """Splits of each tile's keys so that a launch of few tiles still fills the device: a short
+    chunk after a long cached prefix (a later turn of a chat) is a few tiles, each walking the
+    whole prefix alone; split, its programs share the walk and a merge adds their parts up.
+    Decided by the launch's shapes only, so a CUDA graph captures one choice. One split where the
+    tiles already fill every multiprocessor twice (a fresh long prompt), and off the GPU."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= target:
+        return 1
+    return min(MAX_CONTEXT_SPLITS, next_pow2(cdiv(target, programs)))
 
 
 #: Least width of the context kernel's tile -> sequence lookup. A constexpr that followed the batch
@@ -230,10 +338,13 @@ def context_attention_triton(
     num_stages: int = 2,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`context_attention_ref`; ``out`` (shaped like ``q``, any row stride)
     receives the result when given. ``table_rows``: ``slot_table`` is a request table read in
     place, sequence ``b``'s slots its row ``table_rows[b]`` (no per-step copy of the rows).
+    ``num_splits``: programs sharing each tile's keys (a power of two; None: from the launch's
+    size, :func:`_context_num_splits`), their parts then merged by a second kernel.
 
     ``block_m`` rows of a tile hold ``block_m // group`` query tokens times the ``group`` q heads
     of one kv head. Unset tile sizes come from :func:`_context_config`. Rows of ``q`` that belong
@@ -258,11 +369,25 @@ def context_attention_triton(
     tile_ends = torch.cumsum(torch.div(q_lens + (block_q - 1), block_q, rounding_mode="floor"), 0)
     # Sum over sequences of ceil(q_len / block_q) never exceeds this bound, so no host sync.
     max_tiles = cdiv(num_tokens, block_q) + num_seqs
-    _context_attention_kernel[(max_tiles, num_kv_heads)](
+    splits = num_splits or _context_num_splits(max_tiles * num_kv_heads, q.device)
+    if splits & (splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {splits}")
+    block_d = next_pow2(head_dim)
+    block_b = max(next_pow2(num_seqs), MIN_BLOCK_B)
+    if splits > 1:
+        part_m = torch.empty((splits, max_tiles, num_kv_heads, block_m), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((*part_m.shape, block_d), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = ctx_lens  # unused
+    _context_attention_kernel[(max_tiles, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
         out,
+        part_acc,
+        part_m,
+        part_l,
         slot_table,
         ctx_lens,
         q_lens,
@@ -285,13 +410,20 @@ def context_attention_triton(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=next_pow2(head_dim),
-        BLOCK_B=max(next_pow2(num_seqs), MIN_BLOCK_B),
+        BLOCK_D=block_d,
+        BLOCK_B=block_b,
         DOT_PRECISION=dot_precision(q.dtype),
         HAS_ROWS=table_rows is not None,
+        NUM_SPLITS=splits,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if splits > 1:
+        _context_merge_kernel[(max_tiles, num_kv_heads)](
+            part_acc, part_m, part_l, out, q_lens, q_start_loc, tile_ends, num_seqs, out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_B=block_b,
+            NUM_SPLITS=splits, num_warps=4,
+        )
     return out
 
 

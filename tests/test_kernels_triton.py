@@ -76,12 +76,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
                   "kernels.gemv", "kernels.qkv_rotary", "kernels._triton"]  # fmt: skip
-# rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, decode split and merge,
+# rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
+# helpers (the tile's sequence, its rows), decode split and merge,
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
 # few-row projection, its products (the first weight tile, the norm's tile, the products after
 # the wait) and its input prologue, the qkv projection with rotary and KV store, the
 # dependent-launch wait.
-NUM_KERNELS = 21
+NUM_KERNELS = 24
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -424,6 +425,30 @@ class InterpretedCases:
         out, ref = _context(batch, block_m=32, block_n=16)
         assert_matches(out, ref, *ATTENTION_TOL[torch.float16])
 
+    @pytest.mark.parametrize("num_splits", [2, 4, 8])
+    def test_context_attention_split_over_the_keys_matches_the_reference(self, num_splits: int) -> None:
+        # Short chunks after long cached prefixes (a later turn), a fresh prompt, one new token and
+        # none: splits from several key tiles each to empty ones (a tile's keys end before them).
+        batch = make_paged_batch([150, 37, 97, 9, 20], [6, 37, 1, 9, 0], 6, 2, 16, layout="shuffled",
+                                 dtype=torch.float16, seed=13)
+        out, ref = _context(batch, block_m=16, block_n=16, num_splits=num_splits)
+        assert_matches(out, ref, *ATTENTION_TOL[torch.float16])
+        single, _ = _context(batch, block_m=16, block_n=16, num_splits=1)
+        assert not torch.equal(out, single) or num_splits == 1  # the split path ran (other sums' order)
+
+    def test_context_attention_split_leaves_rows_outside_sequences_unwritten(self) -> None:
+        # In a mixed step the context kernel writes into the rows after the decode rows of one
+        # output; the merge writes only its sequences' rows.
+        batch = make_paged_batch([64, 23], [5, 3], 4, 2, 16, layout="blocks1", seed=14)
+        q = torch.cat([batch.q, torch.randn(4, *batch.q.shape[1:])])
+        out = torch.full_like(q, 7.0)
+        args = (batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, batch.q_lens, batch.q_start_loc, 0.3)
+        context_attention_triton(q, *args, block_m=16, block_n=16, num_splits=4, out=out)
+        assert torch.equal(out[batch.q.shape[0]:], torch.full_like(out[batch.q.shape[0]:], 7.0))
+        assert_matches(out[: batch.q.shape[0]], context_attention_ref(batch.q, *args), *ATTENTION_TOL[torch.float32])
+        with pytest.raises(ValueError, match="power of two"):
+            context_attention_triton(q, *args, num_splits=3)
+
     def test_context_attention_triton_takes_a_strided_query_view(self) -> None:
         batch = make_paged_batch([19, 6], [11, 6], 4, 1, 16, layout="blocks1", seed=9)
         wide = torch.randn(batch.q.shape[0], 4 * 16 + 32)
@@ -471,8 +496,10 @@ class InterpretedCases:
             want = decode_attention_triton(batch.q, *common, batch.slot_table, *args, block_n=16, num_splits=3)
         else:
             args = (batch.ctx_lens, batch.q_lens, batch.q_start_loc, 0.3)
-            out = context_attention_triton(batch.q, *common, table, *args, block_m=16, block_n=16, table_rows=rows)
-            want = context_attention_triton(batch.q, *common, batch.slot_table, *args, block_m=16, block_n=16)
+            out = context_attention_triton(batch.q, *common, table, *args, block_m=16, block_n=16, table_rows=rows,
+                                           num_splits=2)
+            want = context_attention_triton(batch.q, *common, batch.slot_table, *args, block_m=16, block_n=16,
+                                            num_splits=2)
         assert torch.equal(out, want)
 
 
