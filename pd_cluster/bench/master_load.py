@@ -56,6 +56,8 @@ class LoadOptions:
     first_turn_len: int = 1024
     turn_len: int = 128
     output_len: int = 128
+    #: "any" or "words" (ServeBenchConfig.prompt_vocab)
+    prompt_vocab: str = "any"
     port: int = 8100
     master_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 120.0
@@ -278,7 +280,7 @@ def run_master_load(options: LoadOptions, work_dir: Path) -> dict[str, Any]:
             base_url=master.url, model=SERVED_NAME, tokenizer=str(model_dir), endpoint="chat",
             workload="multi-turn", num_conversations=options.conversations, turns=options.turns,
             first_turn_len=options.first_turn_len, input_len=options.turn_len, output_len=options.output_len,
-            rates=[options.rate], save_requests=True, progress=False, seed=77,
+            rates=[options.rate], save_requests=True, progress=False, seed=77, prompt_vocab=options.prompt_vocab,
             request_timeout=options.request_timeout_s,
         )
         assert master.proc is not None
@@ -337,7 +339,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"`pd-cluster master` serving `{doc['model']}`'s template and tokenizer to {o['decode_nodes']} synthetic "
         f"decode nodes ({o['step_ms']:g} ms a step); {o['conversations']} conversations of {o['turns']} turns at "
         f"{o['rate']:g}/s, first message {o['first_turn_len']} tokens, later ones {o['turn_len']}, answers "
-        f"{o['output_len']} tokens" + (f"; master flags `{' '.join(o['master_args'])}`" if o["master_args"] else "")
+        f"{o['output_len']} tokens" + ("; messages of whole words" if o.get("prompt_vocab") == "words" else "")
+        + (f"; master flags `{' '.join(o['master_args'])}`" if o["master_args"] else "")
         + ".", "",
         "| requests | failed | TTFT turns 2+ p50 | http | master (dispatch) | node | hops | master CPU | "
         "CPU per request | CPU per token |",
@@ -361,6 +364,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-turn-len", type=int, default=d.first_turn_len, help="tokens of a first message")
     p.add_argument("--turn-len", type=int, default=d.turn_len, help="tokens of each later message")
     p.add_argument("--output-len", type=int, default=d.output_len, help="tokens of each answer")
+    p.add_argument("--prompt-vocab", choices=["any", "words"], default=d.prompt_vocab,
+                   help="messages from any ordinary token or from whole words only (text the tokenizer's word cache "
+                        "holds, as real text)")
     p.add_argument("--port", type=int, default=d.port, help="the master's port on 127.0.0.1")
     p.add_argument("--master-args", default="", help="extra flags of pd-cluster master")
     p.add_argument("--repeat", type=int, default=1, help="runs, each on a fresh master (the report's median)")
@@ -376,7 +382,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     options = LoadOptions(model=args.model, decode_nodes=args.decode_nodes, step_ms=args.step_ms,
                           conversations=args.conversations, turns=args.turns, rate=args.rate,
                           first_turn_len=args.first_turn_len, turn_len=args.turn_len, output_len=args.output_len,
-                          port=args.port, master_args=args.master_args.split())
+                          prompt_vocab=args.prompt_vocab, port=args.port, master_args=args.master_args.split())
     date = dt.date.today().isoformat()
     stem = f"master-load-cpu-{date}" + (f"-{args.tag}" if args.tag else "")
     runs = [run_master_load(replace(options), args.out / f"{stem}-run{i + 1}") for i in range(args.repeat)]
