@@ -261,7 +261,7 @@ class Tokenizer:
         the long ones, and join every piece's ids."""
         if todo:
             # One batched call, as apply_chat_template calls the tokenizer (add_special_tokens=False).
-            encoded = self.hf([part for _, part in todo], add_special_tokens=False)["input_ids"]
+            encoded = self._encode_texts([part for _, part in todo], add_special_tokens=False)
             for (index, part), ids in zip(todo, encoded):
                 pieces[index] = ids
                 if cache and len(part) >= _MIN_CACHED_SEGMENT_CHARS:
@@ -288,7 +288,37 @@ class Tokenizer:
 
     def _encode_prompt(self, text: str) -> list[int]:
         with self._hf_lock:
-            return [int(t) for t in self.hf(text, add_special_tokens=True)["input_ids"]]
+            return [int(t) for t in self._encode_texts([text], add_special_tokens=True)[0]]
+
+    def _encode_texts(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """Each text's ids, as ``hf(texts)`` gives them (the caller holds ``_hf_lock``)."""
+        backend = self._backend
+        if backend is None:
+            return [list(ids) for ids in self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+        return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
+    @functools.cached_property
+    def _backend(self) -> Any | None:
+        """The fast tokenizer's own (Rust) tokenizer, called directly where it gives what
+        ``hf(texts)`` gives: transformers' call wraps it in about as much Python again (a later
+        turn's two new messages: 2.0 against 1.0 ms) and computes offsets no one here reads. None
+        (use ``hf``) for slow tokenizers, a backend with truncation or padding configured (the
+        call turns them off), one without ``encode_batch_fast``, or one whose ids differ on a probe."""
+        backend = getattr(self.hf, "_tokenizer", None)
+        if not getattr(self.hf, "is_fast", False) or not hasattr(backend, "encode_batch_fast"):
+            return None
+        try:
+            if backend.truncation is not None or backend.padding is not None:
+                return None
+            probe = ["  Hi there, 12345 tokens!\n\n\tcafé 😀", "x", ""]
+            for special in (False, True):
+                ours = [e.ids for e in backend.encode_batch_fast(probe, add_special_tokens=special)]
+                if ours != [list(ids) for ids in self.hf(probe, add_special_tokens=special)["input_ids"]]:
+                    return None
+        except Exception:  # an unusual backend: keep the wrapper's path
+            logger.warning("encoding through the tokenizer's wrapper: its backend could not be checked", exc_info=True)
+            return None
+        return backend
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as OpenAI's logprobs show it."""

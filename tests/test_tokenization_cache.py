@@ -237,3 +237,42 @@ async def test_a_short_new_part_is_encoded_on_the_loop_unless_the_tokenizer_is_b
         assert (await pending).ids == _reference(tokenizer, busy)
     finally:
         t.close()
+
+
+def test_texts_are_encoded_through_the_backend_with_the_wrappers_ids(default_model_dir, monkeypatch):
+    """The fast tokenizer's backend is called directly where it gives hf()'s ids; a backend set to
+    truncate (which hf() turns off per call) is not."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(default_model_dir))  # not the shared fixture: it is changed here
+    rng = random.Random(5)
+    texts = [_text(rng, 60), "<|im_start|>user\nhi", "", "  tabs\tand\nlines  ", "café 😀 12345"]
+    t = Tokenizer(hf)
+    assert t._backend is hf._tokenizer
+    calls = []
+    monkeypatch.setattr(t, "hf", _CallCounter(hf, calls))
+    for special in (False, True):
+        assert t._encode_texts(texts, special) == [list(i) for i in hf(texts, add_special_tokens=special)["input_ids"]]
+    assert t._encode_prompt(texts[0]) == list(hf(texts[0], add_special_tokens=True)["input_ids"])
+    assert calls == []  # none went through the wrapper
+
+    truncating = AutoTokenizer.from_pretrained(str(default_model_dir))
+    truncating._tokenizer.enable_truncation(max_length=8)
+    t = Tokenizer(truncating)
+    assert t._backend is None
+    assert t._encode_texts(texts[:1], False) == [list(hf(texts[0], add_special_tokens=False)["input_ids"])]
+    assert len(t._encode_texts(texts[:1], False)[0]) > 8
+
+
+class _CallCounter:
+    """A tokenizer whose calls are recorded (attributes pass through)."""
+
+    def __init__(self, hf: Any, calls: list) -> None:
+        self._hf, self._calls = hf, calls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._calls.append(args)
+        return self._hf(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._hf, name)
