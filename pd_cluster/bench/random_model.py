@@ -94,7 +94,8 @@ def write_random_model(
     # id decodes to text and streamed timings (which count chunks with text) stay exact.
     from transformers import AutoTokenizer
 
-    tokenizer_vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer_vocab = len(tokenizer)
     if vocab == "tokenizer":
         cfg["vocab_size"] = tokenizer_vocab
     elif vocab == "shape":
@@ -109,7 +110,7 @@ def write_random_model(
         from pd_cluster.bench.words import whole_word_ids
 
         silent_rows = torch.ones(cfg["vocab_size"], dtype=torch.bool)
-        silent_rows[whole_word_ids(AutoTokenizer.from_pretrained(tokenizer_dir))] = False
+        silent_rows[whole_word_ids(tokenizer)] = False
     cfg["_name_or_path"] = out_dir.name
     cfg["torch_dtype"] = dtype
 
