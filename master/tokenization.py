@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, NamedTuple, TypeVar
 
 from master.tool_calls import messages_without_tool_support, template_renders_tools
-from pd_cluster.block_hash import block_hashes
+from pd_cluster.block_hash import BlockHashMemo
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,8 @@ class Tokenizer:
         self._segment_chars = 0
         self._segment_hits = 0
         self._segment_misses = 0
+        # Recent prompts' block hashes: a later turn hashes only what its conversation added.
+        self._hash_memo = BlockHashMemo()
 
     @property
     def vocab_size(self) -> int:
@@ -131,10 +133,9 @@ class Tokenizer:
         """Block hashes of a prompt given as ids."""
         return await self.run(self._encoded, block_size, list, ids)
 
-    @staticmethod
-    def _encoded(block_size: int | None, encode: Callable[..., list[int]], *args: Any) -> Encoded:
+    def _encoded(self, block_size: int | None, encode: Callable[..., list[int]], *args: Any) -> Encoded:
         ids = encode(*args)
-        return Encoded(ids, block_hashes(ids, block_size) if block_size else None)
+        return Encoded(ids, self._hash_memo.block_hashes(ids, block_size) if block_size else None)
 
     def _template_args(self, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]], dict[str, Any]]:

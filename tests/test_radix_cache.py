@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from pd_cluster.block_hash import block_hashes
+from pd_cluster.block_hash import BlockHashMemo, block_hashes
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.radix_cache import PrefixMatch, RadixCache
 from pd_cluster.kv_spec import KVSpec
@@ -73,6 +73,41 @@ def test_block_hashes_depend_on_the_whole_prefix() -> None:
     assert block_hashes([3, 4], 2, parent=a[0]) == a[1:]
     assert block_hashes([1, 2, 3], 4) == []
     assert block_hashes(torch.tensor([1, 2, 3, 4]), 2) == a
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 16])
+def test_the_memo_gives_the_chain_of_block_hashes_and_recomputes_only_changed_runs(block_size: int) -> None:
+    rng = random.Random(block_size)
+    memo = BlockHashMemo(run_blocks=8)
+    first = [rng.randrange(50_000) for _ in range(40 * block_size + block_size - 1)]  # 5 runs (and a partial block)
+    assert memo.block_hashes(first, block_size) == block_hashes(first, block_size)
+    assert (memo.hits, memo.misses) == (0, 5)
+    assert memo.block_hashes(first, block_size) == block_hashes(first, block_size)
+    assert (memo.hits, memo.misses) == (5, 5)
+
+    # A later turn: the first 20 blocks kept, the rest changed and longer.
+    later = first[: 20 * block_size] + [rng.randrange(50_000) for _ in range(30 * block_size)]
+    assert memo.block_hashes(later, block_size) == block_hashes(later, block_size)
+    assert (memo.hits, memo.misses) == (7, 10)  # runs 0-1 found; run 2 (blocks 16-23) to run 6 computed
+    # A change inside the first block changes every hash after it.
+    other = [first[0] + 1] + first[1:]
+    assert memo.block_hashes(other, block_size) == block_hashes(other, block_size) != block_hashes(first, block_size)
+    assert memo.block_hashes([], block_size) == [] and memo.block_hashes(first[: block_size - 1], block_size) == []
+
+
+def test_the_memo_is_bounded_and_drops_the_least_recently_used_run() -> None:
+    memo = BlockHashMemo(run_blocks=4, max_runs=3)
+    prompts = [[i] * 8 for i in range(3)]  # two runs each
+    for p in prompts:
+        memo.block_hashes(p, 1)
+    assert len(memo) == 3  # six runs made, three kept: the last prompt's two and the one before
+    misses = memo.misses
+    assert memo.block_hashes(prompts[2], 1) == block_hashes(prompts[2], 1)
+    assert memo.misses == misses  # kept
+    assert memo.block_hashes(prompts[0], 1) == block_hashes(prompts[0], 1)
+    assert memo.misses == misses + 2  # dropped
+    with pytest.raises(ValueError):
+        BlockHashMemo(run_blocks=0)
 
 
 # --------------------------------------------------------------------------------------------

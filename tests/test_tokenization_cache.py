@@ -199,6 +199,22 @@ async def test_encoding_with_a_block_size_hashes_the_ids_in_the_same_call(tokeni
     assert (await t.hash_blocks([5, 6, 7, 8, 9], 2)).block_hashes == block_hashes([5, 6, 7, 8, 9], 2)
 
 
+async def test_a_later_turn_hashes_only_the_blocks_its_conversation_added(tokenizer):
+    from pd_cluster.block_hash import block_hashes
+
+    t = Tokenizer(tokenizer)
+    first = [{"role": "user", "content": " ".join(_WORDS) * 12}]
+    one = await t.encode_chat(first, None, 1)
+    made = t._hash_memo.misses
+    second = first + [{"role": "assistant", "content": "the of and " * 10}, {"role": "user", "content": "and to in"}]
+    two = await t.encode_chat(second, None, 1)
+    assert two.ids[: len(one.ids) - 8] == one.ids[: len(one.ids) - 8]
+    assert one.block_hashes == block_hashes(one.ids, 1) and two.block_hashes == block_hashes(two.ids, 1)
+    runs = t._hash_memo.run_blocks
+    assert t._hash_memo.hits >= (len(one.ids) - 8) // runs - 1  # the first turn's runs, found again
+    assert t._hash_memo.misses - made <= (len(two.ids) - len(one.ids) + 8) // runs + 2  # only the new runs made
+
+
 async def test_a_short_new_part_is_encoded_on_the_loop_unless_the_tokenizer_is_busy(tokenizer):
     t = Tokenizer(tokenizer)
     trips: list[str] = []
