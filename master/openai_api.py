@@ -26,7 +26,7 @@ from master.metrics import CONTENT_TYPE, status_of_http
 from master.relay import ClientDisconnected, RelayRequest, StreamFailed
 from master.request_log import REQUEST_ID_HEADER
 from master.tokenization import ChatTemplateError, Encoded
-from pd_cluster.engine.grammar import GrammarError, check_spec
+from pd_cluster.grammar_spec import GrammarError, check_spec
 
 logger = logging.getLogger(__name__)
 

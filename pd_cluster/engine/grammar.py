@@ -19,7 +19,6 @@ the sampler runs.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import OrderedDict
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from pd_cluster.grammar_spec import JSON_OPTIONS, GrammarError, check_spec, grammar_text
 from pd_cluster.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
@@ -34,37 +34,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: JSON as the model writes it: no free whitespace (a small model under a grammar that allows it
-#: can pad forever), and the separators of ``json.dumps``, the form most training text has.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+__all__ = ["JSON_OPTIONS", "GrammarError", "GrammarState", "Grammars", "apply_token_bitmask", "check_spec",
+           "grammar_text", "token_bitmask_words"]
+
 #: Compiled grammars an engine keeps (LRU): a matcher template per spec.
 GRAMMAR_CACHE_SIZE = 128
 _ALL_ALLOWED = -1  # an int32 with every bit set
-
-
-class GrammarError(ValueError):
-    """A grammar spec that cannot be compiled (the message says why)."""
-
-
-def grammar_text(spec: StructuredOutput) -> str:
-    """llguidance's grammar for ``spec``; raises :class:`GrammarError`."""
-    import llguidance
-
-    schema: Any = {"type": "object"} if spec.kind == "json_object" else json.loads(spec.json_schema or "null")
-    try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except ValueError as exc:
-        raise GrammarError(f"invalid JSON schema: {exc}") from None
-
-
-def check_spec(spec: StructuredOutput) -> None:
-    """Raise :class:`GrammarError` naming what is wrong when ``spec`` does not compile (the master
-    asks before any node sees the request; no tokenizer is needed)."""
-    import llguidance
-
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(spec), None)
-    if is_error:
-        raise GrammarError(f"invalid JSON schema: {messages[0] if messages else 'rejected by the grammar compiler'}")
 
 
 def mask_threads() -> int:
