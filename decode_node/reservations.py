@@ -76,6 +76,7 @@ class Reservations:
             raise NoCapacity(f"decode node is full ({len(sched.running)} running, {engine.pool.num_free} free KV slots)")
         match = engine.cache.match_prefix(prompt_token_ids)
         engine.cache.inc_ref(match.node)
+        engine.settle_freed_slots()  # the prefill node writes these slots from outside the engine's stream
         slots = sched.alloc_slots(n - match.num_tokens)
         if slots is None:
             engine.cache.dec_ref(match.node)

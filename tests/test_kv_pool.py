@@ -89,3 +89,19 @@ def test_reserved_slots_leave_the_capacity_and_are_never_handed_out():
     assert pool.alloc(1) is None
     pool.free(taken)
     assert pool.num_free == pool.capacity
+
+
+def test_the_request_tables_host_mirror_holds_what_was_written_and_recorded() -> None:
+    from pd_cluster.engine.req_table import ReqSlotTable
+
+    table = ReqSlotTable(4, 16, torch.device("cpu"), host_mirror=True)
+    assert ReqSlotTable(4, 16, torch.device("cpu"))._host is None  # on the CPU the table is read directly
+    row = table.alloc_row()
+    table.write(row, 0, torch.tensor([7, 8, 9]))
+    # A captured step scatters its inputs into the device table; the host records the same writes.
+    table.table[[row, row], [3, 4]] = torch.tensor([10, 11])
+    table.record([row, row], [3, 4], [10, 11])
+    assert table.read(row, 5).tolist() == [7, 8, 9, 10, 11] == table.table[row, :5].tolist()
+    got = table.read(row, 5)
+    got[0] = -1  # a copy: the mirror is not changed through it
+    assert table.read(row, 1).tolist() == [7]

@@ -136,3 +136,54 @@ def test_overlapped_engine_preempts_a_request_with_a_token_on_the_device_and_rec
     engine.cache.flush()
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.capacity
     assert engine.table.num_free_rows == engine.config.max_running_requests
+
+
+def test_slots_are_read_from_the_host_mirror_and_answers_stay_the_same(default_model_dir, chat_prompts, hf_reference,
+                                                                       monkeypatch):
+    """With the request table mirrored on the host (as on a GPU, where a read of the device table
+    would wait for the step in flight), ended requests cache and free the slots the mirror holds:
+    every row read equals the table's, and a second round served from those cached slots gives
+    transformers' tokens."""
+    import functools
+
+    import pd_cluster.engine.llm_engine as llm_engine
+    from pd_cluster.engine.req_table import ReqSlotTable
+
+    monkeypatch.setattr(llm_engine, "ReqSlotTable", functools.partial(ReqSlotTable, host_mirror=True))
+    llm = LLM(str(default_model_dir), max_total_tokens=8192, max_num_batched_tokens=256, overlap_schedule=True)
+    engine = llm.engine
+    assert engine.table._host is not None
+    reads = []
+    real_read = engine.table.read
+
+    def checked_read(row: int, length: int):
+        got = real_read(row, length)
+        reads.append(bool((got == engine.table.table[row, :length]).all()))
+        return got
+
+    engine.table.read = checked_read
+    prompts = chat_prompts[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for _ in range(2):
+        for prompt, out in zip(prompts, llm.generate(prompts, params)):
+            assert out.token_ids == hf_reference.greedy(prompt, NEW_TOKENS)
+    assert reads and all(reads)
+    assert engine.cache.match_prefix(prompts[0]).num_tokens >= len(prompts[0]) - 1  # the first round's, reused
+    assert _pool_is_whole(llm)
+
+
+def test_slots_freed_while_a_step_runs_are_settled_before_a_prefill_node_writes_them(engines, chat_prompts):
+    """A request that ends while the next step is in flight frees (or caches) its slots without
+    waiting for the device; a reservation for KV written from outside first settles them."""
+    _, overlapped = engines
+    engine = overlapped.engine
+    engine.add_request("ends-early", chat_prompts[0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.add_request("runs-on", chat_prompts[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    ended_in_flight = False
+    while engine.has_unfinished():
+        engine.step()
+        if engine._frees_at_launch != (engine.pool.frees, engine.table.frees):
+            ended_in_flight = True
+            engine.settle_freed_slots()
+            assert engine._frees_at_launch == (engine.pool.frees, engine.table.frees)
+    assert ended_in_flight

@@ -295,10 +295,14 @@ class StepGraphs:
         # The new tokens' slots enter the request table (decode part, then prefill part), which the
         # attention kernels read in place through each sequence's row.
         table = self.table.table
+        n_tok = shape.decode + shape.tokens
         for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
             if hi > lo:
                 part = token_rows[:, lo:hi]
                 table.index_put_((part[_TROW], part[_POS]), part[_SLOTS])
+                self.table.record(tokens[_TROW * n_tok + lo : _TROW * n_tok + hi],
+                                  tokens[_POS * n_tok + lo : _POS * n_tok + hi],
+                                  tokens[_SLOTS * n_tok + lo : _SLOTS * n_tok + hi])
         logits = self.run_graph(shape)
         self.last_argmax = None
         self.last_draw = None

@@ -314,6 +314,17 @@ class LLMEngine:
             self._accept_id(req, tok, now)
         self._aside = waiting
 
+    def settle_freed_slots(self) -> None:
+        """Before free KV slots go to a writer outside this engine's stream (KV arriving from a
+        prefill node): those freed since the pipelined step in flight was launched (a request
+        found finished as it ran; its slots freed or cached without waiting for the device) may
+        still be written by that step, so wait for it. Nothing to wait for otherwise."""
+        if self._frees_at_launch is None or self._frees_at_launch == (self.pool.frees, self.table.frees):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._frees_at_launch = (self.pool.frees, self.table.frees)
+
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:

@@ -1,7 +1,16 @@
-"""Request-to-slot table: row ``r`` lists the KV slots of one running request's tokens."""
+"""Request-to-slot table: row ``r`` lists the KV slots of one running request's tokens.
+
+The attention kernels read the table on the device. The host reads rows too, whenever a request
+ends (its slots go to the prefix cache) or hands its KV over; a read of the device table would
+wait for the step in flight, stalling the pipelined engine once for every request that ends. Every
+slot written comes from the host, so on a GPU the host keeps a mirror of the table and reads that.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from pd_cluster.engine.device_copy import to_device
@@ -10,8 +19,12 @@ from pd_cluster.engine.device_copy import to_device
 class ReqSlotTable:
     """A ``[max_requests, max_len]`` int64 table on the device, so a step's slot table is one gather."""
 
-    def __init__(self, max_requests: int, max_len: int, device: torch.device) -> None:
+    def __init__(self, max_requests: int, max_len: int, device: torch.device, host_mirror: bool | None = None) -> None:
+        """``host_mirror``: keep the host copy that reads come from; None: on any device but the CPU."""
         self.table = torch.zeros((max_requests, max_len), dtype=torch.int64, device=device)
+        if host_mirror is None:
+            host_mirror = self.table.device.type != "cpu"
+        self._host: np.ndarray | None = np.zeros((max_requests, max_len), dtype=np.int64) if host_mirror else None
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.max_len = max_len
         #: Rows freed so far: an engine compares it across a step's launch.
@@ -31,8 +44,19 @@ class ReqSlotTable:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Slots ``[start, start + len(slots))`` of a row (``slots`` on the host)."""
         self.table[row, start : start + slots.numel()] = to_device(slots, self.table.device)
+        if self._host is not None:
+            self._host[row, start : start + slots.numel()] = slots.numpy()
+
+    def record(self, rows: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> None:
+        """Slots written to the device table elsewhere (a captured step's inputs scattered into it):
+        ``table[rows[i], positions[i]] = slots[i]`` on the host mirror."""
+        if self._host is not None:
+            self._host[rows, positions] = slots
 
     def read(self, row: int, length: int) -> torch.Tensor:
-        """The first ``length`` slots of a row, on the CPU."""
-        return self.table[row, :length].cpu()
+        """The first ``length`` slots of a row, on the CPU (from the mirror: no wait on the device)."""
+        if self._host is None:
+            return self.table[row, :length].cpu()
+        return torch.from_numpy(self._host[row, :length].copy())

@@ -182,6 +182,35 @@ def test_float32_greedy_with_prefill_chunks_in_graphs_equals_the_cpu_path(model_
     assert [s.tokens for s in mixed] == [32, 32, 64, 192, 256, 384]
 
 
+def test_rows_read_from_the_host_mirror_equal_the_device_table_through_graphs(model_dir, prompts, cpu_tokens):
+    """Ended requests' slots come from the host's mirror of the request table (no wait for the
+    step in flight): every row read equals the device table's, through decode and mixed graphs,
+    and a second round served from the slots cached that way gives the same tokens."""
+    eng = engine(model_dir, "cuda", "float32")
+    assert eng.table._host is not None
+    shapes = count_replays(eng)
+    reads = []
+    real_read = eng.table.read
+
+    def checked_read(row: int, length: int) -> torch.Tensor:
+        got = real_read(row, length)
+        reads.append(torch.equal(got, eng.table.table[row, :length].cpu()))
+        return got
+
+    eng.table.read = checked_read
+    for _ in range(2):
+        reqs = []
+        for prompt, max_tokens in zip(prompts, MAX_TOKENS):
+            reqs.append(eng.add_request(uuid.uuid4().hex, prompt,
+                                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)))
+            eng.step()
+        while eng.has_unfinished():
+            eng.step()
+        assert [list(r.output_token_ids) for r in reqs] == cpu_tokens
+    assert reads and all(reads)
+    assert any(shape.tokens for shape, _ in shapes) and any(not shape.tokens for shape, _ in shapes)
+
+
 def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(model_dir, prompts, cpu_tokens):
     """Requests a node prefills itself, arriving while pipelined steps run, prefill at once on the
     side stream beside the step in flight and then join the batch: the tokens still equal the
