@@ -102,6 +102,10 @@ def test_the_request_tables_host_mirror_holds_what_was_written_and_recorded() ->
     table.table[[row, row], [3, 4]] = torch.tensor([10, 11])
     table.record([row, row], [3, 4], [10, 11])
     assert table.read(row, 5).tolist() == [7, 8, 9, 10, 11] == table.table[row, :5].tolist()
+    many = list(range(5, 15)) + list(range(15, 40))  # past the one-by-one count: indexed at once
+    table.table[row, 5:40] = torch.tensor(many)
+    table.record([row] * 35, list(range(5, 40)), many)
+    assert table.read(row, 40).tolist() == [7, 8, 9, 10, 11] + many == table.table[row, :40].tolist()
     got = table.read(row, 5)
     got[0] = -1  # a copy: the mirror is not changed through it
     assert table.read(row, 1).tolist() == [7]
