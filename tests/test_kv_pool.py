@@ -94,7 +94,7 @@ def test_reserved_slots_leave_the_capacity_and_are_never_handed_out():
 def test_the_request_tables_host_mirror_holds_what_was_written_and_recorded() -> None:
     from pd_cluster.engine.req_table import ReqSlotTable
 
-    table = ReqSlotTable(4, 16, torch.device("cpu"), host_mirror=True)
+    table = ReqSlotTable(4, 64, torch.device("cpu"), host_mirror=True)
     assert ReqSlotTable(4, 16, torch.device("cpu"))._host is None  # on the CPU the table is read directly
     row = table.alloc_row()
     table.write(row, 0, torch.tensor([7, 8, 9]))
