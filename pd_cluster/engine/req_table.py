@@ -51,7 +51,7 @@ class ReqSlotTable:
         """Slots ``[start, start + len(slots))`` of a row (``slots`` on the host)."""
         self.table[row, start : start + slots.numel()] = to_device(slots, self.table.device)
         if self._host is not None:
-            self._host[row, start : start + slots.numel()] = slots.numpy()
+            self._host[row, start : start + slots.numel()] = slots.cpu().numpy()
 
     def record(self, rows: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> None:
         """Slots written to the device table elsewhere (a captured step's inputs scattered into it):
