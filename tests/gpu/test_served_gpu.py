@@ -116,7 +116,9 @@ def test_default_flags_serve_the_offline_engines_answers(which, request, tmp_pat
         rows = {line.split()[1]: line.split() for line in table.splitlines()[1:]}
         assert rows["prefill"][2].isdigit() and rows["decode"][2].isdigit(), table  # placed on a GPU
         assert served_answers(cluster) == expected
-        result = bench_serve(cluster, model, tmp_path / "bench.json", "--num-requests", "16", "--input-len", "512",
+        # Prompts longer than the local-prefill threshold (512 tokens by default), so they go P -> D
+        # and their KV moves; shorter ones are prefilled where they decode, moving nothing.
+        result = bench_serve(cluster, model, tmp_path / "bench.json", "--num-requests", "16", "--input-len", "1024",
                              "--output-len", "32", "--rate", "8")
         run = result["results"][0]
         assert run["failed"] == 0 and run["completed"] == 16, run["errors"]
