@@ -24,11 +24,6 @@ _TOKEN_BYTES = 4
 _DIGEST_BYTES = 8
 
 
-def _hash_block(parent: int, block: bytes) -> int:
-    digest = hashlib.blake2b((parent & _MASK64).to_bytes(8, "little") + block, digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
 def _full_blocks_bytes(token_ids: Sequence[int], block_size: int) -> bytes:
     """The full blocks' tokens as little-endian int32 bytes (a trailing partial block dropped)."""
     if block_size <= 0:
