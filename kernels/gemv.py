@@ -42,14 +42,16 @@ def norm_linear_ref(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``F.linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)`` and the new residual
-    stream, both of the ``rows`` picked (all rows by default)."""
+    """``F.linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)`` (then converted to
+    ``out_dtype``) and the new residual stream, both of the ``rows`` picked (all rows by default)."""
     if rows is not None:
         x = x[rows]
         residual = residual[rows] if residual is not None else None
     normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual)
-    return F.linear(normed, weight, bias), new_residual
+    out = F.linear(normed, weight, bias)
+    return (out.to(out_dtype) if out_dtype is not None else out), new_residual
 
 
 def silu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -226,7 +228,8 @@ def _gemv_kernel(
                        PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty),
+    # Rounded to the weights' dtype first, as the unfused product is, also into a wider output.
+    tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(w_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (rm[None, :] < M))
 
 
@@ -261,6 +264,7 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
@@ -273,7 +277,7 @@ def _launch(
         raise ValueError(f"weight has {weight.shape[1]} input features, the input {k}")
     if any(t is not None and t.dtype != x.dtype for t in (weight, residual, norm_weight, bias)):
         raise ValueError("input, residual and weights must share one dtype")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     res2 = last_dim_contiguous(residual.reshape(-1, k)) if residual is not None else x2
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
@@ -321,11 +325,12 @@ def norm_linear_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows."""
     k = x.shape[-1]
     out, new_residual = _launch(_NORM, x, weight, k, residual=residual, rows=rows, norm_weight=norm_weight,
-                                eps=eps, bias=bias)
+                                eps=eps, bias=bias, out_dtype=out_dtype)
     if new_residual is None:  # No residual to add: the stream is the input (its picked rows).
         new_residual = x.reshape(-1, k)
         new_residual = new_residual[rows] if rows is not None else new_residual
@@ -361,15 +366,19 @@ def norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton where :func:`fits`, else the two ops it fuses (each Triton on CUDA, torch elsewhere)."""
+    """Triton where :func:`fits`, else the two ops it fuses (each Triton on CUDA, torch elsewhere).
+    ``out_dtype``: the product's dtype (default the input's), after rounding to the input's: a
+    float32 head's logits without a separate conversion."""
     if fits(x, _num_rows(x, rows)):
-        return norm_linear_triton(x, residual, norm_weight, eps, weight, bias, rows)
+        return norm_linear_triton(x, residual, norm_weight, eps, weight, bias, rows, out_dtype)
     if rows is not None:
         x = x[rows]
         residual = residual[rows] if residual is not None else None
     normed, new_residual = rms_norm(x, norm_weight, eps, residual)
-    return F.linear(normed, weight, bias), new_residual
+    out = F.linear(normed, weight, bias)
+    return (out.to(out_dtype) if out_dtype is not None else out), new_residual
 
 
 def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

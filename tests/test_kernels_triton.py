@@ -33,6 +33,8 @@ from typing import Callable
 import pytest
 import torch
 
+from kernels.argmax import SLICE as ARGMAX_SLICE
+from kernels.argmax import argmax_rows_ref, argmax_rows_triton
 from kernels.attention import (
     context_attention_ref,
     context_attention_triton,
@@ -73,7 +75,7 @@ from tests.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
+KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
                   "kernels.gemv", "kernels.qkv_rotary", "kernels._triton"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
@@ -81,8 +83,8 @@ KERNEL_MODULES = ["kernels.attention", "kernels.kv_transfer", "kernels.rms_norm"
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
 # few-row projection, its products (the first weight tile, the norm's tile, the products after
 # the wait) and its input prologue, the qkv projection with rotary and KV store, the
-# dependent-launch wait.
-NUM_KERNELS = 24
+# dependent-launch wait, the argmax's two launches (a slice's winner, the row's).
+NUM_KERNELS = 26
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -285,6 +287,35 @@ class InterpretedCases:
         ref, ref_residual = norm_linear_ref(x, residual, norm_weight, 1e-5, weight, bias)
         assert_matches(out, ref, *GEMV_TOL[dtype])
         assert_close_elementwise(new_residual, ref_residual)
+
+    def test_norm_linear_triton_writes_a_wider_output_rounded_as_the_unfused_op(self) -> None:
+        # A float32 head output from bfloat16 weights: the bfloat16 product converted, not a float32 one.
+        gen = torch.Generator().manual_seed(14)
+        x, residual = torch.randn(2, 300, generator=gen).bfloat16(), torch.randn(2, 300, generator=gen).bfloat16()
+        norm_weight = (torch.rand(300, generator=gen) + 0.5).bfloat16()
+        weight = (torch.randn(70, 300, generator=gen) * 0.05).bfloat16()
+        out, _ = norm_linear_triton(x, residual, norm_weight, 1e-5, weight, out_dtype=torch.float32)
+        ref, _ = norm_linear_ref(x, residual, norm_weight, 1e-5, weight, out_dtype=torch.float32)
+        assert out.dtype == ref.dtype == torch.float32
+        assert torch.equal(out, out.bfloat16().float())  # every value a bfloat16 one
+        assert_matches(out, ref, *GEMV_TOL[torch.bfloat16])
+
+    def test_argmax_rows_triton_equals_torch(self) -> None:
+        # Rows over several slices (the last partial), ties across and inside slices (the first
+        # index wins), a NaN (it wins, as in torch), a row of -inf, one of a single slice.
+        gen = torch.Generator().manual_seed(15)
+        n = 2 * ARGMAX_SLICE + 37
+        x = torch.randn(6, n, generator=gen)
+        top = x.max() + 1
+        x[1, [5, ARGMAX_SLICE + 3, n - 1]] = top          # tie across slices
+        x[2, [ARGMAX_SLICE + 7, ARGMAX_SLICE + 9]] = top  # tie inside one slice
+        x[3, 100], x[3, 200] = float("nan"), top
+        x[4] = float("-inf")
+        x[5, n - 1] = top                                 # in the partial last slice
+        assert torch.equal(argmax_rows_triton(x), argmax_rows_ref(x))
+        small = torch.randn(3, 100, generator=gen)
+        assert torch.equal(argmax_rows_triton(small), argmax_rows_ref(small))
+        assert argmax_rows_triton(torch.empty(0, 10)).shape == (0,)
 
     def test_norm_linear_triton_picks_the_rows_asked_for(self) -> None:
         gen = torch.Generator().manual_seed(12)

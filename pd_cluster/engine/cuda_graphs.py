@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from pd_cluster.engine.device_copy import tensor_on
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.req_table import ReqSlotTable
@@ -217,7 +218,7 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
                 self._logits[shape] = self.model.forward(batch, self.pool, float_logits=float_logits)
                 if float_logits:
-                    self._argmax[shape] = self._logits[shape].argmax(dim=-1)
+                    self._argmax[shape] = kernels.argmax_rows(self._logits[shape])
             self._graphs[shape] = graph
         if self.draws:  # after every forward, in a pool of their own
             self.draw_inputs = DrawInputs(self.max_batch, self.device)

@@ -28,6 +28,7 @@ from typing import Callable, Sequence, TypeVar
 import torch
 
 from kernels._triton import use_triton
+from kernels.argmax import argmax_rows
 from kernels.penalties import apply_penalties as penalize
 from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from pd_cluster.engine.penalties import PenaltyBook
@@ -285,7 +286,7 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
     device = logits.device
     if all(_plain_greedy(s.params) for s in states):
         # Most decode batches: one argmax, no settings to pack, no copy of the logits.
-        tokens = argmax if argmax is not None and argmax.shape[0] == batch else logits.argmax(dim=-1)
+        tokens = argmax if argmax is not None and argmax.shape[0] == batch else argmax_rows(logits)
         return _queue_host_copy(DeviceSample(tokens, None, _PLAIN_GREEDY))
     if draw is not None and (draw.rows < batch or not all(_drawable(s.params) for s in states)):
         draw = None

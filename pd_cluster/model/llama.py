@@ -77,7 +77,8 @@ class LlamaModel:
                 layer_hook(index)
         if fused:
             logits, _ = kernels.norm_linear(hidden, residual, self.weights.final_norm, self.config.rms_norm_eps,
-                                            self.weights.lm_head, rows=batch.logits_indices)
+                                            self.weights.lm_head, rows=batch.logits_indices,
+                                            out_dtype=torch.float32 if float_logits else None)
         else:
             hidden = hidden[batch.logits_indices]
             residual = residual[batch.logits_indices] if residual is not None else None
