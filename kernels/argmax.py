@@ -5,7 +5,7 @@ one block, which walks the whole vocabulary by itself: 13 us a step for the defa
 49,152 logits on an H100, as long as three of its layers' projections. Here many programs each
 take a slice of a row and a second launch picks among their winners; both wait on the kernel
 before them as dependent launches. The result is torch's: the first index of the row's largest
-value, a NaN counting as larger than any number.
+value, a NaN winning over every number (torch ranks it above +inf too; here the two tie).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _slice_argmax_kernel(
     ok = offs < N
     pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)  # a NaN wins, as in torch
+    x = tl.where(x != x, float("inf"), x)  # a NaN wins over every finite value, as in torch
     best = tl.max(x, axis=0)
     where = tl.min(tl.where(ok & (x == best), offs, N), axis=0)
     tl.store(best_ptr + row * num_slices + part, best)

@@ -229,8 +229,8 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     # Rounded to the weights' dtype first, as the unfused product is, also into a wider output.
-    tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], acc.to(w_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-             mask=n_mask[:, None] & (rm[None, :] < M))
+    out = acc.to(w_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], out, mask=n_mask[:, None] & (rm[None, :] < M))
 
 
 def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
