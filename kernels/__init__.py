@@ -15,6 +15,7 @@ from kernels.qkv_rotary import norm_qkv_rotary
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary, rotary_cos_sin, rotary_store_kv
 from kernels.silu_mul import silu_mul
+from kernels.step_inputs import embed_step_inputs
 from kernels.store_kv import store_kv
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "context_attention",
     "copy_kv_slots",
     "decode_attention",
+    "embed_step_inputs",
     "gather_kv",
     "linear",
     "norm_linear",

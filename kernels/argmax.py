@@ -55,13 +55,13 @@ def _pick_argmax_kernel(
     tl.store(out_ptr + row, tl.min(tl.where(ok & (best == top), where, N), axis=0).to(tl.int64))
 
 
-def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
+def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`argmax_rows_ref` for a 2-D tensor whose rows are contiguous."""
     require_triton()
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"expected rows of contiguous values, got shape {tuple(x.shape)} strides {x.stride()}")
     rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    out = _out_for(x, out)
     if rows == 0:
         return out
     if n == 0:
@@ -77,8 +77,19 @@ def argmax_rows_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (Triton on CUDA where rows are contiguous, torch elsewhere)."""
+def _out_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    if out.shape != (x.shape[0],) or out.dtype != torch.int64 or out.device != x.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int64 vector of {x.shape[0]} on {x.device}")
+    return out
+
+
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax (Triton on CUDA where rows are contiguous, torch elsewhere); ``out``: an
+    int64 vector to write them to (a buffer at a fixed address, as a captured step's is)."""
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
-        return argmax_rows_triton(x)
-    return argmax_rows_ref(x)
+        return argmax_rows_triton(x, out)
+    if out is None:
+        return argmax_rows_ref(x)
+    return _out_for(x, out).copy_(argmax_rows_ref(x))

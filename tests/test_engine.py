@@ -171,7 +171,7 @@ def test_warm_up_leaves_the_kv_pool_and_prefix_cache_as_they_were(default_model_
     engine = llm.engine
     events: list = []
     engine.cache.event_sink = lambda stored, evicted: events.append((stored, evicted))
-    free_stack = engine.pool._free_stack.clone()
+    free_stack = engine.pool._free_stack.copy()
 
     assert engine.warm_up(prompt_tokens=16, decode_steps=2) > 0
 

@@ -70,6 +70,7 @@ from kernels.penalties import apply_penalties_ref, apply_penalties_triton
 from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.sampling import sample_filtered_ref, sample_filtered_triton
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
+from kernels.step_inputs import embed_step_inputs_ref, embed_step_inputs_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
 from tests.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
 
@@ -77,14 +78,15 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
-                  "kernels.gemv", "kernels.qkv_rotary", "kernels._triton"]  # fmt: skip
+                  "kernels.gemv", "kernels.qkv_rotary", "kernels._triton", "kernels.step_inputs"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
 # helpers (the tile's sequence, its rows), decode split and merge,
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
 # few-row projection, its products (the first weight tile, the norm's tile, the products after
 # the wait) and its input prologue, the qkv projection with rotary and KV store, the
-# dependent-launch wait, the argmax's two launches (a slice's winner, the row's).
-NUM_KERNELS = 26
+# dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
+# step's inputs.
+NUM_KERNELS = 27
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -316,6 +318,33 @@ class InterpretedCases:
         small = torch.randn(3, 100, generator=gen)
         assert torch.equal(argmax_rows_triton(small), argmax_rows_ref(small))
         assert argmax_rows_triton(torch.empty(0, 10)).shape == (0,)
+        out = torch.full((4,), -5, dtype=torch.int64)
+        assert argmax_rows_triton(small, out=out[:3]).data_ptr() == out.data_ptr()
+        assert out[:3].tolist() == argmax_rows_ref(small).tolist() and out[3] == -5
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_embed_step_inputs_triton_matches_reference(self, dtype: torch.dtype) -> None:
+        # Ids on the host and ids left on the device (-row - 1), slots entering the request table,
+        # padding tokens (the pad slot) writing nothing there.
+        gen = torch.Generator().manual_seed(16)
+        embed = torch.randn(50, 40, generator=gen).to(dtype)
+        prev = torch.tensor([7, 31, 2, 44, 0], dtype=torch.int64)
+        pad_slot = 99
+        ids = torch.tensor([3, -2, 17, -5, 0, 0])
+        positions = torch.tensor([4, 9, 0, 1, 0, 0])
+        slots = torch.tensor([12, 40, 41, 13, pad_slot, pad_slot])
+        rows = torch.tensor([1, 0, 2, 2, 0, 0])
+        outs = []
+        for fn in (embed_step_inputs_triton, embed_step_inputs_ref):
+            table = torch.full((3, 10), -1, dtype=torch.int64)
+            step_ids = ids.clone()
+            outs.append((fn(step_ids, prev, positions, slots, rows, table, pad_slot, embed), step_ids, table))
+        (got, got_ids, got_table), (want, want_ids, want_table) = outs
+        assert torch.equal(got, want) and got.dtype == dtype
+        assert got_ids.tolist() == want_ids.tolist() == [3, 31, 17, 0, 0, 0]
+        assert torch.equal(got_table, want_table)
+        assert (got_table != -1).sum() == 4 and got_table[0, 0] == -1  # the padding wrote nothing
+        assert got_table[1, 4] == 12 and got_table[2, 1] == 13
 
     def test_norm_linear_triton_picks_the_rows_asked_for(self) -> None:
         gen = torch.Generator().manual_seed(12)

@@ -43,10 +43,10 @@ def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape], draws: list[Graph
 
     def run_graph(shape: GraphShape) -> torch.Tensor:
         shapes.append(shape)
-        logits = engine.model.forward(graphs._batch(shape), engine.pool, float_logits=shape.tokens == 0)
-        if shape.tokens == 0:  # a decode graph takes its rows' argmax too (greedy sampling in the graph)
+        logits, argmax = graphs.forward(shape)
+        if argmax is not None:  # a decode graph takes its rows' argmax too (greedy sampling in the graph)
             graphs._logits[shape] = logits
-            graphs._argmax[shape] = logits.argmax(dim=-1)
+            graphs._argmax[shape] = argmax
         return logits
 
     def run_draw(shape: GraphShape) -> torch.Tensor:

@@ -123,6 +123,10 @@ class StepGraphs:
         # Every shape's inputs, packed: its 4 token rows then its 5 sequence rows, read by its graph
         # as views of the front of one buffer, so a step's inputs are one host-to-device copy.
         self._inputs = torch.zeros(4 * max_tokens + 5 * max_seqs, dtype=torch.int64, device=dev)
+        # The last step's sampled ids where a step's graph reads those still on the device (an id
+        # ``-r - 1`` in the inputs is row ``r`` here): pure-decode graphs write their argmax here, so
+        # a greedy step's ids are read in place; others' are copied in before the replay.
+        self._prev_tokens = torch.zeros(max(max_seqs, table.table.shape[0]), dtype=torch.int64, device=dev)
         self._staging = _PinnedRing(self._inputs.numel(), self.device)
         # A mixed step's padded decode rows cost a GEMM row and one token of attention each, little
         # beside its prefill tokens: coarse decode sizes keep the graph count (and capture time) down.
@@ -208,17 +212,15 @@ class StepGraphs:
         mempool = torch.cuda.graph_pool_handle()
         for shape in sorted(self.shapes, key=lambda s: (s.decode + s.tokens, s), reverse=True):
             self._write(*self._padding(shape), shape)
-            batch = self._batch(shape)
-            float_logits = shape.tokens == 0
             side.wait_stream(current)
             with torch.cuda.stream(side):
-                self.model.forward(batch, self.pool, float_logits=float_logits)
+                self.forward(shape)
             current.wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
-                self._logits[shape] = self.model.forward(batch, self.pool, float_logits=float_logits)
-                if float_logits:
-                    self._argmax[shape] = kernels.argmax_rows(self._logits[shape])
+                self._logits[shape], argmax = self.forward(shape)
+                if argmax is not None:
+                    self._argmax[shape] = argmax
             self._graphs[shape] = graph
         if self.draws:  # after every forward, in a pool of their own
             self.draw_inputs = DrawInputs(self.max_batch, self.device)
@@ -273,6 +275,20 @@ class StepGraphs:
                 + [0] * n_seq)                                # request-table row
         return tokens, seqs
 
+    def forward(self, shape: GraphShape) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph of ``shape`` runs on the static inputs: (its logits, and for a pure-decode
+        shape each row's argmax, written where the next step reads the ids left on the device).
+
+        Its first kernel reads those ids (from the last step's sampled ones), writes the new
+        tokens' slots to the request table and embeds the ids."""
+        tokens = self._token_rows(shape)
+        embedded = kernels.embed_step_inputs(tokens[_IDS], self._prev_tokens, tokens[_POS], tokens[_SLOTS],
+                                             tokens[_TROW], self.table.table, self.pad_slot, self.model.weights.embed)
+        float_logits = shape.tokens == 0
+        logits = self.model.forward(self._batch(shape), self.pool, float_logits=float_logits, embedded=embedded)
+        argmax = kernels.argmax_rows(logits, out=self._prev_tokens[: shape.decode]) if float_logits else None
+        return logits, argmax
+
     def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape) -> None:
         """One host-to-device copy of a step's inputs (``shape``'s token rows, then its sequence
         rows, flattened) into the front of the static input buffer."""
@@ -290,17 +306,14 @@ class StepGraphs:
         else:
             tokens, seqs, starts = self._mixed_inputs(step, layout, shape)
         d = shape.decode
-        self._write(tokens, seqs, shape)
-        token_rows = self._token_rows(shape)
-        layout.take_device_ids(step, starts, token_rows[_IDS], device_tokens)
-        # The new tokens' slots enter the request table (decode part, then prefill part), which the
-        # attention kernels read in place through each sequence's row.
-        table = self.table.table
         n_tok = shape.decode + shape.tokens
+        if device_tokens is not None:
+            self._mark_device_ids(step, layout, starts, tokens, n_tok, device_tokens)
+        self._write(tokens, seqs, shape)
+        # The graph's first kernel writes the new tokens' slots to the device's request table; the
+        # host's mirror of it is kept here (decode part, then prefill part).
         for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
             if hi > lo:
-                part = token_rows[:, lo:hi]
-                table.index_put_((part[_TROW], part[_POS]), part[_SLOTS])
                 self.table.record(tokens[_TROW * n_tok + lo : _TROW * n_tok + hi],
                                   tokens[_POS * n_tok + lo : _POS * n_tok + hi],
                                   tokens[_SLOTS * n_tok + lo : _SLOTS * n_tok + hi])
@@ -318,6 +331,21 @@ class StepGraphs:
         rows_of.update({i: d + j for j, i in enumerate(layout.prefill)})
         keep = [rows_of[i] for i, sample in enumerate(step.samples) if sample]
         return logits.index_select(0, tensor_on(keep, torch.int64, self.device)).float()
+
+    def _mark_device_ids(self, step: ScheduledStep, layout: StepLayout, starts: list[int], tokens: list[int],
+                         n_tok: int, device_tokens: torch.Tensor) -> None:
+        """Mark in ``tokens`` the inputs still on the device (row ``r`` of ``device_tokens`` as
+        ``-r - 1``), and put those rows where the graph reads them, unless they are there already (the
+        last step was a greedy graph's)."""
+        where, rows = layout.pending_inputs(step, starts)
+        if not where:
+            return
+        for at, row in zip(where, rows):
+            tokens[_IDS * n_tok + at] = -row - 1
+        if device_tokens.data_ptr() != self._prev_tokens.data_ptr():
+            if device_tokens.shape[0] > self._prev_tokens.shape[0]:
+                raise ValueError(f"{device_tokens.shape[0]} sampled ids for {self._prev_tokens.shape[0]} rows")
+            self._prev_tokens[: device_tokens.shape[0]].copy_(device_tokens)
 
     def _decode_inputs(self, step: ScheduledStep, shape: GraphShape) -> tuple[list[int], list[int], list[int]]:
         """Host inputs of a pure-decode step (its rows in step order): (tokens, sequences, each

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from pd_cluster.kv_spec import KVSpec
@@ -34,10 +35,11 @@ class KVPool:
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self._capacity = num_slots
-        # Free slots live on the CPU: allocation is bookkeeping, not device work.
-        self._free_stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        # Free slots live on the host, in numpy: allocation is bookkeeping, not device work, and a
+        # decode step allocates every step (torch's per-op cost was most of a small model's schedule).
+        self._free_stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._num_free = num_slots
-        self._is_free = torch.ones(num_slots, dtype=torch.bool)
+        self._is_free = np.ones(num_slots, dtype=bool)
         #: Calls to :meth:`free` so far: an engine compares it across a step's launch.
         self.frees = 0
 
@@ -56,10 +58,10 @@ class KVPool:
         if n > self._num_free:
             return None
         start = self._num_free - n
-        slots = self._free_stack[start : self._num_free].clone()
+        slots = self._free_stack[start : self._num_free].copy()
         self._num_free = start
         self._is_free[slots] = False
-        return slots
+        return torch.from_numpy(slots)
 
     def reserve(self, n: int) -> torch.Tensor:
         """Take ``n`` slots out of service for good (e.g. the padding rows of CUDA graphs):
@@ -75,12 +77,12 @@ class KVPool:
         if slots.numel() == 0:
             return
         self.frees += 1
-        slots = slots.to(device="cpu", dtype=torch.int64)
-        if bool(self._is_free[slots].any()) or slots.unique().numel() != slots.numel():
+        freed = slots.to(device="cpu", dtype=torch.int64).numpy()
+        if self._is_free[freed].any() or np.unique(freed).size != freed.size:
             raise RuntimeError("KV slot freed twice")
-        self._is_free[slots] = True
-        end = self._num_free + slots.numel()
-        self._free_stack[self._num_free : end] = slots
+        self._is_free[freed] = True
+        end = self._num_free + freed.size
+        self._free_stack[self._num_free : end] = freed
         self._num_free = end
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -246,6 +246,8 @@ class DeviceSample:
     rows: _Batch
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    #: The host copy as a list, once read (``host`` and ``ready`` then serve another batch).
+    flat: list | None = None
 
 
 def sample(logits: torch.Tensor, states: Sequence[SamplingState],
@@ -264,12 +266,17 @@ def sample(logits: torch.Tensor, states: Sequence[SamplingState],
 def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[SampledToken]:
     """The host's copy of :func:`sample_on_device`'s result (waits for the device to reach the
     end of that sampling, not for what was queued after it)."""
-    if result.host is not None and result.ready is not None:
-        result.ready.synchronize()
-        flat = result.host.tolist()
-    else:
-        flat = _pack(result.tokens, result.logprobs, result.rows).tolist()
-    return _unpack(flat, result.tokens.shape[0], result.rows, states)
+    if result.flat is None:
+        if result.host is None:
+            result.flat = _pack(result.tokens, result.logprobs, result.rows).tolist()
+        else:
+            if result.ready is not None:
+                result.ready.synchronize()
+            result.flat = result.host.tolist()
+            if result.ready is not None:
+                _HOST_COPIES.give_back(result.host, result.ready)
+            result.host = result.ready = None
+    return _unpack(result.flat, result.tokens.shape[0], result.rows, states)
 
 
 def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
@@ -321,16 +328,48 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
     return _queue_host_copy(DeviceSample(tokens, logprobs, rows))
 
 
+class _HostCopies:
+    """Pinned buffers and events for sampled batches' copies to the host, reused once a batch is
+    read: allocating pinned memory and an event cost a step's host more than the copy."""
+
+    #: Buffers kept per (device, size, dtype); more in use at once are allocated and dropped.
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+
+    def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        free = self._free.get((like.device.index or 0, like.numel(), like.dtype))
+        try:
+            if free:
+                return free.pop()
+        except IndexError:  # another engine's thread took the last one
+            pass
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True), torch.cuda.Event()
+
+    def give_back(self, host: torch.Tensor, event: torch.cuda.Event) -> None:
+        device = event.device.index if event.device is not None else 0
+        free = self._free.setdefault((device or 0, host.numel(), host.dtype), [])
+        if len(free) < self.KEEP:
+            free.append((host, event))
+
+
+_HOST_COPIES = _HostCopies()
+
+
 def _queue_host_copy(result: DeviceSample) -> DeviceSample:
-    """On a GPU, queue the copy of the result to pinned host memory right behind the sampling."""
-    if result.tokens.device.type == "cuda":
-        packed = _pack(result.tokens, result.logprobs, result.rows)
-        result.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        result.host.copy_(packed, non_blocking=True)
-        result.ready = torch.cuda.Event()
-        # The stream of the tokens' device, named: the bare call resolves the current device the
-        # slow way, a cost of every step.
-        result.ready.record(torch.cuda.current_stream(result.tokens.device))
+    """Queue the copy of the result to the host right behind the sampling (on a GPU, to pinned
+    memory, with an event to wait on). Elsewhere the copy is made at once: the ids may live in a
+    buffer the next step overwrites (a captured step's argmax)."""
+    packed = _pack(result.tokens, result.logprobs, result.rows)
+    if packed.device.type != "cuda":
+        result.host = packed.clone() if packed is result.tokens else packed
+        return result
+    result.host, result.ready = _HOST_COPIES.take(packed)
+    result.host.copy_(packed, non_blocking=True)
+    # The stream of the tokens' device, named: the bare call resolves the current device the slow
+    # way, a cost of every step.
+    result.ready.record(torch.cuda.current_stream(packed.device))
     return result
 
 

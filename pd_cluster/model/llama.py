@@ -62,11 +62,12 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVLayers, layer_hook: LayerHook | None = None,
-                float_logits: bool = True) -> torch.Tensor:
+                float_logits: bool = True, embedded: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; store the new tokens' KV; return logits ``[K, vocab]``: float32, or in the
         model's dtype with ``float_logits=False`` (half the memory, for a caller that converts the
-        rows it keeps)."""
-        hidden = F.embedding(batch.input_ids, self.weights.embed)
+        rows it keeps). ``embedded``: the input ids' embeddings, already gathered (a captured
+        step's first kernel does it with the step's other input writes)."""
+        hidden = F.embedding(batch.input_ids, self.weights.embed) if embedded is None else embedded
         residual: torch.Tensor | None = None
         prefill = None if batch.is_decode else batch.prefill_part()
         fused = batch.is_decode and batch.num_tokens <= self.fused_rows
