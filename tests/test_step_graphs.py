@@ -52,7 +52,7 @@ def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape], draws: list[Graph
     def run_draw(shape: GraphShape) -> torch.Tensor:
         assert draws is not None and draw_inputs is not None
         draws.append(shape)
-        return draw_inputs.draw(graphs._logits[shape], graphs._argmax[shape])
+        return graphs.draw(shape)
 
     graphs.run_graph = run_graph  # type: ignore[method-assign]
     graphs.run_draw = run_draw  # type: ignore[method-assign]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from pd_cluster.engine.device_copy import tensor_on
+from pd_cluster.engine.device_copy import PinnedRing, tensor_on
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.sampler import DrawInputs, GraphDraw
@@ -59,38 +59,6 @@ class GraphShape:
 
     decode: int
     tokens: int = 0
-
-
-class _PinnedRing:
-    """Pinned host buffers that stage a step's inputs, taken in turn: a buffer is written again
-    only once the copy that last read it has run (it almost always has: the ring is deeper than
-    the steps in flight), so a step allocates nothing and makes one copy."""
-
-    DEPTH = 4
-
-    def __init__(self, size: int, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"  # elsewhere (tests of the layout on CPU) copies are plain
-        self._buffers = [torch.empty(size, dtype=torch.int64, pin_memory=self._cuda) for _ in range(self.DEPTH)]
-        self._arrays = [b.numpy() for b in self._buffers]
-        self._copied: list[torch.cuda.Event | None] = [None] * self.DEPTH
-        self._next = 0
-        self._device = device
-
-    def copy_to(self, dest: torch.Tensor, *parts: list[int]) -> None:
-        """Copy the concatenated ``parts`` to the front of ``dest``, queued on the current stream."""
-        i = self._next
-        self._next = (i + 1) % self.DEPTH
-        done = self._copied[i]
-        if done is not None:
-            done.synchronize()
-        array, n = self._arrays[i], 0
-        for part in parts:
-            array[n : n + len(part)] = part
-            n += len(part)
-        dest[:n].copy_(self._buffers[i][:n], non_blocking=self._cuda)
-        if self._cuda:
-            event = self._copied[i] = self._copied[i] or torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self._device))
 
 
 def _bucket(sizes: list[int], n: int) -> int | None:
@@ -127,7 +95,7 @@ class StepGraphs:
         # ``-r - 1`` in the inputs is row ``r`` here): pure-decode graphs write their argmax here, so
         # a greedy step's ids are read in place; others' are copied in before the replay.
         self._prev_tokens = torch.zeros(max(max_seqs, table.table.shape[0]), dtype=torch.int64, device=dev)
-        self._staging = _PinnedRing(self._inputs.numel(), self.device)
+        self._staging = PinnedRing(self._inputs.numel(), torch.int64, self.device)
         # A mixed step's padded decode rows cost a GEMM row and one token of attention each, little
         # beside its prefill tokens: coarse decode sizes keep the graph count (and capture time) down.
         self.mixed_decode_sizes = [0] + [b for b in self.batch_sizes if b >= MIXED_MIN_DECODE or b == self.max_batch]
@@ -238,17 +206,21 @@ class StepGraphs:
     def _capture_draw(self, shape: GraphShape, stream: torch.cuda.Stream, mempool: tuple) -> None:
         """A graph of its own for the draw over ``shape``'s logits: greedy batches (most) replay
         the forward alone, sampled ones both, with no kernel launched from the host."""
-        assert self.draw_inputs is not None
-        logits, argmax = self._logits[shape], self._argmax[shape]
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            self.draw_inputs.draw(logits, argmax)  # compiles the kernels outside the capture
+            self.draw(shape)  # compiles the kernels outside the capture
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
-            tokens = self.draw_inputs.draw(logits, argmax)
+            tokens = self.draw(shape)
         self._draws[shape] = (graph, tokens)
+
+    def draw(self, shape: GraphShape) -> torch.Tensor:
+        """What the draw graph of ``shape`` runs over its forward's last logits: every row's id,
+        written where the forward left its argmax, so the next step reads them in place."""
+        assert self.draw_inputs is not None
+        return self.draw_inputs.draw(self._logits[shape], self._argmax[shape], out=self._prev_tokens[: shape.decode])
 
     def _draw_handle(self, shape: GraphShape) -> GraphDraw:
         handle = self._draw_handles.get(shape)
@@ -292,7 +264,11 @@ class StepGraphs:
     def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape) -> None:
         """One host-to-device copy of a step's inputs (``shape``'s token rows, then its sequence
         rows, flattened) into the front of the static input buffer."""
-        self._staging.copy_to(self._inputs, tokens, seqs)
+        array = self._staging.stage()
+        n_tok = len(tokens)
+        array[:n_tok] = tokens
+        array[n_tok : n_tok + len(seqs)] = seqs
+        self._staging.copy(self._inputs, n_tok + len(seqs))
 
     # ---- replay --------------------------------------------------------------------------------
 

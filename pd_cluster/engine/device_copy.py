@@ -8,6 +8,7 @@ pinned memory (PyTorch's caching host allocator keeps each block until its copy 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -21,3 +22,37 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 def tensor_on(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``torch.tensor(data, dtype=dtype)`` on ``device``, queued without waiting on it."""
     return to_device(torch.tensor(data, dtype=dtype), device)
+
+
+class PinnedRing:
+    """Pinned host buffers that stage a step's small inputs, taken in turn: a buffer is written
+    again only once the copy that last read it has run (it almost always has: the ring is deeper
+    than the steps in flight), so a step allocates nothing and makes one copy. Elsewhere than on
+    a CUDA device (tests of the layouts on CPU) the buffers are plain and copies synchronous."""
+
+    DEPTH = 4
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._buffers = [torch.zeros(size, dtype=dtype, pin_memory=self._cuda) for _ in range(self.DEPTH)]
+        self._arrays = [b.numpy() for b in self._buffers]
+        self._copied: list[torch.cuda.Event | None] = [None] * self.DEPTH
+        self._next = 0
+        self._device = device
+
+    def stage(self) -> np.ndarray:
+        """The next buffer, free to fill (a numpy view of it), for :meth:`copy` to send."""
+        done = self._copied[self._next]
+        if done is not None:
+            done.synchronize()
+        return self._arrays[self._next]
+
+    def copy(self, dest: torch.Tensor, n: int) -> None:
+        """Queue the copy of the staged buffer's first ``n`` elements to the front of ``dest`` (of
+        the same dtype) on the current stream, and move on to the next buffer."""
+        i = self._next
+        self._next = (i + 1) % self.DEPTH
+        dest[:n].copy_(self._buffers[i][:n], non_blocking=self._cuda)
+        if self._cuda:
+            event = self._copied[i] = self._copied[i] or torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))

@@ -25,6 +25,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Sequence, TypeVar
 
+import numpy as np
 import torch
 
 from kernels._triton import use_triton
@@ -32,7 +33,7 @@ from kernels.argmax import argmax_rows
 from kernels.penalties import apply_penalties as penalize
 from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from pd_cluster.engine.penalties import PenaltyBook
-from pd_cluster.engine.device_copy import tensor_on, to_device
+from pd_cluster.engine.device_copy import PinnedRing, tensor_on, to_device
 from pd_cluster.protocol import TokenLogprob
 from pd_cluster.sampling_params import SamplingParams
 
@@ -407,27 +408,38 @@ class DrawInputs:
     copies, as uncaptured sampling does) and replays its draw."""
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
-        self.floats = torch.zeros((max_rows, _NUM_FLOATS), dtype=torch.float32, device=device)
-        self.ints = torch.zeros((max_rows, _NUM_INTS), dtype=torch.int64, device=device)
+        # Both tables in one device buffer (floats, then ints: 8-byte aligned, as 24 bytes a row
+        # keeps it), so a step's settings are one copy from one pinned staging buffer.
+        self._float_bytes = max_rows * _NUM_FLOATS * 4
+        size = self._float_bytes + max_rows * _NUM_INTS * 8
+        packed = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._packed = packed
+        self.floats = packed[: self._float_bytes].view(torch.float32).view(max_rows, _NUM_FLOATS)
+        self.ints = packed[self._float_bytes :].view(torch.int64).view(max_rows, _NUM_INTS)
+        self._max_rows = max_rows
+        self._staging = PinnedRing(size, torch.uint8, device)
 
     def write(self, floats: list[tuple[float, ...]], ints: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the rows' settings into the first rows of the buffers (queued); those rows."""
         n = len(floats)
-        float_rows, int_rows = self.floats[:n], self.ints[:n]
-        for rows, values, dtype in ((float_rows, floats, torch.float32), (int_rows, ints, torch.int64)):
-            host = torch.tensor(values, dtype=dtype)
-            rows.copy_(host.pin_memory() if rows.is_cuda else host, non_blocking=True)
-        return float_rows, int_rows
+        array = self._staging.stage()
+        array[: self._float_bytes].view(np.float32).reshape(self._max_rows, _NUM_FLOATS)[:n] = floats
+        array[self._float_bytes :].view(np.int64).reshape(self._max_rows, _NUM_INTS)[:n] = ints
+        self._staging.copy(self._packed, self._float_bytes + n * _NUM_INTS * 8)
+        return self.floats[:n], self.ints[:n]
 
-    def draw(self, logits: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, argmax: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """What a captured draw computes for the first ``len(logits)`` rows: greedy rows take
         ``argmax``, the others the inverse-transform draw (every cut's code compiled in: a row
-        without a cut skips it)."""
+        without a cut skips it). ``out``: where to write the ids (it may be ``argmax`` itself)."""
         n = logits.shape[0]
         rows = _Batch(floats=self.floats[:n], ints=self.ints[:n], any_random=True, any_greedy=True, use_top_k=True,
                       use_top_p=True, bias_rows=[], use_rep=False, use_counts=False, logprob_rows=[],
                       max_logprobs=0)
-        return torch.where(self.ints[:n, _GREEDY].bool(), argmax, _sample_random(logits, rows))
+        drawn = _sample_random(logits, rows)
+        if out is None:
+            return torch.where(self.ints[:n, _GREEDY].bool(), argmax, drawn)
+        return torch.where(self.ints[:n, _GREEDY].bool(), argmax, drawn, out=out)
 
 
 @dataclass(frozen=True)
