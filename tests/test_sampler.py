@@ -504,3 +504,24 @@ def test_overflowed_logits_still_give_a_token_inside_the_vocabulary() -> None:
     tokens = [t.token_id for t in sample(logits, states)]
     assert all(0 <= t < vocab for t in tokens), tokens
     assert tokens[0] == 7
+
+
+def test_draw_inputs_stage_floats_and_ints_in_one_buffer():
+    """A batch's settings go out as one copy of one packed buffer: float rows and int rows (64-bit
+    stream keys whole) land in the first rows of their tables (the int rows after them are not
+    copied; the float table goes whole, its later rows unread)."""
+    from pd_cluster.engine.sampler import DrawInputs
+
+    inputs = DrawInputs(4, torch.device("cpu"))
+    inputs.floats.fill_(-1.0)
+    inputs.ints.fill_(-1)
+    floats = [(0.8, 0.95, 0.0, 1.0, 0.5, 0.0), (1.0, 1.0, 0.05, 1.1, 0.0, 0.25)]
+    ints = [(2**62 + 5, -(2**63) + 7, 12, 40, 0), (3, 4, 5, 49152, 1)]
+    for _ in range(6):  # around the staging ring and back
+        float_rows, int_rows = inputs.write(floats, ints)
+    assert float_rows.data_ptr() == inputs.floats.data_ptr() and float_rows.shape == (2, 6)
+    assert torch.equal(float_rows, torch.tensor(floats, dtype=torch.float32))
+    assert int_rows.tolist() == [list(r) for r in ints]
+    assert (inputs.ints[2:] == -1).all()
+    float_rows, int_rows = inputs.write(floats[1:], ints[1:])
+    assert int_rows.tolist() == [list(ints[1])] and inputs.ints[1].tolist() == list(ints[1])

@@ -10,6 +10,11 @@ static input buffers and replays the smallest shape that holds a step:
   chunks of T tokens in all (``B`` may be 0): a decode node prefilling a short miss locally, a
   mixed node admitting a short prompt, a later chunk of a chunked prompt.
 
+A graph's first kernel makes its inputs ready on the device: ids the last step sampled (still on
+the device, read from the buffer the last graph's argmax or draw wrote), the new tokens' slots
+into the request table, then the embeddings; so a replay is one copy of host inputs and one
+launch.
+
 Padding rows and tokens write their KV to a slot reserved for them (no request owns it); padding
 decode rows read one token of context; padding prefill sequences have no tokens; their logits
 are dropped. The slot table is as wide as the request table (the model's context length), so one
