@@ -317,7 +317,7 @@ class StepGraphs:
                          n_tok: int, device_tokens: torch.Tensor) -> None:
         """Mark in ``tokens`` the inputs still on the device (row ``r`` of ``device_tokens`` as
         ``-r - 1``), and put those rows where the graph reads them, unless they are there already (the
-        last step was a greedy graph's)."""
+        last step's ids came from a decode graph's argmax or its draw)."""
         where, rows = layout.pending_inputs(step, starts)
         if not where:
             return
