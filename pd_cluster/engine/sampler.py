@@ -268,15 +268,14 @@ def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[Sampled
     """The host's copy of :func:`sample_on_device`'s result (waits for the device to reach the
     end of that sampling, not for what was queued after it)."""
     if result.flat is None:
-        if result.host is None:
-            result.flat = _pack(result.tokens, result.logprobs, result.rows).tolist()
-        else:
-            if result.ready is not None:
-                result.ready.synchronize()
+        if result.ready is not None:  # a pinned copy on a GPU: its buffer serves another batch after
+            result.ready.synchronize()
             result.flat = result.host.tolist()
-            if result.ready is not None:
-                _HOST_COPIES.give_back(result.host, result.ready)
+            _HOST_COPIES.give_back(result.host, result.ready)
             result.host = result.ready = None
+        else:
+            host = result.host if result.host is not None else _pack(result.tokens, result.logprobs, result.rows)
+            result.flat = host.tolist()
     return _unpack(result.flat, result.tokens.shape[0], result.rows, states)
 
 
@@ -340,17 +339,15 @@ class _HostCopies:
         self._free: dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
 
     def take(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        free = self._free.get((like.device.index or 0, like.numel(), like.dtype))
+        """A pinned buffer shaped as ``like`` (a device tensor) and an event of its device."""
         try:
-            if free:
-                return free.pop()
-        except IndexError:  # another engine's thread took the last one
-            pass
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True), torch.cuda.Event()
+            return self._free[(like.device.index or 0, like.numel(), like.dtype)].pop()
+        except (KeyError, IndexError):  # none kept (or another engine's thread took the last one)
+            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True), torch.cuda.Event()
 
     def give_back(self, host: torch.Tensor, event: torch.cuda.Event) -> None:
-        device = event.device.index if event.device is not None else 0
-        free = self._free.setdefault((device or 0, host.numel(), host.dtype), [])
+        """``host`` read and ``event`` waited on: both free for a later batch (of the event's device)."""
+        free = self._free.setdefault((event.device.index or 0, host.numel(), host.dtype), [])
         if len(free) < self.KEEP:
             free.append((host, event))
 
@@ -412,10 +409,9 @@ class DrawInputs:
         # keeps it), so a step's settings are one copy from one pinned staging buffer.
         self._float_bytes = max_rows * _NUM_FLOATS * 4
         size = self._float_bytes + max_rows * _NUM_INTS * 8
-        packed = torch.zeros(size, dtype=torch.uint8, device=device)
-        self._packed = packed
-        self.floats = packed[: self._float_bytes].view(torch.float32).view(max_rows, _NUM_FLOATS)
-        self.ints = packed[self._float_bytes :].view(torch.int64).view(max_rows, _NUM_INTS)
+        self._packed = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.floats = self._packed[: self._float_bytes].view(torch.float32).view(max_rows, _NUM_FLOATS)
+        self.ints = self._packed[self._float_bytes :].view(torch.int64).view(max_rows, _NUM_INTS)
         self._max_rows = max_rows
         self._staging = PinnedRing(size, torch.uint8, device)
 
@@ -436,10 +432,7 @@ class DrawInputs:
         rows = _Batch(floats=self.floats[:n], ints=self.ints[:n], any_random=True, any_greedy=True, use_top_k=True,
                       use_top_p=True, bias_rows=[], use_rep=False, use_counts=False, logprob_rows=[],
                       max_logprobs=0)
-        drawn = _sample_random(logits, rows)
-        if out is None:
-            return torch.where(self.ints[:n, _GREEDY].bool(), argmax, drawn)
-        return torch.where(self.ints[:n, _GREEDY].bool(), argmax, drawn, out=out)
+        return torch.where(self.ints[:n, _GREEDY].bool(), argmax, _sample_random(logits, rows), out=out)
 
 
 @dataclass(frozen=True)
