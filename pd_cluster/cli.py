@@ -36,6 +36,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill-token sizes of the CUDA graphs for steps mixing short prefill chunks into the "
                         "decode batch, e.g. 128,256,512 (default 32,64,128,192,256,320,384,512, capped by the step budget); none: such "
                         "steps run eagerly")
+    p.add_argument("--prefill-chunk-tokens", type=_positive_tokens, default=None, metavar="N",
+                   help="prompt tokens one step prefills at most, over all its prompts; a longer prompt takes several "
+                        "steps (default: on a GPU the largest --mixed-graph-tokens size, so that each chunk replays a "
+                        "CUDA graph; elsewhere the step budget)")
     p.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
                    help="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the "
                         "projection after it (default: 1)")
@@ -63,6 +67,16 @@ def _token_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _positive_tokens(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count (got {text!r})") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"the token count must be positive (got {text!r})")
+    return n
+
+
 #: A decode node's step budget by default: at most this many prompt tokens of its local prefills
 #: ride in one step (up to it a chunk costs a decode batch about one step, measured on an H200).
 DECODE_STEP_TOKENS = 512
@@ -79,7 +93,7 @@ def engine_config_from_args(args: argparse.Namespace, role: str | None = None):
         block_size=args.block_size, max_running_requests=args.max_running_requests,
         max_num_batched_tokens=budget, enable_prefix_cache=not args.no_prefix_cache,
         overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
-        fused_decode_rows=args.fused_decode_rows,
+        fused_decode_rows=args.fused_decode_rows, prefill_chunk_tokens=args.prefill_chunk_tokens,
         **({} if args.side_prefill_max_tokens is None else {"side_prefill_max_tokens": args.side_prefill_max_tokens}),
         **({} if args.draw_graphs is None else {"draw_graphs": args.draw_graphs}),
         **({} if args.late_launch is None else {"late_launch": args.late_launch}),

@@ -216,3 +216,26 @@ def test_one_stream_decodes_through_the_fused_projections_token_identical(llm, c
     assert llm.generate([prompt], greedy())[0].token_ids == hf_reference.greedy(prompt, NEW_TOKENS)
     # Every decode step (all but the first token's) ran every layer fused, one row each.
     assert calls == [1] * (NEW_TOKENS - 1) * model.config.num_layers
+
+
+def test_prompt_tokens_a_step_are_capped_apart_from_decode_rows(default_model_dir, chat_prompts, hf_reference):
+    # The cap CUDA graphs set (their largest prefill size), below the step's budget: the prompts
+    # are prefilled 48 tokens a step in all, beside the rows already decoding.
+    llm = LLM(str(default_model_dir), max_total_tokens=8192, max_num_batched_tokens=256, prefill_chunk_tokens=48)
+    scheduler = llm.engine.scheduler
+    assert scheduler.prefill_chunk_tokens == 48
+    steps: list[tuple[int, int]] = []
+    schedule = scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        steps.append((step.num_tokens - step.decode_rows, step.decode_rows))
+        return step
+
+    scheduler.schedule = recording_schedule
+    outputs = llm.generate(chat_prompts, greedy())
+    for prompt, out in zip(chat_prompts, outputs):
+        assert out.token_ids == hf_reference.greedy(prompt, NEW_TOKENS)
+    assert max(prefill for prefill, _ in steps) == 48
+    assert sum(prefill for prefill, _ in steps) >= sum(len(p) for p in chat_prompts) - len(chat_prompts)
+    assert any(prefill and decoding for prefill, decoding in steps), "no step mixed prefill with decode rows"

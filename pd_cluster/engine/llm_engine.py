@@ -137,6 +137,9 @@ class LLMEngine:
         self.predictor = OutputLengthPredictor()
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
         self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config)
+        if config.prefill_chunk_tokens is None and self.runner.graphs is not None and config.graph_prefill_tokens():
+            # Prefill in chunks that replay the mixed graphs rather than in one eager step.
+            self.scheduler.prefill_chunk_tokens = max(config.graph_prefill_tokens())
         self._layer_hooks: StepHook | None = None
         self.penalties = PenaltyBook(self.model_config.vocab_size, self.device)
         self.requests: dict[str, Request] = {}

@@ -84,6 +84,9 @@ class Scheduler:
         self.num_preemptions = 0
         #: The step :meth:`schedule` made last (the engine thread times it: :mod:`step_rates`).
         self.last_step: ScheduledStep | None = None
+        #: Most prompt tokens a step takes (None: the step's token budget); the engine sets the
+        #: largest mixed graph's size where it captured them (``EngineConfig.prefill_chunk_tokens``).
+        self.prefill_chunk_tokens: int | None = config.prefill_chunk_tokens
 
     # ---- queue management ----------------------------------------------------------------
 
@@ -131,6 +134,8 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens this step may still take (decode rows do not count).
+        prefill_left = budget if self.prefill_chunk_tokens is None else self.prefill_chunk_tokens
         self.running.sort(key=lambda r: r.arrival_time)
 
         decoding = [r for r in self.running if r.remaining_to_compute == 1 and not r.last_token_pending]
@@ -156,23 +161,25 @@ class Scheduler:
             budget -= 1
 
         for req in list(self.running):
-            if budget <= 0:
+            if min(budget, prefill_left) <= 0:
                 break
             if req.remaining_to_compute <= 1 or req not in self.running:
                 continue
-            n = min(req.remaining_to_compute, budget)
+            n = min(req.remaining_to_compute, budget, prefill_left)
             slots = self.alloc_slots(n)
             if slots is None:
                 break
             step.add(req, n, slots, sample=n == req.remaining_to_compute)
             budget -= n
+            prefill_left -= n
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+        while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if req.waits_for_token or not self._admit(req, budget, step):
+            if req.waits_for_token or not self._admit(req, min(budget, prefill_left), step):
                 break
             self.waiting.popleft()
             budget -= step.q_lens[-1]
+            prefill_left -= step.q_lens[-1]
         step.decode_rows = sum(1 for q, s in zip(step.q_lens, step.samples) if q == 1 and s)
         self.last_step = step
         return step

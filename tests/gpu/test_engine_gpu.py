@@ -113,10 +113,13 @@ def test_float32_greedy_with_cuda_graphs_equals_the_cpu_path(model_dir, prompts,
     eng = engine(model_dir, "cuda", "float32")
     assert eng.runner.graphs is not None and eng.runner.graphs.batch_sizes == [1, 2, 4, 8]
     shapes = count_replays(eng)
+    assert eng.scheduler.prefill_chunk_tokens == 512  # the largest mixed graph's prefill tokens
     assert generate(eng, prompts) == cpu_tokens
-    # Every decode step replayed a graph, padded where the batch fell between captured sizes (the
-    # first step, all six prompts at once, is too long for a mixed graph: it ran eagerly).
-    assert all(not shape.tokens for shape, _ in shapes)
+    # Every step after the first replayed a graph, padded where the batch fell between captured
+    # sizes. The first step took 512 prompt tokens: five prompts and the sixth's first 47 tokens,
+    # more prompts than a mixed graph holds (it ran eagerly); the next one the sixth's other 286
+    # tokens beside the five rows then decoding.
+    assert [shape for shape, _ in shapes if shape.tokens] == [GraphShape(8, 320)]
     rows = [n for _, n in shapes]
     assert sum(rows) == sum(m - 1 for m in MAX_TOKENS)
     assert {3, 5, 6} & set(rows)
@@ -180,6 +183,18 @@ def test_float32_greedy_with_prefill_chunks_in_graphs_equals_the_cpu_path(model_
     # to 8, the least mixed decode size); the 333-token prompt pads to 384 tokens.
     assert mixed[0] == GraphShape(0, 32) and all(s.decode == 8 for s in mixed[1:])
     assert [s.tokens for s in mixed] == [32, 32, 64, 192, 256, 384]
+
+
+def test_float32_long_prompt_prefilled_in_graph_sized_chunks_equals_the_cpu_path(model_dir):
+    """A prompt longer than the largest mixed graph is prefilled in chunks of that size, each a
+    graph replay (an eager step of a small model is bound by its launches)."""
+    prompt = torch.randint(3, 49152, (1100,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = generate(engine(model_dir, "cpu", "float32"), [prompt])
+    eng = engine(model_dir, "cuda", "float32")
+    shapes = count_replays(eng)
+    assert generate(eng, [prompt]) == expected
+    assert [shape for shape, _ in shapes if shape.tokens] == [GraphShape(0, 512), GraphShape(0, 512), GraphShape(0, 96)]
+    assert len(shapes) == 3 + MAX_TOKENS[0] - 1  # then every decode step
 
 
 def test_rows_read_from_the_host_mirror_equal_the_device_table_through_graphs(model_dir, prompts, cpu_tokens):
