@@ -75,6 +75,11 @@ class BlankTokenizer:
 
 
 def build_engine(config_file: Path, device: str, seed: int = 0, **options: Any) -> LLMEngine:
+    """An engine on random weights of ``config_file``'s shape. A prompt within the step budget is
+    prefilled in one step (unless ``prefill_chunk_tokens`` says otherwise): the keys time whole
+    prompts' steps, not the graph-sized chunks a node's defaults take."""
+    if "max_num_batched_tokens" in options:
+        options.setdefault("prefill_chunk_tokens", options["max_num_batched_tokens"])
     with random_model(config_file, seed) as path:
         return LLMEngine(EngineConfig(model=path, device=device, dtype="bfloat16", **options),
                          tokenizer=BlankTokenizer())
