@@ -304,6 +304,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
         overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
         fused_decode_rows=args.fused_decode_rows, side_prefill_max_tokens=args.side_prefill_max_tokens,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         draw_graphs=args.draw_graphs, late_launch=args.late_launch, max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
@@ -389,6 +390,9 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--side-prefill-max-tokens", type=int, default=None, metavar="N",
                      help="nodes prefill a request they take whole at once on a second CUDA stream, beside the "
                           "step in flight, when it misses at most N tokens (default 0: off)")
+    loc.add_argument("--prefill-chunk-tokens", type=_positive_tokens, default=None, metavar="N",
+                     help="nodes prefill at most N prompt tokens a step (default: on a GPU the largest "
+                          "--mixed-graph-tokens size, so that each chunk replays a CUDA graph)")
     loc.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="nodes replay a sampled decode batch's draw as a CUDA graph beside the step's (default: on)")
     loc.add_argument("--late-launch", action=argparse.BooleanOptionalAction, default=None,

@@ -455,6 +455,8 @@ class LocalOptions:
     fused_decode_rows: int | None = None
     #: The nodes' ``--side-prefill-max-tokens`` (None: their default).
     side_prefill_max_tokens: int | None = None
+    #: The nodes' ``--prefill-chunk-tokens`` (None: their default).
+    prefill_chunk_tokens: int | None = None
     #: The nodes' ``--draw-graphs`` (None: their default).
     draw_graphs: bool | None = None
     #: The nodes' ``--late-launch`` (None: their default).
@@ -583,6 +585,8 @@ class LocalCluster:
                 argv += ["--fused-decode-rows", str(o.fused_decode_rows)]
             if o.side_prefill_max_tokens is not None:
                 argv += ["--side-prefill-max-tokens", str(o.side_prefill_max_tokens)]
+            if o.prefill_chunk_tokens is not None:
+                argv += ["--prefill-chunk-tokens", str(o.prefill_chunk_tokens)]
             if o.draw_graphs is not None:
                 argv.append("--draw-graphs" if o.draw_graphs else "--no-draw-graphs")
             if o.late_launch is not None:

@@ -117,6 +117,21 @@ def test_shared_gpu_nodes_get_their_gpu_and_fraction_on_the_command_line(monkeyp
         assert float(argv[argv.index("--gpu-memory-fraction") + 1]) == cluster.placements[0].memory_fraction
         assert argv[argv.index("--node-id") + 1] == name
     assert "cluster-token" not in " ".join(specs["decode-0"].argv)  # secrets travel in the environment only
+    assert "--prefill-chunk-tokens" not in specs["prefill-0"].argv  # unset: the nodes' own default
+
+
+def test_node_engine_options_reach_every_node_command_line(monkeypatch):
+    from pd_cluster.cli import build_parser, engine_config_from_args
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    cluster = LocalCluster(LocalOptions(prefill=1, decode=1, device="cpu", prefill_chunk_tokens=256))
+    cluster.plan()
+    specs = {s.name: s for s in cluster.process_specs("cluster-token", "admin-token")}
+    for name in ("prefill-0", "decode-0"):
+        argv = list(specs[name].argv)
+        assert argv[argv.index("--prefill-chunk-tokens") + 1] == "256"
+        node_args = build_parser().parse_args(argv[argv.index(specs[name].role):])
+        assert engine_config_from_args(node_args, specs[name].role).prefill_chunk_tokens == 256
 
 
 def test_placement_table_lists_every_node():
