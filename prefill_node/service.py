@@ -298,7 +298,7 @@ class PrefillService:
                                         layers_per_send=stream.layers_per_send,
                                         layer_shape=stream.layer_shape, dtype=stream.dtype), left())
             self._streams[job.request_id] = stream
-            req = await self._add(job)
+            req = await self._add(job, whole=True)
             self._held[job.request_id] = req
             sender = asyncio.ensure_future(stream.send(channel, left))
             first = await self._first_token(job, left)
@@ -362,7 +362,7 @@ class PrefillService:
         req: Request | None = None
         lease_settled = False
         try:
-            req = await self._add(job)
+            req = await self._add(job, whole=job.request_id in self._streams)
             first = await self._first_token(job, left)
             finished = first.finish_reason is not None
             report = self._report(job, req, first, match.hit_blocks, 0 if finished else writer.nbytes)
@@ -446,13 +446,16 @@ class PrefillService:
 
         return hook
 
-    async def _add(self, job: PrefillJob) -> Request:
-        """Queue the prompt; its first token arrives through :meth:`_first_token`."""
+    async def _add(self, job: PrefillJob, whole: bool = False) -> Request:
+        """Queue the prompt; its first token arrives through :meth:`_first_token`. ``whole``: its
+        KV is streamed layer by layer as the step that completes it runs, so it is prefilled in as
+        few steps as the budget allows (graph-sized chunks would leave the stream too little
+        compute to hide behind)."""
         self._first_tokens[job.request_id] = asyncio.get_running_loop().create_future()
         try:
             return await self.worker.call(
                 lambda: self.engine.add_request(job.request_id, job.token_ids, job.sampling, hold_kv=True,
-                                                prefill_only=True)
+                                                prefill_only=True, whole_prefill=whole)
             )
         except ValueError as e:
             self._first_tokens.pop(job.request_id, None)

@@ -239,3 +239,29 @@ def test_prompt_tokens_a_step_are_capped_apart_from_decode_rows(default_model_di
     assert max(prefill for prefill, _ in steps) == 48
     assert sum(prefill for prefill, _ in steps) >= sum(len(p) for p in chat_prompts) - len(chat_prompts)
     assert any(prefill and decoding for prefill, decoding in steps), "no step mixed prefill with decode rows"
+
+
+def test_a_whole_prefill_request_passes_the_prompt_cap(default_model_dir, chat_prompts, hf_reference):
+    # A prefill node's layer-streamed prompt: prefilled in as few steps as the budget allows.
+    llm = LLM(str(default_model_dir), max_total_tokens=8192, max_num_batched_tokens=256, prefill_chunk_tokens=48)
+    engine = llm.engine
+    whole = max((p for p in chat_prompts if 48 < len(p) <= 256), key=len)
+    other = min(chat_prompts, key=len)
+    assert len(other) * 3 > 48, "the capped prompt must need several chunks"
+    reqs = [engine.add_request("whole", whole, greedy(), whole_prefill=True),
+            engine.add_request("capped", other + other + other, greedy())]
+    steps: list[list[tuple[str, int]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        step = schedule()
+        steps.append([(r.request_id, q) for r, q in zip(step.requests, step.q_lens)])
+        return step
+
+    engine.scheduler.schedule = recording_schedule
+    while engine.has_unfinished():
+        engine.step()
+    assert steps[0] == [("whole", len(whole))]  # the cap's 48 tokens are spent: the other waits
+    assert all(q <= 48 for step in steps for rid, q in step if rid == "capped")
+    assert list(reqs[0].output_token_ids) == hf_reference.greedy(whole, NEW_TOKENS)
+    assert list(reqs[1].output_token_ids) == hf_reference.greedy(other + other + other, NEW_TOKENS)

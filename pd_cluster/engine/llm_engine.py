@@ -223,15 +223,17 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-        hold_kv: bool = False, prefill_only: bool = False, prefill_now: bool = False,
+        hold_kv: bool = False, prefill_only: bool = False, prefill_now: bool = False, whole_prefill: bool = False,
     ) -> Request:
         """Queue a request. ``prefill_only`` stops it after its first token; with ``hold_kv``
         its KV stays allocated until :meth:`release` (a prefill node sends it first).
         ``prefill_now``: where it is safe, prefill it at once on a side stream, beside the
-        pipelined step in flight, instead of in the step after that one (see :meth:`_prefill_aside`)."""
+        pipelined step in flight, instead of in the step after that one (see :meth:`_prefill_aside`).
+        ``whole_prefill``: not in graph-sized chunks (:attr:`Request.whole_prefill`)."""
         req = self.make_request(request_id, prompt_token_ids, params)
         req.hold_kv = hold_kv
         req.prefill_only = prefill_only
+        req.whole_prefill = whole_prefill
         self.requests[request_id] = req
         self.stats.prompt_tokens += len(prompt_token_ids)
         if prefill_now:

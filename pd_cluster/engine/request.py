@@ -53,6 +53,10 @@ class Request:
     hold_kv: bool = False
     #: Stop after the first sampled token (a prefill node's job ends there).
     prefill_only: bool = False
+    #: Prefill it in as few steps as the step budget allows, past the scheduler's
+    #: ``prefill_chunk_tokens``: a prompt whose KV a prefill node streams layer by layer while
+    #: computing it (the stream rides on the step that completes the prompt).
+    whole_prefill: bool = False
     #: The matcher of the grammar the output must follow (``params.structured``); None: free text.
     grammar: GrammarState | None = None
     #: Pipelined steps: the row of this request's newest token in the batch still on the device

@@ -161,11 +161,12 @@ class Scheduler:
             budget -= 1
 
         for req in list(self.running):
-            if min(budget, prefill_left) <= 0:
+            if budget <= 0:
                 break
-            if req.remaining_to_compute <= 1 or req not in self.running:
+            limit = budget if req.whole_prefill else min(budget, prefill_left)
+            if req.remaining_to_compute <= 1 or req not in self.running or limit <= 0:
                 continue
-            n = min(req.remaining_to_compute, budget, prefill_left)
+            n = min(req.remaining_to_compute, limit)
             slots = self.alloc_slots(n)
             if slots is None:
                 break
@@ -173,9 +174,10 @@ class Scheduler:
             budget -= n
             prefill_left -= n
 
-        while self.waiting and min(budget, prefill_left) > 0 and len(self.running) < self.config.max_running_requests:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if req.waits_for_token or not self._admit(req, min(budget, prefill_left), step):
+            limit = budget if req.whole_prefill else min(budget, prefill_left)
+            if limit <= 0 or req.waits_for_token or not self._admit(req, limit, step):
                 break
             self.waiting.popleft()
             budget -= step.q_lens[-1]
