@@ -38,11 +38,14 @@ def run(p, d, prompt: list[int], max_tokens: int = NEW_TOKENS) -> tuple[list[int
     return tokens, result
 
 
-@pytest.fixture(scope="module", params=[1, 16], ids=["block1", "block16"])
+@pytest.fixture(scope="module", params=[(1, None), (16, None), (1, 24)], ids=["block1", "block16", "block1-chunks24"])
 def pd_pair(request, default_model_dir):
-    block_size = request.param
+    # chunks24: P prefills a prompt 24 tokens a step (as in graph-sized chunks on a GPU), holding
+    # the KV of every chunk until it is sent.
+    block_size, chunk = request.param
     d = start_node(decode_main, engine_config(default_model_dir, block_size), TOKEN)
-    p = start_node(prefill_main, engine_config(default_model_dir, block_size), TOKEN, 30.0)
+    p_extra = {} if chunk is None else {"prefill_chunk_tokens": chunk}
+    p = start_node(prefill_main, engine_config(default_model_dir, block_size, **p_extra), TOKEN, 30.0)
     yield block_size, p, d
     p.stop()
     d.stop()
