@@ -61,6 +61,10 @@ class RequestRecord:
     #: and the node's own from taking the job to sending the first token; the rest is transit.
     dispatch_s: float | None
     node_ttft_s: float | None
+    #: Of a prefill node's share: its prefix query to the decode node, and its engine's prefill
+    #: (the prompt queued to its first token); None where D prefilled the request itself.
+    prefix_query_s: float | None
+    prefill_s: float | None
     tpot_s: float | None
     e2e_s: float | None
     stream: bool
@@ -131,6 +135,8 @@ class RequestLog:
             hit = r.cached_tokens
         else:
             hit = min(first.hit_blocks_decode * block_size, prompt) if first is not None else 0
+        # The first token report of the attempt that answered (a retried attempt's is cleared).
+        reported = first is not None and r.node_ttft_s is not None and not local
         ttft = tpot = e2e = None
         if r.first_token_at is not None:
             ttft = r.first_token_at - r.arrival
@@ -159,6 +165,8 @@ class RequestLog:
             ttft_s=_seconds(ttft),
             dispatch_s=_seconds(r.dispatched_at - r.arrival) if r.dispatched_at is not None else None,
             node_ttft_s=_seconds(r.node_ttft_s),
+            prefix_query_s=_seconds(first.prefix_query_s) if reported else None,
+            prefill_s=_seconds(first.prefill_s) if reported else None,
             tpot_s=_seconds(tpot),
             e2e_s=_seconds(e2e),
             stream=r.stream,

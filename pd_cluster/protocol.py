@@ -123,6 +123,12 @@ class FirstToken(_Message):
     node_ttft_s: float | None = Field(
         default=None, ge=0, description="seconds from the node taking the job to this token leaving it"
     )
+    prefix_query_s: float | None = Field(
+        default=None, ge=0, description="of node_ttft_s: the prefix query to the decode node, asked to answered"
+    )
+    prefill_s: float | None = Field(
+        default=None, ge=0, description="of node_ttft_s: the prompt queued on the node's engine to its first token"
+    )
 
 
 class TokenDelta(_Message):

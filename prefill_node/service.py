@@ -115,6 +115,10 @@ class PrefillService:
         self._first_tokens: dict[str, asyncio.Future[TokenUpdate]] = {}
         #: When each job in flight was taken (monotonic), for the node's share of its TTFT.
         self._received: dict[str, float] = {}
+        #: Parts of that share, per job in flight: the prefix query's seconds, and when the prompt
+        #: was queued on the engine (monotonic).
+        self._query_s: dict[str, float] = {}
+        self._queued: dict[str, float] = {}
         on_gpu = self.engine.device.type == "cuda"
         self.layerwise = on_gpu if layerwise is None else layerwise
         # Over NCCL the layer groups' sends do not yet run beside the prefill (two H200s, 4k
@@ -208,6 +212,8 @@ class PrefillService:
             raise PrefillFailed(f"lost decode node {job.decode_node_id}: {e or type(e).__name__}") from e
         finally:
             self._received.pop(job.request_id, None)
+            self._query_s.pop(job.request_id, None)
+            self._queued.pop(job.request_id, None)
             self.counters.queued_prefill_tokens -= len(job.token_ids)
             self._jobs_per_address[job.decode_address] -= 1
             if self._jobs_per_address[job.decode_address] <= 0:
@@ -216,12 +222,14 @@ class PrefillService:
     async def _run(self, job: PrefillJob, report_first_token: FirstTokenSink, left) -> PrefillResult:
         channel = await wait_for(self.pool.get(job.decode_address), left())
         direct = channel.shared_pool is not None
-        write_until = time.monotonic() + self.lease_s - LEASE_MARGIN_S
+        asked = time.monotonic()
+        write_until = asked + self.lease_s - LEASE_MARGIN_S
         match = await channel.request(
             MatchPrefix(request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling, lease_s=self.lease_s,
                         direct=direct),
             left(),
         )
+        self._query_s[job.request_id] = time.monotonic() - asked
         if not isinstance(match, MatchResult):
             raise PrefillFailed(f"decode node answered {match.type!r} to a prefix query")
         if match.error is not None or match.lease_id is None:
@@ -414,7 +422,9 @@ class PrefillService:
         writer.write_all(slots)
 
     def _report(self, job: PrefillJob, req: Request, first: TokenUpdate, hit_blocks: int, transfer_bytes: int) -> FirstToken:
+        now = time.monotonic()
         received = self._received.get(job.request_id)
+        queued = self._queued.get(job.request_id)
         return FirstToken(
             request_id=job.request_id,
             token_id=first.token_id,
@@ -424,7 +434,9 @@ class PrefillService:
             cached_tokens_prefill=req.num_cached_tokens,
             hit_blocks_decode=hit_blocks,
             transfer_bytes=transfer_bytes,
-            node_ttft_s=None if received is None else time.monotonic() - received,
+            node_ttft_s=None if received is None else now - received,
+            prefix_query_s=self._query_s.get(job.request_id),
+            prefill_s=None if queued is None else now - queued,
         )
 
     def _layer_hook_for(self, step: ScheduledStep) -> LayerHook | None:
@@ -452,6 +464,7 @@ class PrefillService:
         few steps as the budget allows (graph-sized chunks would leave the stream too little
         compute to hide behind)."""
         self._first_tokens[job.request_id] = asyncio.get_running_loop().create_future()
+        self._queued[job.request_id] = time.monotonic()
         try:
             return await self.worker.call(
                 lambda: self.engine.add_request(job.request_id, job.token_ids, job.sampling, hold_kv=True,

@@ -72,6 +72,9 @@ def test_every_request_ends_in_one_json_line_with_its_route_tokens_and_latency(c
     # TTFT's parts: the master's (to dispatch) and P's (job to first token) fit inside it, one after the other.
     assert 0 < line["dispatch_s"] and 0 < line["node_ttft_s"]
     assert line["dispatch_s"] + line["node_ttft_s"] < line["ttft_s"]
+    # P's share in turn: its prefix query to D, then its engine's prefill, one after the other.
+    assert 0 < line["prefix_query_s"] and 0 < line["prefill_s"]
+    assert line["prefix_query_s"] + line["prefill_s"] < line["node_ttft_s"]
     assert (line["outcome"], line["finish_reason"], line["error"], line["stream"]) == ("ok", "length", None, False)
 
     # The same prompt again, streamed: D holds its prefix now, so less KV moves.
@@ -149,7 +152,7 @@ def test_a_failed_retried_request_says_why(caplog):
 
 def test_token_counts_come_from_the_first_token_report():
     first = protocol.FirstToken(request_id="cmpl-1", token_id=5, cached_tokens_prefill=4, hit_blocks_decode=6,
-                                transfer_bytes=4096, node_ttft_s=0.125)
+                                transfer_bytes=4096, node_ttft_s=0.125, prefix_query_s=0.015625, prefill_s=0.0625)
     r = _request(prefill_id="p0", decode_id="d0", dispatched=True, first_token=first, cached_tokens=4,
                  outcome="ok", finish_reason="stop", first_token_at=100.25, finished_at=101.25,
                  output_ids=[1, 2, 3, 4, 5], dispatched_at=100.0625, node_ttft_s=0.125)
@@ -157,6 +160,7 @@ def test_token_counts_come_from_the_first_token_report():
     assert (record.decode_hit_tokens, record.transferred_tokens, record.transfer_bytes) == (6, 4, 4096)
     assert (record.ttft_s, record.tpot_s, record.e2e_s) == (0.25, 0.25, 1.25)
     assert (record.dispatch_s, record.node_ttft_s) == (0.0625, 0.125)
+    assert (record.prefix_query_s, record.prefill_s) == (0.015625, 0.0625)
     assert record.routing == "cache_aware; D held 6/10 prompt tokens"
     assert time.time() - record.ended_at < 5
 
