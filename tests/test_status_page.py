@@ -231,7 +231,7 @@ def _record(outcome: str = "ok", ttft: float | None = 0.1, tpot: float | None = 
         request_id="r", client_request_id=None, outcome=outcome, finish_reason="stop", error=None, prefill="p",
         decode="d", attempts=1, path="pd", route_reason="long_miss", routing="x", prompt_tokens=10, cached_tokens=0, decode_hit_tokens=0,
         transferred_tokens=10, transfer_bytes=moved, completion_tokens=5, ttft_s=ttft, dispatch_s=None, node_ttft_s=None,
-        tpot_s=tpot, e2e_s=1.0,
+        prefix_query_s=None, prefill_s=None, tpot_s=tpot, e2e_s=1.0,
         stream=False, ended_at=0.0)
 
 
