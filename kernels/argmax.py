@@ -6,6 +6,9 @@ one block, which walks the whole vocabulary by itself: 13 us a step for the defa
 take a slice of a row and a second launch picks among their winners; both wait on the kernel
 before them as dependent launches. The result is torch's: the first index of the row's largest
 value, a NaN winning over every number (torch ranks it above +inf too; here the two tie).
+
+The second launch can also store the ids into pinned host memory (``host_out``), so a captured
+greedy step's ids reach the host with the step itself, with no copy queued behind it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ SLICE = 2048
 
 def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
+
+
+def store_host_ids(ids: torch.Tensor, host_out: torch.Tensor, host_row: torch.Tensor) -> None:
+    """What :func:`argmax_rows` does with ``host_out`` outside the kernel: ``host_out[host_row[0],
+    :len(ids)] = ids``."""
+    host_out[int(host_row.reshape(-1)[0])][: ids.shape[0]].copy_(ids)
 
 
 @triton.jit
@@ -42,8 +51,8 @@ def _slice_argmax_kernel(
 
 @triton.jit
 def _pick_argmax_kernel(
-    best_ptr, where_ptr, out_ptr, N, num_slices,
-    BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
+    best_ptr, where_ptr, out_ptr, host_ptr, host_row_ptr, N, num_slices, stride_host,
+    BLOCK_P: tl.constexpr, HAS_HOST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
@@ -52,12 +61,19 @@ def _pick_argmax_kernel(
     best = tl.load(best_ptr + row * num_slices + p, mask=ok, other=float("-inf"))
     where = tl.load(where_ptr + row * num_slices + p, mask=ok, other=N)
     top = tl.max(best, axis=0)
-    tl.store(out_ptr + row, tl.min(tl.where(ok & (best == top), where, N), axis=0).to(tl.int64))
+    winner = tl.min(tl.where(ok & (best == top), where, N), axis=0).to(tl.int64)
+    tl.store(out_ptr + row, winner)
+    if HAS_HOST:  # also into mapped host memory: a posted write, nothing waits on it here
+        host_row = tl.load(host_row_ptr)
+        tl.store(host_ptr + host_row * stride_host + row, winner)
 
 
-def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`argmax_rows_ref` for a 2-D tensor whose rows are contiguous."""
+def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor | None = None, host_out: torch.Tensor | None = None,
+                       host_row: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of :func:`argmax_rows_ref` for a 2-D tensor whose rows are contiguous;
+    ``host_out``, ``host_row`` as in :func:`argmax_rows`."""
     require_triton()
+    _check_host(x, host_out, host_row)
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"expected rows of contiguous values, got shape {tuple(x.shape)} strides {x.stride()}")
     rows, n = x.shape
@@ -72,9 +88,26 @@ def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torc
     pdl = use_pdl(x)
     _slice_argmax_kernel[(rows, slices)](x, best, where, n, x.stride(0), slices, BLOCK=SLICE, USE_PDL=pdl,
                                          num_warps=4, **pdl_options(pdl))
-    _pick_argmax_kernel[(rows,)](best, where, out, n, slices, BLOCK_P=max(16, next_pow2(slices)), USE_PDL=pdl,
-                                 num_warps=1, **pdl_options(pdl))
+    has_host = host_out is not None and host_row is not None
+    _pick_argmax_kernel[(rows,)](best, where, out, host_out if has_host else out, host_row if has_host else out, n,
+                                 slices, host_out.stride(0) if has_host else 0, BLOCK_P=max(16, next_pow2(slices)),
+                                 HAS_HOST=has_host, USE_PDL=pdl, num_warps=1, **pdl_options(pdl))
     return out
+
+
+def _check_host(x: torch.Tensor, host_out: torch.Tensor | None, host_row: torch.Tensor | None) -> None:
+    if (host_out is None) != (host_row is None):
+        raise ValueError("host_out and host_row go together")
+    if host_out is None or host_row is None:
+        return
+    if host_out.dim() != 2 or host_out.dtype != torch.int64 or host_out.stride(-1) != 1:
+        raise ValueError("host_out must be a 2-D int64 tensor with contiguous rows")
+    if host_out.shape[1] < x.shape[0]:
+        raise ValueError(f"host_out rows hold {host_out.shape[1]} ids, the logits have {x.shape[0]} rows")
+    if host_row.numel() != 1 or host_row.dtype != torch.int64 or host_row.device != x.device:
+        raise ValueError("host_row must be one int64 on the logits' device")
+    if x.is_cuda and not host_out.is_pinned():
+        raise ValueError("host_out must be pinned host memory for the device to write it")
 
 
 def _out_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -85,11 +118,17 @@ def _out_for(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return out
 
 
-def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, host_out: torch.Tensor | None = None,
+                host_row: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's argmax (Triton on CUDA where rows are contiguous, torch elsewhere); ``out``: an
-    int64 vector to write them to (a buffer at a fixed address, as a captured step's is)."""
+    int64 vector to write them to (a buffer at a fixed address, as a captured step's is).
+    ``host_out`` ``[R, W]`` (pinned host memory where ``x`` is on a GPU) and ``host_row`` (one
+    int64 on ``x``'s device, read when the kernel runs): the ids are also stored to
+    ``host_out[host_row, :rows]``, by the kernel on a GPU."""
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
-        return argmax_rows_triton(x, out)
-    if out is None:
-        return argmax_rows_ref(x)
-    return _out_for(x, out).copy_(argmax_rows_ref(x))
+        return argmax_rows_triton(x, out, host_out, host_row)
+    _check_host(x, host_out, host_row)
+    ids = argmax_rows_ref(x) if out is None else _out_for(x, out).copy_(argmax_rows_ref(x))
+    if host_out is not None and host_row is not None:
+        store_host_ids(ids, host_out, host_row)
+    return ids

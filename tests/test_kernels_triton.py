@@ -321,6 +321,14 @@ class InterpretedCases:
         out = torch.full((4,), -5, dtype=torch.int64)
         assert argmax_rows_triton(small, out=out[:3]).data_ptr() == out.data_ptr()
         assert out[:3].tolist() == argmax_rows_ref(small).tolist() and out[3] == -5
+        # Also stored to a row of host_out picked by a value read when the kernel runs; the other
+        # rows and the row's columns past the ids are left alone.
+        host_out = torch.full((3, 5), -7, dtype=torch.int64)
+        argmax_rows_triton(small, out=out[:3], host_out=host_out, host_row=torch.tensor([2]))
+        assert host_out[2].tolist() == argmax_rows_ref(small).tolist() + [-7, -7]
+        assert (host_out[:2] == -7).all()
+        with pytest.raises(ValueError, match="hold 2 ids"):
+            argmax_rows_triton(small, host_out=host_out[:, :2], host_row=torch.tensor([0]))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_embed_step_inputs_triton_matches_reference(self, dtype: torch.dtype) -> None:

@@ -99,16 +99,24 @@ def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts, pi
     engine = _engine(default_model_dir, pipelined)
     shapes: list[GraphShape] = []
     engine.runner.graphs = _eager_graphs(engine, shapes)
-    graph_argmax = []
+    graph_argmax, host_rows = [], []
     sample_on_device = llm_engine.sample_on_device
 
-    def spy(logits, states, penalties=None, argmax=None, draw=None):
+    def spy(logits, states, penalties=None, argmax=None, draw=None, mapped=None):
         graph_argmax.append(argmax is not None)
-        return sample_on_device(logits, states, penalties, argmax, draw)
+        if mapped is not None:  # the graph's argmax also stored its ids into a host row
+            host_rows.append(mapped.host.tolist())
+        return sample_on_device(logits, states, penalties, argmax, draw, mapped)
 
     with mock.patch.object(llm_engine, "sample_on_device", spy):
         assert _staggered(engine, prompts) == expected
-    assert graph_argmax.count(True) == sum(1 for s in shapes if not s.tokens)
+    decode_steps = sum(1 for s in shapes if not s.tokens)
+    assert graph_argmax.count(True) == decode_steps
+    # Every greedy decode step's ids came back through a host row (the tokens above are read
+    # there), and every row was given back once read.
+    assert len(host_rows) == decode_steps and all(host_rows)
+    ring = engine.runner.graphs.mapped_ids
+    assert ring is not None and ring.free_rows == ring.DEPTH
     mixed = [s for s in shapes if s.tokens]
     # The 5-token prompt alone (no decode rows), then prompts beside running streams (padded to 8,
     # the only mixed decode size here); the 70-token prompt fits no graph and ran eagerly.
@@ -159,3 +167,26 @@ def test_draw_graphs_are_asked_for_on_the_command_line_and_reach_every_node():
     """On by default; ``--no-draw-graphs`` turns the engine's setting off, and ``pd-cluster local``
     hands the flag to each node it starts."""
     check_switch_reaches_every_node("draw-graphs", "draw_graphs")
+
+
+def test_mapped_id_rows_held_until_read_and_the_spare_when_all_are_held():
+    """A host row a step's ids went to is not handed out again while its result is unread; with
+    every row held, steps write the spare row (read by no one) and come back by the copy."""
+    from pd_cluster.engine.mapped_ids import MappedIdRing
+
+    ring = MappedIdRing(4, torch.device("cpu"))
+    held = []
+    for i in range(ring.DEPTH):
+        row = ring.take()
+        ring.buffer[row, :2] = torch.tensor([i, -i])
+        held.append(ring.hold(row, 2))
+    assert len({m.host.data_ptr() for m in held}) == ring.DEPTH and ring.free_rows == 0
+    assert ring.take() == ring.spare and ring.hold(ring.spare, 2) is None
+    assert [m.host.tolist() for m in held] == [[i, -i] for i in range(ring.DEPTH)]
+    held[3].release()
+    held[3].release()  # once only
+    assert ring.free_rows == 1
+    del held[5]  # an unread result dropped gives its row back too
+    assert ring.free_rows == 2
+    ring.give_back(ring.spare)  # a no-op
+    assert ring.free_rows == 2

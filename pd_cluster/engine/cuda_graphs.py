@@ -20,7 +20,9 @@ decode rows read one token of context; padding prefill sequences have no tokens;
 are dropped. The slot table is as wide as the request table (the model's context length), so one
 capture serves every context length. Mixed graphs keep their logits in the model's dtype; the
 rows a step samples are converted to float32 after the replay. Pure-decode graphs also take each
-row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`).
+row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`),
+and store those ids into a pinned host row as well (:attr:`StepGraphs.last_mapped`), so they reach the
+host with the replay rather than by a copy queued behind it.
 With draws asked for, each also has a draw graph beside it (:attr:`StepGraphs.last_draw`): a sampled
 batch's draw is one more replay, its settings written to static buffers, rather than kernels
 launched from the host.
@@ -40,6 +42,7 @@ import torch
 import kernels
 from pd_cluster.engine.device_copy import PinnedRing, tensor_on
 from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.engine.mapped_ids import MappedIdRing, MappedIds
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.sampler import DrawInputs, GraphDraw
 from pd_cluster.engine.scheduler import ScheduledStep
@@ -93,14 +96,17 @@ class StepGraphs:
         dev = self.device
         max_tokens = self.max_batch + (self.prefill_sizes[-1] if self.prefill_sizes else 0)
         max_seqs = self.max_batch + self.max_prefills
-        # Every shape's inputs, packed: its 4 token rows then its 5 sequence rows, read by its graph
-        # as views of the front of one buffer, so a step's inputs are one host-to-device copy.
-        self._inputs = torch.zeros(4 * max_tokens + 5 * max_seqs, dtype=torch.int64, device=dev)
+        # Every shape's inputs, packed: its 4 token rows, its 5 sequence rows, then the row of
+        # ``mapped_ids`` its argmax writes to; read by its graph as views of the front of one buffer,
+        # so a step's inputs are one host-to-device copy.
+        self._inputs = torch.zeros(4 * max_tokens + 5 * max_seqs + 1, dtype=torch.int64, device=dev)
         # The last step's sampled ids where a step's graph reads those still on the device (an id
         # ``-r - 1`` in the inputs is row ``r`` here): pure-decode graphs write their argmax here, so
         # a greedy step's ids are read in place; others' are copied in before the replay.
         self._prev_tokens = torch.zeros(max(max_seqs, table.table.shape[0]), dtype=torch.int64, device=dev)
         self._staging = PinnedRing(self._inputs.numel(), torch.int64, self.device)
+        #: Pinned host rows the pure-decode graphs' argmax also writes its ids to (None: no such graphs).
+        self.mapped_ids = MappedIdRing(self.max_batch, dev) if self.batch_sizes else None
         # A mixed step's padded decode rows cost a GEMM row and one token of attention each, little
         # beside its prefill tokens: coarse decode sizes keep the graph count (and capture time) down.
         self.mixed_decode_sizes = [0] + [b for b in self.batch_sizes if b >= MIXED_MIN_DECODE or b == self.max_batch]
@@ -117,6 +123,9 @@ class StepGraphs:
         #: valid until the next replay), or None: that step's graph took none (a mixed step, or
         #: rows that do not sample).
         self.last_argmax: torch.Tensor | None = None
+        #: The same ids in a held pinned host row, written by that graph (None: the spare row was
+        #: written, every other one being held, or the step took no argmax).
+        self.last_mapped: MappedIds | None = None
         self.draws = draws and bool(self.batch_sizes)
         #: The draws' settings buffers, made when they are captured (None: no draws).
         self.draw_inputs: DrawInputs | None = None
@@ -139,6 +148,11 @@ class StepGraphs:
         """``shape``'s per-sequence inputs ``[5, sequences]`` (see ``_CTX`` ... ``_SROW``)."""
         n_tok, n_seq = shape.decode + shape.tokens, self._num_seqs(shape)
         return self._inputs[4 * n_tok : 4 * n_tok + 5 * n_seq].view(5, n_seq)
+
+    def _host_row(self, shape: GraphShape) -> torch.Tensor:
+        """``shape``'s row of :attr:`mapped_ids` for its ids (one int64, after its sequence rows)."""
+        at = 4 * (shape.decode + shape.tokens) + 5 * self._num_seqs(shape)
+        return self._inputs[at : at + 1]
 
     def _batch(self, shape: GraphShape) -> ForwardBatch:
         tokens = self._token_rows(shape)
@@ -263,17 +277,26 @@ class StepGraphs:
                                              tokens[_TROW], self.table.table, self.pad_slot, self.model.weights.embed)
         float_logits = shape.tokens == 0
         logits = self.model.forward(self._batch(shape), self.pool, float_logits=float_logits, embedded=embedded)
-        argmax = kernels.argmax_rows(logits, out=self._prev_tokens[: shape.decode]) if float_logits else None
+        argmax = None
+        if float_logits:
+            mapped = self.mapped_ids
+            argmax = kernels.argmax_rows(logits, out=self._prev_tokens[: shape.decode],
+                                         host_out=mapped.buffer if mapped is not None else None,
+                                         host_row=self._host_row(shape) if mapped is not None else None)
         return logits, argmax
 
-    def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape) -> None:
+    def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape, host_row: int | None = None) -> None:
         """One host-to-device copy of a step's inputs (``shape``'s token rows, then its sequence
-        rows, flattened) into the front of the static input buffer."""
+        rows, flattened, then ``host_row``: the :attr:`mapped_ids` row for its ids, by default the
+        spare) into the front of the static input buffer."""
         array = self._staging.stage()
-        n_tok = len(tokens)
+        n_tok, n_in = len(tokens), len(tokens) + len(seqs)
         array[:n_tok] = tokens
-        array[n_tok : n_tok + len(seqs)] = seqs
-        self._staging.copy(self._inputs, n_tok + len(seqs))
+        array[n_tok:n_in] = seqs
+        if host_row is None:
+            host_row = self.mapped_ids.spare if self.mapped_ids is not None else 0
+        array[n_in] = host_row
+        self._staging.copy(self._inputs, n_in + 1)
 
     # ---- replay --------------------------------------------------------------------------------
 
@@ -290,7 +313,9 @@ class StepGraphs:
         n_tok = shape.decode + shape.tokens
         if device_tokens is not None:
             self._mark_device_ids(step, layout, starts, tokens, n_tok, device_tokens)
-        self._write(tokens, seqs, shape)
+        mapped = self.mapped_ids if shape.tokens == 0 else None
+        host_row = mapped.take() if mapped is not None else None
+        self._write(tokens, seqs, shape, host_row)
         # The graph's first kernel writes the new tokens' slots to the device's request table; the
         # host's mirror of it is kept here (decode part, then prefill part).
         for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
@@ -300,7 +325,13 @@ class StepGraphs:
                                   tokens[_SLOTS * n_tok + lo : _SLOTS * n_tok + hi])
         logits = self.run_graph(shape)
         self.last_argmax = None
+        self.last_mapped = None
         self.last_draw = None
+        if mapped is not None and host_row is not None:
+            if all(step.samples) and shape in self._argmax:
+                self.last_mapped = mapped.hold(host_row, len(step.requests))
+            else:  # not to be read: a later graph may write it
+                mapped.give_back(host_row)
         if shape.tokens == 0 and all(step.samples):  # decode rows only, in step order
             n = len(step.requests)
             argmax = self._argmax.get(shape)

@@ -16,6 +16,7 @@ from pd_cluster.engine.grammar import Grammars
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.launch_timing import LaunchTimer, StepMarks
 from pd_cluster.engine.length_predictor import OutputLengthPredictor
+from pd_cluster.engine.mapped_ids import MappedIds
 from pd_cluster.engine.model_runner import ModelRunner, StepHook
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.outputs import EngineStats, TokenUpdate
@@ -379,7 +380,7 @@ class LLMEngine:
         if not step.requests:
             return []
         logits = self.runner.run(step, self._layer_hooks)
-        argmax, draw = self.runner.last_argmax, self.runner.last_draw
+        argmax, draw, mapped = self.runner.last_argmax, self.runner.last_draw, self.runner.last_mapped
         self.stats.steps += 1
         self.stats.computed_tokens += step.num_tokens
         sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
@@ -389,7 +390,7 @@ class LLMEngine:
         if not sampling_reqs:
             return updates
         self.grammars.apply_masks(logits, sampling_reqs)
-        tokens = fetch(self._sample(logits, argmax, draw, sampling_reqs), [r.sampling for r in sampling_reqs])
+        tokens = fetch(self._sample(logits, argmax, draw, sampling_reqs, mapped), [r.sampling for r in sampling_reqs])
         now = time.monotonic()
         for req, tok in zip(sampling_reqs, tokens):
             updates.append(self._accept(req, tok.token_id, tok.logprob, now))
@@ -409,7 +410,7 @@ class LLMEngine:
         launched = None
         if step.requests:
             logits = self.runner.run(step, self._layer_hooks)
-            argmax, draw = self.runner.last_argmax, self.runner.last_draw
+            argmax, draw, mapped = self.runner.last_argmax, self.runner.last_draw, self.runner.last_mapped
             self.stats.steps += 1
             self.stats.computed_tokens += step.num_tokens
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
@@ -417,7 +418,7 @@ class LLMEngine:
                 req.num_computed += q_len
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
-                launched = (sampling_reqs, self._sample(logits, argmax, draw, sampling_reqs))
+                launched = (sampling_reqs, self._sample(logits, argmax, draw, sampling_reqs, mapped))
         updates = self._detokenize_deferred()
         if launched is not None:
             sampling_reqs, result = launched
@@ -469,7 +470,7 @@ class LLMEngine:
             logits = self.runner.run(step, None, device_tokens)
             if timer is not None:
                 self._note_launch(timer, marks, previous, time.monotonic() - began)
-            argmax, draw = self.runner.last_argmax, self.runner.last_draw
+            argmax, draw, mapped = self.runner.last_argmax, self.runner.last_draw, self.runner.last_mapped
             self._frees_at_launch = (self.pool.frees, self.table.frees)
             self.stats.steps += 1
             self.stats.computed_tokens += step.num_tokens
@@ -489,7 +490,7 @@ class LLMEngine:
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
-                result = self._sample(logits, argmax, draw, sampling_reqs)
+                result = self._sample(logits, argmax, draw, sampling_reqs, mapped)
                 if marks is not None:
                     timer.finish(marks, self.device)
                 live, positions, rows = [], [], []
@@ -536,13 +537,13 @@ class LLMEngine:
         self._deadline = None
 
     def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, draw: GraphDraw | None,
-                reqs: list[Request]) -> DeviceSample:
+                reqs: list[Request], mapped: MappedIds | None = None) -> DeviceSample:
         """Launch the sampling of ``reqs``' rows of ``logits``; ``argmax`` and ``draw``: the rows'
         argmax taken in the step's graph and the draw captured beside it, unused where a grammar
-        mask changed the logits after them."""
+        mask changed the logits after them; ``mapped``: that argmax in pinned host memory."""
         if any(r.grammar is not None for r in reqs):
-            argmax = draw = None
-        return sample_on_device(logits, [r.sampling for r in reqs], self.penalties, argmax, draw)
+            argmax = draw = mapped = None
+        return sample_on_device(logits, [r.sampling for r in reqs], self.penalties, argmax, draw, mapped)
 
     def _read_back_in_flight(self) -> None:
         """Read back and accept the pipelined step in flight, if any (before a step that cannot

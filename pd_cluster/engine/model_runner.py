@@ -13,6 +13,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine.cuda_graphs import StepGraphs
 from pd_cluster.engine.device_copy import tensor_on, to_device
 from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.engine.mapped_ids import MappedIds
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.sampler import GraphDraw
 from pd_cluster.engine.scheduler import ScheduledStep
@@ -39,6 +40,8 @@ class ModelRunner:
         #: The argmax of each row the last :meth:`run` returned, taken inside its CUDA graph (None:
         #: not taken; valid until the next run). A greedy batch samples it without another launch.
         self.last_argmax: torch.Tensor | None = None
+        #: The same ids in pinned host memory, written by that graph (None: not there).
+        self.last_mapped: MappedIds | None = None
         #: The draw captured beside the last :meth:`run`'s graph (None: none), for its sampling.
         self.last_draw: GraphDraw | None = None
         #: Prefill-only graphs with buffers of their own, for prefills on the engine's side stream
@@ -119,12 +122,15 @@ class ModelRunner:
             layout = StepLayout.of(step)
             graphs = self.side_graphs if side else self.graphs
             self.last_argmax = None
+            self.last_mapped = None
             self.last_draw = None
             if layer_hook is None and graphs is not None:
                 shape = graphs.shape_for(layout)
                 if shape is not None:
                     logits = graphs.replay(step, layout, shape, device_tokens)
                     self.last_argmax = graphs.last_argmax
+                    self.last_mapped = graphs.last_mapped
+                    graphs.last_mapped = None  # held here (and by the sampling's result) only
                     self.last_draw = graphs.last_draw
                     return logits
             starts = layout.token_starts(step)

@@ -34,6 +34,7 @@ from kernels.penalties import apply_penalties as penalize
 from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from pd_cluster.engine.penalties import PenaltyBook
 from pd_cluster.engine.device_copy import PinnedRing, tensor_on, to_device
+from pd_cluster.engine.mapped_ids import MappedIds
 from pd_cluster.protocol import TokenLogprob
 from pd_cluster.sampling_params import SamplingParams
 
@@ -240,13 +241,16 @@ class DeviceSample:
     On a GPU the copy to pinned host memory is queued as soon as the sampling is (``host``,
     ``ready``): the stream runs it right after the sampling kernels, so a pipelined engine that
     queues the next forward before it reads these tokens back waits for this step's sampling
-    only, not for the forward queued behind it."""
+    only, not for the forward queued behind it. A greedy step whose graph stored its ids into
+    pinned host memory itself needs no copy: ``host`` is that row (``mapped``, given back once
+    read)."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None
     rows: _Batch
     host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    mapped: MappedIds | None = None
     #: The host copy as a list, once read (``host`` and ``ready`` then serve another batch).
     flat: list | None = None
 
@@ -268,7 +272,13 @@ def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[Sampled
     """The host's copy of :func:`sample_on_device`'s result (waits for the device to reach the
     end of that sampling, not for what was queued after it)."""
     if result.flat is None:
-        if result.ready is not None:  # a pinned copy on a GPU: its buffer serves another batch after
+        if result.mapped is not None:  # the ids the step's graph stored in a pinned row
+            if result.mapped.ready is not None:
+                result.mapped.ready.synchronize()
+            result.flat = result.mapped.host.tolist()
+            result.mapped.release()
+            result.host = result.ready = result.mapped = None
+        elif result.ready is not None:  # a pinned copy on a GPU: its buffer serves another batch after
             result.ready.synchronize()
             result.flat = result.host.tolist()
             _HOST_COPIES.give_back(result.host, result.ready)
@@ -281,19 +291,26 @@ def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[Sampled
 
 def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
                      penalties: PenaltyBook | None = None, argmax: torch.Tensor | None = None,
-                     draw: GraphDraw | None = None) -> DeviceSample:
+                     draw: GraphDraw | None = None, mapped: MappedIds | None = None) -> DeviceSample:
     """:func:`sample` up to the host copy: on a GPU this returns before the kernels ran, so the
     host can do other work (the previous step's detokenization) before :func:`fetch`.
     ``argmax``: each row's argmax of ``logits``, already taken (in the step's CUDA graph).
     ``draw``: the step's draw captured over these logits; a batch with nothing that changes the
-    logits replays it (one launch) rather than launching the draw's kernels."""
+    logits replays it (one launch) rather than launching the draw's kernels. ``mapped``: the same
+    argmax in pinned host memory, written by the graph: a greedy batch that takes the argmax as
+    it is reads it there (no copy); otherwise dropping it gives its row back."""
     if logits.dim() != 2 or logits.shape[0] != len(states) or not states:
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(states)} states")
     batch, vocab = logits.shape
     device = logits.device
     if all(_plain_greedy(s.params) for s in states):
         # Most decode batches: one argmax, no settings to pack, no copy of the logits.
-        tokens = argmax if argmax is not None and argmax.shape[0] == batch else argmax_rows(logits)
+        if argmax is not None and argmax.shape[0] == batch:
+            if mapped is not None and mapped.host.shape[0] == batch:
+                return _mapped_result(argmax, mapped)
+            tokens = argmax
+        else:
+            tokens = argmax_rows(logits)
         return _queue_host_copy(DeviceSample(tokens, None, _PLAIN_GREEDY))
     if draw is not None and (draw.rows < batch or not all(_drawable(s.params) for s in states)):
         draw = None
@@ -353,6 +370,14 @@ class _HostCopies:
 
 
 _HOST_COPIES = _HostCopies()
+
+
+def _mapped_result(argmax: torch.Tensor, mapped: MappedIds) -> DeviceSample:
+    """A greedy batch whose ids the step's graph also stored in a pinned row: ready once the
+    stream reaches the end of that graph (the event recorded here, behind it)."""
+    if mapped.ready is not None:
+        mapped.ready.record(torch.cuda.current_stream(argmax.device))
+    return DeviceSample(argmax, None, _PLAIN_GREEDY, host=mapped.host, ready=mapped.ready, mapped=mapped)
 
 
 def _queue_host_copy(result: DeviceSample) -> DeviceSample:

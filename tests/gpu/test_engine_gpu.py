@@ -113,8 +113,22 @@ def test_float32_greedy_with_cuda_graphs_equals_the_cpu_path(model_dir, prompts,
     eng = engine(model_dir, "cuda", "float32")
     assert eng.runner.graphs is not None and eng.runner.graphs.batch_sizes == [1, 2, 4, 8]
     shapes = count_replays(eng)
+    ring = eng.runner.graphs.mapped_ids
+    assert ring is not None and ring.buffer.is_pinned()
+    held = []
+    hold = ring.hold
+
+    def counted_hold(row, n):
+        held.append(row)
+        return hold(row, n)
+
+    ring.hold = counted_hold  # type: ignore[method-assign]
     assert eng.scheduler.prefill_chunk_tokens == 512  # the largest mixed graph's prefill tokens
     assert generate(eng, prompts) == cpu_tokens
+    # Each decode step's ids were read from the pinned row its graph wrote them to (the tokens
+    # above came from there), never the spare, and every row was given back once read.
+    assert len(held) == sum(1 for shape, _ in shapes if not shape.tokens) and ring.spare not in held
+    assert ring.free_rows == ring.DEPTH
     # Every step after the first replayed a graph, padded where the batch fell between captured
     # sizes. The first step took 512 prompt tokens: five prompts and the sixth's first 47 tokens,
     # more prompts than a mixed graph holds (it ran eagerly); the next one the sixth's other 286

@@ -319,6 +319,36 @@ def test_decode_attention_replays_in_a_cuda_graph() -> None:
     assert rel_error(static_out.clone(), ref) < ATTENTION_TOL[torch.bfloat16]
 
 
+def test_argmax_in_a_cuda_graph_stores_ids_into_the_pinned_row_each_replay_names() -> None:
+    """The row of pinned host memory is read from the device when the graph runs, so one capture
+    writes where each replay's input says; the host sees the ids once the stream has passed it."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(3, 49152, device="cuda", generator=gen)
+    out = torch.empty(3, dtype=torch.int64, device="cuda")
+    host_out = torch.full((4, 3), -1, dtype=torch.int64).pin_memory()
+    host_row = torch.zeros(1, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.argmax_rows(logits, out=out, host_out=host_out, host_row=host_row)  # compile outside
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels.argmax_rows(logits, out=out, host_out=host_out, host_row=host_row)
+    host_out.fill_(-1)
+    for row in (2, 1, 3):
+        logits.copy_(torch.randn(logits.shape, device="cuda", generator=gen))
+        host_row.fill_(row)
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        assert host_out[row].tolist() == logits.argmax(dim=-1).tolist() == out.tolist()
+    assert host_out[0].tolist() == [-1, -1, -1]
+    with pytest.raises(ValueError, match="pinned"):
+        kernels.argmax_rows(logits, host_out=torch.zeros(2, 3, dtype=torch.int64), host_row=host_row)
+
+
 def test_public_ops_dispatch_to_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
