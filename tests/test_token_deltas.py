@@ -14,7 +14,8 @@ from decode_node.node import DecodeNode
 from decode_node.service import FirstTokenOut
 from pd_cluster import protocol
 from pd_cluster.engine.outputs import TokenUpdate
-from pd_cluster.node.agent import MasterLinks
+from pd_cluster.node import agent as agent_module
+from pd_cluster.node.agent import MasterLinks, NodeAgent, coalesced
 from tests.master_fakes import MODEL, FakeNode, LiveMaster, make_settings, wait_until, wait_warm, write_model_dir
 
 
@@ -75,8 +76,65 @@ def test_a_decode_step_is_one_frame_with_a_delta_a_request():
     a, b = sent[0].deltas
     assert (a.request_id, a.token_ids, a.text, a.finish_reason, a.cached_tokens) == ("a", [1, 3], "xz", "length", None)
     assert (b.request_id, b.token_ids, b.logprobs, b.cached_tokens, b.node_ttft_s) == ("b", [2], [logprob], 32, 0.02)
+    # Built without validation, it still is what the master parses back, field for field.
+    assert protocol.parse_node_message(protocol.encode(sent[0])).model_dump() == protocol.TokenDeltas(deltas=[
+        _delta("a", 1, 3, text="xz", finish_reason="length"),
+        _delta("b", 2, text="y", logprobs=[logprob], cached_tokens=32, node_ttft_s=0.02),
+    ]).model_dump()
     node._on_tokens([])
     assert len(sent) == 1
+
+
+def test_adjacent_batches_queued_together_go_as_one_in_order():
+    status = protocol.Drained()
+    queued = [protocol.TokenDeltas(deltas=[_delta("a", 1)]), protocol.TokenDeltas(deltas=[_delta("b", 2), _delta("a", 3)]),
+              status, protocol.TokenDeltas(deltas=[_delta("a", 4, finish_reason="stop")])]
+    out = coalesced(queued)
+    assert [type(m) for m in out] == [protocol.TokenDeltas, protocol.Drained, protocol.TokenDeltas]
+    assert [(d.request_id, d.token_ids) for d in out[0].deltas] == [("a", [1]), ("b", [2]), ("a", [3])]
+    assert out[1] is status and out[2] is queued[3]
+    assert coalesced([]) == [] and coalesced([status]) == [status]
+
+
+class _Socket:
+    """A link's websocket: records frames; ``stall`` makes a send wait for good."""
+
+    def __init__(self, stall: bool = False) -> None:
+        self.frames: list[str] = []
+        self.stall = stall
+
+    async def send(self, frame: str) -> None:
+        if self.stall:
+            await asyncio.Event().wait()
+        self.frames.append(frame)
+
+
+def _agent() -> NodeAgent:
+    """A link never dialled (no registration): its sender and reporter run on the sockets given."""
+    return NodeAgent("http://m", "token", None, lambda: protocol.Drained(), None)  # type: ignore[arg-type]
+
+
+async def test_the_sender_sends_what_queued_meanwhile_in_fewer_frames():
+    agent, ws = _agent(), _Socket()
+    for i in range(3):
+        agent.send_nowait(protocol.TokenDeltas(deltas=[_delta("a", i)]))
+    agent.send_nowait(protocol.Drained())
+    sender = asyncio.create_task(agent._sender(ws))
+    await wait_until(lambda: len(ws.frames) == 2, timeout=5)
+    sender.cancel()
+    first, second = (protocol.parse_node_message(f) for f in ws.frames)
+    assert [d.token_ids for d in first.deltas] == [[0], [1], [2]] and isinstance(second, protocol.Drained)
+
+
+async def test_a_send_that_stalls_drops_the_link(monkeypatch):
+    monkeypatch.setattr(agent_module, "SEND_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(protocol, "STATUS_INTERVAL_S", 0.05)
+    agent = _agent()
+    agent.send_nowait(protocol.Drained())
+    sender = asyncio.create_task(agent._sender(_Socket(stall=True)))
+    with pytest.raises(TimeoutError, match="to go out"):
+        await asyncio.wait_for(agent._reporter(), 5)
+    sender.cancel()
 
 
 class _Agent:

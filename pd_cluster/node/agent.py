@@ -52,6 +52,24 @@ def log_request_frame(direction: str, message: BaseModel) -> None:
     logger.info("request %s: %s, %s", message.request_id, what, direction)
 
 
+#: Longest a frame may take to go out before the link is dropped (and dialled again).
+SEND_TIMEOUT_S = 10.0
+
+
+def coalesced(messages: list[BaseModel]) -> list[BaseModel]:
+    """``messages`` in order, each run of adjacent ``TokenDeltas`` made one (its deltas in order):
+    what queued while a frame went out leaves in fewer frames, each a socket write and a parse on
+    the master. :func:`protocol.encode_frames` splits one that outgrows a frame again."""
+    out: list[BaseModel] = []
+    for message in messages:
+        last = out[-1] if out else None
+        if isinstance(message, protocol.TokenDeltas) and isinstance(last, protocol.TokenDeltas):
+            out[-1] = protocol.TokenDeltas.model_construct(deltas=[*last.deltas, *message.deltas])
+        else:
+            out.append(message)
+    return out
+
+
 class RegistrationRefused(RuntimeError):
     """The master will never take this node as configured."""
 
@@ -93,6 +111,10 @@ class NodeAgent:
         self.registered = asyncio.Event()
         self.stopped = asyncio.Event()
         self._closing = False
+        #: When the frame going out now began to (loop time), None between frames: the reporter
+        #: drops a link whose send stalls past SEND_TIMEOUT_S (a timer armed per frame cost the
+        #: node's event loop about a tenth of its time at a small model's step rate).
+        self._sending_since: float | None = None
 
     def send_nowait(self, message: BaseModel) -> None:
         """Queue a frame for the master; dropped (logged) only when the link is down for long."""
@@ -193,16 +215,24 @@ class NodeAgent:
                     await ws.send(frame)
 
     async def _sender(self, ws) -> None:
+        loop = asyncio.get_running_loop()
+        queue = self._outbox
         while True:
-            message = await self._outbox.get()
-            for frame in protocol.encode_frames(message):
-                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
-                # arrives as the send completes, and this task would never stop.
-                async with asyncio.timeout(10):
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            for message in coalesced(batch):
+                for frame in protocol.encode_frames(message):
+                    self._sending_since = loop.time()
                     await ws.send(frame)
+            self._sending_since = None
 
     async def _reporter(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            since = self._sending_since
+            if since is not None and loop.time() - since > SEND_TIMEOUT_S:
+                raise TimeoutError(f"a frame to the master took over {SEND_TIMEOUT_S:.0f}s to go out")
             self.send_nowait(self._status())
             await asyncio.sleep(protocol.STATUS_INTERVAL_S)
 
@@ -311,8 +341,10 @@ class MasterLinks:
             if not agent.registered.is_set():
                 continue
             deltas = owned.get(agent.url, []) + unowned
-            if deltas:
-                agent.send_nowait(protocol.TokenDeltas(deltas=deltas))
+            if len(deltas) == len(message.deltas):  # all of them (one master): the frame as it is
+                agent.send_nowait(message)
+            elif deltas:
+                agent.send_nowait(protocol.TokenDeltas.model_construct(deltas=deltas))
 
     async def close(self, timeout: float = 10.0) -> None:
         self.stopped.set()
