@@ -127,6 +127,33 @@ def test_graph_inputs_give_the_eager_steps_tokens(default_model_dir, prompts, pi
     assert engine.pool.num_free == engine.pool.capacity
 
 
+def test_with_every_host_row_held_the_ids_come_back_by_the_copy(default_model_dir, prompts):
+    """Rows held by results not yet read are never written: a step then writes the spare row, and
+    its ids come back by the copy to the host, the same tokens."""
+    expected = _staggered(_engine(default_model_dir), prompts)
+    engine = _engine(default_model_dir, pipelined=True)
+    shapes: list[GraphShape] = []
+    engine.runner.graphs = _eager_graphs(engine, shapes)
+    ring = engine.runner.graphs.mapped_ids
+    assert ring is not None
+    held = [ring.take() for _ in range(ring.DEPTH)]
+    ring.buffer[: ring.DEPTH] = -7  # what a reader of those rows would find
+    mapped_seen = []
+    sample_on_device = llm_engine.sample_on_device
+
+    def spy(logits, states, penalties=None, argmax=None, draw=None, mapped=None):
+        mapped_seen.append(mapped)
+        return sample_on_device(logits, states, penalties, argmax, draw, mapped)
+
+    with mock.patch.object(llm_engine, "sample_on_device", spy):
+        assert _staggered(engine, prompts) == expected
+    assert any(not s.tokens for s in shapes) and mapped_seen and all(m is None for m in mapped_seen)
+    assert (ring.buffer[: ring.DEPTH] == -7).all() and ring.free_rows == 0
+    for row in held:
+        ring.give_back(row)
+    assert ring.free_rows == ring.DEPTH
+
+
 @pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
 def test_sampled_decode_steps_replay_their_draw_and_draw_the_eager_tokens(default_model_dir, prompts, pipelined):
     """A decode batch with seeded draws (and a greedy row, and every cut) replays the draw graph
