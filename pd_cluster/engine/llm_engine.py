@@ -530,6 +530,14 @@ class LLMEngine:
         timer.note_launch(seconds)
         ready = previous.result.ready if previous is not None else None
         device_bound = ready is not None and not ready.query()
+        if ready is not None:
+            stats = self.stats
+            stats.pipelined_launches += 1
+            stats.launches_after_idle += not device_bound
+            n = stats.pipelined_launches
+            if n >= 1024 and n & (n - 1) == 0:  # 1024, 2048, ...: a trace of how host-bound steps are
+                logger.info("%d of %d pipelined launches found the device idle (the step before had ended)",
+                            stats.launches_after_idle, n)
         if marks is not None:
             marks.device_bound = device_bound
         if self._deadline is not None and not device_bound and self._running_key is not None:

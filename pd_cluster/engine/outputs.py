@@ -55,4 +55,8 @@ class EngineStats:
     #: Launches that waited for the step in flight to near its end (late launch), and how long.
     late_launches: int = 0
     late_launch_wait_s: float = 0.0
+    #: Steps launched while the step before might still run (overlap scheduling, on a GPU), and
+    #: those of them that found it already ended: the device had waited on the host.
+    pipelined_launches: int = 0
+    launches_after_idle: int = 0
     extra: dict = field(default_factory=dict)
