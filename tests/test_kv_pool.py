@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,45 @@ def test_the_request_tables_host_mirror_holds_what_was_written_and_recorded() ->
     got = table.read(row, 5)
     got[0] = -1  # a copy: the mirror is not changed through it
     assert table.read(row, 1).tolist() == [7]
+
+
+def test_take_hands_out_numpy_slots_from_the_same_free_list_as_alloc(pool: KVPool) -> None:
+    """A step's slots come as numpy arrays (no torch op a step); both ways draw from one list."""
+    taken = pool.take(5)
+    allocated = pool.alloc(3)
+    assert taken is not None and allocated is not None
+    assert taken.dtype == np.int64 and isinstance(allocated, torch.Tensor)
+    assert set(taken.tolist()).isdisjoint(allocated.tolist())
+    assert pool.num_free == 16 - 8
+    assert pool.take(9) is None and pool.num_free == 8
+    pool.free(torch.from_numpy(taken))
+    assert pool.num_free == 13
+
+
+def test_a_scheduled_step_keeps_numpy_slots_and_lists_them_in_step_order() -> None:
+    from pd_cluster.engine.scheduler import ScheduledStep
+
+    step = ScheduledStep()
+    assert step.slot_list() == []
+    step.add(object(), 2, torch.tensor([7, 3]), sample=True)  # torch from callers outside the scheduler
+    assert step.slot_list() == [7, 3]
+    step.add(object(), 1, np.array([11], dtype=np.int64), sample=True)
+    assert all(isinstance(s, np.ndarray) for s in step.new_slots)
+    assert step.slot_list() == [7, 3, 11]
+
+
+def test_a_pinned_ring_copies_what_was_staged_whatever_the_length_and_destination() -> None:
+    """Its copies reuse views per (buffer, length, destination): every copy still carries the
+    values just staged, to the destination named, and only its first ``n`` elements."""
+    from pd_cluster.engine.device_copy import PinnedRing
+
+    ring = PinnedRing(16, torch.int64, torch.device("cpu"))
+    first, second = torch.full((16,), -1, dtype=torch.int64), torch.full((16,), -2, dtype=torch.int64)
+    for step in range(3 * PinnedRing.DEPTH):
+        n = 3 + step % 5
+        dest = first if step % 2 else second
+        before = dest.clone()
+        ring.stage()[:n] = np.arange(n) + 100 * step
+        ring.copy(dest, n)
+        assert dest[:n].tolist() == (np.arange(n) + 100 * step).tolist()
+        assert torch.equal(dest[n:], before[n:])

@@ -119,6 +119,8 @@ class StepGraphs:
         self._graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
         self._logits: dict[GraphShape, torch.Tensor] = {}
         self._argmax: dict[GraphShape, torch.Tensor] = {}
+        #: (shape, rows) -> views of the first rows of its logits and argmax (:meth:`_decode_rows`).
+        self._row_views: dict[tuple[GraphShape, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         #: Each sampling row's argmax from the last :meth:`replay`, computed in its graph (a view
         #: valid until the next replay), or None: that step's graph took none (a mixed step, or
         #: rows that do not sample).
@@ -193,6 +195,7 @@ class StepGraphs:
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         started = time.monotonic()
+        self._row_views.clear()
         reserved = torch.cuda.memory_reserved(self.device)
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
@@ -333,12 +336,11 @@ class StepGraphs:
             else:  # not to be read: a later graph may write it
                 mapped.give_back(host_row)
         if shape.tokens == 0 and all(step.samples):  # decode rows only, in step order
-            n = len(step.requests)
-            argmax = self._argmax.get(shape)
-            self.last_argmax = argmax[:n] if argmax is not None else None
+            rows = self._decode_rows(shape, len(step.requests))
+            self.last_argmax = rows[1]
             if self.draw_inputs is not None:
                 self.last_draw = self._draw_handle(shape)
-            return logits[:n]
+            return rows[0]
         rows_of = {i: s for s, i in enumerate(layout.decode)}
         rows_of.update({i: d + j for j, i in enumerate(layout.prefill)})
         keep = [rows_of[i] for i, sample in enumerate(step.samples) if sample]
@@ -368,7 +370,7 @@ class StepGraphs:
         ids = [r.token_ids(p, p + 1)[0] for r, p in zip(reqs, positions)]
         rows = [r.row for r in reqs]
         ctx = [p + 1 for p in positions]
-        slots = torch.cat(step.new_slots).tolist()
+        slots = step.slot_list()
         zeros, order = [0] * pad, self._arange[:size]
         tokens = ids + zeros + positions + zeros + slots + [self.pad_slot] * pad + rows + zeros
         seqs = ctx + [1] * pad + [1] * size + order + order + rows + zeros
@@ -383,7 +385,7 @@ class StepGraphs:
         ids, pos, slots, trow = (tokens[k * n_tok : (k + 1) * n_tok] for k in range(4))
         ctx, qlen, qstart, logit, srow = (seqs[k * n_seq : (k + 1) * n_seq] for k in range(5))
         starts = layout.token_starts(step, d)
-        new_slots = torch.cat(step.new_slots).tolist()
+        new_slots = step.slot_list()
         slot_at = [0]
         for q_len in step.q_lens:
             slot_at.append(slot_at[-1] + q_len)
@@ -398,6 +400,15 @@ class StepGraphs:
             row = s if s < layout.num_decode else d + s - layout.num_decode
             ctx[row], qlen[row], qstart[row], logit[row], srow[row] = first + q_len, q_len, at, end - 1, req.row
         return ids + pos + slots + trow, ctx + qlen + qstart + logit + srow, starts
+
+    def _decode_rows(self, shape: GraphShape, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first ``n`` rows of a pure-decode graph's logits and argmax: views made once (two
+        torch ops a step saved)."""
+        rows = self._row_views.get((shape, n))
+        if rows is None:
+            argmax = self._argmax.get(shape)
+            rows = self._row_views[(shape, n)] = (self._logits[shape][:n], argmax[:n] if argmax is not None else None)
+        return rows
 
     def run_graph(self, shape: GraphShape | int) -> torch.Tensor:
         """Replay the graph of ``shape`` (an int: a pure-decode batch size) on the inputs written

@@ -31,6 +31,8 @@ class PinnedRing:
     a CUDA device (tests of the layouts on CPU) the buffers are plain and copies synchronous."""
 
     DEPTH = 4
+    #: Cached views at most (each holds its destination alive).
+    MAX_VIEWS = 64
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -39,6 +41,9 @@ class PinnedRing:
         self._copied: list[torch.cuda.Event | None] = [None] * self.DEPTH
         self._next = 0
         self._device = device
+        # (buffer, length, destination) -> the two views one copy joins. A step's copy has a
+        # length of a few kinds (one a graph shape); slicing anew each time cost two torch ops.
+        self._views: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def stage(self) -> np.ndarray:
         """The next buffer, free to fill (a numpy view of it), for :meth:`copy` to send."""
@@ -52,7 +57,13 @@ class PinnedRing:
         the same dtype) on the current stream, and move on to the next buffer."""
         i = self._next
         self._next = (i + 1) % self.DEPTH
-        dest[:n].copy_(self._buffers[i][:n], non_blocking=self._cuda)
+        key = (i, n, dest.data_ptr())
+        views = self._views.get(key)
+        if views is None or views[0].dtype != dest.dtype:
+            if len(self._views) >= self.MAX_VIEWS:
+                self._views.clear()
+            views = self._views[key] = (dest[:n], self._buffers[i][:n])
+        views[0].copy_(views[1], non_blocking=self._cuda)
         if self._cuda:
             event = self._copied[i] = self._copied[i] or torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))

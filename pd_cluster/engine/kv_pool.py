@@ -53,6 +53,11 @@ class KVPool:
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """Take ``n`` free slots (int64, CPU), or None when fewer are free."""
+        slots = self.take(n)
+        return torch.from_numpy(slots) if slots is not None else None
+
+    def take(self, n: int) -> np.ndarray | None:
+        """:meth:`alloc` as a numpy array (no torch op: a decode step allocates every step)."""
         if n < 0:
             raise ValueError("cannot allocate a negative number of slots")
         if n > self._num_free:
@@ -61,7 +66,7 @@ class KVPool:
         slots = self._free_stack[start : self._num_free].copy()
         self._num_free = start
         self._is_free[slots] = False
-        return torch.from_numpy(slots)
+        return slots
 
     def reserve(self, n: int) -> torch.Tensor:
         """Take ``n`` slots out of service for good (e.g. the padding rows of CUDA graphs):

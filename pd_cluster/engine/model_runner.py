@@ -85,8 +85,9 @@ class ModelRunner:
             start = req.num_computed
             input_ids.extend(req.token_ids(start, start + q_len))
             positions.append(torch.arange(start, start + q_len, dtype=torch.int64))
-            slots.append(step.new_slots[i])
-            self.table.write(req.row, start, step.new_slots[i])
+            new_slots = torch.from_numpy(step.new_slots[i])
+            slots.append(new_slots)
+            self.table.write(req.row, start, new_slots)
             ctx_lens.append(start + q_len)
             q_lens.append(q_len)
             rows.append(req.row)

@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pd_cluster.config import EngineConfig
@@ -30,16 +31,25 @@ logger = logging.getLogger(__name__)
 class ScheduledStep:
     requests: list[Request] = field(default_factory=list)
     q_lens: list[int] = field(default_factory=list)
-    new_slots: list[torch.Tensor] = field(default_factory=list)
+    #: Each request's new KV slots (int64, host). Numpy rather than torch: a decode step schedules
+    #: every few hundred microseconds, and each torch op costs microseconds and lets another thread
+    #: take the interpreter.
+    new_slots: list[np.ndarray] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     #: Rows that decode one token (the rest are prefill chunks).
     decode_rows: int = 0
 
-    def add(self, req: Request, q_len: int, slots: torch.Tensor, sample: bool) -> None:
+    def add(self, req: Request, q_len: int, slots: np.ndarray | torch.Tensor, sample: bool) -> None:
         self.requests.append(req)
         self.q_lens.append(q_len)
-        self.new_slots.append(slots)
+        self.new_slots.append(slots.numpy() if isinstance(slots, torch.Tensor) else slots)
         self.samples.append(sample)
+
+    def slot_list(self) -> list[int]:
+        """Every request's new slots, in step order, as one list."""
+        if len(self.new_slots) == 1:
+            return self.new_slots[0].tolist()
+        return np.concatenate(self.new_slots).tolist() if self.new_slots else []
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -139,22 +149,22 @@ class Scheduler:
         self.running.sort(key=lambda r: r.arrival_time)
 
         decoding = [r for r in self.running if r.remaining_to_compute == 1 and not r.last_token_pending]
-        batch_slots = self.alloc_slots(len(decoding)) if decoding else None
+        batch_slots = self.take_slots(len(decoding)) if decoding else None
         if batch_slots is not None:  # the common case: one allocation for the whole decode batch
-            for req, slot in zip(decoding, batch_slots.split(1)):
-                step.add(req, 1, slot, sample=True)
+            for i, req in enumerate(decoding):
+                step.add(req, 1, batch_slots[i : i + 1], sample=True)
             budget -= len(decoding)
             decoding = []
         for req in decoding:
             if req not in self.running:
                 continue
-            slots = self.alloc_slots(1)
+            slots = self.take_slots(1)
             while slots is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:
                     break
-                slots = self.alloc_slots(1)
+                slots = self.take_slots(1)
             if slots is None:
                 continue
             step.add(req, 1, slots, sample=True)
@@ -167,7 +177,7 @@ class Scheduler:
             if req.remaining_to_compute <= 1 or req not in self.running or limit <= 0:
                 continue
             n = min(req.remaining_to_compute, limit)
-            slots = self.alloc_slots(n)
+            slots = self.take_slots(n)
             if slots is None:
                 break
             step.add(req, n, slots, sample=n == req.remaining_to_compute)
@@ -188,10 +198,15 @@ class Scheduler:
 
     def alloc_slots(self, n: int) -> torch.Tensor | None:
         """``n`` free KV slots, evicting unpinned prefix-cache entries if needed; None if impossible."""
-        slots = self.pool.alloc(n)
+        slots = self.take_slots(n)
+        return torch.from_numpy(slots) if slots is not None else None
+
+    def take_slots(self, n: int) -> np.ndarray | None:
+        """:meth:`alloc_slots` as a numpy array, for the steps this scheduler builds."""
+        slots = self.pool.take(n)
         if slots is None and self.cache.evictable_tokens > 0:
             self.cache.evict(n - self.pool.num_free)
-            slots = self.pool.alloc(n)
+            slots = self.pool.take(n)
         return slots
 
     def _left(self, req: Request) -> int:
@@ -218,7 +233,7 @@ class Scheduler:
             return False
         self.cache.inc_ref(match.node)
         n = min(req.num_tokens - usable, budget)
-        slots = self.alloc_slots(n)
+        slots = self.take_slots(n)
         if slots is None:
             self.cache.dec_ref(match.node)
             self.table.free_row(row)

@@ -125,6 +125,9 @@ def test_float32_greedy_with_cuda_graphs_equals_the_cpu_path(model_dir, prompts,
     ring.hold = counted_hold  # type: ignore[method-assign]
     assert eng.scheduler.prefill_chunk_tokens == 512  # the largest mixed graph's prefill tokens
     assert generate(eng, prompts) == cpu_tokens
+    # Steps launched behind the one before are counted, and those that found it ended among them.
+    stats = eng.stats
+    assert 0 < stats.pipelined_launches < stats.steps and 0 <= stats.launches_after_idle <= stats.pipelined_launches
     # Each decode step's ids were read from the pinned row its graph wrote them to (the tokens
     # above came from there), never the spare, and every row was given back once read.
     assert len(held) == sum(1 for shape, _ in shapes if not shape.tokens) and ring.spare not in held
