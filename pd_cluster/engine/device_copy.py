@@ -59,7 +59,7 @@ class PinnedRing:
         self._next = (i + 1) % self.DEPTH
         key = (i, n, dest.data_ptr())
         views = self._views.get(key)
-        if views is None or views[0].dtype != dest.dtype:
+        if views is None:
             if len(self._views) >= self.MAX_VIEWS:
                 self._views.clear()
             views = self._views[key] = (dest[:n], self._buffers[i][:n])
