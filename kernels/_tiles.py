@@ -46,6 +46,22 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
 
 
 @triton.jit
+def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end, scale_log2,
+                stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """:func:`attend_tile` over key positions ``[start, end)`` of one sequence, ``BLOCK_N`` at a
+    time, each tile's slots read from its request-table row ``table_row``."""
+    n_offs = tl.arange(0, BLOCK_N)
+    for first in range(start, end, BLOCK_N):
+        n = first + n_offs
+        n_ok = n < end
+        slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
+                            stride_ks, stride_kh, stride_vs, stride_vh)
+        acc, m_i, l_i = attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def rotate_heads(src_ptr, dst_ptr, num_heads, stride_h, stride_oh, d, dmask, c1, c2, s1, s2,
                  HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     """Rotate-half of one token's ``num_heads`` heads, ``BLOCK_H`` at a time, in float32; ``src_ptr``
