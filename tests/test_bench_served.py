@@ -1,4 +1,5 @@
-"""The served-system suite's own arithmetic: the placement table it reads and the cold-start ratio."""
+"""The served-system suite's own arithmetic: the placement table it reads, the cold-start ratio and
+the temperature sweep's workload."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.records import RequestRecord
 from pd_cluster.bench.serve.runner import RateResult, SweepResult
-from pd_cluster.bench.served import cold_start, placement_table
+from pd_cluster.bench.serve.workloads import build_workload
+from pd_cluster.bench.served import cold_start, placement_table, sampled_sweep_config
 from pd_cluster.local_cluster import format_placement_table
 
 
@@ -37,6 +39,20 @@ def test_cold_start_compares_the_first_sent_request_with_the_median_of_the_rest(
     assert cold["first_ttft_s"] == pytest.approx(0.9)
     assert cold["warm_ttft_p50_s"] == pytest.approx(0.2)
     assert cold["ratio"] == pytest.approx(4.5)
+
+
+def test_the_temperature_sweep_sends_prompts_the_greedy_sweep_did_not(tokenizer):
+    # Each rate of a sweep seeds its prompts with seed + its index; the sampled sweep's rates come
+    # after every greedy rate's, so none of its prompts is already in the prefix cache.
+    base = ServeBenchConfig(num_requests=4, input_len=24, output_len=8, seed=3)
+    greedy_rates, sampled_rates = [1.0, 2.0, 4.0], [1.0, 4.0]
+    sampled = sampled_sweep_config(base, greedy_rates, sampled_rates)
+    assert (sampled.temperature, sampled.rates, sampled.num_requests) == (0.8, sampled_rates, 4)
+    greedy_prompts = {c.turns[0].prompt for i in range(len(greedy_rates))
+                      for c in build_workload(base, tokenizer, base.seed + i)}
+    for j in range(len(sampled_rates)):
+        fresh = [c.turns[0].prompt for c in build_workload(sampled, tokenizer, sampled.seed + j)]
+        assert len(fresh) == 4 and not greedy_prompts & set(fresh)
 
 
 def test_results_keep_no_path_of_the_machine_that_ran_them(tmp_path):
