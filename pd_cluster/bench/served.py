@@ -186,7 +186,6 @@ def cold_start(sweep: SweepResult) -> dict[str, Any]:
     return {"first_ttft_s": first, "warm_ttft_p50_s": warm, "ratio": first / warm, "requests": len(records)}
 
 
-
 def sampled_sweep_config(base: ServeBenchConfig, sweep_rates: list[float], rates: list[float]) -> ServeBenchConfig:
     """The random workload again at temperature 0.8, its rates seeded past the greedy sweep's: its
     prompts are new to the cluster, as the greedy sweep's were, rather than served from the prefix
