@@ -147,9 +147,10 @@ def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.
 
 
 def measure_small_model(plan: Plan, dev0: torch.device, copy_bw: float, matmul: float, gen: torch.Generator) -> dict:
-    """(a), (b) and (c) at the key sizes on the default model's shape."""
+    """(a), (b) and (c) at the key sizes on the default model's shape; decode also at 2 and 4 rows,
+    the batches a served node of a few streams mostly steps (the fused projections serve one row)."""
     small_plan = Plan(plan.quick)
-    small_plan.decode_batches = [1, plan.key_batch]
+    small_plan.decode_batches = sorted({1, 2, 4, plan.key_batch})
     small_engine = build_engine(plan.small_config, str(dev0), max_total_tokens=131072, max_model_len=8192,
                                 max_running_requests=plan.key_batch, max_num_batched_tokens=8192,
                                 enable_prefix_cache=False, overlap_schedule=plan.overlap_schedule)
