@@ -30,6 +30,8 @@ from kernels.silu_mul import silu_mul, silu_mul_ref
 
 #: Rows one launch serves; more rows are a GEMM's job (tensor cores, cuBLAS).
 MAX_ROWS = 8
+#: Rows (up to 2048 inputs) whose whole input row a program reads in one block.
+ONE_BLOCK_ROWS = 4
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
@@ -242,15 +244,17 @@ def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
     vocabulary head, whose programs each redo the norm). Longer rows (an 8B shape's 4096 and
     14336) go in blocks of 1024 over two to four columns a program, sixteen for the longest (the
     down projection): each of an 8B layer's projections then streams its weights faster than
-    cuBLAS (qkv 20.7 against 23.0 us, gate/up 78.5 against 83.5, head 334 against 379). More rows
-    keep blocks of 256, as their products need the registers."""
+    cuBLAS (qkv 20.7 against 23.0 us, gate/up 78.5 against 83.5, head 334 against 379). Up to
+    :data:`ONE_BLOCK_ROWS` rows of up to 2048 inputs tile as one row does; more rows keep blocks of
+    256, as their products need the registers."""
     if rows == 1 and k > 2048:
         return 1, 16 if k > 8192 else 2 if n <= 8192 else 4, 1024
-    if rows == 1:
+    if rows <= ONE_BLOCK_ROWS and k <= 2048:
         # The default model's head and down projection: 8 columns 22.9 and 1.97 us, against
         # 26.8 (16 columns) and 2.11 (4 columns); its gate/up (3072 x 576) 2.58 us with 4
-        # columns against 2.74 with 8 (an H200).
-        return 1, 8 if n > 8192 or k > 1024 else 4, next_pow2(k)
+        # columns against 2.74 with 8 (an H200). A few rows tile as one does: each program reads
+        # its weight tile whole before its wait and multiplies it by every row.
+        return next_pow2(rows), 8 if n > 8192 or k > 1024 else 4, next_pow2(k)
     bn = 16 if n > 16384 else 8 if n >= 2048 else 4
     return next_pow2(rows), bn, 128 if n > 16384 else 256
 

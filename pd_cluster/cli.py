@@ -42,7 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "CUDA graph; elsewhere the step budget)")
     p.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
                    help="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the "
-                        "projection after it (default: 1)")
+                        "projection after it (default: 4 for a model whose layer inputs fit one block, as the "
+                        "default model's, else 1)")
     p.add_argument("--side-prefill-max-tokens", type=int, default=None, metavar="N",
                    help="a request this node prefills itself while a pipelined step runs is prefilled at once on a "
                         "second CUDA stream when it misses at most N tokens (default 0: off)")
@@ -386,7 +387,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                           "prefill-token sizes (default 32,64,128,192,256,320,384,512), or none")
     loc.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
                      help="nodes' decode steps of at most this many rows fold each RMSNorm and the SiLU gate into "
-                          "the projection after it (default: 1)")
+                          "the projection after it (default: 4 for a model whose layer inputs fit one block, as "
+                          "the default model's, else 1)")
     loc.add_argument("--side-prefill-max-tokens", type=int, default=None, metavar="N",
                      help="nodes prefill a request they take whole at once on a second CUDA stream, beside the "
                           "step in flight, when it misses at most N tokens (default 0: off)")

@@ -56,7 +56,9 @@ class EngineConfig(BaseModel):
     fused_decode_rows: int | None = Field(
         default=None, ge=0, le=8,
         description="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the projection "
-                    "after it, a third fewer kernels a layer (Triton on CUDA); None: 1 (a lone stream's steps)",
+                    "after it, a third fewer kernels a layer (Triton on CUDA); None: 4 for a model whose layer "
+                    "inputs fit one block (hidden and intermediate sizes up to 2048, as the default model's), "
+                    "else 1 (a lone stream's steps)",
     )
     side_prefill_max_tokens: int = Field(
         default=0, ge=0,

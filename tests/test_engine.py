@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pd_cluster import LLM, SamplingParams
+from pd_cluster.model.llama import FUSED_ROWS_SMALL
 
 NEW_TOKENS = 32
 
@@ -201,7 +202,7 @@ def test_one_stream_decodes_through_the_fused_projections_token_identical(llm, c
     """A lone stream's decode steps take the fused-projection layers (each norm folded into the
     projection after it; on CPU the same ops unfused), still token-identical to transformers."""
     model = llm.engine.model
-    assert model.fused_rows == 1
+    assert model.fused_rows == FUSED_ROWS_SMALL  # the default model's layer inputs fit one block
     calls = []
     fused_layer = model._fused_layer
 
@@ -216,6 +217,25 @@ def test_one_stream_decodes_through_the_fused_projections_token_identical(llm, c
     assert llm.generate([prompt], greedy())[0].token_ids == hf_reference.greedy(prompt, NEW_TOKENS)
     # Every decode step (all but the first token's) ran every layer fused, one row each.
     assert calls == [1] * (NEW_TOKENS - 1) * model.config.num_layers
+
+
+def test_a_few_streams_decode_through_the_fused_projections_token_identical(llm, chat_prompts, hf_reference,
+                                                                            monkeypatch):
+    """Two streams' decode steps take the fused-projection layers too (two rows a step), each
+    stream still token-identical to transformers."""
+    model = llm.engine.model
+    calls = []
+    fused_layer = model._fused_layer
+
+    def counted(*args, **kwargs):
+        calls.append(args[4].num_tokens)
+        return fused_layer(*args, **kwargs)
+
+    monkeypatch.setattr(model, "_fused_layer", counted)
+    prompts = [chat_prompts[1] + [504, 3458], chat_prompts[2] + [314, 504]]
+    outs = llm.generate(prompts, greedy())
+    assert [o.token_ids for o in outs] == [hf_reference.greedy(p, NEW_TOKENS) for p in prompts]
+    assert 2 in calls
 
 
 def test_prompt_tokens_a_step_are_capped_apart_from_decode_rows(default_model_dir, chat_prompts, hf_reference):

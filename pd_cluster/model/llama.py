@@ -37,10 +37,17 @@ class KVLayers(Protocol):
 #: faster than cuBLAS does.
 FUSED_ROWS = 1
 
+#: The same for a model whose layers' inputs fit one block (hidden and intermediate sizes up to
+#: 2048, as the default model's): a few rows tile as one does (:data:`kernels.gemv.ONE_BLOCK_ROWS`),
+#: and such a model's step is bound by its launches, which the fused path halves.
+FUSED_ROWS_SMALL = 4
+
 
 def default_fused_rows(config: ModelConfig) -> int:
-    """Rows up to which a decode step runs the fused projections: :data:`FUSED_ROWS`."""
-    return FUSED_ROWS
+    """Rows up to which a decode step runs the fused projections: :data:`FUSED_ROWS_SMALL` for a
+    model whose layer inputs fit one block, else :data:`FUSED_ROWS`."""
+    small = max(config.hidden_size, config.intermediate_size) <= 2048
+    return FUSED_ROWS_SMALL if small else FUSED_ROWS
 
 
 class LlamaModel:
