@@ -322,12 +322,13 @@ def test_float32_greedy_with_late_launches_through_the_engine_thread_equals_the_
     assert eng.pool.num_free == eng.pool.capacity and eng.table.num_free_rows == 8
 
 
-def test_float32_greedy_one_stream_at_a_time_through_the_fused_projections_equals_the_cpu_path(
+def test_float32_greedy_through_the_fused_projections_equals_the_cpu_path(
         model_dir, prompts, cpu_tokens):
-    """Single-row decode steps fold each norm and the SiLU gate into the projection after it (the
-    default for this shape), in graphs, their kernels launched as programmatic dependents."""
+    """Decode steps of up to four rows fold each norm and the SiLU gate into the projection after
+    it (the default for this shape), in graphs, their kernels launched as programmatic dependents:
+    one stream at a time, then all at once (the batch walks from six rows, unfused, down to one)."""
     eng = engine(model_dir, "cuda", "float32")
-    assert eng.model.fused_rows == 1
+    assert eng.model.fused_rows == 4
     got = []
     for prompt, max_tokens in zip(prompts, MAX_TOKENS):
         req = eng.add_request(uuid.uuid4().hex, prompt,
@@ -336,6 +337,8 @@ def test_float32_greedy_one_stream_at_a_time_through_the_fused_projections_equal
             eng.step()
         got.append(list(req.output_token_ids))
     assert got == cpu_tokens
+    eng.cache.flush()
+    assert generate(eng, prompts) == cpu_tokens
 
 
 def test_bfloat16_tokens_are_the_same_with_and_without_dependent_launches(model_dir, prompts):
