@@ -68,7 +68,7 @@ from kernels.rotary import (
 )
 from kernels.penalties import apply_penalties_ref, apply_penalties_triton
 from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
-from kernels.sampling import sample_filtered_ref, sample_filtered_triton
+from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
 from kernels.step_inputs import embed_step_inputs_ref, embed_step_inputs_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
@@ -86,7 +86,7 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # the wait) and its input prologue, the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
 # step's inputs.
-NUM_KERNELS = 27
+NUM_KERNELS = 31
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -234,6 +234,46 @@ class InterpretedCases:
             assert out[9:].tolist() == [x[9].nan_to_num(nan=float("-inf")).argmax().item(), 0, 3]
             assert (out[:9] >= 0).all() and (out[:9] < vocab).all()
 
+    @pytest.mark.parametrize("vocab", [700, 2000])
+    def test_sampling_triton_draws_uncut_rows_through_slices_at_the_exact_draw(self, vocab: int) -> None:
+        # Temperature alone: slices of 256 (the last partial), a second launch picks the slice and
+        # the token. Each token is where float64 sums put the row's target, give or take rounding.
+        gen = torch.Generator().manual_seed(9)
+        batch = 8
+        x = torch.randn(batch, vocab, generator=gen) * 3
+        x[1, : vocab // 2] = float("-inf")  # leading slices with no mass
+        x[2] = torch.where(torch.rand(vocab, generator=gen) < 0.99, float("-inf"), x[2])  # a sparse row
+        temperature = torch.tensor([0.8, 1.0, 0.5, 1.3, 2.0, 0.7, 1.0, 0.3])
+        top_k, top_p, min_p = torch.full((batch,), vocab), torch.ones(batch), torch.zeros(batch)
+        for trial in range(3):
+            u = torch.rand(batch, generator=gen)
+            u[0], u[3] = 0.9999999, 0.0
+            out = sample_filtered_triton(x, temperature, top_k, top_p, min_p, u, slice_size=256)
+            weights = filtered_weights_ref(x.double(), temperature.double(), top_k, top_p.double(), min_p.double())
+            cdf = weights.cumsum(dim=-1)
+            for row, token in enumerate(out.tolist()):
+                target = u[row].item() * cdf[row, -1].item()
+                below = cdf[row, token - 1].item() if token > 0 else 0.0
+                assert weights[row, token] > 0, (trial, row)
+                assert below <= target * (1 + 1e-5) and cdf[row, token].item() >= target * (1 - 1e-5), (trial, row)
+
+    def test_sampling_triton_draws_a_row_alike_in_any_batch(self) -> None:
+        # Cut and uncut rows side by side: each row's token is the one it draws alone.
+        vocab = 900
+        gen = torch.Generator().manual_seed(13)
+        x = torch.randn(6, vocab, generator=gen) * 2
+        temperature = torch.tensor([0.9, 0.9, 1.1, 0.6, 1.0, 0.8])
+        top_k = torch.tensor([vocab, 50, vocab, vocab, vocab, 5])
+        top_p = torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 1.0])
+        min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
+        u = torch.rand(6, generator=gen)
+        together = sample_filtered_triton(x, temperature, top_k, top_p, min_p, u, slice_size=256)
+        alone = [sample_filtered_triton(x[r : r + 1], temperature[r : r + 1], top_k[r : r + 1], top_p[r : r + 1],
+                                        min_p[r : r + 1], u[r : r + 1], slice_size=256).item() for r in range(6)]
+        assert together.tolist() == alone
+        ref = sample_filtered_ref(x, temperature, top_k, top_p, min_p, u)
+        assert together[[1, 2, 3, 5]].tolist() == ref[[1, 2, 3, 5]].tolist()  # the cut rows: the filtered kernel
+
     @pytest.mark.parametrize("use_repetition, use_counts", [(True, True), (True, False), (False, True)])
     def test_penalties_triton_match_reference(self, use_repetition: bool, use_counts: bool) -> None:
         # 5000 tokens: two column blocks, the second partial; row 3 reads the empty table row 0.
@@ -260,11 +300,12 @@ class InterpretedCases:
         x = torch.randn(batch, vocab, generator=gen) * 2
         keys = torch.tensor([[*stream_key(seed), pos] for seed, pos in
                              zip((0, 1, 2**40 + 3, 2**63 - 1, 77, 5), (0, 1, 2**31 + 5, 99, 2**20, 7))])
-        # Settings as the sampler packs them: strided columns of one tensor each.
-        floats = torch.tensor([[0.9, 0.9, 0.0]] * batch)
+        # Settings as the sampler packs them: strided columns of one tensor each. Rows 1, 3 and 5
+        # have no cut (top_p 1): drawn through the slices, with the same hashed uniforms.
+        floats = torch.tensor([[0.9, 0.9, 0.0], [0.9, 1.0, 0.0]] * (batch // 2))
         ints = torch.cat((keys, torch.full((batch, 1), vocab)), dim=1)
         out = sample_filtered_triton(x, floats[:, 0], ints[:, 3], floats[:, 1], floats[:, 2],
-                                     keys=(ints[:, 0], ints[:, 1], ints[:, 2]))
+                                     keys=(ints[:, 0], ints[:, 1], ints[:, 2]), slice_size=128)
         u = uniform(random_bits(keys[:, 0], keys[:, 1], keys[:, 2]))
         ref = sample_filtered_ref(x, floats[:, 0], ints[:, 3], floats[:, 1], floats[:, 2], u)
         assert out.tolist() == ref.tolist()
