@@ -7,7 +7,7 @@ token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shap
 ``[num_slots, kv_heads, head_dim]``, addressed through slot tables.
 """
 
-from kernels.argmax import argmax_rows
+from kernels.argmax import argmax_rows, choose_ids
 from kernels.attention import context_attention, decode_attention
 from kernels.gemv import linear, norm_linear, silu_linear
 from kernels.kv_transfer import copy_kv_slots, gather_kv, scatter_kv
@@ -21,6 +21,7 @@ from kernels.store_kv import store_kv
 __all__ = [
     "apply_rotary",
     "argmax_rows",
+    "choose_ids",
     "context_attention",
     "copy_kv_slots",
     "decode_attention",

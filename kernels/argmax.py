@@ -9,6 +9,8 @@ value, a NaN winning over every number (torch ranks it above +inf too; here the 
 
 The second launch can also store the ids into pinned host memory (``host_out``), so a captured
 greedy step's ids reach the host with the step itself, with no copy queued behind it.
+:func:`choose_ids` ends a captured sampled step the same way: each row takes its argmax or its
+draw, and the ids go to the device row the next step reads and to the host row.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor | None = None, host_ou
     """Triton version of :func:`argmax_rows_ref` for a 2-D tensor whose rows are contiguous;
     ``host_out``, ``host_row`` as in :func:`argmax_rows`."""
     require_triton()
-    _check_host(x, host_out, host_row)
+    check_host_ids(x, host_out, host_row)
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"expected rows of contiguous values, got shape {tuple(x.shape)} strides {x.stride()}")
     rows, n = x.shape
@@ -95,7 +97,8 @@ def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor | None = None, host_ou
     return out
 
 
-def _check_host(x: torch.Tensor, host_out: torch.Tensor | None, host_row: torch.Tensor | None) -> None:
+def check_host_ids(x: torch.Tensor, host_out: torch.Tensor | None, host_row: torch.Tensor | None) -> None:
+    """``host_out`` and ``host_row`` fit the ids of ``x``'s rows (on its device)."""
     if (host_out is None) != (host_row is None):
         raise ValueError("host_out and host_row go together")
     if host_out is None or host_row is None:
@@ -127,8 +130,63 @@ def argmax_rows(x: torch.Tensor, out: torch.Tensor | None = None, host_out: torc
     ``host_out[host_row, :rows]``, by the kernel on a GPU."""
     if use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
         return argmax_rows_triton(x, out, host_out, host_row)
-    _check_host(x, host_out, host_row)
+    check_host_ids(x, host_out, host_row)
     ids = argmax_rows_ref(x) if out is None else _out_for(x, out).copy_(argmax_rows_ref(x))
     if host_out is not None and host_row is not None:
         store_host_ids(ids, host_out, host_row)
     return ids
+
+
+def choose_ids_ref(greedy: torch.Tensor, argmax: torch.Tensor, drawn: torch.Tensor, out: torch.Tensor,
+                   host_out: torch.Tensor | None = None, host_row: torch.Tensor | None = None) -> torch.Tensor:
+    torch.where(greedy.bool(), argmax, drawn, out=out)
+    if host_out is not None and host_row is not None:
+        store_host_ids(out, host_out, host_row)
+    return out
+
+
+@triton.jit
+def _choose_ids_kernel(
+    greedy_ptr, stride_greedy, argmax_ptr, drawn_ptr, out_ptr, host_ptr, host_row_ptr, rows, stride_host,
+    BLOCK: tl.constexpr, HAS_HOST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    r = tl.arange(0, BLOCK)
+    ok = r < rows
+    pdl_wait(USE_PDL)
+    greedy = tl.load(greedy_ptr + r * stride_greedy, mask=ok, other=0)
+    ids = tl.where(greedy != 0, tl.load(argmax_ptr + r, mask=ok, other=0), tl.load(drawn_ptr + r, mask=ok, other=0))
+    tl.store(out_ptr + r, ids, mask=ok)
+    if HAS_HOST:
+        host_row = tl.load(host_row_ptr)
+        tl.store(host_ptr + host_row * stride_host + r, ids, mask=ok)
+
+
+def choose_ids_triton(greedy: torch.Tensor, argmax: torch.Tensor, drawn: torch.Tensor, out: torch.Tensor,
+                      host_out: torch.Tensor | None = None, host_row: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton version of :func:`choose_ids_ref`: one program for the batch."""
+    require_triton()
+    check_host_ids(drawn, host_out, host_row)
+    rows = drawn.shape[0]
+    for t in (argmax, drawn, out):
+        if t.dtype != torch.int64 or t.shape[0] != rows or (rows > 1 and t.stride(0) != 1):
+            raise ValueError("argmax, drawn and out must be contiguous int64 vectors of one length")
+    if rows == 0:
+        return out
+    has_host = host_out is not None and host_row is not None
+    pdl = use_pdl(drawn)
+    _choose_ids_kernel[(1,)](greedy, greedy.stride(0), argmax, drawn, out, host_out if has_host else out,
+                             host_row if has_host else out, rows, host_out.stride(0) if has_host else 0,
+                             BLOCK=max(16, next_pow2(rows)), HAS_HOST=has_host, USE_PDL=pdl, num_warps=1,
+                             **pdl_options(pdl))
+    return out
+
+
+def choose_ids(greedy: torch.Tensor, argmax: torch.Tensor, drawn: torch.Tensor, out: torch.Tensor,
+               host_out: torch.Tensor | None = None, host_row: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's id into ``out``: its ``argmax`` where ``greedy`` (a strided int column) is set,
+    else its ``drawn`` id; and into ``host_out[host_row[0], :rows]`` as :func:`argmax_rows` does
+    (one launch: a captured sampled step ends with it, its ids on the device and the host)."""
+    if use_triton(drawn):
+        return choose_ids_triton(greedy, argmax, drawn, out, host_out, host_row)
+    check_host_ids(drawn, host_out, host_row)
+    return choose_ids_ref(greedy, argmax, drawn, out, host_out, host_row)

@@ -48,8 +48,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a request this node prefills itself while a pipelined step runs is prefilled at once on a "
                         "second CUDA stream when it misses at most N tokens (default 0: off)")
     p.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay a sampled decode batch's draw as a CUDA graph beside the step's (default: on; "
-                        "--no-draw-graphs launches its kernels instead)")
+                   help="replay a sampled decode batch's step as a CUDA graph that also draws its ids (default: on; "
+                        "--no-draw-graphs launches the draw's kernels after the step's graph)")
     p.add_argument("--late-launch", action=argparse.BooleanOptionalAction, default=None,
                    help="launch a pipelined step just before the one in flight ends, so requests arriving meanwhile "
                         "join it (default: on; --no-late-launch launches it as soon as the one before starts)")
@@ -396,7 +396,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                      help="nodes prefill at most N prompt tokens a step (default: on a GPU the largest "
                           "--mixed-graph-tokens size, so that each chunk replays a CUDA graph)")
     loc.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="nodes replay a sampled decode batch's draw as a CUDA graph beside the step's (default: on)")
+                     help="nodes replay a sampled decode batch's step as a CUDA graph that also draws its ids (default: on)")
     loc.add_argument("--late-launch", action=argparse.BooleanOptionalAction, default=None,
                      help="nodes launch a pipelined step just before the one in flight ends, so requests arriving "
                           "meanwhile join it (default: on)")

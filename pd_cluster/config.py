@@ -77,11 +77,10 @@ class EngineConfig(BaseModel):
     )
     draw_graphs: bool = Field(
         default=True,
-        description="capture, beside each decode CUDA graph, its sampling draw in a graph of its own, replayed by "
-                    "sampled batches with no logit bias, penalty or grammar, so no kernel is launched from the host: "
-                    "where the host bounds the step (a small model, few streams) sampled TPOT falls (the default "
-                    "model served at temperature 0.8: 0.75-0.91x); off: sampled batches launch their kernels "
-                    "(docs/benchmarks/README.md)",
+        description="capture each decode CUDA graph a second time with its sampling draw after the argmax, replayed "
+                    "by sampled batches with no logit bias, penalty or grammar (their settings copied in first): a "
+                    "sampled step is one replay whose ids reach the host with it, as a greedy step's do; off: "
+                    "sampled batches launch their kernels after the step's graph (docs/benchmarks/README.md)",
     )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"

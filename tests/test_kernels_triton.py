@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from kernels.argmax import SLICE as ARGMAX_SLICE
-from kernels.argmax import argmax_rows_ref, argmax_rows_triton
+from kernels.argmax import argmax_rows_ref, argmax_rows_triton, choose_ids_ref, choose_ids_triton
 from kernels.attention import (
     context_attention_ref,
     context_attention_triton,
@@ -86,7 +86,7 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # the wait) and its input prologue, the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
 # step's inputs.
-NUM_KERNELS = 31
+NUM_KERNELS = 32
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -370,6 +370,30 @@ class InterpretedCases:
         assert (host_out[:2] == -7).all()
         with pytest.raises(ValueError, match="hold 2 ids"):
             argmax_rows_triton(small, host_out=host_out[:, :2], host_row=torch.tensor([0]))
+
+    def test_choose_ids_triton_takes_argmax_or_draw_and_stores_the_host_row(self) -> None:
+        # The greedy flags a strided column (as in the draw's settings table); the ids go to ``out``
+        # and to the host row read when the kernel runs, the other host rows left alone.
+        settings = torch.zeros(5, 3, dtype=torch.int64)
+        settings[[0, 3], 2] = 1
+        argmax = torch.tensor([11, 12, 13, 14, 15])
+        drawn = torch.tensor([21, 22, 23, 24, 25])
+        out = torch.full((6,), -5, dtype=torch.int64)
+        host_out = torch.full((3, 7), -7, dtype=torch.int64)
+        got = choose_ids_triton(settings[:, 2], argmax, drawn, out[:5], host_out, torch.tensor([1]))
+        assert got.data_ptr() == out.data_ptr()
+        assert out.tolist() == [11, 22, 23, 14, 25, -5]
+        assert host_out[1].tolist() == [11, 22, 23, 14, 25, -7, -7]
+        assert (host_out[[0, 2]] == -7).all()
+        ref_out, ref_host = torch.empty(5, dtype=torch.int64), torch.full((3, 7), -7, dtype=torch.int64)
+        choose_ids_ref(settings[:, 2], argmax, drawn, ref_out, ref_host, torch.tensor([1]))
+        assert torch.equal(ref_out, out[:5]) and torch.equal(ref_host, host_out)
+        # Written in place over the argmax (what a captured draw does), without a host row.
+        in_place = argmax.clone()
+        choose_ids_triton(settings[:, 2], in_place, drawn, in_place)
+        assert in_place.tolist() == [11, 22, 23, 14, 25]
+        with pytest.raises(ValueError, match="hold 4 ids"):
+            choose_ids_triton(settings[:, 2], argmax, drawn, out[:5], host_out[:, :4], torch.tensor([0]))
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_embed_step_inputs_triton_matches_reference(self, dtype: torch.dtype) -> None:

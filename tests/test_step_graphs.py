@@ -19,7 +19,6 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine import llm_engine
 from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.engine.sampler import DrawInputs
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.sampling_params import SamplingParams
 from tests.engine_flags import check_switch_reaches_every_node
@@ -35,27 +34,36 @@ def _engine(model_dir, pipelined: bool = False) -> LLMEngine:
 
 def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape], draws: list[GraphShape] | None = None) -> StepGraphs:
     """Step graphs whose replay is the captured forward run eagerly on the static buffers; with
-    ``draws``, their draw graphs too (replays recorded there), run eagerly on the same buffers."""
+    ``draws``, their decode shapes also drawing (replays recorded there), run eagerly the same way."""
     pad_slot = int(engine.pool.reserve(1)[0])
-    graphs = StepGraphs(engine.model, engine.pool, engine.table, [1, 2, 4, 8], pad_slot,
+    sizes = [1, 2, 4, 8]
+    graphs = StepGraphs(engine.model, engine.pool, engine.table, sizes, pad_slot,
                         prefill_tokens=[32, 64], max_prefills=2, draws=draws is not None)
-    draw_inputs = graphs.draw_inputs = DrawInputs(8, engine.device) if draws is not None else None
+    assert (graphs.draw_inputs is not None) == (draws is not None)
+
+    def keep(shape: GraphShape, logits: torch.Tensor, argmax: torch.Tensor | None) -> None:
+        if argmax is not None:  # a decode graph takes its rows' argmax too (greedy sampling in the graph)
+            graphs._logits[shape] = logits
+            graphs._argmax[shape] = argmax
 
     def run_graph(shape: GraphShape) -> torch.Tensor:
         shapes.append(shape)
         logits, argmax = graphs.forward(shape)
-        if argmax is not None:  # a decode graph takes its rows' argmax too (greedy sampling in the graph)
-            graphs._logits[shape] = logits
-            graphs._argmax[shape] = argmax
+        keep(shape, logits, argmax)
         return logits
 
-    def run_draw(shape: GraphShape) -> torch.Tensor:
-        assert draws is not None and draw_inputs is not None
+    def run_drawn(shape: GraphShape) -> tuple[torch.Tensor, torch.Tensor]:
+        assert draws is not None
+        shapes.append(shape)
         draws.append(shape)
-        return graphs.draw(shape)
+        logits, tokens = graphs.forward_and_draw(shape)
+        keep(shape, logits, tokens)
+        return logits, tokens
 
     graphs.run_graph = run_graph  # type: ignore[method-assign]
-    graphs.run_draw = run_draw  # type: ignore[method-assign]
+    if draws is not None:
+        graphs.run_drawn = run_drawn  # type: ignore[method-assign]
+        graphs._drawn_graphs = {GraphShape(b): None for b in sizes}  # type: ignore[misc]  # "captured"
     return graphs
 
 
@@ -156,9 +164,9 @@ def test_with_every_host_row_held_the_ids_come_back_by_the_copy(default_model_di
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["plain", "pipelined"])
 def test_sampled_decode_steps_replay_their_draw_and_draw_the_eager_tokens(default_model_dir, prompts, pipelined):
-    """A decode batch with seeded draws (and a greedy row, and every cut) replays the draw graph
-    beside its forward, reading the settings from its static buffers: the tokens are the eager
-    sampling's."""
+    """A decode batch with seeded draws (and a greedy row, every cut, a row asking for logprobs)
+    replays the graph that draws after its forward, reading the settings from its static buffers:
+    the tokens are the eager sampling's, and every host row is given back."""
     expected = _staggered(_engine(default_model_dir), prompts, _mixed_settings)
     engine = _engine(default_model_dir, pipelined)
     shapes: list[GraphShape] = []
@@ -169,6 +177,8 @@ def test_sampled_decode_steps_replay_their_draw_and_draw_the_eager_tokens(defaul
     # Every decode step drew in its graph but those whose rows were all greedy (a lone greedy
     # request's last steps).
     assert draws and set(draws) <= set(decode_shapes) and len(draws) >= len(decode_shapes) - 3
+    ring = engine.runner.graphs.mapped_ids
+    assert ring is not None and ring.free_rows == ring.DEPTH
 
 
 def test_layout_puts_one_token_rows_first_and_pads_the_decode_part():

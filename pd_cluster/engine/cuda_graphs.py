@@ -23,15 +23,18 @@ rows a step samples are converted to float32 after the replay. Pure-decode graph
 row's argmax, so a greedy batch's sampling is part of the replay (see :attr:`StepGraphs.last_argmax`),
 and store those ids into a pinned host row as well (:attr:`StepGraphs.last_mapped`), so they reach the
 host with the replay rather than by a copy queued behind it.
-With draws asked for, each also has a draw graph beside it (:attr:`StepGraphs.last_draw`): a sampled
-batch's draw is one more replay, its settings written to static buffers, rather than kernels
-launched from the host.
+With draws asked for, each pure-decode shape is also captured with the sampling draw after its
+argmax (:attr:`StepGraphs.last_drawn`): a sampled batch with nothing that changes its logits
+first copies its rows' settings to static buffers, then replays that graph, which ends by storing
+each row's id (its draw, or its argmax for a greedy row) where the next step reads it and into the
+pinned host row. A sampled step is then one replay, as a greedy one is, with no kernel launched
+from the host and no copy behind it.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -44,7 +47,7 @@ from pd_cluster.engine.device_copy import PinnedRing, tensor_on
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.mapped_ids import MappedIdRing, MappedIds
 from pd_cluster.engine.req_table import ReqSlotTable
-from pd_cluster.engine.sampler import DrawInputs, GraphDraw
+from pd_cluster.engine.sampler import BatchSettings, DrawInputs, GraphDrawn, graph_can_draw, write_graph_draw
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.model.forward_batch import ForwardBatch
@@ -82,8 +85,8 @@ class StepGraphs:
         prefill_tokens: Sequence[int] = (), max_prefills: int = 0, draws: bool = False,
     ) -> None:
         """``batch_sizes`` empty: prefill-only graphs (no decode rows), such as a second set with
-        buffers of its own for steps on a second stream. ``draws``: also capture, for each
-        pure-decode graph, a draw graph sampling its logits (see :class:`DrawInputs`)."""
+        buffers of its own for steps on a second stream. ``draws``: also capture each pure-decode
+        shape with its sampling draw (see :class:`DrawInputs`)."""
         self.model = model
         self.pool = pool
         self.table = table
@@ -129,12 +132,12 @@ class StepGraphs:
         #: written, every other one being held, or the step took no argmax).
         self.last_mapped: MappedIds | None = None
         self.draws = draws and bool(self.batch_sizes)
-        #: The draws' settings buffers, made when they are captured (None: no draws).
-        self.draw_inputs: DrawInputs | None = None
-        self._draws: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._draw_handles: dict[GraphShape, GraphDraw] = {}
-        #: The last :meth:`replay`'s draw (a pure-decode step whose rows all sample), or None.
-        self.last_draw: GraphDraw | None = None
+        #: The draws' settings buffers (None: no draws).
+        self.draw_inputs: DrawInputs | None = DrawInputs(self.max_batch, dev) if self.draws else None
+        #: Each pure-decode shape captured with its draw: (graph, logits, every row's id).
+        self._drawn_graphs: dict[GraphShape, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        #: The ids the last :meth:`replay`'s graph drew (a sampled pure-decode step), or None.
+        self.last_drawn: GraphDrawn | None = None
 
     # ---- shapes --------------------------------------------------------------------------------
 
@@ -194,6 +197,18 @@ class StepGraphs:
         """Warm up (compiles the kernels) and capture every shape, largest first, in one memory pool."""
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        # A collection during a capture may free another engine's graphs or pinned buffers, a CUDA
+        # call the capture forbids (it fails the capture): collect first, then hold the collector.
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if gc_was_on:
+                gc.enable()
+
+    def _capture_all(self) -> None:
         started = time.monotonic()
         self._row_views.clear()
         reserved = torch.cuda.memory_reserved(self.device)
@@ -212,51 +227,47 @@ class StepGraphs:
                 if argmax is not None:
                     self._argmax[shape] = argmax
             self._graphs[shape] = graph
-        if self.draws:  # after every forward, in a pool of their own
-            self.draw_inputs = DrawInputs(self.max_batch, self.device)
-            draw_pool = torch.cuda.graph_pool_handle()
-            for shape in self._argmax:
-                self._capture_draw(shape, side, draw_pool)
+            if self.draws and argmax is not None:  # the same step with its draw, in the same pool
+                self._capture_drawn(shape, side, mempool)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graphs (decode batches %s; decode batches %s with prefill chunks of up to %s tokens, "
-            "%d prompts) and %d draws in %.1fs, %.0f MiB", len(self._graphs), self.batch_sizes, self.mixed_decode_sizes,
-            self.prefill_sizes, self.max_prefills, len(self._draws),
-            time.monotonic() - started, (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
+            "%d prompts; %d decode batches also with their draw) in %.1fs, %.0f MiB", len(self._graphs),
+            self.batch_sizes, self.mixed_decode_sizes, self.prefill_sizes, self.max_prefills,
+            len(self._drawn_graphs), time.monotonic() - started,
+            (torch.cuda.memory_reserved(self.device) - reserved) / 2**20,
         )
 
-    def _capture_draw(self, shape: GraphShape, stream: torch.cuda.Stream, mempool: tuple) -> None:
-        """A graph of its own for the draw over ``shape``'s logits: greedy batches (most) replay
-        the forward alone, sampled ones both, with no kernel launched from the host."""
+    def _capture_drawn(self, shape: GraphShape, stream: torch.cuda.Stream, mempool: tuple) -> None:
+        """``shape``'s step with its draw: greedy batches (most) replay the step alone, sampled
+        ones this graph, with no kernel launched from the host either way."""
         current = torch.cuda.current_stream(self.device)
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            self.draw(shape)  # compiles the kernels outside the capture
+            self.forward_and_draw(shape)  # compiles the draw's kernels outside the capture
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
-            tokens = self.draw(shape)
-        self._draws[shape] = (graph, tokens)
+            logits, tokens = self.forward_and_draw(shape)
+        self._drawn_graphs[shape] = (graph, logits, tokens)
 
-    def draw(self, shape: GraphShape) -> torch.Tensor:
-        """What the draw graph of ``shape`` runs over its forward's last logits: every row's id,
-        written where the forward left its argmax, so the next step reads them in place."""
-        assert self.draw_inputs is not None
-        return self.draw_inputs.draw(self._logits[shape], self._argmax[shape], out=self._prev_tokens[: shape.decode])
+    def forward_and_draw(self, shape: GraphShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the drawing graph of a pure-decode ``shape`` runs: its forward and argmax, then the
+        draw over the settings in :attr:`draw_inputs`; (its logits, every row's id). The ids go
+        where the argmax went (the next step reads them there) and to the pinned host row."""
+        assert self.draw_inputs is not None and self.mapped_ids is not None
+        logits, argmax = self.forward(shape, store_host=False)
+        assert argmax is not None
+        tokens = self.draw_inputs.draw(logits, argmax, out=self._prev_tokens[: shape.decode],
+                                       host_out=self.mapped_ids.buffer, host_row=self._host_row(shape))
+        return logits, tokens
 
-    def _draw_handle(self, shape: GraphShape) -> GraphDraw:
-        handle = self._draw_handles.get(shape)
-        if handle is None:
-            assert self.draw_inputs is not None
-            handle = self._draw_handles[shape] = GraphDraw(self.draw_inputs, shape.decode,
-                                                           functools.partial(self.run_draw, shape))
-        return handle
-
-    def run_draw(self, shape: GraphShape) -> torch.Tensor:
-        """Replay the draw of ``shape`` on its forward's last logits; the tokens of every row."""
-        graph, tokens = self._draws[shape]
+    def run_drawn(self, shape: GraphShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the drawing graph of ``shape`` on the inputs and settings written last; (its
+        logits, every row's id)."""
+        graph, logits, tokens = self._drawn_graphs[shape]
         graph.replay()
-        return tokens
+        return logits, tokens
 
     def _padding(self, shape: GraphShape) -> tuple[list[int], list[int]]:
         """Host inputs of an all-padding step of ``shape``: (tokens, sequences), flattened by row."""
@@ -269,9 +280,10 @@ class StepGraphs:
                 + [0] * n_seq)                                # request-table row
         return tokens, seqs
 
-    def forward(self, shape: GraphShape) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, shape: GraphShape, store_host: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a graph of ``shape`` runs on the static inputs: (its logits, and for a pure-decode
-        shape each row's argmax, written where the next step reads the ids left on the device).
+        shape each row's argmax, written where the next step reads the ids left on the device and,
+        with ``store_host``, into the step's pinned host row).
 
         Its first kernel reads those ids (from the last step's sampled ones), writes the new
         tokens' slots to the request table and embeds the ids."""
@@ -282,7 +294,7 @@ class StepGraphs:
         logits = self.model.forward(self._batch(shape), self.pool, float_logits=float_logits, embedded=embedded)
         argmax = None
         if float_logits:
-            mapped = self.mapped_ids
+            mapped = self.mapped_ids if store_host else None
             argmax = kernels.argmax_rows(logits, out=self._prev_tokens[: shape.decode],
                                          host_out=mapped.buffer if mapped is not None else None,
                                          host_row=self._host_row(shape) if mapped is not None else None)
@@ -326,25 +338,48 @@ class StepGraphs:
                 self.table.record(tokens[_TROW * n_tok + lo : _TROW * n_tok + hi],
                                   tokens[_POS * n_tok + lo : _POS * n_tok + hi],
                                   tokens[_SLOTS * n_tok + lo : _SLOTS * n_tok + hi])
-        logits = self.run_graph(shape)
+        drawing = self._drawing_settings(step, shape)
+        tokens = None
+        if drawing is not None:
+            logits, tokens = self.run_drawn(shape)
+        else:
+            logits = self.run_graph(shape)
         self.last_argmax = None
         self.last_mapped = None
-        self.last_draw = None
+        self.last_drawn = None
+        n = len(step.requests)
+        held = None
         if mapped is not None and host_row is not None:
             if all(step.samples) and shape in self._argmax:
-                self.last_mapped = mapped.hold(host_row, len(step.requests))
+                held = mapped.hold(host_row, n)
             else:  # not to be read: a later graph may write it
                 mapped.give_back(host_row)
         if shape.tokens == 0 and all(step.samples):  # decode rows only, in step order
-            rows = self._decode_rows(shape, len(step.requests))
+            if drawing is not None and tokens is not None:
+                self.last_drawn = GraphDrawn(drawing, tokens[:n], held)
+                return logits[:n]
+            rows = self._decode_rows(shape, n)
             self.last_argmax = rows[1]
-            if self.draw_inputs is not None:
-                self.last_draw = self._draw_handle(shape)
+            self.last_mapped = held
             return rows[0]
         rows_of = {i: s for s, i in enumerate(layout.decode)}
         rows_of.update({i: d + j for j, i in enumerate(layout.prefill)})
         keep = [rows_of[i] for i, sample in enumerate(step.samples) if sample]
         return logits.index_select(0, tensor_on(keep, torch.int64, self.device)).float()
+
+    def _drawing_settings(self, step: ScheduledStep, shape: GraphShape) -> BatchSettings | None:
+        """For a pure-decode step whose graph is to draw its rows (every row samples, none has a
+        grammar, logit bias or penalty, not all take the plain argmax): its rows' settings, their
+        copy to the draw buffers queued; else None."""
+        if self.draw_inputs is None or shape.tokens or shape not in self._drawn_graphs or not all(step.samples):
+            return None
+        reqs = step.requests
+        if any(r.grammar is not None for r in reqs):
+            return None
+        states = [r.sampling for r in reqs]
+        if not graph_can_draw(states):
+            return None
+        return write_graph_draw(states, self.model.config.vocab_size, self.draw_inputs)
 
     def _mark_device_ids(self, step: ScheduledStep, layout: StepLayout, starts: list[int], tokens: list[int],
                          n_tok: int, device_tokens: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import PENDING, Request, RequestStatus
 from pd_cluster.engine.sampler import (
     DeviceSample,
-    GraphDraw,
+    GraphDrawn,
     SampledToken,
     SamplingState,
     fetch,
@@ -380,7 +380,7 @@ class LLMEngine:
         if not step.requests:
             return []
         logits = self.runner.run(step, self._layer_hooks)
-        argmax, draw, mapped = self.runner.last_argmax, self.runner.last_draw, self.runner.last_mapped
+        argmax, drawn, mapped = self.runner.last_argmax, self.runner.last_drawn, self.runner.last_mapped
         self.stats.steps += 1
         self.stats.computed_tokens += step.num_tokens
         sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
@@ -390,7 +390,7 @@ class LLMEngine:
         if not sampling_reqs:
             return updates
         self.grammars.apply_masks(logits, sampling_reqs)
-        tokens = fetch(self._sample(logits, argmax, draw, sampling_reqs, mapped), [r.sampling for r in sampling_reqs])
+        tokens = fetch(self._sample(logits, argmax, drawn, sampling_reqs, mapped), [r.sampling for r in sampling_reqs])
         now = time.monotonic()
         for req, tok in zip(sampling_reqs, tokens):
             updates.append(self._accept(req, tok.token_id, tok.logprob, now))
@@ -410,7 +410,7 @@ class LLMEngine:
         launched = None
         if step.requests:
             logits = self.runner.run(step, self._layer_hooks)
-            argmax, draw, mapped = self.runner.last_argmax, self.runner.last_draw, self.runner.last_mapped
+            argmax, drawn, mapped = self.runner.last_argmax, self.runner.last_drawn, self.runner.last_mapped
             self.stats.steps += 1
             self.stats.computed_tokens += step.num_tokens
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
@@ -418,7 +418,7 @@ class LLMEngine:
                 req.num_computed += q_len
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
-                launched = (sampling_reqs, self._sample(logits, argmax, draw, sampling_reqs, mapped))
+                launched = (sampling_reqs, self._sample(logits, argmax, drawn, sampling_reqs, mapped))
         updates = self._detokenize_deferred()
         if launched is not None:
             sampling_reqs, result = launched
@@ -470,7 +470,7 @@ class LLMEngine:
             logits = self.runner.run(step, None, device_tokens)
             if timer is not None:
                 self._note_launch(timer, marks, previous, time.monotonic() - began)
-            argmax, draw, mapped = self.runner.last_argmax, self.runner.last_draw, self.runner.last_mapped
+            argmax, drawn, mapped = self.runner.last_argmax, self.runner.last_drawn, self.runner.last_mapped
             self._frees_at_launch = (self.pool.frees, self.table.frees)
             self.stats.steps += 1
             self.stats.computed_tokens += step.num_tokens
@@ -490,7 +490,7 @@ class LLMEngine:
             sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
             if sampling_reqs:
                 self.grammars.apply_masks(logits, sampling_reqs)
-                result = self._sample(logits, argmax, draw, sampling_reqs, mapped)
+                result = self._sample(logits, argmax, drawn, sampling_reqs, mapped)
                 if marks is not None:
                     timer.finish(marks, self.device)
                 live, positions, rows = [], [], []
@@ -544,14 +544,15 @@ class LLMEngine:
             timer.forget(self._running_key)
         self._deadline = None
 
-    def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, draw: GraphDraw | None,
+    def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, drawn: GraphDrawn | None,
                 reqs: list[Request], mapped: MappedIds | None = None) -> DeviceSample:
-        """Launch the sampling of ``reqs``' rows of ``logits``; ``argmax`` and ``draw``: the rows'
-        argmax taken in the step's graph and the draw captured beside it, unused where a grammar
-        mask changed the logits after them; ``mapped``: that argmax in pinned host memory."""
+        """Launch the sampling of ``reqs``' rows of ``logits``; ``argmax`` and ``drawn``: the rows'
+        argmax taken in the step's graph and the ids it drew (a graph draws no row with a grammar),
+        unused where a grammar mask changed the logits after them; ``mapped``: that argmax in pinned
+        host memory."""
         if any(r.grammar is not None for r in reqs):
-            argmax = draw = mapped = None
-        return sample_on_device(logits, [r.sampling for r in reqs], self.penalties, argmax, draw, mapped)
+            argmax = drawn = mapped = None
+        return sample_on_device(logits, [r.sampling for r in reqs], self.penalties, argmax, drawn, mapped)
 
     def _read_back_in_flight(self) -> None:
         """Read back and accept the pipelined step in flight, if any (before a step that cannot

@@ -15,7 +15,7 @@ from pd_cluster.engine.device_copy import tensor_on, to_device
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.mapped_ids import MappedIds
 from pd_cluster.engine.req_table import ReqSlotTable
-from pd_cluster.engine.sampler import GraphDraw
+from pd_cluster.engine.sampler import GraphDrawn
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.model.forward_batch import ForwardBatch
@@ -42,8 +42,8 @@ class ModelRunner:
         self.last_argmax: torch.Tensor | None = None
         #: The same ids in pinned host memory, written by that graph (None: not there).
         self.last_mapped: MappedIds | None = None
-        #: The draw captured beside the last :meth:`run`'s graph (None: none), for its sampling.
-        self.last_draw: GraphDraw | None = None
+        #: The ids the last :meth:`run`'s graph drew itself (None: it drew none; see StepGraphs).
+        self.last_drawn: GraphDrawn | None = None
         #: Prefill-only graphs with buffers of their own, for prefills on the engine's side stream
         #: beside a replay of :attr:`graphs` (see ``LLMEngine._prefill_aside``).
         self.side_graphs: StepGraphs | None = None
@@ -124,7 +124,7 @@ class ModelRunner:
             graphs = self.side_graphs if side else self.graphs
             self.last_argmax = None
             self.last_mapped = None
-            self.last_draw = None
+            self.last_drawn = None
             if layer_hook is None and graphs is not None:
                 shape = graphs.shape_for(layout)
                 if shape is not None:
@@ -132,7 +132,8 @@ class ModelRunner:
                     self.last_argmax = graphs.last_argmax
                     self.last_mapped = graphs.last_mapped
                     graphs.last_mapped = None  # held here (and by the sampling's result) only
-                    self.last_draw = graphs.last_draw
+                    self.last_drawn = graphs.last_drawn
+                    graphs.last_drawn = None
                     return logits
             starts = layout.token_starts(step)
             batch = self.prepare(step, layout, starts)

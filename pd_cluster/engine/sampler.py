@@ -23,13 +23,13 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Sequence, TypeVar
+from typing import Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from kernels._triton import use_triton
-from kernels.argmax import argmax_rows
+from kernels.argmax import argmax_rows, choose_ids
 from kernels.penalties import apply_penalties as penalize
 from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from pd_cluster.engine.penalties import PenaltyBook
@@ -174,8 +174,6 @@ class _Batch:
     ints: torch.Tensor | None  # [B, 5] on the device
     any_random: bool
     any_greedy: bool
-    use_top_k: bool
-    use_top_p: bool
     bias_rows: list[int]
     use_rep: bool
     use_counts: bool
@@ -183,8 +181,11 @@ class _Batch:
     max_logprobs: int
 
 
+#: What a batch's rows ask of the sampling, gathered on the host (their settings on the device).
+BatchSettings = _Batch
+
 #: The rows of a batch whose every row takes the plain argmax (no settings to copy to the device).
-_PLAIN_GREEDY = _Batch(floats=None, ints=None, any_random=False, any_greedy=True, use_top_k=False, use_top_p=False,
+_PLAIN_GREEDY = _Batch(floats=None, ints=None, any_random=False, any_greedy=True,
                        bias_rows=[], use_rep=False, use_counts=False, logprob_rows=[], max_logprobs=0)
 
 
@@ -200,7 +201,7 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device,
     floats: list[tuple[float, ...]] = []
     ints: list[tuple[int, ...]] = []
     bias_rows, logprob_rows = [], []
-    any_random = any_greedy = use_top_k = use_top_p = use_rep = use_counts = False
+    any_random = any_greedy = use_rep = use_counts = False
     max_logprobs = 0
     for i, s in enumerate(states):
         p = s.params
@@ -213,8 +214,6 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device,
         ints.append((s.key[0], s.key[1], s.position, top_k, int(greedy)))
         any_random |= not greedy
         any_greedy |= greedy
-        use_top_k |= top_k < vocab
-        use_top_p |= top_p < 1.0
         use_rep |= p.repetition_penalty != 1.0
         use_counts |= p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         if p.logit_bias:
@@ -229,7 +228,7 @@ def _gather(states: Sequence[SamplingState], vocab: int, device: torch.device,
     return _Batch(
         floats=float_rows,
         ints=int_rows,
-        any_random=any_random, any_greedy=any_greedy, use_top_k=use_top_k, use_top_p=use_top_p, bias_rows=bias_rows,
+        any_random=any_random, any_greedy=any_greedy, bias_rows=bias_rows,
         use_rep=use_rep, use_counts=use_counts, logprob_rows=logprob_rows, max_logprobs=max_logprobs,
     )
 
@@ -291,14 +290,14 @@ def fetch(result: DeviceSample, states: Sequence[SamplingState]) -> list[Sampled
 
 def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
                      penalties: PenaltyBook | None = None, argmax: torch.Tensor | None = None,
-                     draw: GraphDraw | None = None, mapped: MappedIds | None = None) -> DeviceSample:
+                     drawn: GraphDrawn | None = None, mapped: MappedIds | None = None) -> DeviceSample:
     """:func:`sample` up to the host copy: on a GPU this returns before the kernels ran, so the
     host can do other work (the previous step's detokenization) before :func:`fetch`.
     ``argmax``: each row's argmax of ``logits``, already taken (in the step's CUDA graph).
-    ``draw``: the step's draw captured over these logits; a batch with nothing that changes the
-    logits replays it (one launch) rather than launching the draw's kernels. ``mapped``: the same
-    argmax in pinned host memory, written by the graph: a greedy batch that takes the argmax as
-    it is reads it there (no copy); otherwise dropping it gives its row back."""
+    ``drawn``: the ids the step's graph drew itself (see :func:`write_graph_draw`): nothing is
+    launched but the logprobs asked for. ``mapped``: the argmax in pinned host memory, written by
+    the graph: a greedy batch that takes the argmax as it is reads it there (no copy); otherwise
+    dropping it gives its row back."""
     if logits.dim() != 2 or logits.shape[0] != len(states) or not states:
         raise ValueError(f"logits of shape {tuple(logits.shape)} for {len(states)} states")
     batch, vocab = logits.shape
@@ -312,15 +311,19 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
         else:
             tokens = argmax_rows(logits)
         return _queue_host_copy(DeviceSample(tokens, None, _PLAIN_GREEDY))
-    if draw is not None and (draw.rows < batch or not all(_drawable(s.params) for s in states)):
-        draw = None
-    rows = _gather(states, vocab, device, draw.inputs if draw is not None else None)
-    logprobs = None
-    if rows.logprob_rows:  # of the raw logits, before bias and penalties
-        index = tensor_on(rows.logprob_rows, torch.int64, device)
-        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-    if draw is not None and rows.any_random:
-        return _queue_host_copy(DeviceSample(draw.run()[:batch], logprobs, rows))
+    if drawn is not None:
+        if drawn.tokens.shape[0] != batch:
+            raise ValueError(f"{drawn.tokens.shape[0]} ids drawn in the graph for {batch} rows")
+        if mapped is not None:  # the argmax's row: the drawn ids are read
+            mapped.release()
+        logprobs = _logprobs(logits, drawn.rows)
+        if logprobs is None and drawn.mapped is not None:
+            return _mapped_result(drawn.tokens, drawn.mapped, drawn.rows)
+        if drawn.mapped is not None:  # the logprobs go in the same copy: the row is not read
+            drawn.mapped.release()
+        return _queue_host_copy(DeviceSample(drawn.tokens, logprobs, drawn.rows))
+    rows = _gather(states, vocab, device)
+    logprobs = _logprobs(logits, rows)
     # Logit bias and penalties change the logits in place: then on a copy, else read as they are
     # (and the argmax already taken still holds).
     changed = bool(rows.bias_rows) or rows.use_rep or rows.use_counts
@@ -372,12 +375,21 @@ class _HostCopies:
 _HOST_COPIES = _HostCopies()
 
 
-def _mapped_result(argmax: torch.Tensor, mapped: MappedIds) -> DeviceSample:
-    """A greedy batch whose ids the step's graph also stored in a pinned row: ready once the
-    stream reaches the end of that graph (the event recorded here, behind it)."""
+def _logprobs(logits: torch.Tensor, rows: _Batch) -> torch.Tensor | None:
+    """The log-softmax of the rows asking for logprobs, of the raw logits (before bias and
+    penalties); None when none asks."""
+    if not rows.logprob_rows:
+        return None
+    index = tensor_on(rows.logprob_rows, torch.int64, logits.device)
+    return torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+
+
+def _mapped_result(ids: torch.Tensor, mapped: MappedIds, rows: _Batch = _PLAIN_GREEDY) -> DeviceSample:
+    """A batch whose ids the step's graph also stored in a pinned row: ready once the stream
+    reaches the end of that graph (the event recorded here, behind it)."""
     if mapped.ready is not None:
-        mapped.ready.record(torch.cuda.current_stream(argmax.device))
-    return DeviceSample(argmax, None, _PLAIN_GREEDY, host=mapped.host, ready=mapped.ready, mapped=mapped)
+        mapped.ready.record(torch.cuda.current_stream(ids.device))
+    return DeviceSample(ids, None, rows, host=mapped.host, ready=mapped.ready, mapped=mapped)
 
 
 def _queue_host_copy(result: DeviceSample) -> DeviceSample:
@@ -426,8 +438,8 @@ def _drawable(params: SamplingParams) -> bool:
 
 class DrawInputs:
     """Static device buffers of a batch's sampling settings (the columns :func:`_gather` packs),
-    read by draws captured in CUDA graphs: a step writes its rows' settings here (two host
-    copies, as uncaptured sampling does) and replays its draw."""
+    read by the draws captured in decode CUDA graphs: a step writes its rows' settings here (one
+    host copy, queued before its replay) and replays the graph that draws."""
 
     def __init__(self, max_rows: int, device: torch.device) -> None:
         # Both tables in one device buffer (floats, then ints: 8-byte aligned, as 24 bytes a row
@@ -440,6 +452,10 @@ class DrawInputs:
         self._max_rows = max_rows
         self._staging = PinnedRing(size, torch.uint8, device)
 
+    @property
+    def max_rows(self) -> int:
+        return self._max_rows
+
     def write(self, floats: list[tuple[float, ...]], ints: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the rows' settings into the first rows of the buffers (queued); those rows."""
         n = len(floats)
@@ -449,26 +465,42 @@ class DrawInputs:
         self._staging.copy(self._packed, self._float_bytes + n * _NUM_INTS * 8)
         return self.floats[:n], self.ints[:n]
 
-    def draw(self, logits: torch.Tensor, argmax: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, argmax: torch.Tensor, out: torch.Tensor,
+             host_out: torch.Tensor | None = None, host_row: torch.Tensor | None = None) -> torch.Tensor:
         """What a captured draw computes for the first ``len(logits)`` rows: greedy rows take
         ``argmax``, the others the inverse-transform draw (every cut's code compiled in: a row
-        without a cut skips it). ``out``: where to write the ids (it may be ``argmax`` itself)."""
+        without a cut skips it). The ids go to ``out`` (it may be ``argmax`` itself) and, with
+        ``host_out``, to its row ``host_row`` as :func:`kernels.argmax.argmax_rows` stores them."""
         n = logits.shape[0]
-        rows = _Batch(floats=self.floats[:n], ints=self.ints[:n], any_random=True, any_greedy=True, use_top_k=True,
-                      use_top_p=True, bias_rows=[], use_rep=False, use_counts=False, logprob_rows=[],
+        rows = _Batch(floats=self.floats[:n], ints=self.ints[:n], any_random=True, any_greedy=True, bias_rows=[], use_rep=False, use_counts=False, logprob_rows=[],
                       max_logprobs=0)
-        return torch.where(self.ints[:n, _GREEDY].bool(), argmax, _sample_random(logits, rows), out=out)
+        return choose_ids(self.ints[:n, _GREEDY], argmax, _sample_random(logits, rows), out, host_out, host_row)
 
 
 @dataclass(frozen=True)
-class GraphDraw:
-    """A draw captured over a graph's logits: ``run`` replays it (after the settings were written
-    to ``inputs``) and returns the tokens of all its ``rows``, valid until the next replay; a step
-    with fewer rows takes the first ones."""
+class GraphDrawn:
+    """A decode step whose CUDA graph drew its rows' ids itself: the rows' settings (as
+    :func:`write_graph_draw` wrote them), the ids on the device (valid until the next replay)
+    and, where the graph stored them there, in a held pinned host row (``mapped``)."""
 
-    inputs: DrawInputs
-    rows: int
-    run: Callable[[], torch.Tensor]
+    rows: _Batch
+    tokens: torch.Tensor
+    mapped: MappedIds | None = None
+
+
+def graph_can_draw(states: Sequence[SamplingState]) -> bool:
+    """Whether a decode step's graph may draw these rows itself: nothing changes their logits
+    before the draw (no logit bias or penalty; grammars are the caller's to rule out), and not
+    every row takes the plain argmax (the graph without the draw serves those)."""
+    return all(_drawable(s.params) for s in states) and not all(_plain_greedy(s.params) for s in states)
+
+
+def write_graph_draw(states: Sequence[SamplingState], vocab: int, inputs: DrawInputs) -> _Batch:
+    """Queue the copy of the rows' settings into ``inputs`` (before the replay of the graph that
+    draws them); what :class:`GraphDrawn` keeps of them."""
+    if len(states) > inputs.max_rows:
+        raise ValueError(f"{len(states)} rows to draw, the draw buffers hold {inputs.max_rows}")
+    return _gather(states, vocab, inputs.floats.device, inputs)
 
 
 def _sample_random(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
@@ -479,9 +511,10 @@ def _sample_random(x: torch.Tensor, rows: _Batch) -> torch.Tensor:
     f, i = rows.floats, rows.ints
     settings = (x, f[:, _TEMP], i[:, _TOP_K], f[:, _TOP_P], f[:, _MIN_P])
     if use_triton(x):
-        # One launch: the kernel hashes each row's uniform from its stream keys itself.
-        return sample_filtered_triton(*settings, keys=(i[:, _K0], i[:, _K1], i[:, _POS]),
-                                      use_top_k=rows.use_top_k, use_top_p=rows.use_top_p)
+        # The kernels hash each row's uniform from its stream keys themselves. Every cut's code is
+        # compiled in (a row without a cut skips it), as in a captured draw: one build of the
+        # kernels, compiled by the engine's warm-up, serves every request's settings.
+        return sample_filtered_triton(*settings, keys=(i[:, _K0], i[:, _K1], i[:, _POS]))
     return sample_filtered_ref(*settings, uniform(random_bits(i[:, _K0], i[:, _K1], i[:, _POS])))
 
 

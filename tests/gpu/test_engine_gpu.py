@@ -162,22 +162,25 @@ def generate_sampled(eng: LLMEngine, prompts: list[list[int]]) -> list[list[int]
 
 
 def test_float32_seeded_draws_replayed_in_graphs_equal_the_cpu_path(model_dir, prompts):
-    """Sampled decode batches replay the draw captured beside their forward; the tokens are the
-    CPU path's (same seeds, same uniforms)."""
+    """Sampled decode batches replay the graph that draws after their forward, its ids stored
+    into a pinned host row; the tokens are the CPU path's (same seeds, same uniforms), and every
+    host row is given back."""
     expected = generate_sampled(engine(model_dir, "cpu", "float32"), prompts)
     eng = engine(model_dir, "cuda", "float32", draw_graphs=True)
     graphs = eng.runner.graphs
     assert graphs is not None
     drawn: list[GraphShape] = []
-    run_draw = graphs.run_draw
+    run_drawn = graphs.run_drawn
 
-    def counted(shape: GraphShape) -> torch.Tensor:
+    def counted(shape: GraphShape) -> tuple[torch.Tensor, torch.Tensor]:
         drawn.append(shape)
-        return run_draw(shape)
+        return run_drawn(shape)
 
-    graphs.run_draw = counted  # type: ignore[method-assign]
+    graphs.run_drawn = counted  # type: ignore[method-assign]
     assert generate_sampled(eng, prompts) == expected
     assert len(drawn) >= min(MAX_TOKENS) - 1
+    ring = graphs.mapped_ids
+    assert ring is not None and ring.free_rows == ring.DEPTH
 
 
 def test_float32_greedy_with_prefill_chunks_in_graphs_equals_the_cpu_path(model_dir, prompts, cpu_tokens):
