@@ -377,9 +377,7 @@ def sample_filtered_triton(
     )
     scratch = torch.empty((batch, vocab), dtype=torch.float32, device=x.device)
     _sample_kernel[(batch,)](
-        x, x.stride(0), scratch, vocab,
-        columns[0], columns[0].stride(0), columns[1], columns[1].stride(0), columns[2], columns[2].stride(0),
-        columns[3], columns[3].stride(0), u, k0, k1, pos, key_stride, out,
+        x, x.stride(0), scratch, vocab, *settings, u, k0, k1, pos, key_stride, out,
         USE_TOP_K=use_top_k, USE_TOP_P=use_top_p, HASH=keys is not None, PROBES=_PROBES, ONE_BITS=_ONE_BITS,
         BLOCK=block, DRAW_BLOCK=block, USE_PDL=pdl, num_warps=num_warps, **pdl_options(pdl),
     )

@@ -339,11 +339,10 @@ class StepGraphs:
                                   tokens[_POS * n_tok + lo : _POS * n_tok + hi],
                                   tokens[_SLOTS * n_tok + lo : _SLOTS * n_tok + hi])
         drawing = self._drawing_settings(step, shape)
-        tokens = None
         if drawing is not None:
-            logits, tokens = self.run_drawn(shape)
+            logits, drawn_ids = self.run_drawn(shape)
         else:
-            logits = self.run_graph(shape)
+            logits, drawn_ids = self.run_graph(shape), None
         self.last_argmax = None
         self.last_mapped = None
         self.last_drawn = None
@@ -355,8 +354,8 @@ class StepGraphs:
             else:  # not to be read: a later graph may write it
                 mapped.give_back(host_row)
         if shape.tokens == 0 and all(step.samples):  # decode rows only, in step order
-            if drawing is not None and tokens is not None:
-                self.last_drawn = GraphDrawn(drawing, tokens[:n], held)
+            if drawing is not None and drawn_ids is not None:
+                self.last_drawn = GraphDrawn(drawing, drawn_ids[:n], held)
                 return logits[:n]
             rows = self._decode_rows(shape, n)
             self.last_argmax = rows[1]
