@@ -83,10 +83,10 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # helpers (the tile's sequence, its rows), decode split and merge,
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
 # few-row projection, its products (the first weight tile, the norm's tile, the products after
-# the wait) and its input prologue, the qkv projection with rotary and KV store, the
+# the wait), its input and its norm, the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
 # step's inputs.
-NUM_KERNELS = 32
+NUM_KERNELS = 33
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -315,7 +315,7 @@ class InterpretedCases:
     # ---------------------------------------------------------------------------------------------
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize("num_rows", [1, 3, 8])
+    @pytest.mark.parametrize("num_rows", [1, 3, 4, 8])
     @pytest.mark.parametrize("with_residual", [False, True])
     def test_norm_linear_triton_matches_the_unfused_ops(self, dtype: torch.dtype, num_rows: int,
                                                         with_residual: bool) -> None:
@@ -435,8 +435,10 @@ class InterpretedCases:
         gate_up = (torch.randn(2, 600, generator=gen) * 2).to(dtype)
         weight = (torch.randn(21, 300, generator=gen) * 0.05).to(dtype)
         assert_matches(silu_linear_triton(gate_up, weight), silu_linear_ref(gate_up, weight), *GEMV_TOL[dtype])
+        # 5 rows of 300 inputs: blocks of 256; 4 rows: one tile of rows, as the SiLU's 2 rows above.
         x = torch.randn(5, 300, generator=gen).to(dtype)
         assert_matches(linear_triton(x, weight), linear_ref(x, weight), *GEMV_TOL[dtype])
+        assert_matches(linear_triton(x[:4], weight), linear_ref(x[:4], weight), *GEMV_TOL[dtype])
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third
