@@ -1,5 +1,5 @@
-"""The served-system suite's own arithmetic: the placement table it reads, the cold-start ratio and
-the temperature sweep's workload."""
+"""The served-system suite's own arithmetic: the placement table it reads, the cold-start ratio,
+the temperature sweep's workload and its ratio to the greedy sweep."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.records import RequestRecord
 from pd_cluster.bench.serve.runner import RateResult, SweepResult
 from pd_cluster.bench.serve.workloads import build_workload
-from pd_cluster.bench.served import cold_start, placement_table, sampled_sweep_config
+from pd_cluster.bench.served import cold_start, markdown, placement_table, sampled_sweep_config, sampled_vs_greedy
 from pd_cluster.local_cluster import format_placement_table
 
 
@@ -64,3 +64,23 @@ def test_results_keep_no_path_of_the_machine_that_ran_them(tmp_path):
     assert portable(doc, model, out) == {
         "sweep": {"tokenizer": "m8b", "config": {"tokenizer": "m8b", "rate": 2.0}},
         "plots": ["run-plots/ttft_cdf.png"], "note": f"{model} elsewhere stays"}
+
+
+def _rate_row(rate: float, tpot_p50: float | None, itl_p50: float | None) -> dict:
+    return {"rate": rate, "completed": 4, "num_requests": 4, "request_throughput": 1.0, "output_throughput": 9.0,
+            "goodput": 1.0, "slo_attainment": 1.0, "ttft": {"p50": 0.02, "p99": 0.03},
+            "tpot": {"p50": tpot_p50, "p99": tpot_p50}, "itl": {"p50": itl_p50}}
+
+
+def test_the_temperature_sweep_is_reported_over_the_greedy_one_rate_by_rate():
+    greedy = {"results": [_rate_row(1.0, 0.0040, 0.0036), _rate_row(2.0, 0.0050, 0.0045)]}
+    # Rate 4 was not swept greedy, and rate 2's requests streamed one token each (no TPOT): no rows.
+    sampled = {"results": [_rate_row(1.0, 0.0042, None), _rate_row(2.0, None, None), _rate_row(4.0, 0.009, 0.008)]}
+    rows = sampled_vs_greedy(greedy, sampled)
+    assert [row["rate"] for row in rows] == [1.0]
+    assert rows[0]["tpot_p50_ratio"] == pytest.approx(1.05)
+    assert rows[0]["itl_p50_ratio"] is None
+    doc = {"device": "d", "date": "2026-01-01", "model": "m", "ready_s": 3.0,
+           "slo": {"ttft_s": 1.0, "tpot_s": 0.05}, "placement": "", "sweep": greedy, "sampled_sweep": sampled,
+           "sampled_vs_greedy": rows}
+    assert "Temperature 0.8 over greedy at the same rate: rate 1: TPOT p50 1.050x, ITL p50 -." in markdown(doc)

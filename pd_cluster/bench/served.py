@@ -193,12 +193,35 @@ def sampled_sweep_config(base: ServeBenchConfig, sweep_rates: list[float], rates
     return replace(base, temperature=0.8, rates=rates, seed=base.seed + len(sweep_rates))
 
 
+def sampled_vs_greedy(greedy: dict[str, Any], sampled: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each rate both sweeps ran: temperature 0.8's TPOT and ITL p50 over greedy's (the sampling
+    cost as a client sees it; 1.0 is free). A rate either sweep lacks, or a p50 it has none of
+    (no request streamed two tokens), gives no row."""
+    by_rate = {r["rate"]: r for r in greedy["results"]}
+    rows = []
+    for r in sampled["results"]:
+        g = by_rate.get(r["rate"])
+        if g is None:
+            continue
+        row: dict[str, Any] = {"rate": r["rate"]}
+        for metric in ("tpot", "itl"):
+            num, den = r[metric].get("p50"), g[metric].get("p50")
+            row[f"{metric}_p50_ratio"] = num / den if num is not None and den else None
+        if row["tpot_p50_ratio"] is not None:
+            rows.append(row)
+    return rows
+
+
 def _run(config: ServeBenchConfig, name: str, out_dir: Path) -> SweepResult:
     logger.info("bench serve: %s", name)
     sweep = run_serve_bench(config)
     sys.stdout.write(f"\n[{name}]\n{format_table(sweep)}")
     sys.stdout.flush()
     return sweep
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -228,6 +251,10 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"{ms(r['itl'], 'p50')} | {'-' if cached is None else f'{cached:.0%}'} | "
                 f"{'-' if kv is None else f'{kv:,.0f}'} |")
         lines.append("")
+    if doc.get("sampled_vs_greedy"):
+        lines += ["Temperature 0.8 over greedy at the same rate: " + "; ".join(
+            f"rate {row['rate']:g}: TPOT p50 {_ratio(row['tpot_p50_ratio'])}, ITL p50 {_ratio(row['itl_p50_ratio'])}"
+            for row in doc["sampled_vs_greedy"]) + ".", ""]
     if "colocated" in doc:
         co = doc["colocated"]
         lines += [f"Colocated (the same engine alone on the GPU, offline, {co['requests']} requests at once): "
@@ -363,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                                                 [float(r) for r in args.sampled_sweep.split(",")]),
                            "sweep, temperature 0.8", args.out)
             doc["sampled_sweep"] = results_document(sampled)
+            doc["sampled_vs_greedy"] = sampled_vs_greedy(doc["sweep"], doc["sampled_sweep"])
+            for row in doc["sampled_vs_greedy"]:
+                logger.info("rate %g: temperature 0.8 over greedy, TPOT p50 %s, ITL p50 %s", row["rate"],
+                            _ratio(row["tpot_p50_ratio"]), _ratio(row["itl_p50_ratio"]))
         if args.conversations:
             turns = _run(replace(base, workload="multi-turn", num_conversations=args.conversations, turns=args.turns,
                                  input_len=256, output_len=64, rates=[2.0]), "multi-turn", args.out)
