@@ -1,0 +1,68 @@
+"""Every machine resolves the same versions: constraints.txt pins each dependency pyproject.toml
+names (runtime and every extra), within its range, and each `pip install` of README's commands and
+.ci/run is made under it. A dependency added without refreshing the pins (`bash .ci/lock`) fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pins() -> dict[str, Version]:
+    found: dict[str, Version] = {}
+    for line in (REPO / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, _, version = line.partition("==")
+        assert version, f"constraints.txt: {line!r} is not an exact pin (name==version)"
+        found[canonicalize_name(name)] = Version(version)
+    return found
+
+
+def declared() -> list[Requirement]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    listed = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        listed.extend(extra)
+    return [Requirement(text) for text in listed]
+
+
+@pytest.mark.parametrize("requirement", declared(), ids=str)
+def test_each_declared_dependency_is_pinned_within_its_range(requirement: Requirement) -> None:
+    pinned = pins().get(canonicalize_name(requirement.name))
+    assert pinned is not None, f"{requirement.name} has no pin in constraints.txt: run `bash .ci/lock`"
+    assert requirement.specifier.contains(pinned, prereleases=True), (
+        f"constraints.txt pins {requirement.name}=={pinned}, outside pyproject's {requirement.specifier}"
+    )
+
+
+def pip_installs(text: str) -> list[list[str]]:
+    """The argument lists of every `pip install` in shell text (commands split at && ; and |)."""
+    commands = []
+    for line in text.splitlines():
+        for part in re.split(r"&&|;|\|", line):
+            words = shlex.split(part, comments=True) if part.strip() else []
+            if words[:2] == ["pip", "install"]:
+                commands.append(words)
+    return commands
+
+
+@pytest.mark.parametrize("source", ["README.md", ".ci/run"])
+def test_every_pip_install_of_the_setup_commands_uses_the_constraints(source: str) -> None:
+    commands = pip_installs((REPO / source).read_text())
+    assert commands, f"{source} has no pip install"
+    for words in commands:
+        assert any(a == "-c" and b == "constraints.txt" for a, b in zip(words, words[1:])), (
+            f"{source}: `{' '.join(words)}` resolves without constraints.txt"
+        )
