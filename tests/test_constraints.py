@@ -47,10 +47,18 @@ def test_each_declared_dependency_is_pinned_within_its_range(requirement: Requir
     )
 
 
+def shell_text(path: Path) -> str:
+    """A shell script as it is; of a markdown page, its ```bash / ```sh blocks."""
+    text = path.read_text()
+    if path.suffix != ".md":
+        return text
+    return "\n".join(re.findall(r"^```(?:bash|sh|shell|console)\n(.*?)^```", text, flags=re.S | re.M))
+
+
 def pip_installs(text: str) -> list[list[str]]:
     """The argument lists of every `pip install` in shell text (commands split at && ; and |)."""
     commands = []
-    for line in text.splitlines():
+    for line in text.replace("\\\n", " ").splitlines():
         for part in re.split(r"&&|;|\|", line):
             words = shlex.split(part, comments=True) if part.strip() else []
             if words[:2] == ["pip", "install"]:
@@ -58,10 +66,18 @@ def pip_installs(text: str) -> list[list[str]]:
     return commands
 
 
-@pytest.mark.parametrize("source", ["README.md", ".ci/run"])
-def test_every_pip_install_of_the_setup_commands_uses_the_constraints(source: str) -> None:
-    commands = pip_installs((REPO / source).read_text())
-    assert commands, f"{source} has no pip install"
+def test_readme_and_ci_install_the_same_way() -> None:
+    """.ci/run runs README's test command (the second command of its quick start) as it is."""
+    readme = [line for line in shell_text(REPO / "README.md").splitlines() if line.startswith("pip install")]
+    assert len(readme) >= 2, "README's quick start has lost its two commands"
+    assert readme[1] in (REPO / ".ci/run").read_text()
+
+
+@pytest.mark.parametrize("source", ["README.md", ".ci/run", *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
+def test_every_pip_install_of_the_docs_and_ci_uses_the_constraints(source: str) -> None:
+    commands = pip_installs(shell_text(REPO / source))
+    if source in ("README.md", ".ci/run"):
+        assert commands, f"{source} has no pip install"
     for words in commands:
         assert any(a == "-c" and b == "constraints.txt" for a, b in zip(words, words[1:])), (
             f"{source}: `{' '.join(words)}` resolves without constraints.txt"
