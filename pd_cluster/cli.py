@@ -13,69 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine_flags import PASSED_ON, add_engine_arguments, engine_flag, given_values
+
 logger = logging.getLogger("pd_cluster")
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help='"default" (SmolLM2-135M-Instruct) or an HF model directory')
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)")
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV slots (default: from free memory)")
-    p.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
-    p.add_argument("--max-running-requests", type=int, default=64, help="requests in one batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens in one forward pass at most (chunked prefill splits longer prompts; default 2048, on "
-                        "a decode node 512: its own prefills of short misses then hold its running streams up by "
-                        "about one step)")
-    p.add_argument("--no-prefix-cache", action="store_true", help="never reuse the KV of an earlier prompt")
-    p.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch each step before the last one's tokens are read back, so the host prepares the "
-                        "next step while the device runs (default: on a GPU, not on CPU)")
-    p.add_argument("--mixed-graph-tokens", type=_token_sizes, default=None,
-                   help="prefill-token sizes of the CUDA graphs for steps mixing short prefill chunks into the "
-                        "decode batch, e.g. 128,256,512 (default 32,64,128,192,256,320,384,512, capped by the step budget); none: such "
-                        "steps run eagerly")
-    p.add_argument("--prefill-chunk-tokens", type=_positive_tokens, default=None, metavar="N",
-                   help="prompt tokens one step prefills at most, over all its prompts; a longer prompt takes several "
-                        "steps (default: on a GPU the largest --mixed-graph-tokens size, so that each chunk replays a "
-                        "CUDA graph; elsewhere the step budget)")
-    p.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
-                   help="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the "
-                        "projection after it (default: 4 for a model whose layer inputs fit one block, as the "
-                        "default model's, else 1)")
-    p.add_argument("--side-prefill-max-tokens", type=int, default=None, metavar="N",
-                   help="a request this node prefills itself while a pipelined step runs is prefilled at once on a "
-                        "second CUDA stream when it misses at most N tokens (default 0: off)")
-    p.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay a sampled decode batch's step as a CUDA graph that also draws its ids (default: on; "
-                        "--no-draw-graphs launches the draw's kernels after the step's graph)")
-    p.add_argument("--late-launch", action=argparse.BooleanOptionalAction, default=None,
-                   help="launch a pipelined step just before the one in flight ends, so requests arriving meanwhile "
-                        "join it (default: on; --no-late-launch launches it as soon as the one before starts)")
-
-
-def _token_sizes(text: str) -> list[int]:
-    """``64,128`` -> [64, 128]; ``none`` (or nothing) -> []."""
-    if text.strip().lower() in ("", "none"):
-        return []
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts or 'none' (got {text!r})") from None
-    if any(n <= 1 for n in sizes):
-        raise argparse.ArgumentTypeError(f"token counts must be above 1 (got {text!r})")
-    return sizes
-
-
-def _positive_tokens(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a token count (got {text!r})") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"the token count must be positive (got {text!r})")
-    return n
 
 
 #: A decode node's step budget by default: at most this many prompt tokens of its local prefills
@@ -83,22 +24,12 @@ def _positive_tokens(text: str) -> int:
 DECODE_STEP_TOKENS = 512
 
 
-def engine_config_from_args(args: argparse.Namespace, role: str | None = None):
-    from pd_cluster.config import EngineConfig
-
-    budget = args.max_num_batched_tokens
-    if budget is None:
-        budget = DECODE_STEP_TOKENS if role == "decode" else EngineConfig.model_fields["max_num_batched_tokens"].default
-    return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-        block_size=args.block_size, max_running_requests=args.max_running_requests,
-        max_num_batched_tokens=budget, enable_prefix_cache=not args.no_prefix_cache,
-        overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
-        fused_decode_rows=args.fused_decode_rows, prefill_chunk_tokens=args.prefill_chunk_tokens,
-        **({} if args.side_prefill_max_tokens is None else {"side_prefill_max_tokens": args.side_prefill_max_tokens}),
-        **({} if args.draw_graphs is None else {"draw_graphs": args.draw_graphs}),
-        **({} if args.late_launch is None else {"late_launch": args.late_launch}),
-    )
+def engine_config_from_args(args: argparse.Namespace, role: str | None = None) -> EngineConfig:
+    """The engine a command's flags ask for; a decode node's step budget defaults to ``DECODE_STEP_TOKENS``."""
+    values = given_values(args)
+    if role == "decode":
+        values.setdefault("max_num_batched_tokens", DECODE_STEP_TOKENS)
+    return EngineConfig(**values)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -187,20 +118,13 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     else:
         p.add_argument("--max-channels", type=int, default=8,
                        help="data-plane channels to decode nodes kept open (least recently used closed first)")
-    _add_engine_args(p)
-    p.add_argument("--gpu-memory-fraction", type=_fraction, default=None,
-                   help="share of the GPU's total memory this node may use (weights, headroom and KV); for nodes "
-                        "sharing a GPU (default: the KV pool takes a fraction of the memory free at start)")
+    add_engine_arguments(p)
 
 
 def _node_settings(args: argparse.Namespace, role: str):
-    from pd_cluster.config import EngineConfig
     from pd_cluster.node.config import NodeSettings
 
-    engine = EngineConfig.model_validate(
-        {**engine_config_from_args(args, role).model_dump(), "gpu_memory_fraction": args.gpu_memory_fraction}
-    )
-    fields = {"master": args.master, "engine": engine, "status_host": args.status_host,
+    fields = {"master": args.master, "engine": engine_config_from_args(args, role), "status_host": args.status_host,
               "status_port": args.status_port, "drain_timeout_s": args.drain_timeout, "lease_s": args.lease_s,
               "kv_ipc": args.kv_ipc}
     if args.node_id:
@@ -285,14 +209,8 @@ def _gpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected GPU indices like 0,1 (got {text!r})") from None
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (got {text!r})") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (got {text!r})")
-    return value
+#: The engine flags ``pd-cluster local`` hands to its nodes; it sets their device and GPU share itself.
+LOCAL_ENGINE_FLAGS = (engine_flag("model"), *PASSED_ON)
 
 
 def cmd_local(args: argparse.Namespace) -> int:
@@ -300,13 +218,9 @@ def cmd_local(args: argparse.Namespace) -> int:
     from pd_cluster.local_cluster import LocalCluster, LocalOptions, PlacementError
 
     options = LocalOptions(
-        host=args.host, port=args.port, prefill=args.prefill, decode=args.decode, mixed=args.mixed,
-        local_prefill_max_tokens=args.local_prefill_max_tokens, model=args.model,
-        device=args.device, gpus=args.gpus, dtype=args.dtype, block_size=args.block_size,
-        overlap_schedule=args.overlap_schedule, mixed_graph_tokens=args.mixed_graph_tokens,
-        fused_decode_rows=args.fused_decode_rows, side_prefill_max_tokens=args.side_prefill_max_tokens,
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
-        draw_graphs=args.draw_graphs, late_launch=args.late_launch, max_total_tokens=args.max_total_tokens, policy=args.policy, ready_timeout_s=args.ready_timeout,
+        **given_values(args, LOCAL_ENGINE_FLAGS), host=args.host, port=args.port, prefill=args.prefill,
+        decode=args.decode, mixed=args.mixed, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        device=args.device, gpus=args.gpus, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
     )
@@ -371,36 +285,13 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--local-prefill-max-tokens", type=int, default=None,
                      help="the master's threshold: a decode node prefills a request itself when it misses at most "
                           "this many prompt tokens (default: 512; 0: always through a prefill node)")
-    loc.add_argument("--model", default="default", help='"default" (SmolLM2-135M-Instruct) or an HF model directory')
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
     loc.add_argument("--gpus", type=_gpu_list, default=None,
                      help="GPUs to spread the nodes over, e.g. 0,1 (default: every visible GPU); nodes sharing a "
                           "GPU split its free memory")
-    loc.add_argument("--dtype", default="auto",
-                     help="auto, float32, bfloat16 or float16 (auto: bfloat16 on a GPU, float32 on CPU)")
-    loc.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
-    loc.add_argument("--overlap-schedule", action=argparse.BooleanOptionalAction, default=None,
-                     help="nodes launch each step before the last one's tokens are read back (default: on a GPU, "
-                          "not on CPU)")
-    loc.add_argument("--mixed-graph-tokens", type=_token_sizes, default=None,
-                     help="nodes' CUDA graphs for steps mixing short prefill chunks into the decode batch: their "
-                          "prefill-token sizes (default 32,64,128,192,256,320,384,512), or none")
-    loc.add_argument("--fused-decode-rows", type=int, default=None, choices=range(0, 9), metavar="{0..8}",
-                     help="nodes' decode steps of at most this many rows fold each RMSNorm and the SiLU gate into "
-                          "the projection after it (default: 4 for a model whose layer inputs fit one block, as "
-                          "the default model's, else 1)")
-    loc.add_argument("--side-prefill-max-tokens", type=int, default=None, metavar="N",
-                     help="nodes prefill a request they take whole at once on a second CUDA stream, beside the "
-                          "step in flight, when it misses at most N tokens (default 0: off)")
-    loc.add_argument("--prefill-chunk-tokens", type=_positive_tokens, default=None, metavar="N",
-                     help="nodes prefill at most N prompt tokens a step (default: on a GPU the largest "
-                          "--mixed-graph-tokens size, so that each chunk replays a CUDA graph)")
-    loc.add_argument("--draw-graphs", action=argparse.BooleanOptionalAction, default=None,
-                     help="nodes replay a sampled decode batch's step as a CUDA graph that also draws its ids (default: on)")
-    loc.add_argument("--late-launch", action=argparse.BooleanOptionalAction, default=None,
-                     help="nodes launch a pipelined step just before the one in flight ends, so requests arriving "
-                          "meanwhile join it (default: on)")
-    loc.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node (default: from memory)")
+    add_engine_arguments(loc.add_argument_group(
+        "engine flags", "given to every node (the model to the master too); left out, a node keeps its default"),
+        LOCAL_ENGINE_FLAGS)
     loc.add_argument("--policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
                      help="how the master chooses a (prefill, decode) pair per request")
     loc.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the cluster to serve")
@@ -435,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this mass")
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling stream (same seed, same text)")
-    _add_engine_args(gen)
+    add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks")

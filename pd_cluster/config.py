@@ -1,9 +1,18 @@
-"""Engine configuration: one place for the knobs and their defaults."""
+"""Engine configuration: one place for the knobs, their defaults and their command-line flags.
+
+A field marked ``Annotated[T, Flag()]`` is a flag of every command that builds an engine (``pd-cluster
+prefill|decode|mixed|generate``), of the launchers that hand it to their nodes (``pd-cluster local``,
+``pd-cluster ray start``) and of the Helm chart's ``engine`` values: its ``description`` is the help
+text users read, so it says what the setting does and what its default means.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pd_cluster.flag import Flag
 
 #: Prefill chunks a decode node's local prefill (up to ``local_prefill_max_tokens``, 512 by
 #: default) falls in: a chunk pads to the next size, and from about 256 tokens an 8B-shape step
@@ -16,82 +25,101 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(default="default", description='"default" or a Hugging Face model directory')
-    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$")
-    device: str = Field(default="auto", description='"auto", "cpu", "cuda" or "cuda:N"')
-    max_total_tokens: int | None = Field(
-        default=None, gt=0, description="KV slots in the pool; None: a fraction of free GPU memory, or 32768 on CPU"
+    model: Annotated[str, Flag(passed_on=False)] = Field(
+        default="default", description='"default" (SmolLM2-135M-Instruct) or a Hugging Face model directory'
+    )
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Flag()] = Field(
+        default="auto", description="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)"
+    )
+    device: Annotated[str, Flag(passed_on=False)] = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    max_total_tokens: Annotated[int | None, Flag()] = Field(
+        default=None, gt=0, description="KV slots in the pool (default: a fraction of the free GPU memory, or 16384 "
+                                        "on CPU)"
     )
     kv_memory_fraction: float = Field(default=0.85, gt=0.0, lt=1.0)
-    gpu_memory_fraction: float | None = Field(
+    gpu_memory_fraction: Annotated[float | None, Flag(passed_on=False)] = Field(
         default=None, gt=0.0, le=1.0,
-        description="share of the GPU's total memory this engine may hold (weights, headroom, KV), for engines "
-                    "sharing a GPU; None: the KV pool takes kv_memory_fraction of the memory free at start",
+        description="share of the GPU's total memory this engine may use (weights, headroom and KV), for engines "
+                    "sharing a GPU (default: the KV pool takes a fraction of the memory free at start)",
     )
-    block_size: int = Field(default=1, gt=0, description="tokens per prefix-cache and transfer block")
-    enable_prefix_cache: bool = True
-    max_running_requests: int = Field(default=64, gt=0)
-    max_num_batched_tokens: int = Field(default=2048, gt=0, description="token budget of one step (chunked prefill)")
+    block_size: Annotated[int, Flag()] = Field(default=1, gt=0, description="tokens per prefix-cache and transfer block")
+    enable_prefix_cache: Annotated[bool, Flag(name="prefix-cache")] = Field(
+        default=True, description="reuse the KV of an earlier prompt that shares a prefix (default: on)"
+    )
+    max_running_requests: Annotated[int, Flag()] = Field(
+        default=64, gt=0, description="requests in one batch at most"
+    )
+    # A node command's default depends on its role (pd_cluster.cli.DECODE_STEP_TOKENS).
+    max_num_batched_tokens: Annotated[int, Flag()] = Field(
+        default=2048, gt=0,
+        description="tokens in one forward pass at most (chunked prefill splits longer prompts; default 2048, on a "
+                    "decode node 512: its own prefills of short misses then hold its running streams up by about "
+                    "one step)",
+    )
     max_model_len: int | None = Field(default=None, gt=0, description="context length; None: the model's")
     max_waiting_requests: int = Field(default=4096, gt=0)
     seed: int = 0
     cuda_graphs: bool = Field(default=True, description="replay decode steps as CUDA graphs (CUDA devices only)")
-    overlap_schedule: bool | None = Field(
+    # Its inputs take step N's tokens on the device; accepting and detokenizing them runs while
+    # step N+1 does, and a request found finished drops what later steps drew for it. Off on CPU,
+    # where there is nothing to overlap.
+    overlap_schedule: Annotated[bool | None, Flag()] = Field(
         default=None,
-        description="launch step N+1 before step N's tokens are read back (its inputs take them on the device), "
-                    "and accept and detokenize them while it runs; a request found finished drops what later "
-                    "steps drew for it. None: on for CUDA devices, which run ahead of the host; off on CPU, "
-                    "where there is nothing to overlap",
+        description="launch each step before the last one's tokens are read back, so the host prepares the next "
+                    "step while the device runs (default: on a GPU, not on CPU)",
     )
     cuda_graph_batch_sizes: list[int] | None = Field(
         default=None, description="batch sizes to capture; None: 1, 2, 4, ... up to max_running_requests"
     )
-    mixed_graph_tokens: list[int] | None = Field(
+    # Each size is captured with decode batches of none and of 8 and more.
+    mixed_graph_tokens: Annotated[list[int] | None, Flag()] = Field(
         default=None,
-        description="prefill-token sizes of the CUDA graphs for steps that mix short prefill chunks into the "
-                    "decode batch (a decode node's local prefill, a mixed node's short prompts), each captured "
-                    "with decode batches of none and of 8 and more; None: 32, 64, 128, 192, 256, 320, 384 and "
-                    "512, capped by max_num_batched_tokens; []: such steps run eagerly",
+        description="prefill-token sizes of the CUDA graphs for steps mixing short prefill chunks (a decode node's "
+                    "local prefill, a mixed node's short prompts) into the decode batch (default "
+                    f"{','.join(map(str, DEFAULT_MIXED_GRAPH_TOKENS))}, capped by the step budget); none (an empty "
+                    "list): such steps run eagerly",
     )
-    fused_decode_rows: int | None = Field(
+    # A third fewer kernels a layer (Triton on CUDA).
+    fused_decode_rows: Annotated[int | None, Flag()] = Field(
         default=None, ge=0, le=8,
         description="decode steps of at most this many rows fold each RMSNorm and the SiLU gate into the projection "
-                    "after it, a third fewer kernels a layer (Triton on CUDA); None: 4 for a model whose layer "
-                    "inputs fit one block (hidden and intermediate sizes up to 2048, as the default model's), "
-                    "else 1 (a lone stream's steps)",
+                    "after it (default: 4 for a model whose layer inputs fit one block, hidden and intermediate "
+                    "sizes up to 2048 as in the default model, else 1)",
     )
-    side_prefill_max_tokens: int = Field(
+    # Only requests with no penalties or grammar; off by default since with P and D sharing one
+    # GPU the two streams' contention cost more than the step it saves (docs/benchmarks/README.md).
+    side_prefill_max_tokens: Annotated[int, Flag(metavar="N")] = Field(
         default=0, ge=0,
-        description="a request a node prefills itself (a decode node's short miss, a mixed node's short prompt) "
+        description="a request this node prefills itself (a decode node's short miss, a mixed node's short prompt) "
                     "arriving while a pipelined step runs is prefilled at once on a second CUDA stream beside it "
-                    "when it misses at most this many tokens (and has no penalties or grammar), instead of "
-                    "joining the batch after that step; 0 (default): off, since with P and D sharing one GPU "
-                    "the two streams' contention cost more than the step it saves (docs/benchmarks/README.md)",
+                    "when it misses at most N tokens, instead of joining the batch after that step (default 0: off)",
     )
-    late_launch: bool = Field(
+    # The launch time is estimated from the recent steps' device times; steps under 2 ms launch at once.
+    late_launch: Annotated[bool, Flag()] = Field(
         default=True,
-        description="with overlap scheduling on a GPU, launch the next step just before the step in flight ends "
-                    "(estimated from the recent steps' device times) rather than as soon as it starts, so a "
-                    "request arriving meanwhile joins the next step instead of the one after it; steps under "
-                    "2 ms launch at once; off: always at once",
+        description="with overlap scheduling on a GPU, launch the next step just before the one in flight ends, "
+                    "so a request arriving meanwhile joins it instead of the one after (default: on; off: as soon "
+                    "as the one before starts)",
     )
-    draw_graphs: bool = Field(
+    # Replayed by sampled batches with no logit bias, penalty or grammar (their settings copied in
+    # first): a sampled step is one replay whose ids reach the host with it, as a greedy step's do
+    # (docs/benchmarks/README.md).
+    draw_graphs: Annotated[bool, Flag()] = Field(
         default=True,
-        description="capture each decode CUDA graph a second time with its sampling draw after the argmax, replayed "
-                    "by sampled batches with no logit bias, penalty or grammar (their settings copied in first): a "
-                    "sampled step is one replay whose ids reach the host with it, as a greedy step's do; off: "
-                    "sampled batches launch their kernels after the step's graph (docs/benchmarks/README.md)",
+        description="capture each decode CUDA graph a second time with its sampling draw after the argmax, so a "
+                    "sampled batch's step is one replay too (default: on; off: the draw's kernels launch after the "
+                    "step's graph)",
     )
     mixed_graph_prefills: int = Field(
         default=4, ge=1, description="most prefill chunks one mixed CUDA graph holds (more run eagerly)"
     )
-    prefill_chunk_tokens: int | None = Field(
+    # An eager step of a small model is bound by its launches: the default model's 1024-token
+    # prompt took 28 ms eagerly, as two 512-token graphs 3.3 ms, on an H200.
+    prefill_chunk_tokens: Annotated[int | None, Flag(metavar="N")] = Field(
         default=None, gt=0,
-        description="most prompt tokens one step prefills, over all its prompts (a longer prompt is prefilled "
-                    "over several steps); None: where mixed step graphs are captured, the largest of their sizes, "
-                    "so that every prefill step replays one (an eager step of a small model is bound by its "
-                    "launches: the default model's 1024-token prompt took 28 ms, two 512-token graphs 3.3 ms, "
-                    "on an H200), else max_num_batched_tokens",
+        description="prompt tokens one step prefills at most, over all its prompts; a longer prompt takes several "
+                    "steps (default: where mixed step graphs are captured, the largest --mixed-graph-tokens size, "
+                    "so that each chunk replays a CUDA graph; elsewhere the step budget)",
     )
 
     @field_validator("mixed_graph_tokens")

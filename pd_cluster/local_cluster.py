@@ -32,6 +32,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
+from pydantic import ConfigDict, Field
+
+from pd_cluster.engine_flags import NodeEngineOptions
+
 logger = logging.getLogger("pd_cluster.local")
 
 GiB = 2**30
@@ -429,9 +433,11 @@ class Supervisor:
 # ---- the local cluster --------------------------------------------------------------------------------
 
 
-@dataclass
-class LocalOptions:
-    """What ``pd-cluster local`` was asked for."""
+class LocalOptions(NodeEngineOptions):
+    """What ``pd-cluster local`` was asked for: its own options, and the engine flags every node gets
+    (each None unless given: the node's default)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -441,27 +447,11 @@ class LocalOptions:
     mixed: int = 0
     #: The master's local_prefill_max_tokens (None: its default).
     local_prefill_max_tokens: int | None = None
+    #: The master's and every node's model.
     model: str = "default"
+    #: Where the nodes run: auto, cpu, cuda or cuda:N (the one GPU every node shares).
     device: str = "auto"
     gpus: list[int] | None = None
-    dtype: str = "auto"
-    block_size: int = 1
-    #: Nodes launch a step before the last one's tokens are read back (``--overlap-schedule``;
-    #: None: the nodes' default, on a GPU only).
-    overlap_schedule: bool | None = None
-    #: The nodes' ``--mixed-graph-tokens`` (None: their default; []: none).
-    mixed_graph_tokens: list[int] | None = None
-    #: The nodes' ``--fused-decode-rows`` (None: their default).
-    fused_decode_rows: int | None = None
-    #: The nodes' ``--side-prefill-max-tokens`` (None: their default).
-    side_prefill_max_tokens: int | None = None
-    #: The nodes' ``--prefill-chunk-tokens`` (None: their default).
-    prefill_chunk_tokens: int | None = None
-    #: The nodes' ``--draw-graphs`` (None: their default).
-    draw_graphs: bool | None = None
-    #: The nodes' ``--late-launch`` (None: their default).
-    late_launch: bool | None = None
-    max_total_tokens: int | None = None
     policy: str = "cache_aware"
     ready_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
@@ -469,7 +459,7 @@ class LocalOptions:
     echo_logs: bool = False
     log_level: str = "INFO"
     log_format: str = "text"  # the master's: json makes every line (a request's too) one JSON object
-    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
 
 
 def admin_token_path() -> Path:
@@ -573,24 +563,7 @@ class LocalCluster:
                              stop_order=1, clean_exit_is_final=False)]
         for p in self.placements:
             argv = self._base_argv() + [p.role, "--master", self.url, "--node-id", p.name, "--model", o.model,
-                                        "--device", "cpu" if p.gpu is None else "cuda", "--dtype", o.dtype,
-                                        "--block-size", str(o.block_size)]
-            if o.max_total_tokens:
-                argv += ["--max-total-tokens", str(o.max_total_tokens)]
-            if o.overlap_schedule is not None:
-                argv += ["--overlap-schedule" if o.overlap_schedule else "--no-overlap-schedule"]
-            if o.mixed_graph_tokens is not None:
-                argv += ["--mixed-graph-tokens", ",".join(map(str, o.mixed_graph_tokens)) or "none"]
-            if o.fused_decode_rows is not None:
-                argv += ["--fused-decode-rows", str(o.fused_decode_rows)]
-            if o.side_prefill_max_tokens is not None:
-                argv += ["--side-prefill-max-tokens", str(o.side_prefill_max_tokens)]
-            if o.prefill_chunk_tokens is not None:
-                argv += ["--prefill-chunk-tokens", str(o.prefill_chunk_tokens)]
-            if o.draw_graphs is not None:
-                argv.append("--draw-graphs" if o.draw_graphs else "--no-draw-graphs")
-            if o.late_launch is not None:
-                argv.append("--late-launch" if o.late_launch else "--no-late-launch")
+                                        "--device", "cpu" if p.gpu is None else "cuda", *o.engine_argv()]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)

@@ -1,6 +1,29 @@
-"""Checks shared by the tests of an on-by-default engine switch given on the command line."""
+"""Checks shared by the tests of the engine's command-line flags."""
 
 from __future__ import annotations
+
+from typing import Any
+
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine_flags import EngineFlag
+
+
+def sample_value(flag: EngineFlag) -> Any:
+    """A value the engine takes for the flag, other than its default (a whole number past 1e6 where
+    the field has no upper bound, which the Helm chart must still write without an exponent)."""
+    info = EngineConfig.model_fields[flag.field]
+    if flag.kind is bool:
+        return info.default is not True
+    if flag.choices:
+        return flag.choices[-1]
+    if flag.kind is list:
+        return [64, 256]
+    if flag.kind is float:
+        return 0.5
+    if flag.kind is str:
+        return "cpu" if flag.field == "device" else "some/model"
+    high = next((m.le for m in info.metadata if hasattr(m, "le")), None)
+    return high if high is not None else 4_000_000
 
 
 def check_switch_reaches_every_node(flag: str, field: str) -> None:

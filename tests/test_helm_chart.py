@@ -30,6 +30,12 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 
+from pd_cluster.chart_values import engine_values_schema, engine_values_yaml, value_key
+from pd_cluster.cli import build_parser, engine_config_from_args
+from pd_cluster.config import EngineConfig
+from pd_cluster.engine_flags import PASSED_ON
+from tests.engine_flags import sample_value
+
 try:
     import helm_sdkpy
 except ImportError as exc:  # pragma: no cover - a setup error, reported as such
@@ -402,6 +408,10 @@ BAD_VALUES = {
     "gpu memory fraction above 1": ({"decode": {"gpuMemoryFraction": 1.5}}, "/decode/gpuMemoryFraction"),
     "misspelled key": ({"decode": {"replica": 3}}, "replica"),
     "unknown service type": ({"master": {"service": {"type": "Ingress"}}}, "/master/service/type"),
+    "unknown engine flag": ({"engine": {"maxTotalToken": 4096}}, "maxTotalToken"),
+    "unknown engine dtype": ({"engine": {"dtype": "fp8"}}, "/engine/dtype"),
+    "engine value out of range": ({"decode": {"engine": {"fusedDecodeRows": 9}}}, "/decode/engine/fusedDecodeRows"),
+    "engine flag without its value's type": ({"engine": {"lateLaunch": "no"}}, "/engine/lateLaunch"),
 }
 
 
@@ -562,6 +572,59 @@ def test_node_ports_and_device_follow_values(helm: Helm) -> None:
     assert prefill["args"][prefill["args"].index("--status-port") + 1] == "9700"
     assert prefill["readinessProbe"]["httpGet"]["port"] == "status"
     assert {"name": "status", "containerPort": 9700, "protocol": "TCP"} in prefill["ports"]
+
+
+# --- Engine flags ----------------------------------------------------------------------------
+
+
+def test_values_list_exactly_the_engine_flags_a_launcher_passes_on() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    keys = [value_key(flag) for flag in PASSED_ON]
+    assert list(values["engine"]) == keys and set(values["engine"].values()) == {None}
+    assert list(schema["definitions"]["engine"]["properties"]) == keys
+    assert schema["properties"]["engine"] == {"$ref": "#/definitions/engine"}
+    for role in NODE_ROLES:
+        assert values[role]["engine"] == {}
+        assert schema["properties"][role]["properties"]["engine"]["$ref"] == "#/definitions/engine"
+
+
+def test_engine_values_and_their_schema_are_the_ones_the_engine_config_makes() -> None:
+    """values.yaml's engine block and its schema are written by ``python -m pd_cluster.chart_values``."""
+    assert engine_values_yaml() in (CHART / "values.yaml").read_text()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["definitions"]["engine"] == engine_values_schema()
+
+
+def _node_engine(args: list[str]) -> EngineConfig:
+    return engine_config_from_args(build_parser().parse_args(args), args[0])
+
+
+def test_engine_values_reach_every_node_as_their_flags(helm: Helm) -> None:
+    given = {flag.field: sample_value(flag) for flag in PASSED_ON}
+    release = helm.install({"engine": {value_key(flag): given[flag.field] for flag in PASSED_ON}})
+    for role in NODE_ROLES:
+        engine = _node_engine(release.container(role)["args"])
+        assert {field: getattr(engine, field) for field in given} == given
+
+
+def test_a_node_group_engine_map_overrides_the_top_level_one(helm: Helm) -> None:
+    release = helm.install({
+        "engine": {"maxNumBatchedTokens": 1024, "lateLaunch": False, "mixedGraphTokens": [128]},
+        "decode": {"engine": {"maxNumBatchedTokens": 256, "mixedGraphTokens": []}},
+    })
+    decode = _node_engine(release.container("decode")["args"])
+    prefill = _node_engine(release.container("prefill")["args"])
+    assert (decode.max_num_batched_tokens, decode.late_launch, decode.mixed_graph_tokens) == (256, False, [])
+    assert (prefill.max_num_batched_tokens, prefill.late_launch, prefill.mixed_graph_tokens) == (1024, False, [128])
+    assert "--no-late-launch" in release.container("mixed")["args"]
+
+
+def test_nodes_keep_their_engine_defaults_when_no_engine_value_is_set(default_release: Release) -> None:
+    for role in NODE_ROLES:
+        engine = _node_engine(default_release.container(role)["args"])
+        defaults = EngineConfig(max_num_batched_tokens=engine.max_num_batched_tokens)  # a role's own default
+        assert engine.model_dump(exclude={"device"}) == defaults.model_dump(exclude={"device"})
 
 
 def test_master_probes_use_health_for_readiness_and_livez_for_liveness(default_release: Release) -> None:

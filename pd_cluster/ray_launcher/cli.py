@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any
 
+from pd_cluster.engine_flags import PASSED_ON, add_engine_arguments, given_values
+
 logger = logging.getLogger("pd_cluster")
 
 POLICIES = ["cache_aware", "least_load", "round_robin"]
@@ -56,9 +58,9 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
     from pd_cluster.ray_launcher.spec import ClusterSpec
 
     spec = ClusterSpec(
-        namespace=args.namespace, model=args.model, served_model_name=args.served_model_name, policy=args.policy,
-        host=args.host, port=args.port, device=args.device, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-        block_size=args.block_size, gpus_per_node=args.gpus_per_node, gpu_memory_fraction=args.gpu_memory_fraction,
+        **given_values(args, PASSED_ON), namespace=args.namespace, model=args.model,
+        served_model_name=args.served_model_name, policy=args.policy, host=args.host, port=args.port,
+        device=args.device, gpus_per_node=args.gpus_per_node, gpu_memory_fraction=args.gpu_memory_fraction,
         cpus_per_node=args.cpus_per_node,
         masters=args.masters, master_cpus=args.master_cpus, master_resource=args.master_resource,
         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
@@ -217,10 +219,6 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--host", default="0.0.0.0", help="the master's bind address")
     start.add_argument("--port", type=int, default=8000, help="the master's port")
     start.add_argument("--device", default=None, help="node device (default: cuda if --gpus-per-node > 0, else cpu)")
-    start.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)")
-    start.add_argument("--max-total-tokens", type=int, default=None, help="KV slots per node")
-    start.add_argument("--block-size", type=int, default=1, help="tokens per prefix-cache / transfer block")
     start.add_argument("--gpus-per-node", type=float, default=1.0,
                        help="Ray GPUs per node actor (0: CPU nodes; 0.5: a P and a D share each GPU)")
     start.add_argument("--gpu-memory-fraction", type=float, default=None,
@@ -244,6 +242,8 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the cluster to serve")
     start.add_argument("--node-arg", action="append", default=[],
                        help="extra argument for every node's command (repeat; e.g. --node-arg=--lease-s=60)")
+    add_engine_arguments(start.add_argument_group(
+        "engine flags", "given to every node, also those `scale` adds; left out, a node keeps its default"), PASSED_ON)
     start.set_defaults(func=cmd_ray_start)
 
     scale = ray_sub.add_parser("scale", help="add (+N) or drain and remove (-N) nodes")

@@ -9,7 +9,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from pd_cluster.engine_flags import NodeEngineOptions
 
 Role = Literal["master", "prefill", "decode", "mixed"]
 NODE_ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
@@ -36,8 +38,9 @@ def master_index(name: str) -> int | None:
 SHARED_GPU_USABLE = 0.9
 
 
-class ClusterSpec(BaseModel):
-    """How the master and every node are started and placed."""
+class ClusterSpec(NodeEngineOptions):
+    """How the master and every node are started and placed, and the engine flags every node gets
+    (each None unless given: the node's default)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -48,9 +51,6 @@ class ClusterSpec(BaseModel):
     host: str = Field(default="0.0.0.0", description="the master's bind address")
     port: int = Field(default=8000, gt=0, lt=65536, description="the master's port on its Ray node")
     device: str | None = Field(default=None, description="node device; None: cuda with GPUs per node, else cpu")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_total_tokens: int | None = Field(default=None, gt=0)
-    block_size: int = Field(default=1, gt=0)
     gpus_per_node: float = Field(
         default=1.0, ge=0, description="Ray GPUs of each node actor (0 on CPU; 0.5: a P and a D share one GPU)"
     )
@@ -129,11 +129,10 @@ class ClusterSpec(BaseModel):
         if role not in NODE_ROLES:
             raise ValueError(f"not a node role: {role!r}")
         argv = self._base() + [role, "--master", master_url, "--node-id", node_id, "--model", self.model,
-                               "--device", self.node_device, "--dtype", self.dtype,
-                               "--block-size", str(self.block_size), "--drain-timeout", str(self.drain_timeout_s)]
-        if self.max_total_tokens:
-            argv += ["--max-total-tokens", str(self.max_total_tokens)]
-        elif self.node_gpu_memory_fraction is not None and self.node_device != "cpu":
+                               "--device", self.node_device, *self.engine_argv(),
+                               "--drain-timeout", str(self.drain_timeout_s)]
+        # A fixed pool (max_total_tokens) leaves nothing to split.
+        if not self.max_total_tokens and self.node_gpu_memory_fraction is not None and self.node_device != "cpu":
             argv += ["--gpu-memory-fraction", str(self.node_gpu_memory_fraction)]
         if role in DATA_PLANE_ROLES:
             # Prefill nodes on other machines dial this address; bind the same one.

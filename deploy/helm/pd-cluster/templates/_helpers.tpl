@@ -89,6 +89,31 @@ once nodes have registered, and they can only register through this Service.
 {{- if eq .Values.model.source "default" }}default{{ else }}{{ .Values.model.mountPath }}{{ end }}
 {{- end }}
 
+{{/*
+A node's engine flags from a map of them (values' `engine`, a group's own over it): each key is a
+flag's name in camelCase, and a value that is set becomes that flag: true `--name`, false
+`--no-name`, a list `--name 1,2` (empty: none), else `--name value`; null leaves the node's default.
+*/}}
+{{- define "pd-cluster.engineArgs" -}}
+{{- range $key, $value := . }}
+{{- $flag := printf "--%s" (kebabcase $key) }}
+{{- if kindIs "bool" $value }}
+- {{ ternary $flag (printf "--no-%s" (kebabcase $key)) $value | quote }}
+{{- else if kindIs "slice" $value }}
+- {{ $flag | quote }}
+- {{ $value | join "," | default "none" | quote }}
+{{- else if not (kindIs "invalid" $value) }}
+- {{ $flag | quote }}
+- {{ include "pd-cluster.argValue" $value | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* A value as text; a whole number without an exponent (numbers read from YAML are floats: 4e+06). */}}
+{{- define "pd-cluster.argValue" -}}
+{{- if and (kindIs "float64" .) (eq . (float64 (int64 .))) }}{{ int64 . }}{{ else }}{{ . }}{{ end }}
+{{- end }}
+
 {{/* Fail early on combinations the schema cannot express. */}}
 {{- define "pd-cluster.validate" -}}
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}

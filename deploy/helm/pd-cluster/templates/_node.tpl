@@ -80,6 +80,10 @@ spec:
             - --data-port
             - {{ $v.dataPort | quote }}
             {{- end }}
+            {{- $engine := mergeOverwrite (deepCopy ($root.Values.engine | default dict)) (deepCopy ($v.engine | default dict)) }}
+            {{- with include "pd-cluster.engineArgs" $engine | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- with $v.extraArgs }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
