@@ -379,7 +379,7 @@ async def test_first_token_via_decode_holds_p_token_until_d_speaks(tmp_path: Pat
             await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=6, text="A"))
             lines = response.aiter_lines()
             r = master.ctx.relay.requests[job.request_id]
-            await wait_until(lambda: r.withheld_first is not None, 5.0, "P's first token to be withheld")
+            await wait_until(lambda: r.current.withheld_first is not None, 5.0, "P's first token to be withheld")
             assert r.output_ids == []  # nothing reached the client yet
             await decode.send(protocol.TokenDelta(request_id=job.request_id, token_ids=[7], text="B"))
             first = ""

@@ -348,12 +348,12 @@ async def test_without_a_prefill_node_the_decode_node_prefills_it_whole():
     r = relay.create("x", [5] * 600, SamplingParams(max_tokens=3), False, time.monotonic())
     await relay.admit(r)
     (job,) = [f for f in _frames(d) if isinstance(f, protocol.GenerateJob)]
-    assert job.request_id == r.attempt_id and len(job.token_ids) == 600
+    assert job.request_id == r.current.attempt_id and len(job.token_ids) == 600
     assert (r.prefill_id, r.decode_id, r.plan.path, r.plan.reason) == (None, "d0", "local", "no_prefill")
-    assert d.pending_prefill[r.attempt_id] == 600
+    assert d.pending_prefill[r.current.attempt_id] == 600
     # Its tokens come from D alone, the first with the prompt tokens D's cache held.
     relay.on_token_delta(d, protocol.TokenDelta(request_id=job.request_id, token_ids=[7], cached_tokens=16))
-    assert r.attempt_id not in d.pending_prefill and r.cached_tokens == 16
+    assert r.current.attempt_id not in d.pending_prefill and r.cached_tokens == 16
     relay.on_token_delta(d, protocol.TokenDelta(request_id=job.request_id, token_ids=[8, 9], finish_reason="length"))
     await relay.wait(r)
     assert r.output_ids == [7, 8, 9]
