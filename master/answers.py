@@ -18,7 +18,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from master import openai_schemas as oa
 from master import tool_calls
-from master.answer_shapes import CLIENT_CLOSED, PIECE, SHAPES, SSE_HEADERS, Shape, StreamHead, answer, choice, sse, text_template
+from master.answer_shapes import (
+    CLIENT_CLOSED, PIECE, SHAPES, SSE_HEADERS, Shape, StreamHead, answer, choice, sse, text_template,
+)
 from master.context import MasterContext
 from master.errors import APIError
 from master.fanout import FanOut, PromptChoices, create_choices
@@ -70,7 +72,8 @@ async def serve(
     created = oa.now()
     model = ctx.model_name or req.model
     if req.stream:
-        writer = _StreamWriter(ctx, fan, req, StreamHead(fan.request_id, shape, created, model, req.include_usage), echo)
+        head = StreamHead(fan.request_id, shape, created, model, req.include_usage)
+        writer = _StreamWriter(ctx, fan, req, head, echo)
         return StreamingResponse(_stream(fan, writer), media_type="text/event-stream", headers=SSE_HEADERS)
     try:
         await fan.wait()
@@ -100,7 +103,8 @@ async def _stream(fan: FanOut, writer: _StreamWriter) -> AsyncIterator[str]:
             yield event
         async with contextlib.aclosing(fan.events()) as events:
             async for index, item in events:
-                for event in writer.failed(index, item.error) if isinstance(item, StreamFailed) else writer.piece(index, item):
+                done = writer.failed(index, item.error) if isinstance(item, StreamFailed) else writer.piece(index, item)
+                for event in done:
                     yield event
         if writer.head.include_usage:
             yield sse(writer.head.chunk([], usage=fan.usage()))
@@ -146,10 +150,13 @@ class _StreamWriter:
             self.offsets[index] += len(text)
             return [self._plain(index, self._echoed(index, text))]
         self.offsets[index] += len(text)
-        return [self._event(index, choice(self.shape.delta(self._echoed(index, text)), piece.finish_reason, logprobs))]
+        body = choice(self.shape.delta(self._echoed(index, text)), piece.finish_reason, logprobs)
+        return [self._event(index, body)]
 
     def failed(self, index: int, error: APIError) -> list[str]:
-        return [self._event(index, choice(self.shape.delta(self._echoed(index, "")), "error")), sse(oa.error_event(error))]
+        """The choice's last event, then the error's."""
+        body = choice(self.shape.delta(self._echoed(index, "")), "error")
+        return [self._event(index, body), sse(oa.error_event(error))]
 
     def _echoed(self, index: int, text: str) -> str:
         if self.before is None or not self.before[index]:

@@ -96,7 +96,9 @@ async def _encode(ctx: MasterContext, req: Any, kind: Kind, block_size: int | No
     vocab = ctx.tokenizer.vocab_size
     if any(t < 0 or t >= vocab for t in prompt):
         raise bad_request(f"Token ids must be in [0, {vocab}).", "prompt")
-    return await ctx.tokenizer.hash_blocks(list(prompt), block_size) if block_size is not None else Encoded(list(prompt))
+    if block_size is None:
+        return Encoded(list(prompt))
+    return await ctx.tokenizer.hash_blocks(list(prompt), block_size)
 
 
 def _max_tokens(kind: Kind, param: str, n: int, requested: int | None, limit: int | None) -> int:

@@ -98,6 +98,7 @@ class Relay:
 
     async def admit(self, r: RelayRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Dispatch now, or wait in the admission queue; raises APIError (503) when it cannot."""
+        self._raise_failure(r)  # it already failed (its deadline passed before its turn came)
         if not self.registry.active("decode") and not self.registry.active("mixed"):
             self._fail(r, unavailable("No decode or mixed node is available.", self.settings.retry_after_s), "unavailable")
             raise r.failure  # type: ignore[misc]
@@ -255,7 +256,8 @@ class Relay:
         attempt.handoff_timer = None
         if r.terminal or r.current is not attempt or attempt.ended or attempt.handed_over:
             return
-        reason = f"prefill node {attempt.prefill_id} did not hand the request over within {self.settings.handoff_timeout_s:g} s"
+        reason = (f"prefill node {attempt.prefill_id} did not hand the request over within "
+                  f"{self.settings.handoff_timeout_s:g} s")
         logger.warning("re-running %s: %s", r.request_id, reason)
         self._reroute(r, attempt.prefill_id, reason, keep_decode=False)
 
@@ -279,7 +281,9 @@ class Relay:
             self._emit_first(r, first)
         self._apply_delta(r, msg)
 
-    def _local_first_tokens(self, r: RelayRequest, attempt: Attempt, node: NodeRecord, msg: protocol.TokenDelta) -> None:
+    def _local_first_tokens(
+        self, r: RelayRequest, attempt: Attempt, node: NodeRecord, msg: protocol.TokenDelta
+    ) -> None:
         """A node that prefilled the request itself sent its first tokens: its prefill is done."""
         assert msg.cached_tokens is not None
         node.pending_prefill.pop(attempt.attempt_id, None)
@@ -360,10 +364,10 @@ class Relay:
         self, r: RelayRequest, attempt: Attempt, prefill: NodeRecord | None, decode: NodeRecord, miss_tokens: int
     ) -> None:
         """Make ``attempt`` the request's live one and send its job to its first node."""
+        r.move_to(RequestState.RUNNING)
         self.queue.discard(r)
         r.current = attempt
         r.preferred_decode = None
-        r.move_to(RequestState.RUNNING)
         self.attempts[attempt.attempt_id] = r
         token_ids, sampling = r.next_inputs()
         claim_nodes(attempt, prefill, decode, r.kv_need, len(token_ids), miss_tokens)
