@@ -208,3 +208,63 @@ async def test_a_migrated_stream_keeps_its_seed_and_counts_its_carried_output(tm
         assert (await call).status_code == 200
         await p0.close()
         await other.close()
+
+
+# ---- a list of prompts: one relay request per prompt x choice ----------------------------------
+
+
+async def _serve_prompt_list(prefill: FakeNode, decode: FakeNode, jobs: int, prompt_names: str = "ab") -> None:
+    """Answer ``jobs`` jobs: each choice's text names its prompt (by its first job's prompt) and
+    its choice (by its seed's offset from choice 0's)."""
+    prompts: list[list[int]] = []
+    seeds: dict[int, int] = {}
+    for _ in range(jobs):
+        job = await prefill.next_job()
+        if job.token_ids not in prompts:
+            prompts.append(job.token_ids)
+            seeds[len(prompts) - 1] = job.sampling.seed
+        p = prompts.index(job.token_ids)
+        text = prompt_names[p] + str(job.sampling.seed - seeds[p])
+        await serve_one(prefill, decode, [(10, text[0]), (11, text[1])], job=job, finish_reason="length")
+
+
+async def test_a_list_of_prompts_answers_each_prompt_and_choice_by_index(cluster):
+    master, prefill, decode = cluster
+    body = {"model": MODEL, "prompt": ["hi", "yo"], "max_tokens": 2, "n": 2, "seed": 7, "echo": True}
+    call = asyncio.create_task(master.http.post("/v1/completions", json=body))
+    await _serve_prompt_list(prefill, decode, 4)
+    response = await call
+    doc = response.json()
+    assert [c["index"] for c in doc["choices"]] == [0, 1, 2, 3]  # prompt * n + choice
+    assert [c["text"] for c in doc["choices"]] == ["hia0", "hia1", "yob0", "yob1"]  # echo first
+    assert doc["usage"]["completion_tokens"] == 8 and doc["usage"]["prompt_tokens"] == 4
+    assert response.headers["x-request-id"] == doc["id"]
+    await wait_until(lambda: not master.ctx.relay.requests, what="every request released")
+    metrics = (await master.http.get("/metrics")).text
+    assert 'pdc_requests_total{status="ok"} 2.0' in metrics  # a request per prompt
+
+
+async def test_a_streamed_list_of_prompts_interleaves_every_choice_under_one_id(cluster):
+    master, prefill, decode = cluster
+    body = {"model": MODEL, "prompt": ["hi", "yo"], "max_tokens": 2, "stream": True,
+            "stream_options": {"include_usage": True}}
+    call = asyncio.create_task(master.http.post("/v1/completions", json=body))
+    await _serve_prompt_list(prefill, decode, 2)
+    chunks = _sse_payloads((await call).text)
+    assert len({c["id"] for c in chunks}) == 1
+    texts = {0: "", 1: ""}
+    for c in chunks[:-1]:
+        texts[c["choices"][0]["index"]] += c["choices"][0]["text"]
+    assert texts == {0: "a0", 1: "b0"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_a_failed_prompt_of_a_list_is_the_answer_and_releases_every_request(cluster):
+    master, prefill, decode = cluster
+    call = asyncio.create_task(master.http.post("/v1/completions", json={"model": MODEL, "prompt": ["hi", "yo"]}))
+    first, second = await prefill.next_job(), await prefill.next_job()
+    await prefill.send(protocol.RequestFailed(request_id=second.request_id, message="boom", retryable=False))
+    await serve_one(prefill, decode, [(10, "a"), (11, "b")], job=first)
+    response = await call
+    assert response.status_code == 500 and set(response.json()["error"]) == {"message", "type", "param", "code"}
+    await wait_until(lambda: not master.ctx.relay.requests, what="every request released")

@@ -212,15 +212,15 @@ def test_metrics_exposes_the_pdc_series(client):
 
 
 def test_a_streamed_piece_from_the_template_is_the_event_serialised_whole():
-    from master.openai_api import _PIECE, _sse, _text_template
+    from master.answer_shapes import PIECE, sse, text_template
 
     def event(text: str) -> str:
         choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        return _sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                     "choices": [choice], "usage": None})
+        return sse({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                    "choices": [choice], "usage": None})
 
-    head, tail = _text_template(event(_PIECE))
-    for text in ["a", 'say "hi"\n', "é 中文 \\ \u2028 \t", _PIECE]:
+    head, tail = text_template(event(PIECE))
+    for text in ["a", 'say "hi"\n', "é 中文 \\ \u2028 \t", PIECE]:
         assert head + json.dumps(text, ensure_ascii=False) + tail == event(text)
 
 
@@ -379,7 +379,7 @@ async def test_first_token_via_decode_holds_p_token_until_d_speaks(tmp_path: Pat
             await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=6, text="A"))
             lines = response.aiter_lines()
             r = master.ctx.relay.requests[job.request_id]
-            await wait_until(lambda: r.withheld_first is not None, 5.0, "P's first token to be withheld")
+            await wait_until(lambda: r.current.withheld_first is not None, 5.0, "P's first token to be withheld")
             assert r.output_ids == []  # nothing reached the client yet
             await decode.send(protocol.TokenDelta(request_id=job.request_id, token_ids=[7], text="B"))
             first = ""

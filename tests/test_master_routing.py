@@ -12,6 +12,7 @@ from master.metrics import MasterMetrics
 from master.prefix_index import PrefixIndex
 from master.registry import NodeRecord, Registry
 from master.relay import Relay
+from master.relay_state import IllegalMove, RequestState
 from master.routing import (
     CacheAwarePolicy,
     LeastLoadPolicy,
@@ -348,18 +349,59 @@ async def test_without_a_prefill_node_the_decode_node_prefills_it_whole():
     r = relay.create("x", [5] * 600, SamplingParams(max_tokens=3), False, time.monotonic())
     await relay.admit(r)
     (job,) = [f for f in _frames(d) if isinstance(f, protocol.GenerateJob)]
-    assert job.request_id == r.attempt_id and len(job.token_ids) == 600
+    assert job.request_id == r.current.attempt_id and len(job.token_ids) == 600
     assert (r.prefill_id, r.decode_id, r.plan.path, r.plan.reason) == (None, "d0", "local", "no_prefill")
-    assert d.pending_prefill[r.attempt_id] == 600
+    assert d.pending_prefill[r.current.attempt_id] == 600
     # Its tokens come from D alone, the first with the prompt tokens D's cache held.
     relay.on_token_delta(d, protocol.TokenDelta(request_id=job.request_id, token_ids=[7], cached_tokens=16))
-    assert r.attempt_id not in d.pending_prefill and r.cached_tokens == 16
+    assert r.current.attempt_id not in d.pending_prefill and r.cached_tokens == 16
     relay.on_token_delta(d, protocol.TokenDelta(request_id=job.request_id, token_ids=[8, 9], finish_reason="length"))
     await relay.wait(r)
     assert r.output_ids == [7, 8, 9]
     relay.release(r)
     sample = registry.metrics.registry.get_sample_value
     assert sample("pdc_route_decisions_total", {"path": "local", "reason": "no_prefill"}) == 1
+
+
+async def test_a_request_moves_only_along_its_state_machine():
+    relay, registry = _relay()
+    (p,) = _prefills(registry, 1)
+    (d,) = _decodes(registry, 1)
+    for node in (p, d):
+        _frames(node)  # what joining sent them (the decode peers)
+    r = relay.create("x", [5] * 10, SamplingParams(max_tokens=2), False, time.monotonic())
+    assert r.state == RequestState.NEW
+    with pytest.raises(IllegalMove):
+        r.move_to(RequestState.FINISHED)  # nothing finishes before it ran
+    assert r.state == RequestState.NEW
+    relay.fail(r, APIError(504, "The request timed out.", "timeout_error"), "timeout")
+    with pytest.raises(IllegalMove):
+        r.move_to(RequestState.RUNNING)  # nothing leaves an end state
+    # A request that failed before its turn came (its deadline passed) is never dispatched.
+    with pytest.raises(APIError) as err:
+        await relay.admit(r)
+    assert err.value.status == 504 and r.current is None and not _frames(p) and not _frames(d)
+    relay.release(r)
+    assert r.outcome == "timeout"
+
+
+async def test_each_dispatch_of_a_request_is_a_fresh_attempt():
+    relay, registry = _relay()
+    _prefills(registry, 1)
+    d0, d1 = _decodes(registry, 2)
+    r = relay.create("x", [5] * 10, SamplingParams(max_tokens=2), False, time.monotonic())
+    await relay.admit(r)
+    first = r.current
+    lost = d0 if first.decode_id == "d0" else d1
+    relay.on_request_failed(lost, protocol.RequestFailed(request_id="x", message="lease ran out", retryable=True))
+    second = r.current
+    assert second is not first and first.ended and not second.ended
+    assert (first.number, first.attempt_id, second.number, second.attempt_id) == (1, "x", 2, "x-r1")
+    assert second.decode_id != lost.node_id and r.state == RequestState.RUNNING and r.attempt == 2
+    assert relay.attempts == {"x-r1": r}
+    assert "x" not in lost.pending_kv and "x-r1" in registry.get(second.decode_id).pending_kv
+    relay.release(r)
+    assert not relay.attempts and not registry.get(second.decode_id).pending_kv
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "least_load", "round_robin"])

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from master.errors import APIError
-from master.relay import RelayRequest
+from master.relay_attempt import Attempt, attempt_id_of
+from master.relay_request import RelayRequest
 from master.request_log import JSONFormatter, RequestLog
 from master.routing import RouteRequest
 from pd_cluster import protocol
@@ -120,9 +121,16 @@ class _NoNodes:
         return None
 
 
-def _request(**fields) -> RelayRequest:
+def _request(attempt: int = 1, prefill_id: str | None = None, decode_id: str | None = None,
+             first_token: protocol.FirstToken | None = None, dispatched_at: float = 100.0,
+             node_ttft_s: float | None = None, **fields) -> RelayRequest:
+    """An ended request whose last attempt (its ``attempt``-th) ran on ``prefill_id`` -> ``decode_id``."""
     r = RelayRequest(request_id="cmpl-1", token_ids=list(range(10)), sampling=SamplingParams(max_tokens=4),
                      stream=False, arrival=100.0, deadline=200.0, route=RouteRequest(list(range(10)), 14))
+    if decode_id is not None:
+        r.current = Attempt(number=attempt, attempt_id=attempt_id_of(r.request_id, attempt), decode_id=decode_id,
+                            prefill_id=prefill_id, plan=None, dispatched_at=dispatched_at, first_token_seen=True,
+                            handed_over=True, ended=True, first_token=first_token, node_ttft_s=node_ttft_s)
     for key, value in fields.items():
         setattr(r, key, value)
     return r
@@ -130,7 +138,7 @@ def _request(**fields) -> RelayRequest:
 
 def test_a_failed_retried_request_says_why(caplog):
     log = RequestLog(_NoNodes(), "least_load")
-    r = _request(attempt=3, prefill_id="p1", decode_id="d1", dispatched=True, excluded={"p0", "d0"},
+    r = _request(attempt=3, prefill_id="p1", decode_id="d1", excluded={"p0", "d0"},
                  outcome="unavailable", finish_reason="error", finished_at=101.5, client_request_id="abc",
                  failure=APIError(503, "The request failed on 3 attempts; try again later.", "server_error", None,
                                   None))
@@ -153,7 +161,7 @@ def test_a_failed_retried_request_says_why(caplog):
 def test_token_counts_come_from_the_first_token_report():
     first = protocol.FirstToken(request_id="cmpl-1", token_id=5, cached_tokens_prefill=4, hit_blocks_decode=6,
                                 transfer_bytes=4096, node_ttft_s=0.125, prefix_query_s=0.015625, prefill_s=0.0625)
-    r = _request(prefill_id="p0", decode_id="d0", dispatched=True, first_token=first, cached_tokens=4,
+    r = _request(prefill_id="p0", decode_id="d0", first_token=first, cached_tokens=4,
                  outcome="ok", finish_reason="stop", first_token_at=100.25, finished_at=101.25,
                  output_ids=[1, 2, 3, 4, 5], dispatched_at=100.0625, node_ttft_s=0.125)
     record = RequestLog(_NoNodes(), "cache_aware").build(r)

@@ -1,0 +1,192 @@
+"""The answer to a generation request: its relay requests (one per prompt x choice, see
+:mod:`master.fanout`) streamed as their tokens arrive, each chunk naming its choice's ``index``,
+or one body listing the choices in index order (each prompt's best ``n`` by mean token logprob
+when best_of > n). Usage counts each prompt once and every generated choice's tokens. With
+``echo`` each prompt's text goes before its choices' text (streamed: before each choice's first
+piece).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from master import openai_schemas as oa
+from master import tool_calls
+from master.answer_shapes import (
+    CLIENT_CLOSED, PIECE, SHAPES, SSE_HEADERS, Shape, StreamHead, answer, choice, sse, text_template,
+)
+from master.context import MasterContext
+from master.errors import APIError
+from master.fanout import FanOut, PromptChoices, create_choices
+from master.prepare import Kind, Prepared
+from master.relay_request import ClientDisconnected, StreamFailed, TokenChunk
+from master.request_log import REQUEST_ID_HEADER
+
+
+def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float) -> FanOut:
+    """One relay request per prompt x choice, the client's slot on the first."""
+    req = prepared[0].req
+    client_request_id = request.headers.get(REQUEST_ID_HEADER)
+    prompts: list[PromptChoices] = []
+    for p in prepared:
+        request_id = ctx.relay.new_request_id(SHAPES[kind].id_prefix)
+        choices = create_choices(ctx.relay, request_id, p.token_ids, p.sampling, req.stream, arrival,
+                                 req.choice_count, req.choices_returned)
+        for r in choices.relays:
+            r.client_request_id = client_request_id
+            p.route(r)
+        prompts.append(choices)
+    fan = FanOut(ctx.relay, prompts, request.is_disconnected)
+    slot = request.state.client_slot
+    prompts[0].first.client_slot = slot
+    slot.handed = True
+    request.state.request_id = fan.request_id  # answered in the X-Request-Id header (RequestIdMiddleware)
+    return fan
+
+
+async def serve(
+    request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float,
+    echo: list[str] | None = None,
+) -> Response:
+    """Answer ``prepared`` (one per prompt, alike but for the prompt); ``echo``: each prompt's
+    text, put before its choices' text."""
+    fan = _fan_out(request, ctx, kind, prepared, arrival)
+    try:
+        await fan.admit()
+    except ClientDisconnected:
+        fan.release()
+        return Response(status_code=CLIENT_CLOSED)
+    except APIError as exc:
+        fan.release()
+        return exc.response()
+    except BaseException:
+        fan.release()
+        raise
+    req, shape = prepared[0].req, SHAPES[kind]
+    created = oa.now()
+    model = ctx.model_name or req.model
+    if req.stream:
+        head = StreamHead(fan.request_id, shape, created, model, req.include_usage)
+        writer = _StreamWriter(ctx, fan, req, head, echo)
+        return StreamingResponse(_stream(fan, writer), media_type="text/event-stream", headers=SSE_HEADERS)
+    try:
+        await fan.wait()
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        fan.release()
+    return JSONResponse({"id": fan.request_id, "object": shape.object, "created": created, "model": model,
+                         "choices": _choices(ctx, fan, req, shape, echo), "usage": fan.usage()})
+
+
+def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: list[str] | None) -> list[dict[str, Any]]:
+    choices = []
+    for p_index, prompt in enumerate(fan.prompts):
+        before = echo[p_index] if echo else ""
+        for c_index, r in enumerate(prompt.answer_choices()):
+            logprobs = shape.logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if shape.wants_logprobs(req) else None
+            body, finish_reason = answer(shape, req, before + r.text, r.finish_reason)
+            choices.append({**choice(body, finish_reason, logprobs), "index": p_index * prompt.returned + c_index})
+    return choices
+
+
+async def _stream(fan: FanOut, writer: _StreamWriter) -> AsyncIterator[str]:
+    """The choices' events interleaved as their tokens arrive; ends by every request's deadline."""
+    try:
+        for event in writer.openings():
+            yield event
+        async with contextlib.aclosing(fan.events()) as events:
+            async for index, item in events:
+                done = writer.failed(index, item.error) if isinstance(item, StreamFailed) else writer.piece(index, item)
+                for event in done:
+                    yield event
+        if writer.head.include_usage:
+            yield sse(writer.head.chunk([], usage=fan.usage()))
+        yield "data: [DONE]\n\n"
+    finally:
+        fan.release()
+
+
+class _StreamWriter:
+    """The SSE events of one streamed answer, choice by choice: its text offset (completion
+    logprobs count from it), its echo (put before its first piece), its tool-call parser (a chat
+    answer that may be a call), and the template its plain pieces are written from."""
+
+    def __init__(self, ctx: MasterContext, fan: FanOut, req: Any, head: StreamHead, echo: list[str] | None) -> None:
+        self.head = head
+        self.shape = head.shape
+        self.token_text = ctx.tokenizer.token_text
+        self.wants_logprobs = self.shape.wants_logprobs(req)
+        count = len(fan.relays)
+        self.offsets = [0] * count
+        self.before = [echo[p] for p, prompt in enumerate(fan.prompts) for _ in prompt.relays] if echo else None
+        self.calls = None
+        if self.shape.object == "chat.completion" and req.parses_tool_calls:
+            self.calls = [tool_calls.ToolCallStream(req.tool_names) for _ in range(count)]
+        #: Choice index -> its plain piece's event, split where the text goes (most events are one).
+        self.templates: dict[int, tuple[str, str]] = {}
+
+    def openings(self) -> list[str]:
+        if self.shape.opening is None:
+            return []
+        return [self._event(index, choice(self.shape.opening)) for index in range(len(self.offsets))]
+
+    def piece(self, index: int, piece: TokenChunk) -> list[str]:
+        logprobs = None
+        if self.wants_logprobs and piece.logprobs:
+            logprobs = self.shape.logprobs(piece.logprobs, self.token_text, self.offsets[index])
+        if self.calls is not None:
+            return [self._event(index, body) for body in _tool_call_deltas(self.calls[index], piece, logprobs)]
+        text = piece.text
+        if logprobs is None and piece.finish_reason is None:
+            if not text:
+                return []
+            self.offsets[index] += len(text)
+            return [self._plain(index, self._echoed(index, text))]
+        self.offsets[index] += len(text)
+        body = choice(self.shape.delta(self._echoed(index, text)), piece.finish_reason, logprobs)
+        return [self._event(index, body)]
+
+    def failed(self, index: int, error: APIError) -> list[str]:
+        """The choice's last event, then the error's."""
+        body = choice(self.shape.delta(self._echoed(index, "")), "error")
+        return [self._event(index, body), sse(oa.error_event(error))]
+
+    def _echoed(self, index: int, text: str) -> str:
+        if self.before is None or not self.before[index]:
+            return text
+        text, self.before[index] = self.before[index] + text, ""
+        return text
+
+    def _event(self, index: int, body: dict[str, Any]) -> str:
+        """The event of one choice's ``body`` (see :func:`choice`), under its ``index``."""
+        return sse(self.head.chunk([{**body, "index": index}]))
+
+    def _plain(self, index: int, text: str) -> str:
+        template = self.templates.get(index)
+        if template is None:
+            template = self.templates[index] = text_template(self._event(index, choice(self.shape.delta(PIECE))))
+        return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
+
+
+def _tool_call_deltas(calls: tool_calls.ToolCallStream, piece: TokenChunk, logprobs: Any) -> list[dict[str, Any]]:
+    """The streamed choices of one piece of an answer that may be a tool call; the last piece's
+    finish reason is "tool_calls" when the answer was one."""
+    deltas = calls.feed(piece.text)
+    finish = piece.finish_reason
+    if finish is not None:
+        deltas += calls.finish()
+        if calls.state == "call" and finish == "stop":
+            finish = "tool_calls"
+    bodies = [choice({"delta": d}, None, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+    if finish is not None:
+        bodies.append(choice({"delta": {}}, finish, None))
+    elif not bodies and logprobs is not None:
+        bodies.append(choice({"delta": {}}, None, logprobs))
+    return bodies
