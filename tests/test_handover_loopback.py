@@ -12,10 +12,13 @@ import asyncio
 import math
 import time
 import uuid
+from typing import Literal
 
 import pytest
+import torch
 
-from pd_cluster.handover import DISCONNECT_GRACE_S, rehearse_handover
+from pd_cluster.handover import DISCONNECT_GRACE_S, LoopbackLink, rehearse_handover
+from pd_cluster.transfer import ChannelError, DataMessage, PeerConnection, RemoteError
 from tests.handover_pairs import ServicePair, single_engine_tokens, start_pair
 
 #: How each path is chosen: D shares its pool (in place), else layer-wise or whole over the channel.
@@ -129,3 +132,52 @@ async def test_a_rehearsal_leaves_the_decode_engine_as_it_found_it(push_pair):
     assert await push_pair.d_stats() == before
     assert push_pair.d.counters.kv_bytes_received == 0 and push_pair.d.counters.kv_transfers == 0
     assert push_pair.d.engine.cache.evictable_tokens == 0
+
+
+# ---- the link itself -------------------------------------------------------------------------
+
+
+class Sink(DataMessage):
+    """Loopback tests only: D takes ``count`` tensors of ``shape`` and answers their sum."""
+
+    type: Literal["test.loopback.sink"] = "test.loopback.sink"
+    count: int
+    shape: list[int]
+
+
+class Summed(DataMessage):
+    type: Literal["test.loopback.summed"] = "test.loopback.summed"
+    total: float
+
+
+async def sink_handler(conn: PeerConnection, msg: DataMessage) -> DataMessage:
+    if not isinstance(msg, Sink):
+        raise ValueError(f"no handler for {msg.type}")
+    received = await conn.recv_tensors([(msg.shape, "float32")] * msg.count, 5.0)
+    return Summed(total=float(sum(t.sum() for t in received)))
+
+
+async def test_a_link_delivers_frames_and_copies_tensors_in_order():
+    gone: list[PeerConnection] = []
+    link = LoopbackLink(sink_handler, address="here", decode_node_id="d", prefill_node_id="p", p_device="cpu",
+                        d_device="cpu", on_disconnect=gone.append)
+    tensors = [torch.full((2, 3), float(i)) for i in range(3)]
+    reply = await link.channel.request(Sink(count=3, shape=[2, 3]), 5.0, tensors=tensors)
+    assert isinstance(reply, Summed) and reply.total == 6 * (0 + 1 + 2)
+    assert link.channel.bytes_sent == link.connection.bytes_received == 3 * 6 * 4
+    with pytest.raises(RemoteError, match="no handler"):  # a failing handler answers, then the link closes
+        await link.channel.request(Summed(total=0.0), 5.0)
+    assert not link.channel.alive
+    await link.aclose()
+    assert gone == [link.connection]
+
+
+async def test_a_tensor_nobody_takes_fails_at_its_deadline_and_tears_the_link_down():
+    link = LoopbackLink(sink_handler, address="here", decode_node_id="d", prefill_node_id="p", p_device="cpu",
+                        d_device="cpu")
+    started = time.monotonic()
+    with pytest.raises(ChannelError):
+        await link.channel.send_tensor(torch.zeros(4), 0.2)
+    assert 0.2 <= time.monotonic() - started < 2.0
+    assert not link.channel.alive
+    await link.aclose()

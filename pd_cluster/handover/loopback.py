@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +40,7 @@ from pd_cluster.transfer import (
 from pd_cluster.transfer.channel import TensorSpec, as_dtype
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How long D's side of a link waits for P's next frame before it closes the link (as the
 #: data-plane server closes an idle connection).
@@ -107,13 +110,14 @@ class LoopbackTensors:
     async def send(self, tensors: torch.Tensor | Sequence[torch.Tensor], timeout: float, *, count: bool = True) -> int:
         """Hand each tensor to the other end and wait until it was copied out; returns the bytes."""
         batch = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        deadline = time.monotonic() + timeout
         sent = 0
         for tensor in batch:
             if self._closed or self.other is None or self.other.closed:
                 raise ChannelError("loopback channel closed")
             parcel = _Parcel(tensor)
             self.other._inbox.put_nowait(parcel)
-            await self._wait(parcel.taken, timeout, "sending a tensor")
+            await self._wait(parcel.taken, deadline, "sending a tensor")
             nbytes = tensor.numel() * tensor.element_size()
             sent += nbytes
             if count:
@@ -124,13 +128,15 @@ class LoopbackTensors:
                         count: bool = True) -> None:
         """Copy the next tensors sent into ``tensors``, in order (their shapes and dtypes must match)."""
         batch = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        deadline = time.monotonic() + timeout
         for target in batch:
-            parcel = await self._wait(self._inbox.get(), timeout, "receiving a tensor")
+            parcel = await self._wait(self._inbox.get(), deadline, "receiving a tensor")
             if parcel is None:
                 self._inbox.put_nowait(None)
                 raise ChannelError("loopback peer hung up")
             if parcel.tensor.shape != target.shape or parcel.tensor.dtype != target.dtype:
-                parcel.taken.set_exception(ChannelError("the receiver expected another tensor"))
+                if not parcel.taken.done():
+                    parcel.taken.set_exception(ChannelError("the receiver expected another tensor"))
                 self.close()
                 raise ChannelError(f"received {list(parcel.tensor.shape)} {parcel.tensor.dtype} where "
                                    f"{list(target.shape)} {target.dtype} was expected; channel torn down")
@@ -161,17 +167,13 @@ class LoopbackTensors:
     async def aclose(self, timeout: float = 5.0) -> None:
         self.close()
 
-    async def _wait(self, awaitable, timeout: float, what: str):
+    async def _wait(self, awaitable: Awaitable[T], deadline: float, what: str) -> T:
+        """``awaitable`` by ``deadline`` (monotonic), or the channel is torn down."""
         try:
-            return await wait_for(awaitable, timeout)
+            return await wait_for(awaitable, max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
             self.close()
-            raise ChannelError(f"{what} did not finish within {timeout:.1f}s; channel torn down") from None
-
-
-def _pair(a, b):
-    a.other, b.other = b, a
-    return a, b
+            raise ChannelError(f"{what} did not finish before its deadline; channel torn down") from None
 
 
 class LoopbackLink:
@@ -183,9 +185,13 @@ class LoopbackLink:
         p_device: torch.device | str, d_device: torch.device | str, shared_pool: SharedPool | None = None,
         on_disconnect: Callable[[PeerConnection], None] | None = None,
     ) -> None:
-        p_frames, d_frames = _pair(LoopbackFrames(decode_node_id), LoopbackFrames(prefill_node_id))
-        p_tensors, d_tensors = _pair(LoopbackTensors(p_device), LoopbackTensors(d_device))
-        self.channel = PeerChannel(address, p_frames, p_tensors, decode_node_id, shared_pool=shared_pool)  # type: ignore[arg-type]
+        p_frames, d_frames = LoopbackFrames(decode_node_id), LoopbackFrames(prefill_node_id)
+        p_frames.other, d_frames.other = d_frames, p_frames
+        p_tensors, d_tensors = LoopbackTensors(p_device), LoopbackTensors(d_device)
+        p_tensors.other, d_tensors.other = d_tensors, p_tensors
+        # The in-memory ends have the methods of a framed socket and of a pair group.
+        self.channel = PeerChannel(address, p_frames, p_tensors, decode_node_id,  # type: ignore[arg-type]
+                                   shared_pool=shared_pool)
         self.connection = PeerConnection(d_frames, d_tensors, prefill_node_id,  # type: ignore[arg-type]
                                          shares_kv=shared_pool is not None)
         self._handler = handler
