@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decode_node.receiver import DecodeCounters, KVReceiver
-from decode_node.reservations import Reservations
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
 from pd_cluster.engine.request import Request
 from pd_cluster.engine.worker import EngineWorker
+from pd_cluster.handover import DecodeCounters, HandoverFailed, KVReceiver, Reservations, rehearse_handover
 from pd_cluster.sampling_params import SamplingParams
-from pd_cluster.transfer import DataMessage, DataPlaneServer, PeerConnection
+from pd_cluster.transfer import DataMessage, DataPlaneServer, PeerConnection, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +69,8 @@ class DecodeService:
     The listener answers prefill nodes' channel warm-ups itself (:attr:`warmed_peers`); the
     :class:`KVReceiver` answers the handover messages. ``share_kv_pool`` hands the KV pool to
     prefill nodes on this GPU (``share_kv_across_gpus``: on any GPU of this host), which then
-    write KV in place instead of sending it."""
+    write KV in place instead of sending it. ``listen=False``: no listener; prefill services in
+    this process reach :attr:`receiver` over loopback links (:mod:`pd_cluster.handover.loopback`)."""
 
     def __init__(
         self,
@@ -87,6 +87,7 @@ class DecodeService:
         warm_up: bool = True,
         share_kv_pool: bool = True,
         share_kv_across_gpus: bool = False,
+        listen: bool = True,
     ) -> None:
         self.engine = engine or LLMEngine(config, kv_event_sink=kv_event_sink)
         self.reservations = Reservations(self.engine)
@@ -100,6 +101,7 @@ class DecodeService:
             kv_pool=(pool.k_cache, pool.v_cache) if share_kv_pool else None, share_across_gpus=share_kv_across_gpus,
             on_disconnect=self.receiver.peer_gone,
         )
+        self._listen = listen
         self._warm_up_engine = warm_up
         #: Told (on the engine thread) the requests whose lease ran out before P handed them over.
         self.on_lease_expired: Callable[[list[str]], None] | None = None
@@ -117,17 +119,23 @@ class DecodeService:
         return self.server.warmed_peers
 
     async def start(self) -> None:
-        """Warm the engine up (a tiny prefill and decode steps: kernels compile now, not on the
-        first request), then listen for prefill nodes."""
+        """Warm the engine up (a tiny prefill and decode steps, and a handover rehearsed through
+        the loopback: kernels compile now, not on the first request), then listen for prefill nodes."""
         self.worker.start()
         if self.engine.device.type == "cuda":
             await self.worker.call(torch.cuda.set_device, self.engine.device)
         if self._warm_up_engine:
             await self.worker.call(self.engine.warm_up, 16, 2, timeout=600.0)
-        await self.server.start()
+            try:
+                await rehearse_handover(self.engine, self.worker, self.reservations)
+            except (HandoverFailed, TransferError) as e:  # the node still serves; its first handover compiles
+                logger.warning("could not rehearse a handover: %s", e)
+        if self._listen:
+            await self.server.start()
 
     async def stop(self) -> None:
-        await self.server.stop()
+        if self._listen:
+            await self.server.stop()
         await self.worker.stop()
 
     def request_ids(self) -> list[str]:

@@ -46,7 +46,7 @@ def decode_main(conn, config: dict, token: str, lease_check: bool = True, stall_
 async def _decode(conn, config: dict, token: str, stall_push: bool) -> None:
     from decode_node.service import DecodeService
     from pd_cluster.config import EngineConfig
-    from pd_cluster.handover import PushKV
+    from pd_cluster.handover.messages import PushKV
 
     send_lock = threading.Lock()
 
@@ -113,7 +113,7 @@ def prefill_main(conn, config: dict, token: str, lease_s: float) -> None:
 
 async def _prefill(conn, config: dict, token: str, lease_s: float) -> None:
     from pd_cluster.config import EngineConfig
-    from pd_cluster.handover import MatchPrefix
+    from pd_cluster.handover.messages import MatchPrefix
     from pd_cluster.protocol import PrefillJob
     from prefill_node.service import PrefillFailed, PrefillService
 

@@ -1,14 +1,15 @@
 """In-place KV writes: a P on D's host writes the missing KV straight into D's reserved slots.
 
-Everything here is real (services, sockets, handshake, leases, the engines) except how P maps
-D's pool: on a GPU that is CUDA IPC between processes (tests/gpu); here a ``local`` handle kind
-stands in for it, with both services in this process.
+Everything here is real (services, leases, the engines). How the KV's bytes and the messages
+travel: through the loopback backend (D's pool handed to P directly) where the handover is
+what is tested, and over the real data plane on localhost (sockets, handshake, a gloo pair
+group) where the transport is; there a ``local`` handle kind stands in for CUDA IPC, which
+maps D's pool between processes on a GPU (tests/gpu).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,20 +17,12 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from decode_node.receiver import DISCONNECT_GRACE_S
-from decode_node.service import DecodeService
-from pd_cluster.config import EngineConfig
-from pd_cluster.handover import CommitKV, MatchPrefix, MatchResult, PushAck
-from pd_cluster.llm import LLM
-from pd_cluster.protocol import PrefillJob
-from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.handover import DISCONNECT_GRACE_S
+from pd_cluster.handover.messages import CommitKV, PushAck
 from pd_cluster.transfer import ipc
 from pd_cluster.transfer.handshake import Hello, share_pool_with
 from pd_cluster.kv_spec import KVSpec
-from prefill_node.service import PrefillService
-
-TOKEN = "direct-kv-token"
-NEW_TOKENS = 8
+from tests.handover_pairs import ServicePair, single_engine_tokens, start_pair
 
 
 @pytest.fixture
@@ -56,89 +49,45 @@ def local_handles():
     ipc.unregister_kind("local")
 
 
-def engine_config(model_dir, block_size: int = 16) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_total_tokens=4096,
-                        block_size=block_size)
-
-
-class Pair:
-    def __init__(self, p: PrefillService, d: DecodeService) -> None:
-        self.p, self.d = p, d
-        self.tokens: dict[str, list[int]] = {}
-        self.finished: set[str] = set()
-        self.lock = threading.Lock()
-
-    def on_tokens(self, updates) -> None:
-        with self.lock:
-            for u in updates:
-                self.tokens.setdefault(u.request_id, []).append(u.token_id)
-                if u.finish_reason is not None:
-                    self.finished.add(u.request_id)
-
-    async def run(self, prompt: list[int]):
-        job = PrefillJob(request_id=uuid.uuid4().hex, token_ids=prompt,
-                         sampling=SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
-                         decode_node_id="d0", decode_address=self.d.data_address, deadline_s=60.0)
-        firsts = []
-
-        async def report(first) -> None:
-            firsts.append(first)
-
-        result = await self.p.run_job(job, report)
-        await poll(lambda: job.request_id in self.finished, 60.0, "the decode node to finish")
-        return [firsts[0].token_id] + self.tokens[job.request_id], result
-
-    async def d_stats(self) -> dict:
-        engine = self.d.engine
-        return await self.d.worker.call(lambda: {
-            "idle": engine.pool.num_free + engine.cache.evictable_tokens, "capacity": engine.pool.capacity,
-            "reservations": len(self.d.reservations.pending),
-        })
-
-
-async def poll(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-async def start_pair(model_dir, *, share: bool = True, block_size: int = 16, **p_options) -> Pair:
-    pair = Pair(None, None)  # type: ignore[arg-type]
-    d = DecodeService(engine_config(model_dir, block_size), node_id="d0", cluster_token=TOKEN,
-                      on_tokens=pair.on_tokens, share_kv_pool=share, warm_up=False)
-    await d.start()
-    p = PrefillService(engine_config(model_dir, block_size), node_id="p0", cluster_token=TOKEN, warm_up=False,
-                       lease_s=30.0, **p_options)
-    await p.start()
-    pair.p, pair.d = p, d
-    return pair
+@pytest.fixture
+async def pair(default_model_dir) -> AsyncIterator[ServicePair]:
+    """P and D over a loopback link, D's pool shared with P."""
+    pair = await start_pair(default_model_dir, share=True)
+    yield pair
+    await pair.stop()
 
 
 @pytest.fixture
-async def pair(default_model_dir, local_handles) -> AsyncIterator[Pair]:
-    pair = await start_pair(default_model_dir)
+async def socket_pair(default_model_dir, local_handles) -> AsyncIterator[ServicePair]:
+    """P and D over the data plane on localhost; the handshake offers D's pool and P opens it."""
+    pair = await start_pair(default_model_dir, loopback=False, share=True)
     yield pair
-    await pair.p.stop()
-    await pair.d.stop()
+    await pair.stop()
+
+
+@pytest.fixture(params=["loopback", "socket"])
+async def either_pair(request, default_model_dir, local_handles) -> AsyncIterator[ServicePair]:
+    pair = await start_pair(default_model_dir, loopback=request.param == "loopback", share=True)
+    yield pair
+    await pair.stop()
 
 
 @pytest.fixture(scope="module")
 def engine_outputs(default_model_dir, chat_prompts) -> list[list[int]]:
-    llm = LLM(str(default_model_dir), device="cpu", dtype="float32", max_total_tokens=4096, block_size=16)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    return [out.token_ids for out in llm.generate(chat_prompts[:2], params)]
+    return single_engine_tokens(default_model_dir, chat_prompts[:2])
 
 
-async def test_p_on_d_host_writes_kv_in_place_with_output_identical_to_the_engine(pair, chat_prompts,
+async def test_p_on_d_host_writes_kv_in_place_with_output_identical_to_the_engine(either_pair, chat_prompts,
                                                                                   engine_outputs):
+    pair = either_pair
+    prompt = chat_prompts[0]
     idle = (await pair.d_stats())["idle"]
-    tokens, result = await pair.run(chat_prompts[0])
+    tokens, result = await pair.run(prompt)
     assert tokens == engine_outputs[0]
-    channel = pair.p.pool.peek(pair.d.data_address)
+    channel = pair.channel()
     assert channel is not None and channel.transport == "ipc"
     spec = pair.d.engine.kv_spec
-    n = len(chat_prompts[0])
+    n = len(prompt)
     # The delta rule: exactly the missing tokens' bytes, and none through the tensor channel.
     assert result.transfer_bytes == n * spec.bytes_per_token == pair.d.counters.kv_bytes_received
     assert channel.channel.bytes_sent == 0 and channel.bytes_written == result.transfer_bytes
@@ -161,24 +110,24 @@ async def test_a_prefix_hit_on_d_writes_only_the_missing_tokens(pair, chat_promp
 
 async def test_without_a_shared_pool_the_kv_goes_through_the_tensor_channel(default_model_dir, local_handles,
                                                                            chat_prompts, engine_outputs):
-    pair = await start_pair(default_model_dir, share=False)
+    pair = await start_pair(default_model_dir, loopback=False, share=False)
     try:
         tokens, result = await pair.run(chat_prompts[0])
-        channel = pair.p.pool.peek(pair.d.data_address)
+        channel = pair.channel()
         assert channel is not None and channel.transport == "gloo" and channel.shared_pool is None
         assert tokens == engine_outputs[0]
         assert channel.channel.bytes_sent == result.transfer_bytes > 0
     finally:
-        await pair.p.stop()
-        await pair.d.stop()
+        await pair.stop()
 
 
-@pytest.mark.parametrize("layers_per_send", [1, 4, 7])
+@pytest.mark.parametrize("loopback, layers_per_send", [(True, 1), (True, 7), (False, 4)],
+                         ids=["loopback-1", "loopback-7", "gloo-4"])
 async def test_layer_groups_through_the_tensor_channel_match_the_engine(default_model_dir, chat_prompts,
-                                                                        engine_outputs, layers_per_send):
+                                                                        engine_outputs, loopback, layers_per_send):
     """The network path, layer by layer during the prefill, several layers per send."""
-    pair = await start_pair(default_model_dir, share=False, layerwise=True, layerwise_min_tokens=0,
-                            layers_per_send=layers_per_send)
+    pair = await start_pair(default_model_dir, loopback=loopback, share=False, layerwise=True,
+                            layerwise_min_tokens=0, layers_per_send=layers_per_send)
     try:
         tokens, result = await pair.run(chat_prompts[1])
         assert tokens == engine_outputs[1]
@@ -186,16 +135,12 @@ async def test_layer_groups_through_the_tensor_channel_match_the_engine(default_
         padded = -(-len(chat_prompts[1]) // spec.block_size) * spec.block_size
         assert result.transfer_bytes == padded * spec.bytes_per_token == pair.d.counters.kv_bytes_received
     finally:
-        await pair.p.stop()
-        await pair.d.stop()
+        await pair.stop()
 
 
-async def _direct_lease(pair: Pair, prompt: list[int]):
-    channel = await pair.p.pool.get(pair.d.data_address)
-    match = await channel.request(MatchPrefix(request_id=uuid.uuid4().hex, token_ids=prompt,
-                                              sampling=SamplingParams(temperature=0.0, max_tokens=4),
-                                              lease_s=30.0, direct=True), 10.0)
-    assert isinstance(match, MatchResult) and match.lease_id and match.slots
+async def _direct_lease(pair: ServicePair, prompt: list[int]):
+    channel, match = await pair.lease(prompt, direct=True)
+    assert match.slots
     return channel, match
 
 
@@ -218,7 +163,9 @@ async def test_a_commit_without_written_tokens_on_a_direct_lease_is_refused(pair
     assert isinstance(ack, PushAck) and not ack.ok
 
 
-async def test_a_p_that_disconnects_loses_its_leases_after_a_short_grace(pair, chat_prompts):
+async def test_a_p_that_disconnects_loses_its_leases_after_a_short_grace(socket_pair, chat_prompts):
+    """D's data-plane server tells the receiver of every connection that ends."""
+    pair = socket_pair
     idle = (await pair.d_stats())["idle"]
     channel, match = await _direct_lease(pair, chat_prompts[4])
     assert (await pair.d_stats())["reservations"] == 1
@@ -262,17 +209,16 @@ def test_slot_lists_round_trip_and_bad_ones_are_refused():
 
 
 @pytest.mark.parametrize("block_size", [16, 1])
-async def test_the_same_prompt_twice_writes_only_what_d_lacks(default_model_dir, local_handles, chat_prompts,
-                                                              engine_outputs, block_size):
+async def test_the_same_prompt_twice_writes_only_what_d_lacks(default_model_dir, chat_prompts, engine_outputs,
+                                                              block_size):
     """The second time D holds every whole block of the prompt (with blocks of one token, all of
     it: an empty slot list), and P all of it."""
-    pair = await start_pair(default_model_dir, block_size=block_size)
+    pair = await start_pair(default_model_dir, share=True, block_size=block_size)
     try:
         first, _ = await pair.run(chat_prompts[0])
         again, result = await pair.run(chat_prompts[0])
     finally:
-        await pair.p.stop()
-        await pair.d.stop()
+        await pair.stop()
     assert first == again == engine_outputs[0]
     bs = pair.d.engine.kv_spec.block_size
     assert result.hit_blocks == len(chat_prompts[0]) // bs

@@ -6,7 +6,7 @@ module level and inside functions; relative imports are resolved; imports under
 
 - No circle between files (module-level imports: the ones that run when a module loads).
 - No circle between folders (every import). Top level: the five packages. Inside pd_cluster:
-  each subpackage (engine, model, transfer, node, bench, ray_launcher) is one node and each
+  each subpackage (engine, model, handover, transfer, node, bench, ray_launcher) is one node and each
   module at pd_cluster's root (the shared vocabulary, and the entry points cli.py, llm.py,
   local_cluster.py) is a node of its own: those files are what the subpackages stand on.
 - The roles (master, prefill_node, decode_node) never import each other; kernels imports
@@ -27,7 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("pd_cluster", "master", "prefill_node", "decode_node", "kernels")
 ROLES = ("master", "prefill_node", "decode_node")
-PD_CLUSTER_FOLDERS = ("engine", "model", "transfer", "node", "bench", "ray_launcher")
+PD_CLUSTER_FOLDERS = ("engine", "model", "handover", "transfer", "node", "bench", "ray_launcher")
 #: Modules of pd_cluster, besides pd_cluster.bench.*, that may import a role: the ones that start one.
 ROLE_STARTERS = frozenset({"pd_cluster.cli"})
 

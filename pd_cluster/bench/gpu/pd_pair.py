@@ -24,7 +24,7 @@ import torch.distributed as dist
 from pd_cluster.bench.gpu.models import build_engine, random_prompt
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.handover import MatchPrefix, MatchResult
+from pd_cluster.handover.messages import MatchPrefix, MatchResult
 from pd_cluster.protocol import PrefillJob
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.transfer import DataMessage

@@ -17,7 +17,7 @@ from pd_cluster.bench.gpu.pd_pair import PDPair, pd_pair
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.bench.gpu.timing import cuda_ms, wall_ms
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.handover import ReleaseLease
+from pd_cluster.handover.messages import ReleaseLease
 from pd_cluster.transfer import decode_slots
 
 logger = logging.getLogger(__name__)

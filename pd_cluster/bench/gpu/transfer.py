@@ -19,7 +19,7 @@ from pd_cluster.bench.gpu.pd_pair import BenchAck, BenchSink, PDPair, RawNccl, p
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.bench.gpu.timing import async_ms, cuda_ms, wall_ms
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.handover import CommitKV, PushAck, PushKV, StreamKV
+from pd_cluster.handover.messages import CommitKV, PushAck, PushKV, StreamKV
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ async def push_layers(pair: PDPair, layers: torch.Tensor, n: int, nbytes: int, g
 
 
 def _layer_stream(pair: PDPair, n: int):
-    from prefill_node.layer_stream import LayerStream
+    from pd_cluster.handover.stream import LayerStream
 
     return LayerStream("bench", 0, n, n, pair.p_engine.pool, asyncio.get_running_loop(), None)
 

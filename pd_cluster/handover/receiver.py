@@ -1,11 +1,10 @@
-"""D's side of the KV move: answer P's handover messages (:mod:`pd_cluster.handover`).
+"""D's side of the KV move: answer P's handover messages (:mod:`.messages`).
 
-``MatchPrefix`` reserves slots (:mod:`decode_node.reservations`); the KV then lands whole
-(``PushKV``) or layer by layer (``StreamKV`` then ``CommitKV``) and is scattered into the
-reserved slots, or a P on this host that was handed the pool writes it in place and sends
-``CommitKV`` alone; the commit joins the request to the decode batch. Leases of a P that
-disconnects end after a short grace (its writes in flight die with its process). P's side is
-:mod:`prefill_node.service` with :mod:`prefill_node.layer_stream`.
+``MatchPrefix`` reserves slots (:mod:`.reservations`); the KV then lands whole (``PushKV``) or
+layer by layer (``StreamKV`` then ``CommitKV``) and is scattered into the reserved slots, or a P
+on this host that was handed the pool writes it in place and sends ``CommitKV`` alone; the commit
+joins the request to the decode batch. Leases of a P that disconnects end after a short grace
+(its writes in flight die with its process). P's side: one sender per path (:mod:`.sender`).
 """
 
 from __future__ import annotations
@@ -19,10 +18,19 @@ from dataclasses import dataclass
 import torch
 
 import kernels
-from decode_node.reservations import NoCapacity, Reservations
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.worker import EngineWorker
-from pd_cluster.handover import CommitKV, MatchPrefix, MatchResult, PushAck, PushKV, Released, ReleaseLease, StreamKV
+from pd_cluster.handover.messages import (
+    CommitKV,
+    MatchPrefix,
+    MatchResult,
+    PushAck,
+    PushKV,
+    Released,
+    ReleaseLease,
+    StreamKV,
+)
+from pd_cluster.handover.reservations import NoCapacity, Reservation, Reservations
 from pd_cluster.transfer import DataMessage, ErrorReply, PeerConnection, encode_slots
 
 logger = logging.getLogger(__name__)
@@ -32,10 +40,15 @@ logger = logging.getLogger(__name__)
 DISCONNECT_GRACE_S = 2.0
 
 
-@dataclass
+@dataclass(slots=True)
 class DecodeCounters:
+    """What a decode node's receiver counted since it started (its status and metrics)."""
+
+    #: KV bytes that reached this node's pool, sent or written in place.
     kv_bytes_received: int = 0
+    #: Handovers committed.
     kv_transfers: int = 0
+    #: Prompt tokens found in the prefix cache at the prefix query.
     hit_tokens: int = 0
     expired_leases: int = 0
 
@@ -144,19 +157,23 @@ class KVReceiver:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _hold(self, lease_id: str, until: float, streaming: bool) -> Reservation | None:
+        """Engine thread: keep a lease alive while its KV arrives (None: it is gone); ``streaming``:
+        an abort meanwhile waits for the last layer."""
+        res = self.reservations.pending.get(lease_id)
+        if res is None:
+            return None
+        res.expires_at = max(res.expires_at, until)  # no expiry while the bytes arrive
+        if streaming:
+            self._streaming.add(lease_id)
+        return res
+
     # ---- whole push --------------------------------------------------------------------------
 
     async def push(self, conn: PeerConnection, msg: PushKV) -> PushAck:
         deadline = time.monotonic() + self.transfer_timeout_s
-
-        def _extend() -> int | None:
-            res = self.reservations.pending.get(msg.lease_id)
-            if res is None:
-                return None
-            res.expires_at = max(res.expires_at, deadline)  # no expiry while the bytes arrive
-            return res.held
-
-        held = await self.worker.call(_extend)
+        res = await self.worker.call(self._hold, msg.lease_id, deadline, False)
+        held = None if res is None else res.held
         # Receive even when the lease is gone: the tensor is on the wire and must be drained.
         buffer = await conn.recv_tensor(msg.shape, msg.dtype, max(deadline - time.monotonic(), 0.1))
         self.counters.kv_bytes_received += buffer.numel() * buffer.element_size()
@@ -198,15 +215,8 @@ class KVReceiver:
             raise ValueError(f"KV stream of {msg.num_layers} x {msg.layer_shape} {msg.dtype} does not fit "
                              f"{spec.num_layers} x {expected} {spec.dtype}")
 
-        def _extend() -> torch.Tensor | None:
-            res = self.reservations.pending.get(msg.lease_id)
-            if res is None:
-                return None
-            res.expires_at = max(res.expires_at, deadline)  # no expiry while the bytes arrive
-            self._streaming.add(msg.lease_id)
-            return res.new_slots
-
-        new_slots = await self.worker.call(_extend)
+        res = await self.worker.call(self._hold, msg.lease_id, deadline, True)
+        new_slots = None if res is None else res.new_slots
         held = 0 if new_slots is None else new_slots.numel()
         scatter = new_slots is not None and 0 < held <= tokens
         pool = self.engine.pool

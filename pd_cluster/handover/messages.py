@@ -1,6 +1,7 @@
 """P <-> D data-plane messages: the KV handover (the meaning layered on :mod:`pd_cluster.transfer`).
 
-P's side lives in ``prefill_node`` (sending), D's in ``decode_node`` (reservations, receiving).
+P sends through one :class:`~pd_cluster.handover.sender.KVSender` per path (:mod:`.push`,
+:mod:`.stream`, :mod:`.direct`); D answers with :mod:`.receiver` and :mod:`.reservations`.
 
 1. P -> D ``MatchPrefix``: D pins its cached leading blocks of the prompt, reserves slots for
    the rest under a lease, and answers ``MatchResult`` (hit_blocks).

@@ -1,0 +1,216 @@
+"""The in-place write: P on D's host writes a prompt's missing KV straight into D's reserved slots.
+
+D shared its KV pool in the handshake (:mod:`pd_cluster.transfer.ipc`) and answered the prefix
+query with the slots it reserved (``MatchPrefix.direct``). P copies the missing tokens' KV into
+them, layer by layer during the prefill (from ``layerwise_min_tokens`` missing tokens on, on a
+GPU with its own compute stream) or in one launch after it, waits until the writes have landed,
+then sends ``CommitKV`` with ``written_tokens``: nothing goes through the tensor channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import torch
+
+import kernels
+from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.handover.errors import HandoverFailed
+from pd_cluster.handover.lease import DecodeLease
+from pd_cluster.handover.messages import CommitKV
+from pd_cluster.handover.sender import Deadline, Handed, KVSender, WithHeldSlots, give_back
+from pd_cluster.handover.side_stream import ReadyEvent, after_compute, on_side
+from pd_cluster.transfer import PeerChannel, SharedPool, decode_slots
+
+logger = logging.getLogger(__name__)
+
+#: A direct write stops being queued this long before D's lease on the slots ends.
+LEASE_MARGIN_S = 5.0
+#: Longest wait for queued direct writes to land (they take milliseconds).
+SETTLE_S = 10.0
+#: How often the event loop looks whether a direct write has landed (it costs microseconds).
+_POLL_S = 0.0002
+
+
+class DirectWrite:
+    """KV of tokens [start, n_tokens) of one request written straight into the slots D reserved
+    in its pool (shared on this host, :mod:`pd_cluster.transfer.ipc`): nothing is sent.
+
+    Layer by layer during the prefill (:meth:`begin`/:meth:`capture`, the same hook as
+    :class:`LayerStream`: each layer's copy is queued on a side stream behind the compute
+    stream's store of that layer, so it runs while later layers compute), or whole after it
+    (:meth:`write_all`). Nothing is queued once the lease's safe end has passed: D may hand
+    those slots to another request after it.
+    """
+
+    def __init__(
+        self, request_id: str, start: int, n_tokens: int, pool: KVPool, target: SharedPool, target_slots: torch.Tensor,
+        side_stream: torch.cuda.Stream | None, write_until: float,
+    ) -> None:
+        if target_slots.numel() != n_tokens - start:
+            raise ValueError(f"D reserved {target_slots.numel()} slots for {n_tokens - start} missing tokens")
+        #: Tokens [start, n_tokens) of the request's prompt are the ones D lacks.
+        self.request_id, self.start, self.n_tokens = request_id, start, n_tokens
+        self.pool = pool
+        self.target = target
+        self.target_slots = target_slots
+        self.num_layers = pool.spec.num_layers
+        self._side = side_stream
+        self.write_until = write_until
+        self._slots: torch.Tensor | None = None
+        self._last: ReadyEvent = None
+        self.layers_written = 0
+        self.expired = False
+
+    @property
+    def tokens(self) -> int:
+        return self.n_tokens - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.pool.spec.bytes_per_token
+
+    @property
+    def complete(self) -> bool:
+        return self.layers_written == self.num_layers and not self.expired
+
+    # ---- engine thread -----------------------------------------------------------------------
+
+    def begin(self, slots: torch.Tensor) -> None:
+        self._slots = slots
+
+    def capture(self, layer: int) -> None:
+        """Layer ``layer``'s KV is stored (in stream order): queue its copy into D's slots."""
+        assert self._slots is not None, "begin() first"
+        if self.expired or time.monotonic() >= self.write_until:
+            self.expired = True
+            return
+        after_compute(self._side)
+        with on_side(self._side):
+            k_cache, v_cache = self.pool.k_cache[layer : layer + 1], self.pool.v_cache[layer : layer + 1]
+            kernels.copy_kv_slots(k_cache, v_cache, self._slots, self.target.k_cache[layer : layer + 1],
+                                  self.target.v_cache[layer : layer + 1], self.target_slots)
+            self._last = self._record(self._side)
+        self.layers_written += 1
+
+    def write_all(self, slots: torch.Tensor) -> None:
+        """Every layer at once, after the prefill (one launch), on the current stream."""
+        if time.monotonic() >= self.write_until:
+            self.expired = True
+            return
+        kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, slots, self.target.k_cache,
+                              self.target.v_cache, self.target_slots)
+        self._last = self._record(None)
+        self.layers_written = self.num_layers
+
+    def _record(self, stream: torch.cuda.Stream | None) -> ReadyEvent:
+        if self.pool.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        target = self.target.device
+        if target != self.pool.device:
+            # Across GPUs the last op of a write (the scatter) runs on the target GPU's stream.
+            with torch.cuda.device(target):
+                event.record(torch.cuda.current_stream(target))
+        elif stream is not None:
+            event.record(stream)
+        else:
+            event.record()
+        return event
+
+    # ---- event loop --------------------------------------------------------------------------
+
+    async def settle(self, timeout: float) -> bool:
+        """Wait until every queued write has landed in D's pool; False if not within ``timeout``.
+        Before a commit (D reads what it commits), and before a lease is given back on failure
+        (D may reuse the slots at once)."""
+        give_up = time.monotonic() + timeout
+        while self._last is not None and not self._last.query():
+            if time.monotonic() >= give_up:
+                return False
+            await asyncio.sleep(_POLL_S)
+        return True
+
+
+class DirectSender(KVSender):
+    """Writes blocks [hit_blocks, ...) of a prompt of ``n_tokens`` tokens into D's shared pool.
+
+    ``layerwise_min_tokens``: write layer by layer during the prefill from this many missing
+    tokens on (None: always whole after it)."""
+
+    def __init__(
+        self, channel: PeerChannel, lease: DecodeLease, request_id: str, n_tokens: int, pool: KVPool,
+        side_stream: torch.cuda.Stream | None, layerwise_min_tokens: int | None,
+    ) -> None:
+        super().__init__(channel, lease)
+        self.request_id = request_id
+        self.n_tokens = n_tokens
+        self.pool = pool
+        self.side_stream = side_stream
+        self.layerwise_min_tokens = layerwise_min_tokens
+        self.writer: DirectWrite | None = None
+        self._layerwise = False
+
+    @property
+    def nbytes(self) -> int:
+        assert self.writer is not None, "begin() first"
+        return self.writer.nbytes
+
+    async def begin(self, left: Deadline) -> None:
+        """Open the write into the slots D reserved (a layer sink when it goes layer by layer)."""
+        node = self.lease.decode_node_id
+        target = self.channel.shared_pool
+        if self.lease.slots is None or target is None:
+            raise HandoverFailed(f"decode node {node} reserved no slots for an in-place write")
+        start = self.lease.hit_blocks * self.pool.spec.block_size
+        try:
+            self.writer = DirectWrite(self.request_id, start, self.n_tokens, self.pool, target,
+                                      decode_slots(self.lease.slots).to(target.device), self.side_stream,
+                                      self.lease.ends_at - LEASE_MARGIN_S)
+        except ValueError as e:
+            raise HandoverFailed(f"decode node {node}: {e}", retryable=False) from e
+        tokens = self.writer.tokens
+        self._layerwise = self.layerwise_min_tokens is not None and tokens >= self.layerwise_min_tokens
+        if self._layerwise and tokens:
+            self.layer_sink = self.writer
+
+    async def commit(self, first_token: int, with_held_slots: WithHeldSlots, left: Deadline) -> Handed:
+        writer = self.writer
+        assert writer is not None, "begin() first"
+        node = self.lease.decode_node_id
+        started = time.monotonic()
+        if not self._layerwise and writer.tokens:
+            await with_held_slots(self._write_whole)
+        elif not writer.tokens:
+            writer.layers_written = writer.num_layers
+        if not await writer.settle(left()):
+            raise HandoverFailed(f"the KV write into {node} did not finish in time")
+        visible = time.monotonic() - started
+        if not writer.complete:
+            raise HandoverFailed(f"the KV lease on {node} ran short before the write")
+        ack = await self.channel.request(
+            CommitKV(lease_id=self.lease.lease_id, first_token=first_token, written_tokens=writer.tokens), left(),
+        )
+        seconds = time.monotonic() - started
+        self.check_taken(ack)
+        self.settled = True
+        self.channel.bytes_written += writer.nbytes
+        return Handed(bytes_sent=writer.nbytes, seconds=seconds, visible_seconds=visible)
+
+    def _write_whole(self, held_slots: torch.Tensor) -> None:
+        """Engine thread: the prompt's missing KV into D's slots in one launch."""
+        writer = self.writer
+        assert writer is not None
+        writer.write_all(held_slots[writer.start : writer.n_tokens].to(self.pool.device))
+
+    async def close(self) -> None:
+        if self.settled:
+            return
+        # Nothing may land in D's slots once it can hand them out again.
+        if self.writer is not None and not await self.writer.settle(SETTLE_S):
+            logger.error("a KV write into %s did not land in %.0f s; its lease runs out instead",
+                         self.lease.decode_node_id, SETTLE_S)
+        elif self.channel.alive:
+            await give_back(self.channel, self.lease.lease_id)
