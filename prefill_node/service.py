@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,13 @@ class PrefillCounters:
     kv_bytes_sent: int = 0
     #: Prompt tokens of the jobs in flight.
     queued_prefill_tokens: int = 0
+
+
+@dataclass
+class Admitted:
+    """The prompt tokens a job holds of the node's admission (0: not admitted yet)."""
+
+    tokens: int = 0
 
 
 @dataclass
@@ -197,15 +205,23 @@ class PrefillService:
 
         One lifecycle whatever the path (:func:`~pd_cluster.handover.choose_sender` picks it):
         admission, D's lease, the prefill, the first token out, then the KV committed to D or the
-        lease released. The finally gives back all the job held, on every path and failure."""
+        lease released; whatever the job held is given back on every path and failure."""
         times = JobTimes(received=time.monotonic())
         left = self._deadline(job, times.received)
-        self._count_in(job)
-        held = 0
+        with self._in_flight(job) as admitted:
+            return await self._run(job, report_first_token, times, left, admitted)
+
+    async def _run(
+        self, job: PrefillJob, report_first_token: FirstTokenSink, times: JobTimes, left: Callable[[], float],
+        admitted: Admitted,
+    ) -> PrefillResult:
+        """The lifecycle itself. Its finally first stops what the sender has in flight (at once:
+        a cancelled job may be cancelled again while it awaits), then ends the request on the
+        engine, then gives back what the sender still holds."""
         sender: KVSender | None = None
         req: Request | None = None
         try:
-            held = await self._admit(job, left)
+            admitted.tokens = await self._admit(job, left)
             channel = await wait_for(self.channels.get(job.decode_address), left())
             lease = await reserve(channel, job, self.lease_s, left)
             times.query_s = lease.query_seconds
@@ -226,14 +242,12 @@ class PrefillService:
         finally:
             self.captures.discard(job.request_id)
             if sender is not None:
+                sender.abandon()
                 if req is not None:
                     await self._release(req)
                 else:
                     await self._abort_engine(job.request_id)
                 await sender.close()
-            if held:
-                self.admission.release(held)
-            self._count_out(job)
 
     async def _hand_over(
         self, job: PrefillJob, report_first_token: FirstTokenSink, sender: KVSender, req: Request,
@@ -268,16 +282,24 @@ class PrefillService:
 
         return left
 
-    def _count_in(self, job: PrefillJob) -> None:
+    @contextlib.contextmanager
+    def _in_flight(self, job: PrefillJob) -> Iterator[Admitted]:
+        """Count ``job`` in flight (its queued tokens, its decode node's jobs) while it runs, and
+        give back its admission, however it ends: nothing here awaits, so a cancellation that
+        cuts the lifecycle's cleanup short cannot skip it."""
         self.counters.jobs += 1
         self.counters.queued_prefill_tokens += len(job.token_ids)
         self._jobs_per_address[job.decode_address] += 1
-
-    def _count_out(self, job: PrefillJob) -> None:
-        self.counters.queued_prefill_tokens -= len(job.token_ids)
-        self._jobs_per_address[job.decode_address] -= 1
-        if self._jobs_per_address[job.decode_address] <= 0:
-            del self._jobs_per_address[job.decode_address]
+        admitted = Admitted()
+        try:
+            yield admitted
+        finally:
+            if admitted.tokens:
+                self.admission.release(admitted.tokens)
+            self.counters.queued_prefill_tokens -= len(job.token_ids)
+            self._jobs_per_address[job.decode_address] -= 1
+            if self._jobs_per_address[job.decode_address] <= 0:
+                del self._jobs_per_address[job.decode_address]
 
     async def _admit(self, job: PrefillJob, left: Callable[[], float]) -> int:
         """Wait for admission (:mod:`prefill_node.admission`); returns the tokens to release."""

@@ -104,6 +104,32 @@ async def test_a_job_that_fails_after_its_lease_gives_every_slot_back(pair, chat
     assert result.committed
 
 
+async def test_a_job_cancelled_again_while_it_cleans_up_leaves_p_as_it_found_it(pair, chat_prompts):
+    """A request aborted twice (two masters each send the abort): the second lands while the job
+    waits for its engine; P still counts it out, gives back its admission and frees the channel."""
+    reported = asyncio.Event()
+
+    async def stuck(first) -> None:
+        reported.set()
+        await asyncio.sleep(3600)
+
+    job = asyncio.create_task(pair.p.run_job(pair.job(chat_prompts[2]), stuck))
+    await asyncio.wait_for(reported.wait(), 60.0)
+    job.cancel()
+    await asyncio.sleep(0)  # its cleanup starts and waits for the engine thread
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    assert pair.p.counters.queued_prefill_tokens == 0 and pair.p.admission.admitted_tokens == 0
+    assert not pair.channel().exclusive().locked()
+    deadline = time.monotonic() + 10.0
+    while pair.p.engine.requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not pair.p.engine.requests
+    _, result = await pair.run(chat_prompts[3])  # the pair still works
+    assert result.committed
+
+
 async def test_an_abort_before_the_handover_frees_every_reserved_slot(push_pair, chat_prompts):
     idle = (await push_pair.d_stats())["idle"]
     request_id = uuid.uuid4().hex

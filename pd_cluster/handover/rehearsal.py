@@ -60,6 +60,7 @@ async def rehearse_handover(engine: LLMEngine, worker: EngineWorker, reservation
                                          device=engine.device))
             await sender.release(left)
         finally:
+            sender.abandon()
             await sender.close()
     finally:
         await link.aclose()

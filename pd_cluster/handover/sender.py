@@ -8,8 +8,9 @@ Every path is driven the same way (``prefill_node.service`` runs that one lifecy
    fed each layer's KV as the forward stores it.
 3. At the first token, :meth:`KVSender.commit` (move what is left, hand the request over) or
    :meth:`KVSender.release` (the request ended there).
-4. :meth:`KVSender.close`, whatever happened: what is still held (D's lease, an open exchange
-   on the channel) is given back, so no KV slot outlives the job on either side.
+4. Whatever happened, :meth:`KVSender.abandon` at once (what is still in flight stops: an open
+   exchange on the channel), then :meth:`KVSender.close` once P's engine let go of the request
+   (D's lease, if still held, is given back), so no KV slot outlives the job on either side.
 
 A new way to move KV (a tensor-parallel re-shard, a quantized copy) is one more subclass.
 """
@@ -103,6 +104,10 @@ class KVSender(ABC):
         self.settled = True
         await self.channel.request(ReleaseLease(lease_id=self.lease.lease_id), left())
         return Handed(bytes_sent=0, seconds=0.0)
+
+    def abandon(self) -> None:
+        """The job is ending: stop at once what is still in flight (nothing by default). It does
+        not wait, so it runs even for a job cancelled again while it cleans up."""
 
     async def close(self) -> None:
         """After the job, whatever happened: a lease neither committed nor released goes back."""

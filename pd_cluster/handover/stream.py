@@ -167,7 +167,7 @@ class StreamSender(KVSender):
         self.settled = True
         return Handed(bytes_sent=sent, seconds=seconds, visible_seconds=visible if committed else None)
 
-    async def close(self) -> None:
+    def abandon(self) -> None:
         if self._holding:
             # Half an exchange leaves the two ends out of step: never reuse the channel.
             if self._sending is not None and not self._sending.done():
@@ -175,4 +175,3 @@ class StreamSender(KVSender):
             self.channel.close()
             self._holding = False
             self.channel.exclusive().release()
-        await super().close()
