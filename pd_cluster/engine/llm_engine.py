@@ -258,7 +258,7 @@ class LLMEngine:
         sched = self.scheduler
         if (self._side_stream is None or self._in_flight is None or len(self._aside) >= MAX_ASIDE
                 or self._frees_at_launch != (self.pool.frees, self.table.frees)
-                or req.grammar is not None or has_penalties(req.sampling)
+                or req.grammar is not None or has_penalties(req.sampling.params)
                 or len(sched.running) + len(self._aside) >= config.max_running_requests
                 or self.table.num_free_rows == 0):
             return False
@@ -603,7 +603,7 @@ class LLMEngine:
             req.first_token_time = now
         self.stats.generation_tokens += 1
         self._deferred.append((req, tok, first))
-        grammar_done = self.grammars.advance(req)
+        grammar_done = req.advance_grammar()
         count = count if count is not None else len(req.output_token_ids)
         if req.prefill_only or grammar_done or req.output.ends_with_token(tok.token_id, count):
             self._drop_pending(req)
@@ -635,7 +635,7 @@ class LLMEngine:
             req.logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
-        update = req.output.append(token_id, grammar_done=self.grammars.advance(req))
+        update = req.output.append(token_id, grammar_done=req.advance_grammar())
         self.stats.generation_tokens += 1
         if update.finish_reason is not None:
             self._finish(req, update.finish_reason)
