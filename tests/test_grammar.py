@@ -46,11 +46,11 @@ def allowed(grammars: Grammars, state) -> set[int]:
 
 
 class _Req:
-    """What :meth:`Grammars.apply_masks` reads of a request."""
+    """What :meth:`Grammars.apply_masks` reads of a request (a ``GrammarRow``)."""
 
     def __init__(self, grammar, output: list[int]) -> None:
         self.grammar = grammar
-        self.sampling = type("S", (), {"output_token_ids": output})()
+        self.output_token_ids = output
 
 
 def spec(schema: dict = SCHEMA) -> StructuredOutput:

@@ -22,15 +22,12 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from pd_cluster.grammar_spec import JSON_OPTIONS, GrammarError, check_spec, grammar_text
 from pd_cluster.sampling_params import SamplingParams, StructuredOutput
-
-if TYPE_CHECKING:
-    from pd_cluster.engine.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +88,21 @@ class GrammarState:
         """No token but EOS can follow: the output is complete (or the matcher failed)."""
         return self._failed or self.matcher.is_stopped()
 
+    def advance(self, output_token_ids: Sequence[int]) -> bool:
+        """Take the output's newest tokens into the matcher; True when the grammar is complete."""
+        self.sync(output_token_ids)
+        return self.terminated
+
+
+class GrammarRow(Protocol):
+    """What a step's mask reads of the request of one row: its grammar and its output so far."""
+
+    @property
+    def grammar(self) -> GrammarState | None: ...
+
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
 
 class Grammars:
     """An engine's grammar side: the vocabulary as llguidance sees it (built on first use), the
@@ -144,15 +156,7 @@ class Grammars:
         carried = list(prompt_token_ids[len(prompt_token_ids) - offset:]) if offset else []
         return GrammarState(self.matcher(params.structured), carried)
 
-    def advance(self, req: "Request") -> bool:
-        """Take the request's newest tokens into its matcher; True when its grammar is complete."""
-        grammar = req.grammar
-        if grammar is None:
-            return False
-        grammar.sync(req.sampling.output_token_ids)
-        return grammar.terminated
-
-    def apply_masks(self, logits: torch.Tensor, reqs: Sequence["Request"]) -> None:
+    def apply_masks(self, logits: torch.Tensor, reqs: Sequence[GrammarRow]) -> None:
         """Mask row i of ``logits`` ``[B, V]`` by ``reqs[i]``'s grammar, in place (rows without one
         are left as they are); nothing happens when no row has a grammar."""
         rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
@@ -178,7 +182,7 @@ class Grammars:
                 mask[i].fill_(_ALL_ALLOWED)
         matchers = []
         for i, grammar in rows:
-            grammar.sync(reqs[i].sampling.output_token_ids)
+            grammar.sync(reqs[i].output_token_ids)
             matchers.append((grammar.matcher, i))
         # llguidance writes each row's words straight into the (contiguous) host mask; its torch
         # helpers are not used: importing them compiles a kernel with torch.compile.

@@ -1,4 +1,19 @@
-"""The step loop: schedule -> run the model -> sample -> update requests."""
+"""The step loop: schedule -> run the model -> sample -> process the outputs.
+
+One loop serves every mode; overlap scheduling (``EngineConfig.overlap_schedule``, by default on
+CUDA devices) is how far ahead it works, so that the device never waits on the host:
+
+- a token's text is made one call after its id is taken (detokenizing and looking for stop
+  strings while the device runs the next step);
+- where nothing needs a step's end at once (:meth:`LLMEngine._can_pipeline`), the next step is
+  launched before this one's ids are read back: one step in flight, its rows taking the ids of
+  the step before on the device, optionally launched just before that step ends (late launch,
+  :mod:`pd_cluster.engine.launch_timing`), with prefills on a side stream beside it
+  (:mod:`pd_cluster.engine.side_prefill`).
+
+What a sampled id does to its request (taken, ended, detokenized) is the postprocessor's
+(:mod:`pd_cluster.engine.postprocess`).
+"""
 
 from __future__ import annotations
 
@@ -20,24 +35,19 @@ from pd_cluster.engine.mapped_ids import MappedIds
 from pd_cluster.engine.model_runner import ModelRunner, StepHook
 from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.outputs import EngineStats, TokenUpdate
-from pd_cluster.engine.penalties import PenaltyBook, has_penalties
+from pd_cluster.engine.penalties import PenaltyBook
+from pd_cluster.engine.postprocess import InFlight, Postprocessor
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
-from pd_cluster.engine.request import PENDING, Request, RequestStatus
-from pd_cluster.engine.sampler import (
-    DeviceSample,
-    GraphDrawn,
-    SampledToken,
-    SamplingState,
-    fetch,
-    sample_on_device,
-)
-from pd_cluster.sampling_params import SamplingParams
+from pd_cluster.engine.request import Request, RequestStatus
+from pd_cluster.engine.sampler import DeviceSample, GraphDrawn, SamplingState, sample_on_device
 from pd_cluster.engine.scheduler import ScheduledStep, Scheduler
+from pd_cluster.engine.side_prefill import SidePrefills
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
 from pd_cluster.model.weights import load_weights
+from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +59,8 @@ GPU_HEADROOM_BYTES = 768 * 2**20
 #: More of it for the side stream's prefill graphs (their own buffers and memory pool).
 SIDE_GRAPHS_HEADROOM_BYTES = 256 * 2**20
 KVEventSink = Callable[[list[int], list[int]], None]
+#: The warm-up's requests (:meth:`LLMEngine.warm_up`).
+WARM_UP_IDS = ("engine-warm-up", "engine-warm-up-sampled")
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
@@ -65,34 +77,17 @@ def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
 
 
 @dataclass
-class _InFlight:
-    """A pipelined step's sampled ids still on the device, and where each goes: request ``i``'s
-    output holds :data:`PENDING` at ``positions[i]`` until they are read back."""
+class _Launched:
+    """A step whose forward is queued: its logits, and what its CUDA graph already took of them
+    (the rows' argmax, the ids it drew, that argmax in pinned host memory)."""
 
-    requests: list[Request]
-    positions: list[int]
-    #: Each request's row in ``result`` (rows of requests that ended meanwhile are skipped).
-    rows: list[int]
-    result: DeviceSample
-    #: The sampling states of all of ``result``'s rows, in row order.
-    states: list[SamplingState]
+    step: ScheduledStep
+    logits: torch.Tensor
+    argmax: torch.Tensor | None
+    drawn: GraphDrawn | None
+    mapped: MappedIds | None
     #: Events around the step's kernels (late launch's timing), if kept.
-    marks: StepMarks | None = None
-
-
-@dataclass
-class _Aside:
-    """A request prefilled on the side stream beside the step in flight, its first token not read
-    back yet; it joins the decode batch once it is."""
-
-    request: Request
-    result: DeviceSample
-    #: KV slots it took, counted against admission until it joins the batch.
-    held: int
-
-
-#: Requests prefilled on the side stream at once, at most.
-MAX_ASIDE = 4
+    marks: StepMarks | None
 
 
 class LLMEngine:
@@ -108,15 +103,26 @@ class LLMEngine:
         device_name = config.resolved_device()
         self.device = torch.device(device_name)
         self.dtype_name = config.resolved_dtype(device_name)
-        dtype = torch_dtype(self.dtype_name)
         if tokenizer is None and load_tokenizer_from_model:
             tokenizer = load_tokenizer(self.model_path)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, self.model_path)
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
-        weights = load_weights(self.model_path, self.model_config, dtype, self.device)
+        weights = load_weights(self.model_path, self.model_config, torch_dtype(self.dtype_name), self.device)
         self.model = LlamaModel(self.model_config, weights, self.device, fused_rows=config.fused_decode_rows)
+        num_slots = self._make_kv(kv_event_sink)
+        self._make_loop()
+        logger.info(
+            "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
+            self.model_config.name, self.device, self.dtype_name, num_slots,
+            num_slots * self.kv_spec.bytes_per_token / 2**20, config.block_size,
+            "on" if config.enable_prefix_cache else "off",
+        )
+
+    def _make_kv(self, kv_event_sink: KVEventSink | None) -> int:
+        """The KV pool, the prefix cache over it and the request-to-slot table; the configured slots."""
+        config = self.config
         self.kv_spec = KVSpec(
             model=self.model_config.name,
             num_layers=self.model_config.num_layers,
@@ -135,6 +141,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.table = ReqSlotTable(config.max_running_requests, self.max_model_len + 1, self.device)
+        return num_slots
+
+    def _make_loop(self) -> None:
+        """The step loop's parts (scheduler, runner, postprocessor, side prefills) and its state."""
+        config = self.config
         self.predictor = OutputLengthPredictor()
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
         self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config)
@@ -145,14 +156,12 @@ class LLMEngine:
         self.penalties = PenaltyBook(self.model_config.vocab_size, self.device)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        #: Overlap scheduling: tokens accepted by id, not yet detokenized (request, token, first).
-        self._deferred: list[tuple[Request, SampledToken, bool]] = []
-        #: Overlap scheduling: the step launched last, its tokens not yet read back.
-        self._in_flight: _InFlight | None = None
+        self.postprocessor = Postprocessor(self.scheduler, self.penalties, self.predictor, self.requests, self.stats)
         #: Prefills started on the side stream (:meth:`add_request` with ``prefill_now``).
-        self._aside: list[_Aside] = []
-        self._side_stream = (torch.cuda.Stream(self.device, priority=-1)
-                             if self.device.type == "cuda" and config.side_prefill_max_tokens > 0 else None)
+        self.side_prefills = SidePrefills(config, self.scheduler, self.cache, self.table, self.runner,
+                                          self.penalties, self.postprocessor, self.device)
+        #: Overlap scheduling: the step launched last, its tokens not yet read back.
+        self._in_flight: InFlight | None = None
         #: KV slots and request rows freed up to the last pipelined launch (the step in flight may
         #: still write those freed after it).
         self._frees_at_launch: tuple[int, int] | None = None
@@ -162,12 +171,6 @@ class LLMEngine:
         self._running_key: int | None = None
         #: The launch time last handed out (:meth:`launch_deadline`), until the launch it was for.
         self._deadline: float | None = None
-        logger.info(
-            "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
-            self.model_config.name, self.device, self.dtype_name, num_slots,
-            num_slots * self.kv_spec.bytes_per_token / 2**20, config.block_size,
-            "on" if config.enable_prefix_cache else "off",
-        )
 
     def _default_kv_tokens(self) -> int:
         """KV slots when none are configured. With ``gpu_memory_fraction`` (engines sharing a GPU) the
@@ -244,81 +247,23 @@ class LLMEngine:
         return req
 
     def _prefill_aside(self, req: Request) -> bool:
-        """Prefill a new request now on the side stream, while the pipelined step in flight runs;
-        its first token is read back with that step's and it joins the next batch. A short miss
-        (a later turn prefilled where it decodes) then waits for no decode step at all, where
-        the batch would take it two steps later: one in flight, then its own.
-
-        Safe only with nothing freed since that step's launch: the step may still write the KV
-        slots or read the request rows freed after it (a request found finished as it ran), and
-        this prefill takes free ones. Requests with penalties or a grammar, whose state the
-        batch's sampling updates, and misses above ``side_prefill_max_tokens`` join the batch as
-        usual. Returns whether it started."""
-        config = self.config
-        sched = self.scheduler
-        if (self._side_stream is None or self._in_flight is None or len(self._aside) >= MAX_ASIDE
-                or self._frees_at_launch != (self.pool.frees, self.table.frees)
-                or req.grammar is not None or has_penalties(req.sampling)
-                or len(sched.running) + len(self._aside) >= config.max_running_requests
-                or self.table.num_free_rows == 0):
+        """Prefill a new request now on the side stream, while the pipelined step in flight runs
+        (:mod:`pd_cluster.engine.side_prefill`). Safe only with nothing freed since that step's
+        launch: the step may still write the KV slots or read the request rows freed after it (a
+        request found finished as it ran), and this prefill takes free ones. Returns whether it
+        started."""
+        if self._in_flight is None or self._frees_at_launch != (self.pool.frees, self.table.frees):
             return False
-        n = req.num_tokens
-        match = self.cache.match_prefix(req.token_ids(0, n))
-        block = self.cache.block_size
-        usable = min(match.num_tokens, ((n - 1) // block) * block)
-        miss = n - usable
-        if miss > min(config.side_prefill_max_tokens, config.max_num_batched_tokens):
+        miss = self.side_prefills.start(req)
+        if miss is None:
             return False
-        if sched.running and not sched.fits(n, sched.predicted_left(req.sampling.params, 0)):
-            return False
-        self.cache.inc_ref(match.node)
-        slots = sched.alloc_slots(miss)
-        if slots is None:
-            self.cache.dec_ref(match.node)
-            return False
-        row = self.table.alloc_row()
-        assert row is not None  # checked above
-        req.row, req.prefix_node, req.num_computed = row, match.node, usable
-        req.num_cached_tokens, req.admitted_once = usable, True
-        req.status = RequestStatus.RUNNING
-        step = ScheduledStep()
-        step.add(req, miss, slots, sample=True)
-        with torch.cuda.stream(self._side_stream):
-            if usable:
-                self.table.write(row, 0, match.slots[:usable])
-            logits = self.runner.run(step, side=True)
-            result = sample_on_device(logits, [req.sampling], self.penalties)
-        req.num_computed = n
-        sched.external_held += miss
-        self.stats.computed_tokens += miss
-        self.stats.side_prefills += 1
-        if self.stats.side_prefills & (self.stats.side_prefills - 1) == 0:  # 1, 2, 4, 8, ...: a trace, not a flood
+        stats = self.stats
+        stats.computed_tokens += miss
+        stats.side_prefills += 1
+        if stats.side_prefills & (stats.side_prefills - 1) == 0:  # 1, 2, 4, 8, ...: a trace, not a flood
             logger.info("%d of %d requests asked to prefill at once did so on the side stream",
-                        self.stats.side_prefills, self.stats.prefill_now_requests)
-        self._aside.append(_Aside(req, result, miss))
+                        stats.side_prefills, stats.prefill_now_requests)
         return True
-
-    def _collect_aside(self, block: bool) -> None:
-        """Read back the side prefills that are done (``block``: wait for all of them), accept
-        their first tokens and join them to the batch; free those aborted meanwhile."""
-        if not self._aside:
-            return
-        waiting: list[_Aside] = []
-        now = time.monotonic()
-        for entry in self._aside:
-            ready = entry.result.ready
-            if not block and ready is not None and not ready.query():
-                waiting.append(entry)
-                continue
-            [tok] = fetch(entry.result, [entry.request.sampling])
-            self.scheduler.external_held -= entry.held
-            req = entry.request
-            if req.finished:  # aborted while its prefill ran: its KV is free to go now
-                self.scheduler.release_kv(req)
-                continue
-            self.scheduler.add_running(req)
-            self._accept_id(req, tok, now)
-        self._aside = waiting
 
     def settle_freed_slots(self) -> None:
         """Before free KV slots go to a writer outside this engine's stream (KV arriving from a
@@ -337,13 +282,9 @@ class LLMEngine:
             return False
         req.finish_reason = "abort"
         req.hold_kv = False
-        if any(entry.request is req for entry in self._aside):
-            # Its prefill may still write its KV slots: they are freed once it is read back.
-            self.penalties.release(req.sampling)
-            req.status = RequestStatus.FINISHED
-            return True
-        self._drop_pending(req)
-        self.scheduler.remove(req)
+        # Prefilled on the side stream, it may still write its KV slots: freed once read back.
+        if not self.side_prefills.holds(req):
+            self.scheduler.remove(req)
         self.penalties.release(req.sampling)
         req.status = RequestStatus.FINISHED
         return True
@@ -352,9 +293,13 @@ class LLMEngine:
         """Free the KV a finished ``hold_kv`` request kept (into the prefix cache)."""
         self.scheduler.release_kv(req)
 
+    def held_slots(self, req: Request) -> torch.Tensor:
+        """KV slots of a finished ``hold_kv`` request's computed tokens (CPU int64)."""
+        return self.table.read(req.row, req.num_computed)
+
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_work() or bool(self._deferred) or self._in_flight is not None
-                or bool(self._aside))
+        return (self.scheduler.has_work() or bool(self.postprocessor.deferred) or self._in_flight is not None
+                or self.side_prefills.pending)
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -370,66 +315,47 @@ class LLMEngine:
         return self.device.type == "cuda" if flag is None else flag
 
     def step(self) -> list[TokenUpdate]:
-        if self.pipelined:
-            if self._can_pipeline():
-                return self._step_pipelined()
-            self._read_back_in_flight()
-            self._collect_aside(block=True)
-            return self._step_overlapped()
-        step = self.scheduler.schedule()
-        if not step.requests:
-            return []
-        logits = self.runner.run(step, self._layer_hooks)
-        argmax, drawn, mapped = self.runner.last_argmax, self.runner.last_drawn, self.runner.last_mapped
-        self.stats.steps += 1
-        self.stats.computed_tokens += step.num_tokens
-        sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
-        for req, q_len in zip(step.requests, step.q_lens):
-            req.num_computed += q_len
-        updates: list[TokenUpdate] = []
-        if not sampling_reqs:
-            return updates
-        self.grammars.apply_masks(logits, sampling_reqs)
-        tokens = fetch(self._sample(logits, argmax, drawn, sampling_reqs, mapped), [r.sampling for r in sampling_reqs])
-        now = time.monotonic()
-        for req, tok in zip(sampling_reqs, tokens):
-            updates.append(self._accept(req, tok.token_id, tok.logprob, now))
-        return updates
+        """One turn of the loop: schedule -> run -> process the outputs; the updates of the tokens
+        whose text is out. Launching one step ahead (:meth:`_launches_ahead`), a call:
 
-    def _step_overlapped(self) -> list[TokenUpdate]:
-        """One step with the host's per-token work moved off the device's critical path: this
-        step's forward and sampling are launched first, then the previous step's tokens are
-        detokenized and checked for stop strings while the device runs, then this step's ids are
-        copied and accepted by id (EOS, stop ids and the length limit end a request at once).
+        1. schedules this step and launches its forward while the previous step may still run;
+           rows whose input is the previous step's token take it on the device (the host holds
+           :data:`~pd_cluster.engine.request.PENDING` in its place);
+        2. reads back the previous step's tokens (the forward keeps the device busy) and takes
+           them: EOS, stop ids and the length limit end a request at once, and what this step
+           computes for it is dropped;
+        3. fills this step's grammar masks (the previous tokens are in their matchers) and
+           launches its sampling, leaving the step in flight;
+        4. detokenizes the tokens read back; a stop string found there ends its request one step
+           late, dropping the token this step draws for it and freeing its KV slot.
 
-        A stop string found in the previous step's text ends its request one step late: the token
-        this step drew for it is dropped, and its KV slot is freed with the request's others.
-        Updates come one call later than without overlap; :meth:`has_unfinished` stays true
-        until they are out."""
-        step = self.scheduler.schedule()
-        launched = None
-        if step.requests:
-            logits = self.runner.run(step, self._layer_hooks)
-            argmax, drawn, mapped = self.runner.last_argmax, self.runner.last_drawn, self.runner.last_mapped
-            self.stats.steps += 1
-            self.stats.computed_tokens += step.num_tokens
-            sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
-            for req, q_len in zip(step.requests, step.q_lens):
-                req.num_computed += q_len
-            if sampling_reqs:
-                self.grammars.apply_masks(logits, sampling_reqs)
-                launched = (sampling_reqs, self._sample(logits, argmax, drawn, sampling_reqs, mapped))
-        updates = self._detokenize_deferred()
-        if launched is not None:
-            sampling_reqs, result = launched
-            tokens = fetch(result, [r.sampling for r in sampling_reqs])
-            now = time.monotonic()
-            for req, tok in zip(sampling_reqs, tokens):
-                if req.finished:  # a stop string in its previous token's text ended it
-                    self.stats.dropped_tokens += 1
-                    continue
-                self._accept_id(req, tok, now)
-        return updates
+        Launching none ahead, the step in flight (if any) is read back first, and this step's
+        ids at the end of the call (:meth:`_read_back_now`). With overlap scheduling, updates
+        come one call later than without; :meth:`has_unfinished` stays true until they are out."""
+        ahead = self._launches_ahead()
+        if not ahead:
+            self._drain()
+        previous, self._in_flight = self._in_flight, None
+        launched = self._launch(previous, ahead)
+        if previous is not None:
+            self._read_back(previous)
+        if ahead:
+            # This step has the device from about now (the one before it just ended).
+            self._running_since = time.monotonic()
+            self._running_key = launched.step.num_tokens if launched is not None else None
+        # Side prefills were launched beside ``previous`` (after its launch, before this call): they
+        # end about when it does, so wait for them rather than a whole step more.
+        self.side_prefills.collect()
+        sampled = self._launch_sampling(launched)
+        if ahead:
+            self._in_flight = sampled
+            return self.postprocessor.detokenize()
+        return self._read_back_now(sampled)
+
+    def _launches_ahead(self) -> int:
+        """Steps left in flight when a call returns: 1 where overlap scheduling may launch the next
+        step before this one's ids are read back (:meth:`_can_pipeline`), else 0."""
+        return 1 if self.pipelined and self._can_pipeline() else 0
 
     def _can_pipeline(self) -> bool:
         """Whether the next step may launch before the last one's tokens are read back: not while
@@ -440,75 +366,81 @@ class LLMEngine:
         sched = self.scheduler
         return not any(r.prefill_only or r.hold_kv for queue in (sched.running, sched.waiting) for r in queue)
 
-    def _step_pipelined(self) -> list[TokenUpdate]:
-        """One step of overlap scheduling, the device never waiting on the host:
+    def _drain(self) -> None:
+        """Read back and take the pipelined step in flight and the side prefills, if any (before a
+        step launched with none ahead)."""
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self.postprocessor.read_back(previous)
+        self.side_prefills.collect()
 
-        1. this step is scheduled and its forward launched while the previous step may still run;
-           rows whose input is the previous step's token take it on the device (the host holds
-           :data:`PENDING` in its place);
-        2. the previous step's tokens are read back (the forward keeps the device busy) and
-           accepted: EOS, stop ids and the length limit end a request at once, and what this
-           step computes for it is dropped;
-        3. grammar masks for this step are filled (the previous tokens are in their matchers),
-           and its sampling is launched;
-        4. the tokens read back are detokenized; a stop string found there ends its request one
-           step late, dropping the token this step draws for it and freeing its KV slot.
-
-        Updates come one call later than without overlap; :meth:`has_unfinished` stays true until
-        they are out."""
-        previous = self._in_flight
-        self._in_flight = None
-        timer = self._launch_timer
+    def _launch(self, previous: InFlight | None, ahead: int) -> _Launched | None:
+        """Schedule a step and queue its forward (None: nothing to run); rows whose input is
+        ``previous``'s id take it on the device. A step launched ahead is timed for late launch
+        and notes the frees up to its launch."""
         began = time.monotonic()
         step = self.scheduler.schedule()
-        logits = None
-        marks = None
-        if step.requests:
-            device_tokens = previous.result.tokens if previous is not None else None
-            if timer is not None and timer.wants(step.num_tokens):
-                marks = timer.begin(step.num_tokens, self.device)
-            logits = self.runner.run(step, None, device_tokens)
-            if timer is not None:
-                self._note_launch(timer, marks, previous, time.monotonic() - began)
-            argmax, drawn, mapped = self.runner.last_argmax, self.runner.last_drawn, self.runner.last_mapped
+        if not step.requests:
+            return None
+        timer = self._launch_timer if ahead else None
+        marks = timer.begin(step.num_tokens, self.device) if timer is not None and timer.wants(step.num_tokens) else None
+        device_tokens = previous.result.tokens if previous is not None else None
+        logits = self.runner.run(step, self._layer_hooks, device_tokens)
+        if timer is not None:
+            self._note_launch(timer, marks, previous, time.monotonic() - began)
+        runner = self.runner
+        launched = _Launched(step, logits, runner.last_argmax, runner.last_drawn, runner.last_mapped, marks)
+        if ahead:
             self._frees_at_launch = (self.pool.frees, self.table.frees)
-            self.stats.steps += 1
-            self.stats.computed_tokens += step.num_tokens
-            for req, q_len in zip(step.requests, step.q_lens):
-                req.num_computed += q_len
-        if previous is not None:
-            self._read_back(previous)
-            if timer is not None and previous.marks is not None:
-                timer.observe(previous.marks)
-        # This step has the device from about now (the one before it just ended).
-        self._running_since = time.monotonic()
-        self._running_key = step.num_tokens if logits is not None else None
-        # Side prefills were launched beside ``previous`` (after its launch, before this call): they
-        # end about when it does, so wait for them rather than a whole step more.
-        self._collect_aside(block=True)
-        if logits is not None:
-            sampling_reqs = [r for r, s in zip(step.requests, step.samples) if s]
-            if sampling_reqs:
-                self.grammars.apply_masks(logits, sampling_reqs)
-                result = self._sample(logits, argmax, drawn, sampling_reqs, mapped)
-                if marks is not None:
-                    timer.finish(marks, self.device)
-                live, positions, rows = [], [], []
-                for i, req in enumerate(sampling_reqs):
-                    if req.finished or req.row < 0:  # ended when its previous token was read back
-                        self.stats.dropped_tokens += 1
-                        continue
-                    out = req.sampling.output_token_ids
-                    live.append(req)
-                    rows.append(i)
-                    positions.append(len(out))
-                    out.append(PENDING)
-                    req.pending_index = i
-                    req.last_token_pending = len(out) >= req.sampling.params.max_tokens
-                if live:
-                    self._in_flight = _InFlight(live, positions, rows, result, [r.sampling for r in sampling_reqs],
-                                                marks)
-        return self._detokenize_deferred()
+        self.stats.steps += 1
+        self.stats.computed_tokens += step.num_tokens
+        for req, q_len in zip(step.requests, step.q_lens):
+            req.num_computed += q_len
+        return launched
+
+    def _launch_sampling(self, launched: _Launched | None) -> InFlight | None:
+        """Fill the grammar masks of the step's sampling rows (their previous tokens taken by now)
+        and queue their sampling; their places held for the ids (None: no id to wait for)."""
+        if launched is None:
+            return None
+        step = launched.step
+        reqs = [r for r, s in zip(step.requests, step.samples) if s]
+        if not reqs:
+            return None
+        self.grammars.apply_masks(launched.logits, reqs)
+        result = self._sample(launched, reqs)
+        if launched.marks is not None and self._launch_timer is not None:
+            self._launch_timer.finish(launched.marks, self.device)
+        return self.postprocessor.hold_places(reqs, result, launched.marks)
+
+    def _sample(self, launched: _Launched, reqs: list[Request]) -> DeviceSample:
+        """Launch the sampling of ``reqs``' rows of the step's logits, with what its graph took of
+        them (a graph draws no row with a grammar), unless a grammar mask changed the logits since."""
+        argmax, drawn, mapped = launched.argmax, launched.drawn, launched.mapped
+        if any(r.grammar is not None for r in reqs):
+            argmax = drawn = mapped = None
+        return sample_on_device(launched.logits, [r.sampling for r in reqs], self.penalties, argmax, drawn, mapped)
+
+    def _read_back(self, launched: InFlight, text_now: bool = False) -> list[TokenUpdate]:
+        """Take a launched step's ids (see :meth:`Postprocessor.read_back`), and its device time
+        where it was timed."""
+        updates = self.postprocessor.read_back(launched, text_now)
+        if self._launch_timer is not None and launched.marks is not None:
+            self._launch_timer.observe(launched.marks)
+        return updates
+
+    def _read_back_now(self, sampled: InFlight | None) -> list[TokenUpdate]:
+        """End a call that leaves no step in flight: its ids read back. With overlap scheduling the
+        text of the tokens taken by the last call is made first, while the device runs this step
+        (a stop string found there ends its request one step late: the id this step drew for it
+        is dropped, its KV slot freed with the request's others); without, there are none, and
+        each of this step's tokens has its text made as it is taken."""
+        updates = self.postprocessor.detokenize()
+        if sampled is not None:
+            updates += self._read_back(sampled, text_now=not self.pipelined)
+        return updates
+
+    # ---- late launch -----------------------------------------------------------------------
 
     def launch_deadline(self) -> float | None:
         """When the next step is best launched (``time.monotonic()``), or None for at once: just
@@ -522,7 +454,7 @@ class LLMEngine:
         self._deadline = deadline if deadline is not None and self._can_pipeline() else None
         return self._deadline
 
-    def _note_launch(self, timer: LaunchTimer, marks: StepMarks | None, previous: _InFlight | None,
+    def _note_launch(self, timer: LaunchTimer, marks: StepMarks | None, previous: InFlight | None,
                      seconds: float) -> None:
         """After a pipelined launch: its host time, and whether the step before still ran (this
         step's span, if timed, then times the device alone). If it did not though the launch
@@ -544,129 +476,6 @@ class LLMEngine:
             timer.forget(self._running_key)
         self._deadline = None
 
-    def _sample(self, logits: torch.Tensor, argmax: torch.Tensor | None, drawn: GraphDrawn | None,
-                reqs: list[Request], mapped: MappedIds | None = None) -> DeviceSample:
-        """Launch the sampling of ``reqs``' rows of ``logits``; ``argmax`` and ``drawn``: the rows'
-        argmax taken in the step's graph and the ids it drew (a graph draws no row with a grammar),
-        unused where a grammar mask changed the logits after them; ``mapped``: that argmax in pinned
-        host memory."""
-        if any(r.grammar is not None for r in reqs):
-            argmax = drawn = mapped = None
-        return sample_on_device(logits, [r.sampling for r in reqs], self.penalties, argmax, drawn, mapped)
-
-    def _read_back_in_flight(self) -> None:
-        """Read back and accept the pipelined step in flight, if any (before a step that cannot
-        pipeline)."""
-        if self._in_flight is not None:
-            previous, self._in_flight = self._in_flight, None
-            self._read_back(previous)
-
-    def _read_back(self, launched: _InFlight) -> None:
-        tokens = fetch(launched.result, launched.states)
-        now = time.monotonic()
-        for req, position, row in zip(launched.requests, launched.positions, launched.rows):
-            tok = tokens[row]
-            out = req.sampling.output_token_ids
-            if req.finished or position >= len(out) or out[position] != PENDING:
-                self.stats.dropped_tokens += 1  # drawn after a stop string had ended its request
-                continue
-            out[position] = tok.token_id
-            if req.pending_index is not None and position == len(out) - 1:
-                req.pending_index = None
-            self._accept_id(req, tok, now, appended=True, count=position + 1)
-
-    def _drop_pending(self, req: Request) -> None:
-        """Forget the tokens still on the device for an ending request, and free the KV slots of
-        the ones a later step already fed back (never cached: their tokens are gone)."""
-        out = req.sampling.output_token_ids
-        while out and out[-1] == PENDING:
-            out.pop()
-        req.pending_index = None
-        n = req.num_tokens
-        if req.row >= 0 and req.num_computed > n:
-            self.pool.free(self.table.read(req.row, req.num_computed)[n:])
-            req.num_computed = n
-
-    def _accept_id(self, req: Request, tok: SampledToken, now: float, appended: bool = False,
-                   count: int | None = None) -> None:
-        """Take a token into the request by id (the next step can use it); its text comes later.
-        ``appended``: the token already holds its place in the output (a pipelined step's);
-        ``count``: the output's length up to it (default: the whole output)."""
-        first = (count or len(req.output_token_ids) + (0 if appended else 1)) == 1
-        if first and req.num_cached_tokens:
-            self.stats.cached_prompt_tokens += req.num_cached_tokens
-        if not appended:
-            req.sampling.output_token_ids.append(tok.token_id)
-        if tok.logprob is not None:
-            req.logprobs.append(tok.logprob)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        self.stats.generation_tokens += 1
-        self._deferred.append((req, tok, first))
-        grammar_done = self.grammars.advance(req)
-        count = count if count is not None else len(req.output_token_ids)
-        if req.prefill_only or grammar_done or req.output.ends_with_token(tok.token_id, count):
-            self._drop_pending(req)
-            self.scheduler.remove(req)  # never scheduled again; finished once its text is out
-
-    def _detokenize_deferred(self) -> list[TokenUpdate]:
-        items, self._deferred = self._deferred, []
-        updates: list[TokenUpdate] = []
-        for req, tok, first in items:
-            if req.finished:  # aborted meanwhile
-                continue
-            update = req.output.append(tok.token_id, grammar_done=req.grammar is not None and req.grammar.terminated)
-            if update.finish_reason is not None:
-                self._finish(req, update.finish_reason)
-            elif req.prefill_only:
-                self._finish(req, None)
-            updates.append(TokenUpdate(
-                request_id=req.request_id, token_id=tok.token_id, text_delta=update.text_delta,
-                logprob=tok.logprob, finish_reason=update.finish_reason, first_token=first,
-            ))
-        return updates
-
-    def _accept(self, req: Request, token_id: int, logprob, now: float) -> TokenUpdate:
-        first = not req.output_token_ids
-        if first and req.num_cached_tokens:
-            self.stats.cached_prompt_tokens += req.num_cached_tokens
-        req.sampling.output_token_ids.append(token_id)
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        update = req.output.append(token_id, grammar_done=self.grammars.advance(req))
-        self.stats.generation_tokens += 1
-        if update.finish_reason is not None:
-            self._finish(req, update.finish_reason)
-        elif req.prefill_only:
-            self._finish(req, None)
-        return TokenUpdate(
-            request_id=req.request_id,
-            token_id=token_id,
-            text_delta=update.text_delta,
-            logprob=logprob,
-            finish_reason=update.finish_reason,
-            first_token=first,
-        )
-
-    def _finish(self, req: Request, reason: str | None) -> None:
-        """Take a request out of the batch; ``reason`` None: its prefill-only part is done."""
-        req.finish_reason = reason
-        self._drop_pending(req)
-        self.scheduler.remove(req)
-        self.penalties.release(req.sampling)
-        req.status = RequestStatus.FINISHED
-        self.requests.pop(req.request_id, None)
-        self.stats.finished_requests += 1
-        if reason is not None and not req.sampling.params.ignore_eos:
-            self.predictor.observe(len(req.output_token_ids))
-        self.stats.preemptions = self.scheduler.num_preemptions
-
-    def held_slots(self, req: Request) -> torch.Tensor:
-        """KV slots of a finished ``hold_kv`` request's computed tokens (CPU int64)."""
-        return self.table.read(req.row, req.num_computed)
-
     # ---- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self, prompt_tokens: int = 16, decode_steps: int = 1) -> float:
@@ -681,8 +490,6 @@ class LLMEngine:
         Leaves the engine as it found it: every KV slot it took is free again, the prefix cache
         is untouched (nothing inserted, no KV events), and the stats are unchanged. The engine
         must be idle (no requests)."""
-        import kernels
-
         if self.requests or self.scheduler.has_work():
             raise RuntimeError("warm_up needs an idle engine")
         budget = min(self.max_model_len, self.pool.num_free // 2) - decode_steps - 1
@@ -691,42 +498,56 @@ class LLMEngine:
             return 0.0
         started = time.monotonic()
         n = min(prompt_tokens, budget)
-        vocab = self.model_config.vocab_size
-        token_ids = [(7 * i + 3) % vocab for i in range(n)]
-        greedy = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
-        sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.01, repetition_penalty=1.1,
-                                 frequency_penalty=0.1, presence_penalty=0.1, logit_bias={1 % vocab: 1.0},
-                                 logprobs=1, seed=0, max_tokens=decode_steps + 1, ignore_eos=True)
-        warm_ids = ("engine-warm-up", "engine-warm-up-sampled")
         stats, preemptions, cache_enabled = self.stats, self.scheduler.num_preemptions, self.cache.enabled
-        self.stats = EngineStats()
+        self._count_into(EngineStats())
         self.cache.enabled = False  # the request's KV goes back to the pool, not into the cache
         try:
-            self.add_request(warm_ids[0], token_ids, greedy)
-            self.add_request(warm_ids[1], token_ids, sampled)
-            for _ in range(n + decode_steps + 3):  # each step makes progress: bounded (+2: overlap's last)
-                if not self.has_unfinished():
-                    break
-                self.step()
-            slots = self.pool.alloc(min(self.kv_spec.block_size, self.pool.num_free))
-            if slots is not None and slots.numel():
-                try:
-                    device_slots = slots.to(self.device)
-                    buffer = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, device_slots)
-                    kernels.scatter_kv(buffer, self.pool.k_cache, self.pool.v_cache, device_slots)
-                    kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, device_slots,
-                                          self.pool.k_cache, self.pool.v_cache, device_slots)
-                finally:
-                    self.pool.free(slots)
+            self._run_warm_up_requests(n, decode_steps)
+            self._move_warm_up_kv()
         finally:
-            for request_id in warm_ids:
+            for request_id in WARM_UP_IDS:
                 if request_id in self.requests:
                     self.abort(request_id)
             self.cache.enabled = cache_enabled
-            self.stats = stats
+            self._count_into(stats)
             self.scheduler.num_preemptions = preemptions
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.monotonic() - started
         logger.info("engine warmed up in %.2fs (prefill of %d tokens, %d decode steps)", seconds, n, decode_steps)
         return seconds
+
+    def _count_into(self, stats: EngineStats) -> None:
+        """Count from now on into ``stats`` (the engine's and its postprocessor's counters are one)."""
+        self.stats = self.postprocessor.stats = stats
+
+    def _run_warm_up_requests(self, prompt_tokens: int, decode_steps: int) -> None:
+        """The greedy and the fully sampled warm-up request, stepped until they end."""
+        vocab = self.model_config.vocab_size
+        token_ids = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
+        greedy = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.01, repetition_penalty=1.1,
+                                 frequency_penalty=0.1, presence_penalty=0.1, logit_bias={1 % vocab: 1.0},
+                                 logprobs=1, seed=0, max_tokens=decode_steps + 1, ignore_eos=True)
+        self.add_request(WARM_UP_IDS[0], token_ids, greedy)
+        self.add_request(WARM_UP_IDS[1], token_ids, sampled)
+        for _ in range(prompt_tokens + decode_steps + 3):  # each step makes progress: bounded (+2: overlap's last)
+            if not self.has_unfinished():
+                break
+            self.step()
+
+    def _move_warm_up_kv(self) -> None:
+        """Gather a block of KV and scatter it back, and copy it slot to slot, as handovers do."""
+        import kernels
+
+        slots = self.pool.alloc(min(self.kv_spec.block_size, self.pool.num_free))
+        if slots is None or not slots.numel():
+            return
+        try:
+            device_slots = slots.to(self.device)
+            buffer = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, device_slots)
+            kernels.scatter_kv(buffer, self.pool.k_cache, self.pool.v_cache, device_slots)
+            kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, device_slots,
+                                  self.pool.k_cache, self.pool.v_cache, device_slots)
+        finally:
+            self.pool.free(slots)

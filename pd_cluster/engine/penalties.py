@@ -6,7 +6,7 @@ step costs host time that grows with the output. Instead each request with a pen
 in two device tables, filled once from its lists and then bumped on the device by every token
 sampled for it: a step reads its rows with one gather and writes them with one scatter.
 
-A row reflects a known number of the request's output tokens (:attr:`SamplingState.penalty_len`);
+A row reflects a known number of the request's output tokens (:attr:`PenalizedState.penalty_len`);
 when the host's list no longer matches it (a token the engine dropped, a request restarted) the
 row is rebuilt from the lists, so the tables are a cache that cannot drift from the host's truth.
 
@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pd_cluster.engine.device_copy import tensor_on, to_device
-
-if TYPE_CHECKING:
-    from pd_cluster.engine.sampler import SamplingState
+from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -33,9 +31,23 @@ _NEUTRAL = 0
 _FIRST_CAPACITY = 8
 
 
-def has_penalties(state: "SamplingState") -> bool:
-    p = state.params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+def has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+class PenalizedState(Protocol):
+    """What the book reads and keeps of one request's sampling state (the sampler's
+    ``SamplingState``): its settings and token lists, and its row here."""
+
+    params: SamplingParams
+    output_token_ids: list[int]
+    penalty_book: PenaltyBook | None
+    penalty_row: int | None
+    penalty_len: int
+
+    def counted_output(self) -> list[int]: ...
+
+    def prompt_ids_tensor(self) -> torch.Tensor: ...
 
 
 class PenaltyBook:
@@ -68,7 +80,7 @@ class PenaltyBook:
         self._free.extend(range(new - 1, max(old, 1) - 1, -1))
         logger.debug("penalty tables grown to %d rows", new)
 
-    def _fill(self, state: "SamplingState") -> None:
+    def _fill(self, state: PenalizedState) -> None:
         """(Re)build ``state``'s row from its token lists."""
         assert self.counts is not None and self.seen is not None
         row = state.penalty_row
@@ -84,12 +96,12 @@ class PenaltyBook:
         self.seen[row].index_fill_(0, seen, True)
         state.penalty_len = len(state.output_token_ids)
 
-    def rows(self, states: Sequence["SamplingState"]) -> list[int]:
+    def rows(self, states: Sequence[PenalizedState]) -> list[int]:
         """Each state's row (row 0 for a state without penalties), taking and filling rows for new
         ones and rebuilding rows whose state moved on without them."""
         out = []
         for state in states:
-            if not has_penalties(state):
+            if not has_penalties(state.params):
                 out.append(_NEUTRAL)
                 continue
             if state.penalty_book is not self:
@@ -103,7 +115,7 @@ class PenaltyBook:
             out.append(state.penalty_row)
         return out
 
-    def record(self, states: Sequence["SamplingState"], tokens: torch.Tensor) -> None:
+    def record(self, states: Sequence[PenalizedState], tokens: torch.Tensor) -> None:
         """Count ``tokens`` ``[B]`` (on the device; row i sampled for ``states[i]``) into the rows
         of the states with penalties; the host appends the same tokens to their lists."""
         picked = [(i, s.penalty_row) for i, s in enumerate(states) if s.penalty_book is self]
@@ -118,7 +130,7 @@ class PenaltyBook:
         for i, _ in picked:
             states[i].penalty_len += 1
 
-    def release(self, state: "SamplingState") -> None:
+    def release(self, state: PenalizedState) -> None:
         """Give ``state``'s row back (a finished or aborted request)."""
         if state.penalty_book is self and state.penalty_row is not None:
             self._free.append(state.penalty_row)

@@ -101,6 +101,11 @@ class Request:
         out = self.sampling.output_token_ids
         return bool(out) and out[-1] == PENDING
 
+    def advance_grammar(self) -> bool:
+        """Take the newest output tokens into the grammar's matcher; True when the grammar is
+        complete (never without one)."""
+        return self.grammar is not None and self.grammar.advance(self.sampling.output_token_ids)
+
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

@@ -22,7 +22,7 @@ from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.length_predictor import OutputLengthPredictor
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
-from pd_cluster.engine.request import Request, RequestStatus
+from pd_cluster.engine.request import PENDING, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +114,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, req: Request) -> None:
-        """Drop a request from the queues (finished or aborted), releasing its KV unless held."""
+        """Drop a request from the queues (ended or aborted): forget its tokens still on the
+        device, and release its KV unless held."""
+        self._drop_pending(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         if not req.hold_kv:
             self.release_kv(req)
+
+    def _drop_pending(self, req: Request) -> None:
+        """Forget the tokens still on the device for an ending request, and free the KV slots of
+        the ones a later step already fed back (never cached: their tokens are gone)."""
+        out = req.sampling.output_token_ids
+        while out and out[-1] == PENDING:
+            out.pop()
+        req.pending_index = None
+        n = req.num_tokens
+        if req.row >= 0 and req.num_computed > n:
+            self.pool.free(self.table.read(req.row, req.num_computed)[n:])
+            req.num_computed = n
 
     def release_kv(self, req: Request) -> None:
         """Give a request's KV to the prefix cache (whole blocks) or back to the pool."""

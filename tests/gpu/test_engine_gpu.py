@@ -253,7 +253,7 @@ def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(
     CPU path's (a KV slot or request row shared with the step in flight would change them), one
     aborted mid-prefill gives its KV back, and nothing leaks."""
     eng = engine(model_dir, "cuda", "float32", side_prefill_max_tokens=512)
-    assert eng.pipelined and eng._side_stream is not None
+    assert eng.pipelined and eng.side_prefills.stream is not None
     side_graphs = eng.runner.side_graphs
     assert side_graphs is not None and {s.decode for s in side_graphs.shapes} == {0}
     side_shapes: list[GraphShape] = []
@@ -286,7 +286,7 @@ def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(
     # The first prompt found no step in flight; most later ones (those after no free) went aside.
     assert started[0] is False and sum(started) >= 4, started
     assert len(side_shapes) == sum(started)  # each in a side graph: no prompt here is over 512 tokens
-    assert eng.scheduler.external_held == 0 and not eng._aside
+    assert eng.scheduler.external_held == 0 and not eng.side_prefills.pending
     eng.cache.flush()
     assert eng.pool.num_free == eng.pool.capacity and eng.table.num_free_rows == 8
 
