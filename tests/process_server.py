@@ -41,7 +41,7 @@ _HEADER = struct.Struct("!I")
 
 def forkserver_context() -> mp.context.BaseContext:
     """multiprocessing's "forkserver" context, its server preloading :data:`PRELOAD`: for the tests
-    whose node processes run a function of theirs (tests/pd_harness.py, tests/test_transfer.py).
+    whose node processes run a function of theirs (tests/pd_harness.py, tests/transfer/test_transfer.py).
     Each child still imports the project's modules itself, as a "spawn" child does."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))

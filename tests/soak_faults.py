@@ -3,7 +3,7 @@ while, with a fault injected every few minutes, then a report of errors, hangs a
 
     python -m tests.soak_faults --minutes 30 --fault-every 180 --out soak.json
 
-The cluster is the one of tests/test_faults_cluster.py (two peer masters, two P, two D). Faults
+The cluster is the one of tests/cluster/test_faults_cluster.py (two peer masters, two P, two D). Faults
 rotate: kill -9 a P, kill -9 a D, SIGSTOP a D for 8 s, remove a busy D (then allow it back), kill
 -9 a master (then start it again). Clients retry a request once on the other master when theirs
 is gone, as a client behind a load balancer would.
@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from tests.test_faults_cluster import MODEL, PeerMastersCluster, _client, _restart
+from tests.cluster.test_faults_cluster import MODEL, PeerMastersCluster, _client, _restart
 
 logger = logging.getLogger("soak")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 # First: it sets up Ray for loopback before Ray is imported, and holds the local Ray fixture.
-from tests.test_ray_launcher import ray_address  # noqa: F401, I001
+from tests.deploy.test_ray_launcher import ray_address  # noqa: F401, I001
 
 import httpx
 import openai

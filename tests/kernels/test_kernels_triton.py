@@ -72,10 +72,10 @@ from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_f
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
 from kernels.step_inputs import embed_step_inputs_ref, embed_step_inputs_triton
 from kernels.store_kv import store_kv_ref, store_kv_triton
-from tests.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
+from tests.kernels.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
 
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
                   "kernels.gemv", "kernels.qkv_rotary", "kernels._triton", "kernels.step_inputs"]  # fmt: skip

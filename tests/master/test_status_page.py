@@ -29,7 +29,7 @@ from tests.master_fakes import (
     ADMIN_HEADERS, FakeNode, LiveMaster, make_settings, serve_one, wait_warm, write_model_dir,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = Path(os.environ.get("PD_TEST_ARTIFACTS", REPO / "test-artifacts"))
 STATUS_TOKEN = "read-only-status-token"
 MODEL = "SmolLM2-135M-Instruct"

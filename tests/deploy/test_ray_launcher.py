@@ -253,7 +253,7 @@ def test_node_actors_take_the_spec_gpu_share(monkeypatch):
     assert options["resources"] == {"pd_prefill": 1.0} and options["name"] == "prefill-0"
 
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = REPO / "deploy" / "ray" / "cluster.yaml"
 
 

@@ -126,7 +126,7 @@ def test_children_stop_when_the_supervising_process_is_killed(tmp_path):
         time.sleep(120)
     """)
     proc = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, text=True,
-                            cwd=Path(__file__).resolve().parents[1])
+                            cwd=Path(__file__).resolve().parents[2])
     try:
         child = int(proc.stdout.readline())
         assert _alive(child)

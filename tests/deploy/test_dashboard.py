@@ -2,7 +2,7 @@
 
 Metric names and grouping labels of every query are checked against the /metrics text of a real
 master app that served a request through nodes (test doubles on its websocket); the chart is
-rendered by Helm's engine as in tests/test_helm_chart.py.
+rendered by Helm's engine as in tests/deploy/test_helm_chart.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.master_fakes import (
     FakeNode, LiveMaster, make_settings, serve_one, wait_until, wait_warm, write_model_dir,
 )
-from tests.test_helm_chart import CHART, FakeKubeAPI, Helm
+from tests.deploy.test_helm_chart import CHART, FakeKubeAPI, Helm
 
 DASHBOARD = CHART / "dashboards" / "pd-cluster.json"
 _NAME = re.compile(r"\b(pdc_[a-z0-9_]+)")
@@ -163,7 +163,7 @@ def test_chart_installs_the_dashboard_for_grafanas_sidecar(helm: Helm) -> None:
 
 @pytest.mark.timeout(60)
 def test_chart_lints_clean_with_the_dashboard_on(helm: Helm, tmp_path: Path) -> None:
-    from tests.test_helm_chart import WARNING, chart_with_values
+    from tests.deploy.test_helm_chart import WARNING, chart_with_values
 
     chart = chart_with_values(tmp_path, {"monitoring": {"dashboard": {"enabled": True}}})
     assert [m for m in helm.lint(chart) if m["Severity"] >= WARNING] == []

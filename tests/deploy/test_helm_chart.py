@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - a setup error, reported as such
         "these tests need Helm's engine: pip install --ignore-requires-python helm-sdkpy==0.1.32"
     ) from exc
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "pd-cluster"
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
 EXAMPLES = sorted((CHART / "examples").glob("*.yaml"))

@@ -1,7 +1,7 @@
 """The master owns each request until it ends: it knows its P and its D all along, re-runs it when
 either is lost (or the handover stalls), migrates streams that already reached the client, and
 makes a removed node drop what it held. Nodes here are protocol-level fakes; the same faults
-with real processes are in tests/test_faults_cluster.py."""
+with real processes are in tests/cluster/test_faults_cluster.py."""
 
 from __future__ import annotations
 
