@@ -199,6 +199,13 @@ class DirectSender(KVSender):
         self.channel.bytes_written += writer.nbytes
         return Handed(bytes_sent=writer.nbytes, seconds=seconds, visible_seconds=visible)
 
+    async def release(self, left: Deadline) -> Handed:
+        """Layer-by-layer writes may still be queued when the request ends at its first token:
+        they land before D gets its slots back (it may hand them out at once)."""
+        if self.writer is not None and not await self.writer.settle(left()):
+            raise HandoverFailed(f"the KV write into {self.lease.decode_node_id} did not finish in time")
+        return await super().release(left)
+
     def _write_whole(self, held_slots: torch.Tensor) -> None:
         """Engine thread: the prompt's missing KV into D's slots in one launch."""
         writer = self.writer
