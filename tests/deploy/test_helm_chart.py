@@ -472,6 +472,13 @@ def test_mixed_group_is_a_deployment_with_no_pods_by_default(default_release: Re
     assert mixed["spec"]["strategy"] == default_release.deployment("decode")["spec"]["strategy"]
 
 
+def test_a_recreate_strategy_drops_the_default_rolling_update(helm: Helm) -> None:
+    # Kubernetes refuses a Deployment whose Recreate strategy carries rollingUpdate settings.
+    release = helm.install({"decode": {"strategy": {"type": "Recreate"}}})
+    assert release.deployment("decode")["spec"]["strategy"] == {"type": "Recreate"}
+    assert release.deployment("prefill")["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
 def test_mixed_nodes_run_pd_cluster_mixed_and_advertise_their_pod_ip(helm: Helm) -> None:
     release = helm.install({"mixed": {"replicas": 2, "dataPort": 9200, "statusPort": 9300}}, name="mx")
     assert release.deployment("mixed")["spec"]["replicas"] == 2

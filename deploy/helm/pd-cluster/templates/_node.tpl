@@ -22,7 +22,8 @@ spec:
   replicas: {{ $v.replicas }}
   {{- with $v.strategy }}
   strategy:
-    {{- toYaml . | nindent 4 }}
+    {{- /* Kubernetes refuses rollingUpdate beside Recreate, and the default values carry one. */}}
+    {{- toYaml (ternary (omit . "rollingUpdate") . (eq (toString .type) "Recreate")) | nindent 4 }}
   {{- end }}
   selector:
     matchLabels:
