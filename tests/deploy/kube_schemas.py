@@ -113,6 +113,12 @@ def _validator(version: str, api_version: str, kind: str) -> jsonschema.Draft202
     return jsonschema.Draft202012Validator(schema, registry=Resource.from_contents(schema) @ _registry(version))
 
 
+def definition_fields(version: str, definition: str) -> set[str]:
+    """Field names of one of Kubernetes' types ("io.k8s.api.core.v1.PodSecurityContext")."""
+    resolved = _registry(version).resolver().lookup(_DEFINITIONS + definition)
+    return set(resolved.contents["properties"])
+
+
 def _where(path: Any) -> str:
     return ".".join(str(p) for p in path) or "(top)"
 

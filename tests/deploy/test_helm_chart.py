@@ -413,6 +413,60 @@ BAD_VALUES = {
     "engine value out of range": ({"decode": {"engine": {"fusedDecodeRows": 9}}}, "/decode/engine/fusedDecodeRows"),
     "engine flag without its value's type": ({"engine": {"lateLaunch": "no"}}, "/engine/lateLaunch"),
 }
+#: More of the mistakes values.schema.json refuses. Lint applies the same schema as install, so
+#: these are installed only (each lint copies the chart).
+SCHEMA_MISTAKES = {
+    **BAD_VALUES,
+    "replicas as a string": ({"decode": {"replicas": "2"}}, "/decode/replicas"),
+    "replicas not a whole number": ({"prefill": {"replicas": 1.5}}, "/prefill/replicas"),
+    "no master": ({"master": {"replicas": 0}}, "/master/replicas"),
+    "master replicas removed": ({"master": {"replicas": None}}, "replicas"),
+    "unknown role key": ({"decoder": {"replicas": 2}}, "decoder"),
+    "gpu count as a string": ({"mixed": {"gpu": "1"}}, "/mixed/gpu"),
+    "missing model": ({"model": None}, "model"),
+    "model without a source": ({"model": {"source": None}}, "source"),
+    "empty model source": ({"model": {"source": ""}}, "/model/source"),
+    "relative host path": ({"model": {"source": "hostPath", "hostPath": {"path": "models/llama"}}}, "/model/hostPath/path"),
+    "claim name not a name": ({"model": {"source": "pvc", "pvc": {"claimName": "Llama 3"}}}, "/model/pvc/claimName"),
+    "token removed": ({"auth": {"clusterToken": None}}, "clusterToken"),
+    "secret key with a space": ({"auth": {"adminTokenKey": "admin token"}}, "/auth/adminTokenKey"),
+    "existing secret not a name": ({"auth": {"existingSecret": "My Tokens"}}, "/auth/existingSecret"),
+    "image repository with its tag": ({"image": {"repository": "reg.example/pd:1.0"}}, "/image/repository"),
+    "image tag with a space": ({"image": {"tag": "1.0 cu128"}}, "/image/tag"),
+    "pull secret as a string": ({"imagePullSecrets": ["registry"]}, "/imagePullSecrets/0"),
+    "strategy misspelt": ({"decode": {"strategy": {"rollingUpdat": {"maxSurge": 1}}}}, "rollingUpdat"),
+    "negative surge": ({"decode": {"strategy": {"rollingUpdate": {"maxSurge": -1}}}}, "/decode/strategy/rollingUpdate/maxSurge"),
+    "budget neither count nor percentage": ({"mixed": {"podDisruptionBudget": {"maxUnavailable": "half"}}},
+                                            "/mixed/podDisruptionBudget/maxUnavailable"),
+    "negative budget": ({"prefill": {"podDisruptionBudget": {"maxUnavailable": -1}}}, "/prefill/podDisruptionBudget/maxUnavailable"),
+    "memory not a quantity": ({"decode": {"resources": {"limits": {"memory": "32 GB"}}}}, "/decode/resources/limits/memory"),
+    "negative cpu": ({"master": {"resources": {"requests": {"cpu": -1}}}}, "/master/resources/requests/cpu"),
+    "scratch size not a quantity": ({"tmp": {"sizeLimit": "lots"}}, "/tmp/sizeLimit"),
+    "env entry misspelt": ({"extraEnv": [{"name": "NCCL_DEBUG", "valu": "INFO"}]}, "valu"),
+    "env value not a string": ({"master": {"extraEnv": [{"name": "WORKERS", "value": 4}]}}, "/master/extraEnv/0/value"),
+    "service account not a name": ({"serviceAccount": {"name": "My_Account"}}, "/serviceAccount/name"),
+    "full name not a name": ({"fullnameOverride": "LLM_serving"}, "/fullnameOverride"),
+    "gpu resource without its domain": ({"gpuResourceName": "gpu"}, "/gpuResourceName"),
+    "source range not a CIDR": ({"master": {"service": {"type": "LoadBalancer", "loadBalancerSourceRanges": ["everyone"]}}},
+                                "/master/service/loadBalancerSourceRanges/0"),
+    "label value with a space": ({"decode": {"podLabels": {"team": "LLM serving"}}}, "/decode/podLabels"),
+    "node selector key not a label": ({"prefill": {"nodeSelector": {"gpu type": "h200"}}}, "/prefill/nodeSelector"),
+    "pod security context misspelt": ({"podSecurityContext": {"runAsUsr": 10001}}, "runAsUsr"),
+    "container security context misspelt": ({"securityContext": {"readOnlyRootFS": True}}, "readOnlyRootFS"),
+    "monitoring removed": ({"monitoring": None}, "monitoring"),
+}
+#: Mistakes across values, caught by the chart's templates (templates/validate.yaml), by what they answer.
+BAD_COMBINATIONS = {
+    "short token": ({"auth": {"adminToken": "s3cr3t"}}, "auth.adminToken must be empty"),
+    "token of spaces": ({"auth": {"clusterToken": " " * 24}}, "auth.clusterToken must be empty"),
+    "token with a space": ({"auth": {"clusterToken": "cluster token 0123456789"}}, "auth.clusterToken must be empty"),
+    "tokens beside an existing secret": ({"auth": {"existingSecret": "pd-tokens", "clusterToken": "c" * 24}},
+                                         "auth.clusterToken is not used with auth.existingSecret"),
+    "node port of a ClusterIP service": ({"master": {"service": {"nodePort": 30080}}}, "master.service.nodePort needs"),
+    "model mounted on the cache": ({"model": {"source": "pvc", "pvc": {"claimName": "llama"},
+                                              "mountPath": "/var/cache/pd-cluster/"}}, "model.cache.mountPath and model.mountPath"),
+    "cache mounted on the scratch space": ({"model": {"cache": {"mountPath": "/tmp"}}}, "must differ from each other, /tmp"),
+}
 
 
 # --- Lint ------------------------------------------------------------------------------------
@@ -442,11 +496,25 @@ def test_lint_rejects_bad_values(helm: Helm, tmp_path: Path, values: dict[str, A
 # --- Install-time validation -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("values", "where"), list(BAD_VALUES.values()), ids=list(BAD_VALUES))
+@pytest.mark.parametrize(("values", "where"), list(SCHEMA_MISTAKES.values()), ids=list(SCHEMA_MISTAKES))
 def test_install_rejects_bad_values(helm: Helm, values: dict[str, Any], where: str) -> None:
     with pytest.raises(helm_sdkpy.InstallError, match="schema") as info:
         helm.install(values)
     assert where in str(info.value)
+
+
+@pytest.mark.parametrize(("values", "message"), list(BAD_COMBINATIONS.values()), ids=list(BAD_COMBINATIONS))
+def test_install_rejects_bad_combinations_with_a_message(helm: Helm, values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm_sdkpy.InstallError, match=re.escape(message)) as info:
+        helm.install(values)
+    for token in (values.get("auth") or {}).values():
+        if token.strip():
+            assert token not in str(info.value)
+
+
+def test_install_takes_tokens_of_16_characters_or_more(helm: Helm) -> None:
+    secret = helm.install({"auth": {"clusterToken": "c" * 16, "adminToken": "a-longer-admin-token"}}).one("Secret")
+    assert base64.b64decode(secret["data"]["cluster-token"]).decode() == "c" * 16
 
 
 def test_install_rejects_grace_period_shorter_than_drain(helm: Helm) -> None:

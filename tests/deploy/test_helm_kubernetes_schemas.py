@@ -9,6 +9,7 @@ the newest kubernetes-validate knows.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,7 @@ import yaml
 
 from pd_cluster.chart_values import value_key
 from pd_cluster.engine_flags import PASSED_ON
-from tests.deploy.kube_schemas import CUSTOM_RESOURCES, manifest_errors, supported_versions
+from tests.deploy.kube_schemas import CUSTOM_RESOURCES, definition_fields, manifest_errors, supported_versions
 from tests.deploy.test_helm_chart import CHART, EXAMPLES, NODE_ROLES, FakeKubeAPI, Helm, Release, load_example
 from tests.engine_flags import sample_value
 
@@ -115,6 +116,15 @@ def test_renders_cover_every_template(releases: dict[str, Release]) -> None:
 def test_rendered_manifests_are_valid_kubernetes_objects(releases: dict[str, Release], render: str, version: str) -> None:
     errors = [e for manifest in releases[render].manifests for e in manifest_errors(manifest, version)]
     assert errors == []
+
+
+@pytest.mark.parametrize(("key", "definition"), [("podSecurityContext", "PodSecurityContext"),
+                                                 ("securityContext", "SecurityContext")])
+def test_security_context_values_take_the_fields_of_the_newest_kubernetes(key: str, definition: str) -> None:
+    # values.schema.json closes these maps so that a misspelt field is refused at install.
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"][key]
+    assert schema["additionalProperties"] is False
+    assert set(schema["properties"]) == definition_fields(KUBE_VERSIONS[-1], f"io.k8s.api.core.v1.{definition}")
 
 
 # --- The same validation on manifests with a fault in them --------------------------------------

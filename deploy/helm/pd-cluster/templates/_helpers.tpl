@@ -122,6 +122,27 @@ flag's name in camelCase, and a value that is set becomes that flag: true `--nam
 {{- if and (eq .Values.model.source "hostPath") (not .Values.model.hostPath.path) }}
 {{- fail "model.source=hostPath needs model.hostPath.path" }}
 {{- end }}
+{{- /* Messages name the value, never show it: a token must not reach a terminal or a CI log. */}}
+{{- range $key := list "clusterToken" "adminToken" }}
+{{- $token := index $.Values.auth $key | default "" | toString }}
+{{- if and $.Values.auth.existingSecret $token }}
+{{- fail (printf "auth.%s is not used with auth.existingSecret: put the token in that Secret (under auth.%sKey) and leave auth.%s empty" $key $key $key) }}
+{{- end }}
+{{- if and $token (or (lt (len $token) 16) (regexMatch "\\s" $token)) }}
+{{- fail (printf "auth.%s must be empty (a random token is then generated and kept across upgrades) or 16 characters or more without spaces" $key) }}
+{{- end }}
+{{- end }}
+{{- if and .Values.master.service.nodePort (eq .Values.master.service.type "ClusterIP") }}
+{{- fail "master.service.nodePort needs master.service.type NodePort or LoadBalancer" }}
+{{- end }}
+{{- /* Kubernetes refuses two volumes mounted at one path. */}}
+{{- $mounts := list "/tmp" "/dev/shm" (clean .Values.model.cache.mountPath) }}
+{{- if ne .Values.model.source "default" }}
+{{- $mounts = append $mounts (clean .Values.model.mountPath) }}
+{{- end }}
+{{- if ne (len $mounts) (len (uniq $mounts)) }}
+{{- fail "model.cache.mountPath and model.mountPath (of a pvc or hostPath model) must differ from each other, /tmp and /dev/shm" }}
+{{- end }}
 {{- range $role := include "pd-cluster.nodeRoles" $ | splitList " " }}
 {{- $v := index $.Values $role }}
 {{- if and $v.terminationGracePeriodSeconds (le (int $v.terminationGracePeriodSeconds) (int $v.drainTimeoutSeconds)) }}
