@@ -15,13 +15,20 @@ import hmac
 import json
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 #: Bytes of randomness in a nonce (sent as hex).
 NONCE_BYTES = 32
 #: A nonce or a proof on the wire: 64 lowercase hex digits.
 HEX_256 = r"^[0-9a-f]{64}$"
 _DOMAIN = "pd-cluster cluster-token proof v1"
+
+#: Fields of the handshake messages: a node id, a nonce, a proof (never shown in a repr).
+NodeId = Annotated[str, Field(min_length=1, max_length=128)]
+Nonce = Annotated[str, Field(pattern=HEX_256)]
+Proof = Annotated[str, Field(pattern=HEX_256, repr=False)]
 
 Link = Literal["data-plane", "master-link"]
 Side = Literal["dialer", "listener"]

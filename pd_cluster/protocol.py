@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from pd_cluster.cluster_proof import HEX_256, Transcript
+from pd_cluster.cluster_proof import NodeId, Nonce, Proof, Transcript
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.kv_spec import KVSpec
 
@@ -48,24 +48,24 @@ class LinkHello(_Message):
     """Node -> master, first frame: who dials, and the node's nonce."""
 
     type: Literal["link.hello"] = "link.hello"
-    node_id: str = Field(min_length=1, max_length=128)
-    nonce: str = Field(pattern=HEX_256)
+    node_id: NodeId
+    nonce: Nonce
 
 
 class LinkChallenge(_Message):
     """Master -> node: the master's id and nonce, and its proof of the cluster token."""
 
     type: Literal["link.challenge"] = "link.challenge"
-    master_id: str = Field(min_length=1, max_length=128)
-    nonce: str = Field(pattern=HEX_256)
-    proof: str = Field(pattern=HEX_256, repr=False)
+    master_id: NodeId
+    nonce: Nonce
+    proof: Proof
 
 
 class LinkProof(_Message):
     """Node -> master, once the master proved itself: the node's proof."""
 
     type: Literal["link.proof"] = "link.proof"
-    proof: str = Field(pattern=HEX_256, repr=False)
+    proof: Proof
 
 
 def link_transcript(hello: LinkHello, master_id: str, master_nonce: str) -> Transcript:

@@ -15,7 +15,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 
@@ -248,6 +248,21 @@ class PeerChannel(ChannelCounters):
         raise ChannelError(f"{what} on channel to {self.address} failed: {detail}") from error
 
 
+_Answer = TypeVar("_Answer", bound=DataMessage)
+
+
+async def _exchange(stream: FramedStream, message: DataMessage, answer: type[_Answer], address: str,
+                    timeout: float) -> _Answer:
+    """One handshake step: send ``message``, read D's answer; a Refused raises HandshakeRefused."""
+    await stream.send(message, timeout)
+    reply = await stream.receive(timeout)
+    if isinstance(reply, Refused):
+        raise HandshakeRefused(reply.reason)
+    if not isinstance(reply, answer):
+        raise ChannelError(f"{address} answered the {message.type!r} with {reply.type!r}")
+    return reply
+
+
 def _left(deadline: float) -> float:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -291,12 +306,7 @@ async def dial(
         device_type, device_uuid = device_identity(device)
         join = Join(proof=proof, kv_spec=kv_spec, device_type=device_type, device_uuid=device_uuid,
                     host_id=host_identity() if kv_ipc else None, kv_ipc_kinds=openable_kinds(device) if kv_ipc else [])
-        await stream.send(join, connect_timeout)
-        answer = await stream.receive(connect_timeout)
-        if isinstance(answer, Refused):
-            raise HandshakeRefused(answer.reason)
-        if not isinstance(answer, Welcome):
-            raise ChannelError(f"{address} answered the join with {answer.type!r}")
+        answer = await _exchange(stream, join, Welcome, address, connect_timeout)
         channel = TensorChannel(device, answer.backend, DIALER_RANK, answer.group_timeout_s)
         channel.peer_gone = stream.peer_gone
         await channel.join_store(host, answer.store_port, connect_timeout)
@@ -329,12 +339,7 @@ async def _prove_both_ways(stream: FramedStream, address: str, token: str, node_
     cannot prove it holds the token is sent nothing more: :class:`HandshakeRefused` (it is not
     a decode node of this cluster)."""
     hello = Hello(node_id=node_id, nonce=new_nonce())
-    await stream.send(hello, timeout)
-    challenge = await stream.receive(timeout)
-    if isinstance(challenge, Refused):
-        raise HandshakeRefused(challenge.reason)
-    if not isinstance(challenge, Challenge):
-        raise ChannelError(f"{address} answered the hello with {challenge.type!r}")
+    challenge = await _exchange(stream, hello, Challenge, address, timeout)
     proofs = transcript(hello, challenge.node_id, challenge.nonce)
     if not proofs.verify(token, "listener", challenge.proof):
         raise HandshakeRefused(f"the peer at {address} (calling itself {challenge.node_id!r}) could not prove it "

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from pd_cluster.cluster_proof import HEX_256, Transcript
+from pd_cluster.cluster_proof import NodeId, Nonce, Proof, Transcript
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.framing import DataMessage
 from pd_cluster.transfer.ipc import KVPoolHandle
@@ -44,24 +44,24 @@ class Hello(DataMessage):
 
     type: Literal["dp.hello"] = "dp.hello"
     version: int = PROTOCOL_VERSION
-    node_id: str = Field(min_length=1, max_length=128)
-    nonce: str = Field(pattern=HEX_256)
+    node_id: NodeId
+    nonce: Nonce
 
 
 class Challenge(DataMessage):
     """D -> P: D's id and nonce, and D's proof of the cluster token over both nonces."""
 
     type: Literal["dp.challenge"] = "dp.challenge"
-    node_id: str = Field(min_length=1, max_length=128)
-    nonce: str = Field(pattern=HEX_256)
-    proof: str = Field(pattern=HEX_256, repr=False)
+    node_id: NodeId
+    nonce: Nonce
+    proof: Proof
 
 
 class Join(DataMessage):
     """P -> D, once D proved itself: P's proof and what P's KV looks like."""
 
     type: Literal["dp.join"] = "dp.join"
-    proof: str = Field(pattern=HEX_256, repr=False)
+    proof: Proof
     kv_spec: KVSpec
     device_type: str
     device_uuid: str | None = Field(default=None, description="GPU identity, to spot two ends on one GPU")
