@@ -36,6 +36,7 @@ class DecodeNode(NodeRuntime):
             data_host=settings.data_bind or settings.data_host, data_port=settings.data_port,
             on_tokens=self._on_tokens, kv_event_sink=self._on_kv_events,
             share_kv_pool=settings.kv_ipc, share_kv_across_gpus=settings.kv_ipc_across_gpus,
+            data_tls=settings.data_listener_tls(),
         )
         self.reporter = StatusReporter(self.service.engine, self.service.worker.rates)
         self.service.on_lease_expired = self._on_lease_expired

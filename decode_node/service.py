@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 import statistics
 import time
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class DecodeService:
         share_kv_pool: bool = True,
         share_kv_across_gpus: bool = False,
         listen: bool = True,
+        data_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.engine = engine or LLMEngine(config, kv_event_sink=kv_event_sink)
         self.reservations = Reservations(self.engine)
@@ -99,7 +101,7 @@ class DecodeService:
         self.server = DataPlaneServer(
             data_host, data_port, cluster_token, self.engine.kv_spec, node_id, self.engine.device, self._handle,
             kv_pool=(pool.k_cache, pool.v_cache) if share_kv_pool else None, share_across_gpus=share_kv_across_gpus,
-            on_disconnect=self.receiver.peer_gone,
+            on_disconnect=self.receiver.peer_gone, tls=data_tls,
         )
         self._listen = listen
         self._warm_up_engine = warm_up

@@ -1,5 +1,6 @@
-"""Bearer-token checks for nodes (cluster token), operators (admin token) and clients (API keys),
-and the per-key bound on a client's concurrent requests."""
+"""Bearer-token checks for operators (admin token) and clients (API keys), and the per-key bound
+on a client's concurrent requests. Nodes prove the cluster token without sending it
+(:mod:`master.node_auth`)."""
 
 from __future__ import annotations
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pd_cluster import protocol
+from pd_cluster.tls import check_pair
 
 PolicyName = Literal["round_robin", "least_load", "cache_aware"]
 
@@ -25,6 +26,9 @@ class MasterSettings(BaseSettings):
 
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=0, lt=65536)
+    tls_cert: Path | None = Field(default=None, description="certificate (PEM, with its chain): serve HTTPS and "
+                                  "wss:// for clients and nodes alike")
+    tls_key: Path | None = Field(default=None, description="the key of tls_cert")
     model: str = Field(default="default", description='"default" or a Hugging Face model directory')
     served_model_name: str | None = Field(
         default=None, description="name clients put in `model`; default: the model's own name"
@@ -83,3 +87,8 @@ class MasterSettings(BaseSettings):
         default="text", description="json: every log line one JSON object (a request's fields at its top level)"
     )
     access_log: bool = False
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> "MasterSettings":
+        check_pair(self.tls_cert, self.tls_key)
+        return self

@@ -1,9 +1,10 @@
 """The websocket where nodes join, report and receive work (``protocol.NODE_WS_PATH``).
 
-One connection per node. The node authenticates with the cluster token in the handshake, then
-its first frame must be Register; after that every frame is dispatched to the registry or the
-relay. A node that sends no status for ``heartbeat_timeout_s`` is dropped. Frames to the node go
-through its outbox and a writer task, so the rest of the master never waits on a slow socket.
+One connection per node. The node and the master first prove to each other that they hold the
+cluster token (:mod:`master.node_auth`); then the node's next frame must be Register; after
+that every frame is dispatched to the registry or the relay. A node that sends no status for
+``heartbeat_timeout_s`` is dropped. Frames to the node go through its outbox and a writer task,
+so the rest of the master never waits on a slow socket.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import time
 
 from starlette.websockets import WebSocket
 
-from master.auth import bearer_matches
 from master.context import MasterContext
+from master.node_auth import authenticate_node
 from master.registry import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CloseFrame, NodeRecord
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
@@ -54,10 +55,8 @@ def _short(exc: Exception) -> str:
 async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
     settings = ctx.settings
     await ws.accept()
-    if not bearer_matches(ws.headers.get("authorization"), settings.cluster_token):
-        logger.warning("refused a node connection from %s: bad or missing cluster token", ws.client)
-        with contextlib.suppress(Exception):
-            await wait_for(ws.close(CLOSE_POLICY_VIOLATION, "unauthorized"), _CLOSE_GRACE_S)
+    proven_id = await authenticate_node(ws, settings.cluster_token, ctx.relay.instance_id, settings.register_timeout_s)
+    if proven_id is None:
         return
     try:
         frame = await wait_for(_receive_frame(ws), settings.register_timeout_s)
@@ -76,6 +75,9 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
         return
     if not isinstance(msg, protocol.Register):
         await _refuse(ws, "the first frame must be register")
+        return
+    if msg.node_id != proven_id:
+        await _refuse(ws, f"registers as {msg.node_id!r} but proved the cluster token as {proven_id!r}")
         return
     reason = ctx.registry.refusal(msg)
     if reason is not None:

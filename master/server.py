@@ -9,17 +9,34 @@ from master.config import MasterSettings
 from master.request_log import use_json_logs
 from pd_cluster import protocol
 from pd_cluster.aio import prepare_process
+from pd_cluster.tls import server_context
 
 __all__ = ["ConfigError", "create_app", "run_master"]
 
 #: Headroom over the largest control message for websocket framing.
 _WS_FRAME_SLACK = 64 * 1024
 
+logger = logging.getLogger(__name__)
+
+
+def tls_options(settings: MasterSettings) -> dict[str, str]:
+    """uvicorn's TLS arguments (none: plain HTTP); the files are loaded once here, so that a bad
+    certificate or key fails the start with a clear :class:`ConfigError`."""
+    if settings.tls_cert is None or settings.tls_key is None:
+        return {}
+    try:
+        server_context(settings.tls_cert, settings.tls_key)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load the TLS certificate {settings.tls_cert} and its key: {exc}") from exc
+    logger.info("serving HTTPS and wss:// (certificate %s)", settings.tls_cert)
+    return {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
+
 
 def run_master(settings: MasterSettings | None = None) -> None:
     """Serve the master on ``settings.host:settings.port`` until interrupted.
 
-    Raises :class:`ConfigError` when no cluster token is configured.
+    Raises :class:`ConfigError` when no cluster token is configured, or the TLS certificate
+    (``settings.tls_cert``, ``settings.tls_key``: HTTPS and ``wss://``) cannot be loaded.
     """
     import uvicorn
 
@@ -30,6 +47,7 @@ def run_master(settings: MasterSettings | None = None) -> None:
         )
     if settings.log_format == "json":
         use_json_logs()  # uvicorn's own lines too: it then configures no handlers of its own
+    tls = tls_options(settings)
     app = create_app(settings)
     prepare_process()
     uvicorn.run(  # on uvloop and httptools (dependencies; uvicorn picks them up itself)
@@ -44,4 +62,5 @@ def run_master(settings: MasterSettings | None = None) -> None:
         # loop, and every token frame paid an inflate, to save bytes on the cluster's own network.
         ws_per_message_deflate=False,
         timeout_graceful_shutdown=int(settings.shutdown_timeout_s),
+        **tls,
     )

@@ -109,12 +109,21 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     p.add_argument("--lease-s", type=float, default=30.0, help="KV reservation lease on decode nodes")
     p.add_argument("--kv-ipc", action=argparse.BooleanOptionalAction, default=True,
                    help="on one GPU, write KV in place into the decode node's pool (CUDA IPC) instead of sending it")
+    p.add_argument("--tls-ca", default=None,
+                   help="CA file (PEM) that an https:// master's certificate and decode nodes' data-plane "
+                        "certificates are checked against (default: the system's CAs)")
+    p.add_argument("--data-tls", action=argparse.BooleanOptionalAction, default=None,
+                   help="data-plane control connections over TLS (not the KV tensors: gloo/NCCL carry them "
+                        "as they are); default: on when --tls-ca or --tls-cert is given")
     if role in ("decode", "mixed"):
         p.add_argument("--kv-ipc-across-gpus", action="store_true",
                        help="also share the KV pool with prefill nodes on other GPUs of this host")
         p.add_argument("--data-host", default="127.0.0.1", help="address prefill nodes dial (advertised)")
         p.add_argument("--data-bind", default=None, help="bind address of the data plane (default: --data-host)")
         p.add_argument("--data-port", type=int, default=0, help="port of the data plane (0: any free one)")
+        p.add_argument("--tls-cert", default=None,
+                       help="certificate (PEM) the data-plane listener presents; it must name --data-host")
+        p.add_argument("--tls-key", default=None, help="the key of --tls-cert")
     else:
         p.add_argument("--max-channels", type=int, default=8,
                        help="data-plane channels to decode nodes kept open (least recently used closed first)")
@@ -127,6 +136,9 @@ def _node_settings(args: argparse.Namespace, role: str):
     fields = {"master": args.master, "engine": engine_config_from_args(args, role), "status_host": args.status_host,
               "status_port": args.status_port, "drain_timeout_s": args.drain_timeout, "lease_s": args.lease_s,
               "kv_ipc": args.kv_ipc}
+    tls = {"tls_ca": args.tls_ca, "data_tls": args.data_tls, "tls_cert": getattr(args, "tls_cert", None),
+           "tls_key": getattr(args, "tls_key", None)}
+    fields.update({k: v for k, v in tls.items() if v is not None})  # left out: $PD_TLS_* or the default
     if args.node_id:
         fields["node_id"] = args.node_id
     if role in ("decode", "mixed"):
@@ -136,7 +148,17 @@ def _node_settings(args: argparse.Namespace, role: str):
         fields["max_channels"] = args.max_channels
     if not os.environ.get("PD_CLUSTER_TOKEN"):
         raise SystemExit("PD_CLUSTER_TOKEN is not set: nodes authenticate to the master with it")
-    return NodeSettings(**fields)
+    try:
+        settings = NodeSettings(**fields)
+        # The TLS files are read now: a missing or bad one stops the node before it loads a model.
+        settings.master_link_tls()
+        if role in ("decode", "mixed"):
+            settings.data_listener_tls()
+        else:
+            settings.data_dialer_tls()
+    except (ValueError, OSError) as e:  # pydantic's ValidationError is a ValueError
+        raise SystemExit(f"pd-cluster {role}: {e}") from None
+    return settings
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -174,10 +196,11 @@ def cmd_master(args: argparse.Namespace) -> int:
         "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
         "max_concurrent_per_key": args.max_concurrent_per_key,
         "local_prefill_max_tokens": args.local_prefill_max_tokens,
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key,
     }.items() if v is not None}
     try:
         run_master(MasterSettings(**given))
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:  # ValueError: pydantic's ValidationError of the settings
         logger.error("%s", e)
         return 2
     return 0
@@ -223,6 +246,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         device=args.device, gpus=args.gpus, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
     )
     try:
         cluster = LocalCluster(options)
@@ -237,6 +261,10 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     m = sub.add_parser("master", help="run the master (OpenAI API, node registry, routing)")
     m.add_argument("--host", default=None, help="bind address (default: $PD_HOST, else 0.0.0.0)")
     m.add_argument("--port", type=int, default=None, help="HTTP port (default: $PD_PORT, else 8000)")
+    m.add_argument("--tls-cert", default=None,
+                   help="certificate (PEM, with its chain): serve HTTPS and wss:// (default: $PD_TLS_CERT, else "
+                        "plain HTTP)")
+    m.add_argument("--tls-key", default=None, help="the key of --tls-cert (default: $PD_TLS_KEY)")
     m.add_argument("--model", default=None, help='"default" or an HF model directory (tokenizer, chat template)')
     m.add_argument("--served-model-name", default=None,
                    help="the name clients put in `model` (default: the model's own name)")
@@ -277,6 +305,13 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
         "local", help="master + prefill + decode (and mixed) nodes on this machine, supervised (crashes are restarted)")
     loc.add_argument("--host", default="127.0.0.1", help="the master's bind address")
     loc.add_argument("--port", type=int, default=8000, help="the master's HTTP port (the OpenAI API)")
+    loc.add_argument("--tls-cert", default=None,
+                     help="certificate (PEM) of the master (HTTPS, wss://) and of each decode node's data plane; "
+                          "it must name 127.0.0.1 (or --host): see docs/operations.md")
+    loc.add_argument("--tls-key", default=None, help="the key of --tls-cert")
+    loc.add_argument("--tls-ca", default=None,
+                     help="CA file the nodes (and this launcher) check --tls-cert against (for a self-signed "
+                          "certificate: the certificate itself; default: the system's CAs)")
     loc.add_argument("--prefill", type=int, default=1, help="prefill nodes to keep running")
     loc.add_argument("--decode", type=int, default=1, help="decode nodes to keep running")
     loc.add_argument("--mixed", type=int, default=0,

@@ -22,6 +22,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -35,6 +36,7 @@ from typing import IO, Any
 from pydantic import ConfigDict, Field
 
 from pd_cluster.engine_flags import NodeEngineOptions
+from pd_cluster.tls import client_context
 
 logger = logging.getLogger("pd_cluster.local")
 
@@ -460,6 +462,21 @@ class LocalOptions(NodeEngineOptions):
     log_level: str = "INFO"
     log_format: str = "text"  # the master's: json makes every line (a request's too) one JSON object
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    #: The master's certificate and key (HTTPS, wss://), also each decode node's on its data plane.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: What every node (and this launcher) checks those certificates against.
+    tls_ca: Path | None = None
+
+    def tls_argv(self, role: str) -> list[str]:
+        """The TLS flags of one process of this cluster (none without TLS)."""
+        if self.tls_cert is None or self.tls_key is None:
+            return []
+        files = ["--tls-cert", str(self.tls_cert), "--tls-key", str(self.tls_key)]
+        if role == "master":
+            return files
+        ca = ["--tls-ca", str(self.tls_ca)] if self.tls_ca is not None else []
+        return ca + (files if role in ("decode", "mixed") else []) + ["--data-tls"]
 
 
 def admin_token_path() -> Path:
@@ -518,7 +535,12 @@ class LocalCluster:
         if options.prefill and not options.decode:
             raise PlacementError("prefill nodes need a decode node to hand their requests to (--decode)")
         self.options = options
-        self.url = f"http://{_dial_host(options.host)}:{options.port}"
+        if (options.tls_cert is None) != (options.tls_key is None):
+            raise PlacementError("--tls-cert and --tls-key go together")
+        scheme = "https" if options.tls_cert is not None else "http"
+        self.url = f"{scheme}://{_dial_host(options.host)}:{options.port}"
+        #: How this launcher checks the master's certificate (its own polls of /health and /admin).
+        self.verify: ssl.SSLContext | bool = client_context(options.tls_ca) if options.tls_cert is not None else True
         self.placements: list[NodePlacement] = []
         self.device_ids: list[str] = []  # CUDA_VISIBLE_DEVICES entry of each ordinal
         self.supervisor: Supervisor | None = None
@@ -558,12 +580,14 @@ class LocalCluster:
                                            "--policy", o.policy, "--log-format", o.log_format]
         if o.local_prefill_max_tokens is not None:
             master_argv += ["--local-prefill-max-tokens", str(o.local_prefill_max_tokens)]
+        master_argv += o.tls_argv("master")
         specs = [ProcessSpec("master", "master", tuple(master_argv),
                              {**env, "PD_ADMIN_TOKEN": admin_token, "CUDA_VISIBLE_DEVICES": ""},
                              stop_order=1, clean_exit_is_final=False)]
         for p in self.placements:
             argv = self._base_argv() + [p.role, "--master", self.url, "--node-id", p.name, "--model", o.model,
-                                        "--device", "cpu" if p.gpu is None else "cuda", *o.engine_argv()]
+                                        "--device", "cpu" if p.gpu is None else "cuda", *o.engine_argv(),
+                                        *o.tls_argv(p.role)]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
             node_env = dict(env)
@@ -659,7 +683,7 @@ class LocalCluster:
                 return False
             self.supervisor.echo()
             try:
-                health = httpx.get(f"{self.url}/health", timeout=2)
+                health = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify)
                 if health.status_code == 200 and self._all_joined(health.json()):
                     return True
             except (httpx.HTTPError, ValueError):
@@ -684,7 +708,7 @@ class LocalCluster:
         nodes: dict[str, dict[str, Any]] = {}
         while True:
             try:
-                response = httpx.get(f"{self.url}/admin/nodes", timeout=5,
+                response = httpx.get(f"{self.url}/admin/nodes", timeout=5, verify=self.verify,
                                      headers={"Authorization": f"Bearer {self._admin_token}"})
                 if response.status_code == 200:
                     nodes = {n["id"]: n for n in response.json()["data"]}
@@ -719,7 +743,8 @@ class LocalCluster:
         sys.stderr.write(
             f"\npd-cluster is serving at {url}/v1 ({o.prefill} prefill, {o.decode} decode"
             f"{f', {o.mixed} mixed' if o.mixed else ''})\n\n{table}\n"
-            f"try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"try:\n  curl {f'--cacert {o.tls_ca} ' if o.tls_ca and o.tls_cert else ''}{url}/v1/chat/completions "
+            f"-H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{served_name(o.model)}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"Hello!\"}}]}}'\n"
             f"admin API token (for /admin/nodes): in {token_file} (readable by you only)\n"

@@ -1,8 +1,9 @@
 """Control-plane messages between the master and its nodes (websocket, JSON text frames).
 
 Every message is a pydantic model with a literal ``type``; :func:`parse_message` turns a frame
-into the right model and rejects unknown or malformed ones. The node sends its cluster token in
-the websocket handshake (``Authorization: Bearer <token>``), never inside a message.
+into the right model and rejects unknown or malformed ones. The cluster token never crosses the
+link: the first three frames prove both ends hold it (:class:`LinkHello`, :class:`LinkChallenge`,
+:class:`LinkProof`, see :mod:`pd_cluster.cluster_proof`), the master first; then ``Register``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from pd_cluster.cluster_proof import NodeId, Nonce, Proof, Transcript
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.kv_spec import KVSpec
 
@@ -37,6 +39,38 @@ class TokenLogprob(BaseModel):
     token_id: int
     logprob: float
     top: dict[int, float] = Field(default_factory=dict)
+
+
+# ---- proof of the cluster token, both ways, before Register ----------------------------
+
+
+class LinkHello(_Message):
+    """Node -> master, first frame: who dials, and the node's nonce."""
+
+    type: Literal["link.hello"] = "link.hello"
+    node_id: NodeId
+    nonce: Nonce
+
+
+class LinkChallenge(_Message):
+    """Master -> node: the master's id and nonce, and its proof of the cluster token."""
+
+    type: Literal["link.challenge"] = "link.challenge"
+    master_id: NodeId
+    nonce: Nonce
+    proof: Proof
+
+
+class LinkProof(_Message):
+    """Node -> master, once the master proved itself: the node's proof."""
+
+    type: Literal["link.proof"] = "link.proof"
+    proof: Proof
+
+
+def link_transcript(hello: LinkHello, master_id: str, master_nonce: str) -> Transcript:
+    """What both proofs of one node link are bound to (the node dials, the master listens)."""
+    return Transcript("master-link", hello.node_id, master_id, hello.nonce, master_nonce)
 
 
 # ---- node -> master ---------------------------------------------------------------------

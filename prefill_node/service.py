@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -118,11 +119,12 @@ class PrefillService:
         direct_layerwise_min_tokens: int = 2048,
         layers_per_send: int = 4,
         channels: ChannelSource | None = None,
+        data_tls: ssl.SSLContext | None = None,
     ) -> None:
         self.engine = engine or LLMEngine(config)
         self.worker = EngineWorker(self.engine, self._on_updates)
         self.pool = ChannelPool(cluster_token, self.engine.kv_spec, node_id, self.engine.device, max_channels,
-                                kv_ipc=kv_ipc)
+                                kv_ipc=kv_ipc, tls=data_tls)
         self.channels: ChannelSource = self.pool if channels is None else channels
         #: Decode address -> jobs in flight to it (the keeper never closes those channels).
         self._jobs_per_address: Counter[str] = Counter()

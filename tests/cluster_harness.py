@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import httpx
 
 from tests import process_server
 from tests.process_server import ForkedProcess
+from tests.tls_files import TLSFiles
 
 CLUSTER_TOKEN = "e2e-cluster-token"
 ADMIN_TOKEN = "e2e-admin-token"
@@ -49,10 +51,23 @@ class Cluster:
     #: The master's ``local_prefill_max_tokens``: 0 sends every request through a P (the tests of
     #: the P -> D path); tests of D-local prefill and mixed nodes set it.
     local_prefill_max_tokens: int = 0
+    #: The master serves HTTPS with these, the nodes check it (and decode nodes' data planes) with their CA.
+    tls: TLSFiles | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """What this harness's own requests check the master's certificate with."""
+        return ssl.create_default_context(cafile=str(self.tls.ca)) if self.tls else True
+
+    def tls_args(self, role: str) -> list[str]:
+        if self.tls is None:
+            return []
+        files = ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
+        return files if role == "master" else ["--tls-ca", str(self.tls.ca), *(files if role != "prefill" else [])]
 
     def env(self, token: str = CLUSTER_TOKEN) -> dict[str, str]:
         # One compute thread a process: the nodes share the runner's cores, and torch's default (a
@@ -75,13 +90,13 @@ class Cluster:
 
     def start_master(self, policy: str = "cache_aware") -> None:
         self._spawn("master", ["master", "--host", "127.0.0.1", "--port", str(self.port), "--model",
-                               str(self.model_dir), "--policy", policy])
+                               str(self.model_dir), "--policy", policy, *self.tls_args("master")])
         wait_until(lambda: self._get("/livez") == 200, 60, "the master to serve")
 
     def start_node(self, role: str, name: str, *extra: str, token: str = CLUSTER_TOKEN,
-                   model: Path | None = None, wait: bool = True) -> subprocess.Popen | ForkedProcess:
+                   model: Path | None = None, wait: bool = True, tls: bool = True) -> subprocess.Popen | ForkedProcess:
         args = [role, "--master", self.url, "--node-id", name, "--model", str(model or self.model_dir),
-                *self.node_args, *extra]
+                *self.node_args, *(self.tls_args(role) if tls else []), *extra]
         proc = self._spawn(name, args, token)
         if wait:
             wait_until(lambda: self.node(name) is not None or proc.poll() is not None, 120, f"{name} to join")
@@ -90,14 +105,14 @@ class Cluster:
 
     def _get(self, path: str, **kw) -> int:
         try:
-            return httpx.get(self.url + path, timeout=5, **kw).status_code
+            return httpx.get(self.url + path, timeout=5, verify=self.verify, **kw).status_code
         except httpx.HTTPError:
             return 0
 
     def health(self) -> tuple[int, dict]:
         """/health's status code and body ((0, {}) while the master does not answer)."""
         try:
-            response = httpx.get(self.url + "/health", timeout=5)
+            response = httpx.get(self.url + "/health", timeout=5, verify=self.verify)
         except httpx.HTTPError:
             return 0, {}
         return response.status_code, response.json()
@@ -108,7 +123,8 @@ class Cluster:
         return None if node is None else node["data_plane"]["warm_peers"]
 
     def admin(self, method: str, path: str) -> httpx.Response:
-        return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+        return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10,
+                             verify=self.verify)
 
     def nodes(self) -> list[dict]:
         return self.admin("GET", "/admin/nodes").json()["data"]
@@ -118,7 +134,7 @@ class Cluster:
 
     def metric(self, name: str) -> float:
         total = 0.0
-        for line in httpx.get(self.url + "/metrics", timeout=5).text.splitlines():
+        for line in httpx.get(self.url + "/metrics", timeout=5, verify=self.verify).text.splitlines():
             if line.startswith(name) and not line.startswith("#"):
                 head, value = line.rsplit(" ", 1)
                 if head == name or head.startswith(name + "{"):

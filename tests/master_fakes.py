@@ -20,6 +20,7 @@ from master.config import MasterSettings
 from master.server import create_app
 from pd_cluster import protocol
 from pd_cluster.kv_spec import KVSpec
+from pd_cluster.node.master_proof import prove_to_master
 
 CLUSTER_TOKEN = "cluster-secret-for-tests"
 ADMIN_TOKEN = "admin-secret-for-tests"
@@ -196,8 +197,11 @@ class FakeNode:
         return self.register.node_id
 
     async def open(self) -> ClientConnection:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token is not None else {}
-        self.ws = await connect(self.master.ws_url, additional_headers=headers, max_size=2 * protocol.MAX_MESSAGE_BYTES)
+        """Connect and, with a token, prove it as a node does (raises MasterRefusedProof when the
+        master cannot prove the same token); without one the socket is left as it connected."""
+        self.ws = await connect(self.master.ws_url, max_size=2 * protocol.MAX_MESSAGE_BYTES)
+        if self.token is not None:
+            await prove_to_master(self.ws, self.token, self.node_id)
         return self.ws
 
     async def join(self) -> BaseModel:

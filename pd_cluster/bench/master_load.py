@@ -31,6 +31,7 @@ from typing import Any
 from pd_cluster import protocol
 from pd_cluster.block_hash import block_hashes
 from pd_cluster.kv_spec import KVSpec
+from pd_cluster.node.master_proof import prove_to_master
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +95,9 @@ class SyntheticDecode:
     async def run(self) -> None:
         from websockets.asyncio.client import connect
 
-        headers = {"Authorization": f"Bearer {CLUSTER_TOKEN}"}
-        async with connect(self.url, additional_headers=headers, max_size=2 * protocol.MAX_MESSAGE_BYTES,
+        async with connect(self.url, max_size=2 * protocol.MAX_MESSAGE_BYTES,
                            compression=None) as ws:  # as a node's link dials
+            await prove_to_master(ws, CLUSTER_TOKEN, self.node_id)
             register = protocol.Register(
                 node_id=self.node_id, role="decode", model=self.spec.model, kv_spec=self.spec,
                 data_address=f"127.0.0.1:{9 + len(self.node_id)}", device="cpu",

@@ -4,7 +4,10 @@ A node registers with every master it is given (a list of URLs, or a DNS name th
 several addresses), so any master can route to it. Each link reconnects when its master restarts
 or the socket drops, with a short first delay and a capped, jittered backoff (a restarted master
 is found again within about a second), and re-registers; a refusal that cannot change (wrong
-model, wrong token) stops the node.
+model, wrong token, a master that cannot prove it holds the cluster token) stops the node.
+Before registering, both ends prove they hold the cluster token (:mod:`.master_proof`); the
+token itself is never sent. A ``https://`` master is dialed over ``wss://``, its certificate
+checked against the CA the node was given.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import ipaddress
 import logging
 import random
 import socket
+import ssl
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -22,6 +26,7 @@ from pydantic import BaseModel
 
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
+from pd_cluster.node.master_proof import MasterRefusedProof, prove_to_master
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +98,14 @@ class NodeAgent:
         max_backoff_s: float = 1.0,
         outbox_size: int = 65536,
         on_link_change: Callable[[], None] | None = None,
+        tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.url = node_ws_url(master)
+        #: Verifies a ``wss://`` master's certificate (None: the system's CAs), for the host name
+        #: ``server_name`` when the URL holds one of that name's addresses.
+        self._tls = tls
+        self._server_name = server_name
         #: Told when the link registers or drops (the node's view over all its masters).
         self._on_link_change = on_link_change
         #: The id of the master this link last registered with.
@@ -167,15 +178,24 @@ class NodeAgent:
         from websockets.asyncio.client import connect
         from websockets.exceptions import ConnectionClosed
 
-        headers = {"Authorization": f"Bearer {self._token}"}
+        # wss:// without a context of ours: websockets checks the certificate against the system's CAs.
+        tls: dict[str, object] = {}
+        if self.url.startswith("wss://"):
+            if self._tls is not None:
+                tls["ssl"] = self._tls
+            if self._server_name is not None:
+                tls["server_hostname"] = self._server_name
         async with connect(
-            self.url, additional_headers=headers, max_size=protocol.MAX_MESSAGE_BYTES + 65536,
+            self.url, max_size=protocol.MAX_MESSAGE_BYTES + 65536, **tls,
             open_timeout=5, ping_interval=20, ping_timeout=20, close_timeout=5,
             compression=None,  # frames stay on the cluster's network: deflate would cost both ends CPU a frame
         ) as ws:
             try:
+                await prove_to_master(ws, self._token, self.register_msg.node_id)
                 await ws.send(protocol.encode(self.register_msg))
                 answer = protocol.parse_master_message(await wait_for(ws.recv(), 10))
+            except MasterRefusedProof as e:
+                raise RegistrationRefused(str(e)) from None
             except ConnectionClosed as e:
                 if e.rcvd is not None and e.rcvd.code == _CLOSE_POLICY_VIOLATION:
                     # A wrong cluster token or a refusal: retrying cannot help.
@@ -289,8 +309,12 @@ class MasterLinks:
         reconnect_s: float = 0.1,
         max_backoff_s: float = 1.0,
         resolve_every_s: float = 2.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.masters = master_urls(masters)
+        self._tls = tls
+        #: Link URL -> the host name its address was resolved from (checked in its certificate).
+        self._names: dict[str, str] = {}
         self._token = token
         self.register_msg = register
         self._status = status
@@ -394,13 +418,15 @@ class MasterLinks:
                 continue
             for address in addresses:
                 netloc = f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
-                targets.add(urlunsplit((parts.scheme or "http", netloc, "", "", "")))
+                target = urlunsplit((parts.scheme or "http", netloc, "", "", ""))
+                targets.add(target)
+                self._names[node_ws_url(target)] = host  # its certificate names the host, not the address
         return {node_ws_url(t) for t in targets}
 
     def _start(self, url: str) -> None:
         agent = NodeAgent(url, self._token, self.register_msg, self._status, self._on_message,
                           reconnect_s=self._reconnect_s, max_backoff_s=self._max_backoff_s,
-                          on_link_change=self._link_changed)
+                          on_link_change=self._link_changed, tls=self._tls, server_name=self._names.get(url))
         agent._on_message = self._handler(agent)
         agent.on_link_lost = self._link_lost
         self.agents[agent.url] = agent

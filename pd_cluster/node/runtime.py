@@ -69,7 +69,7 @@ class NodeRuntime(abc.ABC):
         self.agent = MasterLinks(
             self.settings.master, self.settings.cluster_token.get_secret_value(), self.register_message(),
             self.status, self.on_message, reconnect_s=self.settings.reconnect_s,
-            max_backoff_s=self.settings.max_reconnect_s,
+            max_backoff_s=self.settings.max_reconnect_s, tls=self.settings.master_link_tls(),
         )
         self.agent.on_master_lost = self._master_lost
         agent_task = asyncio.create_task(self.agent.run())

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import torch
 
 from pd_cluster.aio import wait_for
+from pd_cluster.cluster_proof import new_nonce
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.channel import ChannelCounters, TensorChannel, TensorSpec, as_dtype
 from pd_cluster.transfer.errors import (
@@ -30,13 +32,17 @@ from pd_cluster.transfer.errors import (
 )
 from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply, FramedStream
 from pd_cluster.transfer.handshake import (
+    AUTH_FAILED,
     SUPPORTED_DEVICE_TYPES,
+    Challenge,
     Hello,
+    Join,
     Refused,
     WarmAck,
     WarmUp,
     Welcome,
     device_identity,
+    transcript,
     warm_up_shape,
 )
 from pd_cluster.transfer.ipc import SharedPool, host_identity, open_pool, openable_kinds
@@ -242,6 +248,21 @@ class PeerChannel(ChannelCounters):
         raise ChannelError(f"{what} on channel to {self.address} failed: {detail}") from error
 
 
+_Answer = TypeVar("_Answer", bound=DataMessage)
+
+
+async def _exchange(stream: FramedStream, message: DataMessage, answer: type[_Answer], address: str,
+                    timeout: float) -> _Answer:
+    """One handshake step: send ``message``, read D's answer; a Refused raises HandshakeRefused."""
+    await stream.send(message, timeout)
+    reply = await stream.receive(timeout)
+    if isinstance(reply, Refused):
+        raise HandshakeRefused(reply.reason)
+    if not isinstance(reply, answer):
+        raise ChannelError(f"{address} answered the {message.type!r} with {reply.type!r}")
+    return reply
+
+
 def _left(deadline: float) -> float:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
@@ -260,38 +281,38 @@ async def dial(
     max_frame_bytes: int = MAX_FRAME_BYTES,
     on_close: Callable[[PeerChannel], None] | None = None,
     kv_ipc: bool = True,
+    tls: ssl.SSLContext | None = None,
 ) -> PeerChannel:
-    """Connect, authenticate and form the pair group with the decode node at ``address``.
+    """Connect (over TLS with ``tls``), authenticate both ways and form the pair group with the
+    decode node at ``address``.
 
-    Raises :class:`HandshakeRefused` when D says no, :class:`ChannelError` when it cannot be
-    reached or the group cannot be formed in time.
+    Raises :class:`HandshakeRefused` when D says no or cannot prove it holds the cluster token,
+    :class:`ChannelError` when it cannot be reached or the group cannot be formed in time.
     """
     device = torch.device(device)
     if device.type not in SUPPORTED_DEVICE_TYPES:
         raise ValueError(f"unsupported device {device}; expected one of {SUPPORTED_DEVICE_TYPES}")
     host, port = split_address(address)
     try:
-        reader, writer = await wait_for(asyncio.open_connection(host, port), connect_timeout)
-    except (OSError, asyncio.TimeoutError) as e:
+        reader, writer = await wait_for(
+            asyncio.open_connection(host, port, ssl=tls, ssl_handshake_timeout=connect_timeout if tls else None),
+            connect_timeout)
+    except (OSError, asyncio.TimeoutError) as e:  # ssl.SSLError (an unverified certificate) is an OSError
         raise ChannelError(f"cannot connect to {address}: {e or type(e).__name__}") from e
     stream = FramedStream(reader, writer, max_frame_bytes)
     channel: TensorChannel | None = None
     try:
+        proof = await _prove_both_ways(stream, address, token, node_id, connect_timeout)
         device_type, device_uuid = device_identity(device)
-        hello = Hello(token=token, node_id=node_id, kv_spec=kv_spec, device_type=device_type, device_uuid=device_uuid,
-                      host_id=host_identity() if kv_ipc else None, kv_ipc_kinds=openable_kinds(device) if kv_ipc else [])
-        await stream.send(hello, connect_timeout)
-        answer = await stream.receive(connect_timeout)
-        if isinstance(answer, Refused):
-            raise HandshakeRefused(answer.reason)
-        if not isinstance(answer, Welcome):
-            raise ChannelError(f"{address} answered the hello with {answer.type!r}")
+        join = Join(proof=proof, kv_spec=kv_spec, device_type=device_type, device_uuid=device_uuid,
+                    host_id=host_identity() if kv_ipc else None, kv_ipc_kinds=openable_kinds(device) if kv_ipc else [])
+        answer = await _exchange(stream, join, Welcome, address, connect_timeout)
         channel = TensorChannel(device, answer.backend, DIALER_RANK, answer.group_timeout_s)
         channel.peer_gone = stream.peer_gone
         await channel.join_store(host, answer.store_port, connect_timeout)
         await channel.form_group(stream.local_host, answer.group_timeout_s)
     except HandshakeRefused as e:
-        logger.error("decode node at %s refused the data-plane handshake: %s", address, e.reason)
+        logger.error("data-plane handshake with %s refused: %s", address, e.reason)
         await stream.aclose()
         raise
     except BaseException as e:
@@ -307,9 +328,23 @@ async def dial(
             shared_pool = open_pool(answer.kv_pool)
         except Exception as e:  # the tensor channel still carries the KV
             logger.warning("could not open the KV pool of %s (%s): %s", answer.node_id, answer.kv_pool.kind, e)
-    logger.info("data-plane channel to %s (%s) open over %s%s", answer.node_id, address, channel.backend,
+    logger.info("data-plane channel to %s (%s) open over %s%s%s", answer.node_id, address, channel.backend,
+                " (control over TLS)" if tls is not None else "",
                 f", writing into its KV pool ({answer.kv_pool.kind})" if shared_pool is not None else "")
     return PeerChannel(address, stream, channel, answer.node_id, on_close, shared_pool)
+
+
+async def _prove_both_ways(stream: FramedStream, address: str, token: str, node_id: str, timeout: float) -> str:
+    """Send Hello, check D's proof, and return this node's own proof for the Join. A D that
+    cannot prove it holds the token is sent nothing more: :class:`HandshakeRefused` (it is not
+    a decode node of this cluster)."""
+    hello = Hello(node_id=node_id, nonce=new_nonce())
+    challenge = await _exchange(stream, hello, Challenge, address, timeout)
+    proofs = transcript(hello, challenge.node_id, challenge.nonce)
+    if not proofs.verify(token, "listener", challenge.proof):
+        raise HandshakeRefused(f"the peer at {address} (calling itself {challenge.node_id!r}) could not prove it "
+                               f"holds the cluster token; {AUTH_FAILED}")
+    return proofs.prove(token, "dialer")
 
 
 class ChannelPool:
@@ -326,6 +361,7 @@ class ChannelPool:
         connect_timeout: float = 10.0,
         max_frame_bytes: int = MAX_FRAME_BYTES,
         kv_ipc: bool = True,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if max_channels < 1:
             raise ValueError("max_channels must be at least 1")
@@ -338,6 +374,8 @@ class ChannelPool:
         self.max_frame_bytes = max_frame_bytes
         #: Accept D's KV pool when it is on this host (write in place instead of sending).
         self.kv_ipc = kv_ipc
+        #: Client-side TLS of the control connections (None: plain TCP).
+        self.tls = tls
         self._channels: dict[str, PeerChannel] = {}
         self._dial_locks: dict[str, asyncio.Lock] = {}
         # Totals over every channel this pool ever held, for metrics.
@@ -387,6 +425,7 @@ class ChannelPool:
                 max_frame_bytes=self.max_frame_bytes,
                 on_close=self._forget,
                 kv_ipc=self.kv_ipc,
+                tls=self.tls,
             )
             self._channels[address] = channel
             await self._evict()

@@ -1,8 +1,13 @@
-"""The first exchanges on a data-plane connection: who dials, is it allowed, can the KV move.
+"""The first exchanges on a data-plane connection: who dials, do both hold the cluster token, can
+the KV move.
 
-P sends :class:`Hello`; D answers :class:`Welcome` (with what P needs to join the pairwise
-process group) or :class:`Refused` and closes. The token is compared in constant time and never
-appears in a repr, a log line or an error message.
+P sends :class:`Hello` (its id and a nonce); D answers :class:`Challenge` (its id, its nonce and
+its proof of the token, :mod:`pd_cluster.cluster_proof`). P checks D's proof before it sends
+anything else, then sends :class:`Join` (its own proof and what its KV looks like); D checks P's
+proof and answers :class:`Welcome` (with what P needs to join the pairwise process group) or
+:class:`Refused` and closes. The token itself never crosses the wire; proofs are bound to both
+nonces, so one recorded on a connection is worthless on another, and to the side that made
+it, so D's proof cannot be reflected as P's.
 
 Once the group is formed, P may warm it: :class:`WarmUp` announces one block of KV-shaped
 zeros that follows through the tensor channel, and D answers :class:`WarmAck`. That moves real
@@ -13,32 +18,50 @@ KV bytes.
 
 from __future__ import annotations
 
-import hmac
 from typing import Literal
 
 import torch
-from pydantic import Field, SecretStr, field_serializer
+from pydantic import Field
 
+from pd_cluster.cluster_proof import NodeId, Nonce, Proof, Transcript
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.framing import DataMessage
 from pd_cluster.transfer.ipc import KVPoolHandle
 
-#: Bumped when the handshake or the frame layout changes incompatibly.
-PROTOCOL_VERSION = 1
+#: Bumped when the handshake or the frame layout changes incompatibly (2: mutual proof, no token).
+PROTOCOL_VERSION = 2
 #: Largest warm-up tensor D accepts (one block of a large model's KV is a few MiB).
 MAX_WARM_UP_BYTES = 64 * 2**20
+#: Why either side refuses a peer that could not prove it holds the cluster token.
+AUTH_FAILED = "authentication failed"
 
 Backend = Literal["gloo", "nccl"]
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
 
 class Hello(DataMessage):
-    """P -> D, first frame: credentials and what P's KV looks like."""
+    """P -> D, first frame: who dials, and P's nonce. Nothing an impostor D could use."""
 
     type: Literal["dp.hello"] = "dp.hello"
     version: int = PROTOCOL_VERSION
-    token: SecretStr
-    node_id: str = Field(min_length=1, max_length=128)
+    node_id: NodeId
+    nonce: Nonce
+
+
+class Challenge(DataMessage):
+    """D -> P: D's id and nonce, and D's proof of the cluster token over both nonces."""
+
+    type: Literal["dp.challenge"] = "dp.challenge"
+    node_id: NodeId
+    nonce: Nonce
+    proof: Proof
+
+
+class Join(DataMessage):
+    """P -> D, once D proved itself: P's proof and what P's KV looks like."""
+
+    type: Literal["dp.join"] = "dp.join"
+    proof: Proof
     kv_spec: KVSpec
     device_type: str
     device_uuid: str | None = Field(default=None, description="GPU identity, to spot two ends on one GPU")
@@ -46,9 +69,10 @@ class Hello(DataMessage):
     kv_ipc_kinds: list[str] = Field(default_factory=list, max_length=8,
                                     description="kinds of KV pool handle P can open (transfer.ipc)")
 
-    @field_serializer("token", when_used="json")
-    def _reveal_token(self, token: SecretStr) -> str:
-        return token.get_secret_value()
+
+def transcript(hello: Hello, listener_id: str, listener_nonce: str) -> Transcript:
+    """What both proofs of one handshake are bound to (P dials, D listens)."""
+    return Transcript("data-plane", hello.node_id, listener_id, hello.nonce, listener_nonce)
 
 
 class Welcome(DataMessage):
@@ -97,28 +121,33 @@ def device_identity(device: torch.device) -> tuple[str, str | None]:
     return "cuda", str(torch.cuda.get_device_properties(index).uuid)
 
 
-def check_hello(hello: Hello, token: str, kv_spec: KVSpec, device_type: str) -> str | None:
-    """Why D must refuse this Hello, or None to accept. Values read "dialer's != ours"."""
-    # Authentication first: an unauthenticated peer learns nothing about this node.
-    if not hmac.compare_digest(hello.token.get_secret_value().encode(), token.encode()):
-        return "authentication failed"
+def check_hello(hello: Hello) -> str | None:
+    """Why D must refuse this Hello before proving anything, or None to answer it."""
     if hello.version != PROTOCOL_VERSION:
         return f"protocol version mismatch: {hello.version} != {PROTOCOL_VERSION}"
-    if hello.device_type != device_type:
-        return f"device type mismatch: {hello.device_type} != {device_type}"
-    fields = kv_spec.mismatch(hello.kv_spec)
+    return None
+
+
+def check_join(join: Join, proof_ok: bool, kv_spec: KVSpec, device_type: str) -> str | None:
+    """Why D must refuse this Join, or None to accept. Values read "dialer's != ours"."""
+    # Authentication first: an unauthenticated peer learns nothing about this node.
+    if not proof_ok:
+        return AUTH_FAILED
+    if join.device_type != device_type:
+        return f"device type mismatch: {join.device_type} != {device_type}"
+    fields = kv_spec.mismatch(join.kv_spec)
     if fields:
-        details = ", ".join(f"{name} {getattr(hello.kv_spec, name)} != {getattr(kv_spec, name)}" for name in fields)
+        details = ", ".join(f"{name} {getattr(join.kv_spec, name)} != {getattr(kv_spec, name)}" for name in fields)
         return f"KV spec mismatch: {details}"
     return None
 
 
-def share_pool_with(hello: Hello, host_id: str, local_uuid: str | None, across_gpus: bool) -> bool:
+def share_pool_with(join: Join, host_id: str, local_uuid: str | None, across_gpus: bool) -> bool:
     """Whether D offers its KV pool to this P: same host, a handle kind P can open, and (on
     GPUs) the same GPU unless sharing across the GPUs of a host is enabled."""
-    if not hello.kv_ipc_kinds or hello.host_id != host_id:
+    if not join.kv_ipc_kinds or join.host_id != host_id:
         return False
-    return across_gpus or local_uuid is None or hello.device_uuid == local_uuid
+    return across_gpus or local_uuid is None or join.device_uuid == local_uuid
 
 
 def choose_backend(local: torch.device, local_uuid: str | None, peer_uuid: str | None) -> Backend:

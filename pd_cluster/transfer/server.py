@@ -1,9 +1,10 @@
 """The decode node's side of the data plane: accept prefill nodes, hand their requests to a handler.
 
-Each accepted connection is authenticated (:mod:`.handshake`), gets its own pairwise tensor
-channel, and then carries request/reply frames: the server reads a message, awaits
-``handler(conn, message)`` and writes the reply it returns (None: no reply). The handler moves
-tensors with ``conn.recv_tensor(...)``. A bad frame, a failed handler or a dead channel closes
+Each accepted connection (over TLS when the server has a context) is authenticated both ways
+(:mod:`.handshake`: this node proves it holds the cluster token, then the prefill node does),
+gets its own pairwise tensor channel, and then carries request/reply frames: the server reads a
+message, awaits ``handler(conn, message)`` and writes the reply it returns (None: no reply).
+The handler moves tensors with ``conn.recv_tensor(...)``. A bad frame, a failed handler or a dead channel closes
 that one connection, logged; the server keeps serving the others.
 
 On one host the Welcome can also carry handles to D's KV pool (:mod:`.ipc`), so P writes the
@@ -18,27 +19,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
 from pd_cluster.aio import wait_for
+from pd_cluster.cluster_proof import new_nonce
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.channel import ChannelCounters, HOST_RANK, TensorChannel, TensorSpec, as_dtype
 from pd_cluster.transfer.errors import ChannelError, ConnectionClosed, FrameError
 from pd_cluster.transfer.framing import MAX_FRAME_BYTES, DataMessage, ErrorReply, FramedStream
 from pd_cluster.transfer.handshake import (
     MAX_WARM_UP_BYTES,
+    PROTOCOL_VERSION,
     SUPPORTED_DEVICE_TYPES,
+    Challenge,
     Hello,
+    Join,
     Refused,
     WarmAck,
     WarmUp,
     Welcome,
     check_hello,
+    check_join,
     choose_backend,
     device_identity,
     share_pool_with,
+    transcript,
 )
 from pd_cluster.transfer.ipc import export_pool, host_identity
 
@@ -108,6 +116,7 @@ class DataPlaneServer:
         kv_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
         share_across_gpus: bool = False,
         on_disconnect: Callable[[PeerConnection], None] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if not token:
             raise ValueError("a data-plane server needs a non-empty token")
@@ -130,6 +139,8 @@ class DataPlaneServer:
         self.kv_pool = kv_pool
         self.share_across_gpus = share_across_gpus
         self.on_disconnect = on_disconnect
+        #: Server-side TLS of the control connections (None: plain TCP).
+        self.tls = tls
         self._server: asyncio.Server | None = None
         self._connections: set[PeerConnection] = set()
         self._tasks: set[asyncio.Task] = set()
@@ -150,9 +161,13 @@ class DataPlaneServer:
         return sorted({c.peer_node_id for c in self.connections if c.warmed})
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
+        self._server = await asyncio.start_server(
+            self._on_connect, self.host, self.port, ssl=self.tls,
+            ssl_handshake_timeout=self.handshake_timeout if self.tls is not None else None,
+        )
         self.port = self._server.sockets[0].getsockname()[1]
-        logger.info("data plane of %s listening on %s (%s)", self.node_id, self.address, self._device_type)
+        logger.info("data plane of %s listening on %s (%s%s)", self.node_id, self.address, self._device_type,
+                    ", TLS" if self.tls is not None else "")
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Stop accepting, close every connection and tear down every process group."""
@@ -203,34 +218,19 @@ class DataPlaneServer:
             self._tasks.discard(task)
 
     async def _accept(self, stream: FramedStream) -> PeerConnection | None:
-        try:
-            hello = await stream.receive(self.handshake_timeout)
-        except FrameError as e:
-            logger.error("bad handshake frame from %s: %s; closing", stream.peer, e)
+        joined = await self._authenticate(stream)
+        if joined is None:
             return None
-        except ConnectionClosed:
-            logger.info("%s closed before the handshake", stream.peer)
-            return None
-        except asyncio.TimeoutError:
-            logger.warning("no hello from %s within %.1fs; closing", stream.peer, self.handshake_timeout)
-            return None
-        if not isinstance(hello, Hello):
-            await self._refuse(stream, f"expected a hello frame, got {hello.type!r}", "?")
-            return None
-        reason = check_hello(hello, self._token, self.kv_spec, self._device_type)
-        if reason is not None:
-            await self._refuse(stream, reason, hello.node_id)
-            return None
-
-        backend = choose_backend(self.device, self._device_uuid, hello.device_uuid)
+        peer_id, join = joined[0].node_id, joined[1]
+        backend = choose_backend(self.device, self._device_uuid, join.device_uuid)
         channel = TensorChannel(self.device, backend, HOST_RANK, self.group_timeout)
         channel.peer_gone = stream.peer_gone
         pool_handle = None
-        if self.kv_pool is not None and share_pool_with(hello, host_identity(), self._device_uuid, self.share_across_gpus):
+        if self.kv_pool is not None and share_pool_with(join, host_identity(), self._device_uuid, self.share_across_gpus):
             try:
-                pool_handle = export_pool(*self.kv_pool, hello.kv_ipc_kinds)
+                pool_handle = export_pool(*self.kv_pool, join.kv_ipc_kinds)
             except Exception as e:  # the tensor channel still works: share nothing
-                logger.warning("could not export the KV pool to %r: %s", hello.node_id, e)
+                logger.warning("could not export the KV pool to %r: %s", peer_id, e)
         try:
             port = await channel.host_store(stream.local_host, self.handshake_timeout)
             welcome = Welcome(node_id=self.node_id, backend=backend, store_port=port, group_timeout_s=self.group_timeout,
@@ -239,14 +239,62 @@ class DataPlaneServer:
             await channel.form_group(stream.local_host, self.group_timeout)
         except (ChannelError, OSError, asyncio.TimeoutError) as e:
             channel.close()
-            logger.warning("pair group with %s (node %r) failed: %s", stream.peer, hello.node_id, e or type(e).__name__)
+            logger.warning("pair group with %s (node %r) failed: %s", stream.peer, peer_id, e or type(e).__name__)
             return None
         except BaseException:
             channel.close()
             raise
-        logger.info("prefill node %r connected from %s over %s%s", hello.node_id, stream.peer, backend,
+        logger.info("prefill node %r connected from %s over %s%s", peer_id, stream.peer, backend,
                     f", sharing the KV pool ({pool_handle.kind})" if pool_handle is not None else "")
-        return PeerConnection(stream, channel, hello.node_id, shares_kv=pool_handle is not None)
+        return PeerConnection(stream, channel, peer_id, shares_kv=pool_handle is not None)
+
+    async def _authenticate(self, stream: FramedStream) -> tuple[Hello, Join] | None:
+        """Hello -> Challenge (this node's proof) -> Join (the dialer's proof), checked; the
+        dialer's Hello and Join, or None once it was refused or went away."""
+        hello = await self._first_frame(stream, "hello")
+        if hello is None:
+            return None
+        if not isinstance(hello, Hello):
+            await self._refuse(stream, f"expected a hello frame, got {hello.type!r}", "?")
+            return None
+        reason = check_hello(hello)
+        if reason is not None:
+            await self._refuse(stream, reason, hello.node_id)
+            return None
+        nonce = new_nonce()
+        proofs = transcript(hello, self.node_id, nonce)
+        challenge = Challenge(node_id=self.node_id, nonce=nonce, proof=proofs.prove(self._token, "listener"))
+        try:
+            await stream.send(challenge, self.handshake_timeout)
+        except (OSError, asyncio.TimeoutError) as e:
+            logger.warning("could not challenge %s (node %r): %s", stream.peer, hello.node_id, e or type(e).__name__)
+            return None
+        join = await self._first_frame(stream, "join")
+        if join is None:
+            return None
+        if not isinstance(join, Join):
+            await self._refuse(stream, f"expected a join frame, got {join.type!r}", hello.node_id)
+            return None
+        reason = check_join(join, proofs.verify(self._token, "dialer", join.proof), self.kv_spec, self._device_type)
+        if reason is not None:
+            await self._refuse(stream, reason, hello.node_id)
+            return None
+        return hello, join
+
+    async def _first_frame(self, stream: FramedStream, what: str) -> DataMessage | None:
+        """One handshake frame, or None (logged) when the peer sent garbage, left or stalled."""
+        try:
+            return await stream.receive(self.handshake_timeout)
+        except FrameError as e:
+            logger.error("bad handshake frame from %s: %s; closing", stream.peer, e)
+            await self._refuse(stream, f"malformed {what} (protocol version {PROTOCOL_VERSION} expected): {e}", "?")
+        except ConnectionClosed:
+            logger.info("%s closed before the %s", stream.peer, what)
+        except OSError as e:
+            logger.warning("connection from %s broke before the %s: %s", stream.peer, what, e)
+        except asyncio.TimeoutError:
+            logger.warning("no %s from %s within %.1fs; closing", what, stream.peer, self.handshake_timeout)
+        return None
 
     async def _refuse(self, stream: FramedStream, reason: str, peer_node_id: str) -> None:
         logger.warning("refused data-plane peer %s (node %r): %s", stream.peer, peer_node_id, reason)

@@ -134,6 +134,29 @@ def test_node_engine_options_reach_every_node_command_line(monkeypatch):
         assert engine_config_from_args(node_args, specs[name].role).prefill_chunk_tokens == 256
 
 
+def test_local_with_tls_serves_https_and_hands_the_files_to_every_process(monkeypatch, tmp_path):
+    from pd_cluster.cli import _node_settings, build_parser
+    from tests.tls_files import make_tls_files
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("PD_CLUSTER_TOKEN", "cluster-token")
+    tls = make_tls_files(tmp_path)
+    args = build_parser().parse_args(["local", "--device", "cpu", "--tls-cert", str(tls.cert), "--tls-key",
+                                      str(tls.key), "--tls-ca", str(tls.ca)])
+    cluster = LocalCluster(LocalOptions(prefill=1, decode=1, device="cpu", tls_cert=args.tls_cert,
+                                        tls_key=args.tls_key, tls_ca=args.tls_ca))
+    assert cluster.url == "https://127.0.0.1:8000"
+    cluster.plan()
+    specs = {s.name: s for s in cluster.process_specs("cluster-token", "admin-token")}
+    master = list(specs["master"].argv)
+    assert master[master.index("--tls-cert") + 1] == str(tls.cert) and "--tls-ca" not in master
+    for name in ("prefill-0", "decode-0"):
+        argv = list(specs[name].argv)
+        settings = _node_settings(build_parser().parse_args(argv[argv.index(specs[name].role):]), specs[name].role)
+        assert settings.master.startswith("https://") and settings.tls_ca == tls.ca and settings.data_plane_tls
+        assert (settings.tls_cert is not None) == (name == "decode-0")  # only D presents one (its data plane)
+
+
 def test_placement_table_lists_every_node():
     table = format_placement_table([
         {"node": "master", "role": "master", "gpu": "-", "pid": 10},

@@ -12,14 +12,17 @@ import websockets
 
 from pd_cluster import protocol
 from pd_cluster.block_hash import block_hashes
+from pd_cluster.cluster_proof import new_nonce
 from tests.master_fakes import (
     ADMIN_HEADERS,
     CHAT_MESSAGES,
+    CLUSTER_TOKEN,
     MODEL,
     FakeNode,
     LiveMaster,
     kv_spec,
     make_settings,
+    register_msg,
     serve_one,
     wait_until,
     wait_warm,
@@ -56,14 +59,67 @@ async def _close_code(node: FakeNode) -> int | None:
 # ---- joining ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("token", [None, "wrong-token"])
-async def test_node_without_the_cluster_token_is_closed_with_1008(master, token):
-    node = FakeNode(master, "intruder", "decode", token=token)
-    ws = await node.open()
+async def _challenged(master: LiveMaster, node_id: str, nonce: str | None = None):
+    """A bare socket that said hello: (socket, hello, the master's challenge)."""
+    ws = await websockets.connect(master.ws_url)
+    hello = protocol.LinkHello(node_id=node_id, nonce=nonce or new_nonce())
+    await ws.send(protocol.encode(hello))
+    challenge = protocol.LinkChallenge.model_validate_json(await asyncio.wait_for(ws.recv(), 5.0))
+    return ws, hello, challenge
+
+
+async def _refused_with_1008(ws, *frames: str) -> None:
     with pytest.raises(websockets.ConnectionClosed):
-        await ws.send(protocol.encode(node.register))
-        await asyncio.wait_for(ws.recv(), 5.0)
+        for frame in frames:
+            await ws.send(frame)
+        while True:  # a Refused frame may come before the close
+            await asyncio.wait_for(ws.recv(), 5.0)
     assert ws.close_code == 1008
+
+
+async def test_node_that_sends_the_token_instead_of_a_proof_is_closed_with_1008(master):
+    ws = await websockets.connect(master.ws_url, additional_headers={"Authorization": f"Bearer {CLUSTER_TOKEN}"})
+    await _refused_with_1008(ws, protocol.encode(register_msg("old-node", "decode")))
+    assert await master.nodes() == {}
+
+
+async def test_master_proves_itself_first_and_refuses_a_wrong_proof(master):
+    ws, hello, challenge = await _challenged(master, "intruder")
+    proofs = protocol.link_transcript(hello, challenge.master_id, challenge.nonce)
+    assert proofs.verify(CLUSTER_TOKEN, "listener", challenge.proof)  # the master holds our token
+    wrong = protocol.LinkProof(proof=proofs.prove("wrong-token", "dialer"))
+    await _refused_with_1008(ws, protocol.encode(wrong), protocol.encode(register_msg("intruder", "decode")))
+    assert await master.nodes() == {}
+
+
+async def test_a_replayed_or_reflected_node_proof_is_refused(master):
+    ws, hello, challenge = await _challenged(master, "d0")
+    proof = protocol.link_transcript(hello, challenge.master_id, challenge.nonce).prove(CLUSTER_TOKEN, "dialer")
+    await ws.send(protocol.encode(protocol.LinkProof(proof=proof)))
+    await ws.send(protocol.encode(register_msg("d0", "decode")))
+    assert isinstance(protocol.parse_master_message(await asyncio.wait_for(ws.recv(), 5.0)), protocol.Registered)
+    await ws.close()
+    await wait_until(lambda: "d0" not in master.ctx.registry.nodes, what="d0 to leave")
+
+    # The same hello and proof again: the master's nonce is new, the old proof worthless.
+    replay, _, again = await _challenged(master, "d0", hello.nonce)
+    assert again.nonce != challenge.nonce
+    await _refused_with_1008(replay, protocol.encode(protocol.LinkProof(proof=proof)),
+                             protocol.encode(register_msg("d0", "decode")))
+    # The master's own proof sent back as the node's.
+    reflect, _, challenge = await _challenged(master, "d1")
+    await _refused_with_1008(reflect, protocol.encode(protocol.LinkProof(proof=challenge.proof)),
+                             protocol.encode(register_msg("d1", "decode")))
+    assert await master.nodes() == {}
+
+
+async def test_a_node_registers_only_under_the_id_it_proved(master):
+    ws, hello, challenge = await _challenged(master, "d0")
+    proof = protocol.link_transcript(hello, challenge.master_id, challenge.nonce).prove(CLUSTER_TOKEN, "dialer")
+    await ws.send(protocol.encode(protocol.LinkProof(proof=proof)))
+    await ws.send(protocol.encode(register_msg("someone-else", "decode")))
+    reply = protocol.parse_master_message(await asyncio.wait_for(ws.recv(), 5.0))
+    assert isinstance(reply, protocol.Refused) and "proved the cluster token as 'd0'" in reply.reason
     assert await master.nodes() == {}
 
 
