@@ -15,9 +15,15 @@ from master.errors import APIError, unauthorized
 logger = logging.getLogger(__name__)
 
 
+def blank(secret: SecretStr | None) -> bool:
+    """A secret that is set but holds only whitespace: every header would carry it, so it opens nothing."""
+    return secret is not None and not secret.get_secret_value().strip()
+
+
 def bearer_matches(authorization: str | None, expected: SecretStr | None) -> bool:
-    """True when an ``Authorization: Bearer <token>`` header carries ``expected`` (constant time)."""
-    if expected is None or not authorization:
+    """True when an ``Authorization: Bearer <token>`` header carries ``expected`` (constant time);
+    never for an empty secret (``Bearer `` with nothing after it would match it)."""
+    if expected is None or blank(expected) or not authorization:
         return False
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer":

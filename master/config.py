@@ -18,7 +18,8 @@ class MasterSettings(BaseSettings):
 
     The cluster token (``PD_CLUSTER_TOKEN``) is required: nodes prove with it that they belong to
     the cluster, and a master that made one up could never be joined. The admin token
-    (``PD_ADMIN_TOKEN``) is optional; without it the admin API answers 401 to every call.
+    (``PD_ADMIN_TOKEN``) is optional; without it the admin API answers 401 to every call. A token
+    set to the empty string (or only whitespace) stops the master at start: it would open what it guards.
     """
 
     model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")

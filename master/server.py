@@ -19,7 +19,7 @@ _WS_FRAME_SLACK = 64 * 1024
 def run_master(settings: MasterSettings | None = None) -> None:
     """Serve the master on ``settings.host:settings.port`` until interrupted.
 
-    Raises :class:`ConfigError` when no cluster token is configured.
+    Raises :class:`ConfigError` when no cluster token is configured, or a token is set but empty.
     """
     import uvicorn
 
