@@ -38,7 +38,8 @@ class MasterSettings(BaseSettings):
     api_keys: list[SecretStr] = Field(default_factory=list, description="keys clients must send; none: open API")
     api_keys_file: Path | None = Field(default=None, description="more keys, one a line: KEY [MAX_CONCURRENT]")
     max_concurrent_per_key: int | None = Field(
-        default=None, gt=0, description="open requests one API key may have (a key's own limit in the file wins)"
+        default=None, gt=0, description="generations one API key may run at once, each prompt x n (or best_of) of a "
+        "request counting one (a key's own limit in the file wins)"
     )
 
     max_model_len: int | None = Field(default=None, gt=0, description="cap on context length; default: nodes' and model's")
