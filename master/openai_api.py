@@ -19,6 +19,7 @@ from master.context import MasterContext
 from master.errors import APIError, bad_request
 from master.metrics import CONTENT_TYPE, status_of_http
 from master.prepare import Kind, model_not_found, prepare_counted
+from master.request_log import REQUEST_ID_HEADER, client_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -198,11 +199,14 @@ def _choice_count(value: Any) -> int:
 
 
 async def _generate(request: Request, kind: Kind) -> Response:
-    """Authenticate the client, read its body (what no route may see, too deep or not text, is
-    refused first) and hold its generations under its key's limit, then serve."""
+    """Take the client's X-Request-Id (answered back from here on), authenticate it, read its body
+    (what no route may see, too deep or not text, is refused first) and hold its generations
+    under its key's limit, then serve."""
     ctx = _ctx(request)
     keys: ApiKeys = request.app.state.api_keys
     try:
+        request.state.client_request_id = request.state.request_id = client_request_id(
+            request.headers.get(REQUEST_ID_HEADER))
         key = _client_key(request)
         body = await _read_json(request)
         slot = keys.acquire(key, generations_of(body, kind))

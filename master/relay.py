@@ -389,7 +389,7 @@ class Relay:
             logger.debug("dispatch %s -> %s %s (prefilled there)", attempt.attempt_id, decode.role, decode.node_id)
         else:
             logger.debug("dispatch %s -> P %s, D %s", attempt.attempt_id, prefill.node_id, decode.node_id)
-        if not first.send(job_for(attempt, decode, token_ids, sampling, deadline_s)):
+        if not first.send(job_for(attempt, decode, token_ids, sampling, deadline_s, r.client_request_id)):
             # Settled through the normal node-loss path, outside this state change.
             asyncio.get_running_loop().call_soon(self.registry.remove, first.node_id, "not reading its socket")
         r.wakeup.set()
