@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -38,6 +39,15 @@ async def _stream(client: openai.AsyncOpenAI) -> tuple[str, openai.APIError | No
     return text, None
 
 
+async def _started(
+    master: LiveMaster, client: openai.AsyncOpenAI, prefill: FakeNode
+) -> tuple[asyncio.Task, protocol.PrefillJob, Any]:
+    """A streamed request under way: the task reading it, its job on ``prefill``, and the master's request."""
+    reading = asyncio.create_task(_stream(client))
+    job = await prefill.next_job()
+    return reading, job, master.ctx.relay.attempts[job.request_id]
+
+
 async def _join(master: LiveMaster, *names: str) -> list[FakeNode]:
     nodes = [FakeNode(master, name, "prefill" if name.startswith("p") else "decode") for name in names]
     for node in nodes:
@@ -62,11 +72,8 @@ async def client(master):
 async def test_a_report_whose_handling_raises_ends_its_stream_with_an_error_and_aborts_it(master, client):
     prefill, decode = await _join(master, "p0", "d0")
     await wait_warm(master)
-    other = asyncio.create_task(_stream(client))
-    other_job = await prefill.next_job()
-    broken = asyncio.create_task(_stream(client))
-    job = await prefill.next_job()
-    r = master.ctx.relay.attempts[job.request_id]
+    other, other_job, _ = await _started(master, client, prefill)
+    broken, job, r = await _started(master, client, prefill)
     # A negative byte count parses, but no counter can go down: applying the first token raises.
     await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=10, text="o", transfer_bytes=-1))
     await wait_until(lambda: r.current.first_token_seen, what="the first token to be taken up")
@@ -88,9 +95,7 @@ async def test_a_report_whose_handling_raises_ends_its_stream_with_an_error_and_
 async def test_a_malformed_token_report_ends_its_stream_with_an_error(master, client):
     prefill, decode = await _join(master, "p0", "d0")
     await wait_warm(master)
-    broken = asyncio.create_task(_stream(client))
-    job = await prefill.next_job()
-    r = master.ctx.relay.attempts[job.request_id]
+    broken, job, r = await _started(master, client, prefill)
     await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=10, text="o"))
     await wait_until(lambda: r.output_ids, what="the first token to reach the stream")
     malformed = {"type": "token_delta", "request_id": job.request_id, "token_ids": ["eleven"], "text": "k"}
@@ -99,8 +104,8 @@ async def test_a_malformed_token_report_ends_its_stream_with_an_error(master, cl
     text, error = await asyncio.wait_for(broken, 10)
     assert text == "o" and error is not None  # never "o!": the token in between was lost
     assert error.code == "node_report_failed" and "decode node d0 sent a malformed token_delta report" in error.message
-    await wait_until(lambda: job.request_id in prefill.aborts or job.request_id in decode.aborts,
-                     what="the request to be aborted")
+    await wait_until(lambda: job.request_id in prefill.aborts and job.request_id in decode.aborts,
+                     what="the request to be aborted on both nodes")
     await prefill.close()
     await decode.close()
 
@@ -108,11 +113,8 @@ async def test_a_malformed_token_report_ends_its_stream_with_an_error(master, cl
 async def test_a_request_that_cannot_be_run_again_after_its_node_is_lost_ends_at_once(master, client):
     prefill, d0 = await _join(master, "p0", "d0")
     await wait_warm(master)
-    good = asyncio.create_task(_stream(client))
-    good_job = await prefill.next_job()
-    broken = asyncio.create_task(_stream(client))
-    job = await prefill.next_job()
-    r = master.ctx.relay.attempts[job.request_id]
+    good, good_job, _ = await _started(master, client, prefill)
+    broken, job, r = await _started(master, client, prefill)
     await serve_one(prefill, d0, [(10, "o"), (11, "k")], job=good_job, finish_reason=None)  # streams on, on d0
     await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=10, text="o"))
     await wait_until(lambda: r.output_ids, what="the first token")
