@@ -26,13 +26,12 @@ from master.errors import APIError
 from master.fanout import FanOut, PromptChoices, create_choices
 from master.prepare import Kind, Prepared
 from master.relay_request import ClientDisconnected, StreamFailed, TokenChunk
-from master.request_log import REQUEST_ID_HEADER
 
 
 def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float) -> FanOut:
     """One relay request per prompt x choice, the client's slot on the first."""
     req = prepared[0].req
-    client_request_id = request.headers.get(REQUEST_ID_HEADER)
+    client_request_id: str | None = getattr(request.state, "client_request_id", None)
     prompts: list[PromptChoices] = []
     for p in prepared:
         request_id = ctx.relay.new_request_id(SHAPES[kind].id_prefix)
@@ -46,7 +45,8 @@ def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Pr
     slot = request.state.client_slot
     prompts[0].first.client_slot = slot
     slot.handed = True
-    request.state.request_id = fan.request_id  # answered in the X-Request-Id header (RequestIdMiddleware)
+    # Answered in the X-Request-Id header (RequestIdMiddleware): the client's own id, or the master's.
+    request.state.request_id = client_request_id or fan.request_id
     return fan
 
 

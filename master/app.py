@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import FastAPI, WebSocket
 
 from master import admin, openai_api, status_page
-from master.auth import ApiKeys, read_keys_file
+from master.auth import ApiKeys, blank, read_keys_file
 from master.body_limit import BodyLimitMiddleware
 from master.config import MasterSettings
 from master.context import MasterContext
@@ -36,6 +36,25 @@ class ConfigError(ValueError):
     """The master cannot start with these settings."""
 
 
+#: The master's secrets, each with the variable that sets it and what to do instead of leaving it empty.
+_SECRETS = {
+    "cluster_token": ("PD_CLUSTER_TOKEN", "set it to the secret the nodes use"),
+    "admin_token": ("PD_ADMIN_TOKEN", "set it to a secret, or unset it to keep the admin API closed"),
+    "status_token": ("PD_STATUS_TOKEN", "set it to a secret, or unset it to open the status page with the admin "
+                                        "token only"),
+}
+
+
+def check_secrets(settings: MasterSettings) -> None:
+    """Fail closed: a secret that is set but empty (or only whitespace) stops the master, since a
+    bearer header with nothing after it would carry it. The message names the variable, never a value."""
+    if settings.cluster_token is None:
+        raise ConfigError("the master needs a cluster token: set PD_CLUSTER_TOKEN (nodes must use the same one)")
+    for name, (variable, instead) in _SECRETS.items():
+        if blank(getattr(settings, name)):
+            raise ConfigError(f"{variable} is set but empty: {instead} (e.g. `openssl rand -hex 24`)")
+
+
 def api_keys_from(settings: MasterSettings) -> ApiKeys:
     """The client keys of ``--api-key`` and ``--api-keys-file`` (a key's own limit wins)."""
     limits: dict[str, int | None] = {key.get_secret_value(): None for key in settings.api_keys}
@@ -44,7 +63,7 @@ def api_keys_from(settings: MasterSettings) -> ApiKeys:
             limits.update(read_keys_file(settings.api_keys_file))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the API keys file: {exc}") from exc
-    if "" in limits:
+    if any(not key.strip() for key in limits):
         raise ConfigError("an API key must not be empty")
     if limits:
         logger.info("clients must send one of %d API keys", len(limits))
@@ -59,8 +78,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
     ``settings.model`` names a directory that has one. Without it the cluster's model name and
     KV shape are learned from the first node that joins.
     """
-    if settings.cluster_token is None or not settings.cluster_token.get_secret_value():
-        raise ConfigError("the master needs a cluster token: set PD_CLUSTER_TOKEN (nodes must use the same one)")
+    check_secrets(settings)
     model: ModelInfo | None = None
     if tokenizer is None:
         path = resolve_model_path(settings.model)

@@ -1,5 +1,5 @@
 """Bearer-token checks for operators (admin token) and clients (API keys), and the per-key bound
-on a client's concurrent requests. Nodes prove the cluster token without sending it
+on a client's concurrent generations. Nodes prove the cluster token without sending it
 (:mod:`master.node_auth`)."""
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ from master.errors import APIError, unauthorized
 logger = logging.getLogger(__name__)
 
 
+def blank(secret: SecretStr | None) -> bool:
+    """A secret that is set but holds only whitespace: every header would carry it, so it opens nothing."""
+    return secret is not None and not secret.get_secret_value().strip()
+
+
 def bearer_matches(authorization: str | None, expected: SecretStr | None) -> bool:
-    """True when an ``Authorization: Bearer <token>`` header carries ``expected`` (constant time)."""
-    if expected is None or not authorization:
+    """True when an ``Authorization: Bearer <token>`` header carries ``expected`` (constant time);
+    never for an empty secret (``Bearer `` with nothing after it would match it)."""
+    if expected is None or blank(expected) or not authorization:
         return False
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer":
@@ -46,10 +52,12 @@ def read_keys_file(path: Path) -> dict[str, int | None]:
 
 @dataclass
 class ClientSlot:
-    """One admitted request of one key; :meth:`release` (idempotent) gives its place back."""
+    """One admitted request of one key and the generations it runs; :meth:`release` (idempotent)
+    gives them back."""
 
     keys: "ApiKeys"
     key: str | None
+    generations: int = 1
     released: bool = False
     #: A relay request took it over (and releases it when it ends).
     handed: bool = False
@@ -57,18 +65,20 @@ class ClientSlot:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.keys.release(self.key)
+            self.keys.release(self.key, self.generations)
 
 
 @dataclass
 class ApiKeys:
-    """The keys clients must send (``Authorization: Bearer <key>``) and how many requests each may
-    have open at once. No keys configured: the API is open (and per-key limits do not apply)."""
+    """The keys clients must send (``Authorization: Bearer <key>``) and how many generations each
+    may run at once: a request counts one per prompt and choice (prompts x max(n, best_of)), since
+    each is a request of its own on the nodes. No keys configured: the API is open (and per-key
+    limits do not apply)."""
 
     limits: dict[str, int | None] = field(default_factory=dict)
     default_limit: int | None = None
     retry_after_s: float = 1.0
-    open_requests: dict[str | None, int] = field(default_factory=dict)
+    open_generations: dict[str | None, int] = field(default_factory=dict)
 
     @property
     def required(self) -> bool:
@@ -86,20 +96,32 @@ class ApiKeys:
                 return key
         raise unauthorized("Incorrect API key provided.")
 
-    def acquire(self, key: str | None) -> ClientSlot:
-        """Count one more open request of ``key``; raises a 429 APIError past its limit."""
-        limit = self.limits.get(key) if key is not None else None
-        limit = limit if limit is not None else self.default_limit
-        count = self.open_requests.get(key, 0)
-        if limit is not None and key is not None and count >= limit:
-            raise APIError(429, f"Too many concurrent requests for this API key (limit {limit}).",
-                           "rate_limit_error", None, "rate_limit_exceeded", self.retry_after_s)
-        self.open_requests[key] = count + 1
-        return ClientSlot(self, key)
+    def limit_of(self, key: str | None) -> int | None:
+        if key is None:
+            return None
+        limit = self.limits.get(key)
+        return limit if limit is not None else self.default_limit
 
-    def release(self, key: str | None) -> None:
-        count = self.open_requests.get(key, 0) - 1
+    def acquire(self, key: str | None, generations: int = 1) -> ClientSlot:
+        """Count ``generations`` more running under ``key``. A request larger than the key's whole
+        limit can never pass: 400, saying so (no client should retry it). One that fits the limit but
+        not what is free of it now: 429 with Retry-After."""
+        limit = self.limit_of(key)
+        running = self.open_generations.get(key, 0)
+        if limit is not None and generations > limit:
+            raise APIError(400, f"This request runs {generations} generations at once (prompts x n or best_of), "
+                           f"more than this API key may run concurrently ({limit}). Send fewer prompts or choices "
+                           "per request.", "invalid_request_error", None, "generations_over_key_limit")
+        if limit is not None and running + generations > limit:
+            raise APIError(429, f"Too many concurrent generations for this API key: {running} running, this request "
+                           f"needs {generations}, the limit is {limit}.", "rate_limit_error", None,
+                           "rate_limit_exceeded", self.retry_after_s)
+        self.open_generations[key] = running + generations
+        return ClientSlot(self, key, generations)
+
+    def release(self, key: str | None, generations: int = 1) -> None:
+        count = self.open_generations.get(key, 0) - generations
         if count > 0:
-            self.open_requests[key] = count
+            self.open_generations[key] = count
         else:
-            self.open_requests.pop(key, None)
+            self.open_generations.pop(key, None)

@@ -19,7 +19,8 @@ class MasterSettings(BaseSettings):
 
     The cluster token (``PD_CLUSTER_TOKEN``) is required: nodes prove with it that they belong to
     the cluster, and a master that made one up could never be joined. The admin token
-    (``PD_ADMIN_TOKEN``) is optional; without it the admin API answers 401 to every call.
+    (``PD_ADMIN_TOKEN``) is optional; without it the admin API answers 401 to every call. A token
+    set to the empty string (or only whitespace) stops the master at start: it would open what it guards.
     """
 
     model_config = SettingsConfigDict(env_prefix="PD_", extra="ignore")
@@ -41,7 +42,8 @@ class MasterSettings(BaseSettings):
     api_keys: list[SecretStr] = Field(default_factory=list, description="keys clients must send; none: open API")
     api_keys_file: Path | None = Field(default=None, description="more keys, one a line: KEY [MAX_CONCURRENT]")
     max_concurrent_per_key: int | None = Field(
-        default=None, gt=0, description="open requests one API key may have (a key's own limit in the file wins)"
+        default=None, gt=0, description="generations one API key may run at once, each prompt x n (or best_of) of a "
+        "request counting one (a key's own limit in the file wins)"
     )
 
     max_model_len: int | None = Field(default=None, gt=0, description="cap on context length; default: nodes' and model's")

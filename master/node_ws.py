@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 
+from pydantic import BaseModel
 from starlette.websockets import WebSocket
 
 from master.context import MasterContext
@@ -30,6 +32,9 @@ _RECEIVE_SLICE_S = 1.0
 _CLOSE_GRACE_S = 2.0
 #: Malformed frames of one node logged one by one; after that, every thousandth.
 _LOGGED_MALFORMED = 10
+#: Frames that carry a request's output or its fate: one dropped would leave a gap in an answer, so
+#: the requests it names are ended with an error instead.
+_REQUEST_FRAMES = frozenset({"first_token", "token_delta", "token_deltas", "request_failed", "kv_transferred"})
 
 
 async def _receive_frame(ws: WebSocket) -> str | bytes | None:
@@ -125,7 +130,9 @@ async def _read_loop(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> N
 
 
 def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> None:
-    """Apply one frame from a registered node; bad frames are logged and dropped."""
+    """Apply one frame from a registered node. A frame that cannot be parsed, or whose handling
+    raises, is logged and dropped, and the requests it was about end with an error that says so:
+    their streams never go on with tokens missing."""
     try:
         msg = protocol.parse_node_message(frame)
     except ValueError as exc:
@@ -133,13 +140,17 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
         count = record.malformed_frames
         if count <= _LOGGED_MALFORMED or count % 1000 == 0:
             logger.warning("dropped malformed frame #%d from node %s: %s", count, record.node_id, _short(exc))
+        kind, request_ids = _named_requests(frame)
+        for request_id in request_ids:
+            ctx.relay.fail_unapplied(record, request_id, f"{record.role} node {record.node_id} sent a malformed "
+                                                         f"{kind} report for it")
         return
     if isinstance(msg, protocol.TokenDeltas):
         for delta in msg.deltas:  # one request's failure leaves the others' tokens flowing
             try:
                 ctx.relay.on_token_delta(record, delta)
-            except Exception:
-                logger.exception("handling a token delta of %s from node %s failed", delta.request_id, record.node_id)
+            except Exception as exc:
+                _not_applied(ctx, record, delta, exc)
         return
     try:
         if isinstance(msg, protocol.NodeStatus):
@@ -159,8 +170,35 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
             ctx.registry.discard(record, "drained", CLOSE_NORMAL)
         else:
             logger.warning("dropped an unexpected %s frame from node %s", type(msg).__name__, record.node_id)
-    except Exception:
-        logger.exception("handling a %s frame from node %s failed", type(msg).__name__, record.node_id)
+    except Exception as exc:
+        _not_applied(ctx, record, msg, exc)
+
+
+def _not_applied(ctx: MasterContext, record: NodeRecord, msg: BaseModel, exc: Exception) -> None:
+    """Applying a frame raised: log it, and end the request it is about with the cause (its output
+    would go on with a piece missing)."""
+    kind = getattr(msg, "type", type(msg).__name__)
+    logger.error("handling a %s frame from node %s failed", kind, record.node_id, exc_info=exc)
+    request_id = getattr(msg, "request_id", None)
+    if isinstance(request_id, str):
+        cause = (f"the master could not apply {record.role} node {record.node_id}'s {kind} report for it "
+                 f"({type(exc).__name__})")
+        ctx.relay.fail_unapplied(record, request_id, cause)
+
+
+def _named_requests(frame: str | bytes) -> tuple[str, list[str]]:
+    """The type of a frame that failed to parse and, for a frame about requests, the request ids it
+    names (read as plain JSON; none when even that fails)."""
+    try:
+        doc = json.loads(frame)
+    except (ValueError, RecursionError):
+        return "unreadable", []
+    kind = doc.get("type") if isinstance(doc, dict) else None
+    if kind not in _REQUEST_FRAMES:
+        return str(kind), []
+    items = doc.get("deltas") if kind == "token_deltas" else [doc]
+    items = items if isinstance(items, list) else []
+    return kind, [i["request_id"] for i in items if isinstance(i, dict) and isinstance(i.get("request_id"), str)]
 
 
 async def _writer(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> None:

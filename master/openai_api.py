@@ -19,6 +19,7 @@ from master.context import MasterContext
 from master.errors import APIError, bad_request
 from master.metrics import CONTENT_TYPE, status_of_http
 from master.prepare import Kind, model_not_found, prepare_counted
+from master.request_log import REQUEST_ID_HEADER, client_request_id
 
 logger = logging.getLogger(__name__)
 
@@ -182,22 +183,37 @@ def _client_key(request: Request) -> str | None:
     return keys.authenticate(request.headers.get("authorization"))
 
 
+def generations_of(body: Any, kind: Kind) -> int:
+    """The generations a body asks for, as its key's limit counts them: its prompts (chat: one)
+    times max(n, best_of). Read before validation: a value it will refuse counts as one."""
+    if not isinstance(body, dict):
+        return 1
+    prompts = completion_batch.split_prompts(body.get("prompt")) if kind == "completion" else None
+    count = min(len(prompts), completion_batch.MAX_PROMPTS) if prompts else 1
+    return count * max(_choice_count(body.get("n")), _choice_count(body.get("best_of")))
+
+
+def _choice_count(value: Any) -> int:
+    valid = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= oa.MAX_CHOICES
+    return value if valid else 1
+
+
 async def _generate(request: Request, kind: Kind) -> Response:
-    """Authenticate the client and hold its place under its key's limit, then serve."""
+    """Take the client's X-Request-Id (answered back from here on), authenticate it, read its body
+    (what no route may see, too deep or not text, is refused first) and hold its generations
+    under its key's limit, then serve."""
     ctx = _ctx(request)
     keys: ApiKeys = request.app.state.api_keys
     try:
-        slot = keys.acquire(_client_key(request))
+        request.state.client_request_id = request.state.request_id = client_request_id(
+            request.headers.get(REQUEST_ID_HEADER))
+        key = _client_key(request)
+        body = await _read_json(request)
+        slot = keys.acquire(key, generations_of(body, kind))
     except APIError as exc:
         ctx.metrics.requests_total.labels(status=status_of_http(exc.status)).inc()
         return exc.response()
     request.state.client_slot = slot
-    try:
-        await _read_json(request)  # what no route may see (too deep, not text) is refused first
-    except APIError as exc:
-        slot.release()
-        ctx.metrics.requests_total.labels(status=status_of_http(exc.status)).inc()
-        return exc.response()
     try:
         return await _serve(request, kind)
     finally:

@@ -259,7 +259,7 @@ class Relay:
         reason = (f"prefill node {attempt.prefill_id} did not hand the request over within "
                   f"{self.settings.handoff_timeout_s:g} s")
         logger.warning("re-running %s: %s", r.request_id, reason)
-        self._reroute(r, attempt.prefill_id, reason, keep_decode=False)
+        self._rerun(r, attempt.prefill_id, reason, keep_decode=False)
 
     def on_token_delta(self, node: NodeRecord, msg: protocol.TokenDelta) -> None:
         live = self._live(msg.request_id)
@@ -304,9 +304,9 @@ class Relay:
         if not msg.retryable:
             self._fail(r, internal_error(), "error")  # the node's words stay in the log
         elif node.node_id == attempt.prefill_id and not attempt.first_token_seen:
-            self._reroute(r, node.node_id, why, keep_decode=True)
+            self._rerun(r, node.node_id, why, keep_decode=True)
         else:
-            self._reroute(r, node.node_id, why, keep_decode=False)
+            self._rerun(r, node.node_id, why, keep_decode=False)
 
     def on_node_removed(self, node: NodeRecord, reason: str) -> None:
         for attempt_id in sorted(node.inflight):
@@ -317,10 +317,22 @@ class Relay:
             why = f"{node.role} node {node.node_id} was lost ({reason})"
             if node.node_id == attempt.decode_id:
                 logger.info("re-running %s: %s", r.request_id, why)
-                self._reroute(r, node.node_id, why, keep_decode=False)
+                self._rerun(r, node.node_id, why, keep_decode=False)
             elif node.node_id == attempt.prefill_id and not attempt.handed_over:
                 logger.info("re-running %s: %s before the handover", r.request_id, why)
-                self._reroute(r, node.node_id, why, keep_decode=not attempt.first_token_seen)
+                self._rerun(r, node.node_id, why, keep_decode=not attempt.first_token_seen)
+
+    def fail_unapplied(self, node: NodeRecord, attempt_id: str, cause: str) -> None:
+        """A report of ``node`` on one of its live attempts could not be applied (malformed, or
+        applying it raised): end that request now with the cause, aborting it on its nodes, rather
+        than let its output go on with a piece missing. Other requests are untouched."""
+        live = self._live(attempt_id)
+        if live is None or node.node_id not in (live[1].prefill_id, live[1].decode_id):
+            return
+        r = live[0]
+        logger.error("ending request %s: %s", r.request_id, cause)
+        message = f"The request was stopped because {cause}."
+        self._fail(r, APIError(502, message, "server_error", None, "node_report_failed"), "error")
 
     def on_status(self, node: NodeRecord, msg: protocol.NodeStatus) -> None:
         """Abort what a node still holds of attempts that ended here (it was cut off, or missed
@@ -377,7 +389,7 @@ class Relay:
             logger.debug("dispatch %s -> %s %s (prefilled there)", attempt.attempt_id, decode.role, decode.node_id)
         else:
             logger.debug("dispatch %s -> P %s, D %s", attempt.attempt_id, prefill.node_id, decode.node_id)
-        if not first.send(job_for(attempt, decode, token_ids, sampling, deadline_s)):
+        if not first.send(job_for(attempt, decode, token_ids, sampling, deadline_s, r.client_request_id)):
             # Settled through the normal node-loss path, outside this state change.
             asyncio.get_running_loop().call_soon(self.registry.remove, first.node_id, "not reading its socket")
         r.wakeup.set()
@@ -416,6 +428,16 @@ class Relay:
         r.finish_reason = "error"
         r.finished_at = time.monotonic()
         r.deliver(error)
+
+    def _rerun(self, r: RelayRequest, failed_node: str | None, why: str, keep_decode: bool) -> None:
+        """:meth:`_reroute`; when running it again raises, the request ends now with the cause
+        instead of waiting for its deadline (and the caller goes on with the other requests)."""
+        try:
+            self._reroute(r, failed_node, why, keep_decode)
+        except Exception as exc:
+            logger.exception("re-running %s after %s failed", r.request_id, why)
+            message = f"The request could not be run again after {why} ({type(exc).__name__} while routing it)."
+            self._fail(r, APIError(502, message, "server_error", None, "rerun_failed"), "error")
 
     def _reroute(self, r: RelayRequest, failed_node: str | None, why: str, keep_decode: bool) -> None:
         """Give up the current attempt (aborting it on both nodes) and run the request again:

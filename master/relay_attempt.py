@@ -91,13 +91,14 @@ def claim_nodes(
 
 
 def job_for(
-    attempt: Attempt, decode: NodeRecord, token_ids: list[int], sampling: SamplingParams, deadline_s: float
+    attempt: Attempt, decode: NodeRecord, token_ids: list[int], sampling: SamplingParams, deadline_s: float,
+    client_request_id: str | None = None,
 ) -> protocol.PrefillJob | protocol.GenerateJob:
     """A ``PrefillJob`` for P naming D, or with no P a ``GenerateJob`` for the node that prefills
     and decodes it (its tokens, the first included, come as deltas)."""
     if attempt.prefill_id is None:
         return protocol.GenerateJob(request_id=attempt.attempt_id, token_ids=token_ids, sampling=sampling,
-                                    deadline_s=deadline_s)
+                                    deadline_s=deadline_s, client_request_id=client_request_id)
     return protocol.PrefillJob(
         request_id=attempt.attempt_id,
         token_ids=token_ids,
@@ -105,6 +106,7 @@ def job_for(
         decode_node_id=decode.node_id,
         decode_address=decode.info.data_address or "",
         deadline_s=deadline_s,
+        client_request_id=client_request_id,
     )
 
 

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from master.errors import bad_request
+
 if TYPE_CHECKING:
     from master.registry import Registry
     from master.relay import RelayRequest
@@ -27,8 +29,11 @@ logger = logging.getLogger("master.requests")
 
 #: Ended requests kept for the status page (recent errors and routing decisions).
 RECENT_REQUESTS = 200
-#: Header a client may send to find its request in the logs; the master answers with its own id in it.
+#: Header a client (or a proxy in front of the master) may send to follow its request through the
+#: logs; the answer carries it back (without one: the master's own id).
 REQUEST_ID_HEADER = "X-Request-Id"
+#: What a client's X-Request-Id may be: it goes into log lines and response headers as it is.
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 #: The LogRecord attribute that carries a request's fields to :class:`JSONFormatter`.
 FIELDS_ATTR = "request_fields"
 
@@ -103,6 +108,18 @@ def parse_text_line(line: str) -> dict[str, str] | None:
 
 def _seconds(value: float | None) -> float | None:
     return None if value is None else round(value, 6)
+
+
+def client_request_id(value: str | None) -> str | None:
+    """A client's ``X-Request-Id`` (None when it sent none); one that could garble a log line or a
+    header (too long, spaces, quotes, control characters) is refused with a 400 that says what
+    may be sent, rather than dropped without a word."""
+    if value is None:
+        return None
+    if CLIENT_REQUEST_ID.fullmatch(value) is None:
+        raise bad_request(f"{REQUEST_ID_HEADER} must be 1 to 128 characters of letters, digits and . _ : / + = @ -.",
+                          None, "invalid_request_id")
+    return value
 
 
 class RequestLog:
@@ -237,9 +254,11 @@ def use_json_logs(root: logging.Logger | None = None) -> None:
 
 
 class RequestIdMiddleware:
-    """Answers a generation request with its id in ``X-Request-Id`` (the id its log line and the
-    nodes' logs carry), on success, error and streamed answers alike. The handler names the id
-    in ``request.state.request_id``; requests without one pass through untouched."""
+    """Answers a generation request with its id in ``X-Request-Id``, on success, error and
+    streamed answers alike: the client's own when it sent one (its request's log line and the
+    nodes' job lines carry it beside the master's id), else the master's (the id its log line and
+    the nodes' logs carry). The handler names the id in ``request.state.request_id``; requests
+    without one pass through untouched."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -35,8 +35,9 @@ def tls_options(settings: MasterSettings) -> dict[str, str]:
 def run_master(settings: MasterSettings | None = None) -> None:
     """Serve the master on ``settings.host:settings.port`` until interrupted.
 
-    Raises :class:`ConfigError` when no cluster token is configured, or the TLS certificate
-    (``settings.tls_cert``, ``settings.tls_key``: HTTPS and ``wss://``) cannot be loaded.
+    Raises :class:`ConfigError` when no cluster token is configured, a token is set but empty, or
+    the TLS certificate (``settings.tls_cert``, ``settings.tls_key``: HTTPS and ``wss://``) cannot be
+    loaded.
     """
     import uvicorn
 

@@ -280,7 +280,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                    help="a key clients must send as `Authorization: Bearer KEY` (repeatable; default: open API)")
     m.add_argument("--api-keys-file", default=None, help="more keys, one a line: KEY [MAX_CONCURRENT]")
     m.add_argument("--max-concurrent-per-key", type=int, default=None,
-                   help="open requests one API key may have (a key's own limit in the file wins)")
+                   help="generations one API key may run at once, each prompt x n (or best_of) of a request counting one "
+                        "(a key's own limit in the file wins)")
     m.add_argument("--local-prefill-max-tokens", type=int, default=None,
                    help="a request whose decode node misses at most this many prompt tokens (after its prefix hit) "
                         "is prefilled on that node, not on a prefill node; 0: always through a prefill node while one "

@@ -253,6 +253,9 @@ class PrefillJob(_Message):
     decode_node_id: str
     decode_address: str
     deadline_s: float = Field(gt=0, description="seconds the node may spend on it")
+    client_request_id: str | None = Field(
+        default=None, description="the client's X-Request-Id, for the node's log (the request's own id is request_id)"
+    )
 
 
 class GenerateJob(_Message):
@@ -265,6 +268,9 @@ class GenerateJob(_Message):
     token_ids: list[int]
     sampling: SamplingParams
     deadline_s: float = Field(gt=0, description="seconds the node may spend on it")
+    client_request_id: str | None = Field(
+        default=None, description="the client's X-Request-Id, for the node's log (the request's own id is request_id)"
+    )
 
 
 class Abort(_Message):

@@ -38,14 +38,15 @@ StatusSource = Callable[[], protocol.NodeStatus]
 
 def log_request_frame(direction: str, message: BaseModel) -> None:
     """A line in the node's log where a request starts or ends here, with the request id the
-    master's request log and its ``X-Request-Id`` answer carry (a retry's id ends in ``-rN``)."""
+    master's request log carries (a retry's id ends in ``-rN``) and, where a job starts, the
+    client's own ``X-Request-Id`` when it sent one: a request can be followed through a proxy."""
     if isinstance(message, protocol.TokenDeltas):
         for delta in message.deltas:
             if delta.finish_reason is not None:
                 log_request_frame(direction, delta)
         return
-    if isinstance(message, protocol.PrefillJob):
-        what = f"prefill job ({len(message.token_ids)} prompt tokens, decode node {message.decode_node_id})"
+    if isinstance(message, (protocol.PrefillJob, protocol.GenerateJob)):
+        what = _job_words(message)
     elif isinstance(message, (protocol.FirstToken, protocol.TokenDelta)) and message.finish_reason is not None:
         what = f"finished ({message.finish_reason})"
     elif isinstance(message, protocol.RequestFailed):
@@ -55,6 +56,15 @@ def log_request_frame(direction: str, message: BaseModel) -> None:
     else:
         return
     logger.info("request %s: %s, %s", message.request_id, what, direction)
+
+
+def _job_words(job: protocol.PrefillJob | protocol.GenerateJob) -> str:
+    parts = [f"{len(job.token_ids)} prompt tokens"]
+    if isinstance(job, protocol.PrefillJob):
+        parts.append(f"decode node {job.decode_node_id}")
+    if job.client_request_id:
+        parts.append(f"client request id {job.client_request_id}")
+    return f"{'prefill' if isinstance(job, protocol.PrefillJob) else 'generate'} job ({', '.join(parts)})"
 
 
 #: Longest a frame may take to go out before the link is dropped (and dialled again).

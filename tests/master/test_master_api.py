@@ -365,6 +365,45 @@ async def test_official_openai_client_works_unchanged(cluster):
     await client.close()
 
 
+async def test_the_clients_x_request_id_is_echoed_logged_and_sent_to_the_node(cluster):
+    master, prefill, decode = cluster
+    client = openai.AsyncOpenAI(base_url=f"{master.base_url}/v1", api_key="unused", max_retries=0)
+    answer = asyncio.create_task(serve_one(prefill, decode, [(10, "o"), (11, "k")]))
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT_MESSAGES, max_tokens=2, extra_headers={"X-Request-Id": "proxy-7f3a:1"})
+    job = await answer
+    assert raw.headers["x-request-id"] == "proxy-7f3a:1" and job.client_request_id == "proxy-7f3a:1"
+    reply = raw.parse()
+    assert reply.id == job.request_id  # the body keeps the master's id
+    recent = master.ctx.request_log.recent
+    record = await wait_until(lambda: next((r for r in recent if r.request_id == reply.id), None),
+                              what="the request's log record")
+    assert record.client_request_id == "proxy-7f3a:1"
+
+    answer = asyncio.create_task(serve_one(prefill, decode, [(10, "o"), (11, "k")]))
+    async with client.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=CHAT_MESSAGES, max_tokens=2, stream=True,
+        extra_headers={"X-Request-Id": "stream-42"}) as response:
+        assert response.headers["x-request-id"] == "stream-42"
+        text = "".join([c.choices[0].delta.content or "" async for c in await response.parse() if c.choices])
+    assert text == "ok" and (await answer).client_request_id == "stream-42"
+
+    # Without one: the master's own id, in the header and the job; none travels as the client's.
+    answer = asyncio.create_task(serve_one(prefill, decode, [(10, "o")]))
+    raw = await client.completions.with_raw_response.create(model=MODEL, prompt="hi", max_tokens=1)
+    job = await answer
+    assert raw.headers["x-request-id"] == raw.parse().id == job.request_id
+    assert job.client_request_id is None
+
+    # One that would garble a log line or a header is refused, saying what may be sent.
+    for bad in ("two words", "x" * 129, 'quote"d', "tab\tbed"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                            extra_headers={"X-Request-Id": bad})
+        assert refused.value.code == "invalid_request_id" and "X-Request-Id must be" in refused.value.message
+    await client.close()
+
+
 async def test_first_token_via_decode_holds_p_token_until_d_speaks(tmp_path: Path):
     """The measured alternative output path: the client's first chunk waits for D's tokens."""
     async with LiveMaster(make_settings(write_model_dir(tmp_path), first_token_via="decode")) as master:

@@ -1,5 +1,5 @@
-"""Clients of the OpenAI API: API keys (401 in OpenAI's shape), a per-key bound on open requests
-and a bounded admission queue (429 with Retry-After), every answer counted by status."""
+"""Clients of the OpenAI API: API keys (401 in OpenAI's shape), a per-key bound on running
+generations and a bounded admission queue (429 with Retry-After), every answer counted by status."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ async def _pair(master: LiveMaster) -> tuple[FakeNode, FakeNode]:
 @pytest.fixture
 async def keyed(tmp_path: Path):
     keys_file = tmp_path / "keys"
-    keys_file.write_text("# team keys\nsk-file-one 1\nsk-file-two\n\n")
+    keys_file.write_text("# team keys\nsk-file-one 1\nsk-file-two\nsk-pair 2\n\n")
     settings = make_settings(write_model_dir(tmp_path), api_keys=["sk-flag"], api_keys_file=keys_file,
                              max_concurrent_per_key=3)
     async with LiveMaster(settings) as master:
@@ -99,12 +99,54 @@ async def test_a_key_past_its_concurrency_limit_gets_429_with_retry_after(keyed)
     assert (await first).status_code == 200 and (await other).status_code == 200
     # The place is given back when the request ends, streaming or not.
     keys = master.app.state.api_keys
-    await wait_until(lambda: not keys.open_requests, what="open requests to be released")
+    await wait_until(lambda: not keys.open_generations, what="open requests to be released")
     streamed = asyncio.create_task(master.http.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=one))
     await serve_one(prefill, decode, [(10, "o")])
     assert (await streamed).status_code == 200
-    await wait_until(lambda: not keys.open_requests, what="the stream's place to be released")
+    await wait_until(lambda: not keys.open_generations, what="the stream's place to be released")
     assert _counts((await master.http.get("/metrics")).text)["rate_limited"] == 1.0
+
+
+async def _answer_every_job(prefill: FakeNode, decode: FakeNode) -> None:
+    while True:
+        try:
+            await serve_one(prefill, decode, [(10, "o"), (11, "k")])
+        except asyncio.TimeoutError:
+            continue
+
+
+async def test_a_key_limit_counts_generations_and_refuses_a_request_larger_than_it(keyed):
+    master, prefill, decode = keyed
+    client = openai.AsyncOpenAI(base_url=f"{master.base_url}/v1", api_key="sk-pair", max_retries=0, timeout=10)
+    answering = asyncio.create_task(_answer_every_job(prefill, decode))
+    try:
+        # Larger than the key's whole limit (2 generations): it can never pass, so 400, saying so.
+        with pytest.raises(openai.BadRequestError) as prompts:
+            await client.completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=2)
+        with pytest.raises(openai.BadRequestError) as choices:
+            await client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=2, n=2,
+                                                 extra_body={"best_of": 3})
+        for refused in (prompts.value, choices.value):
+            assert refused.code == "generations_over_key_limit"
+            assert "3 generations" in refused.message and "(2)" in refused.message
+        # Two prompts fit the limit exactly.
+        both = await client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
+        assert [c.text for c in both.choices] == ["ok", "ok"]
+    finally:
+        answering.cancel()
+    # While n=2 runs, the key has nothing free: one more generation gets 429 with Retry-After.
+    pair = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=2, n=2))
+    job = await prefill.next_job()
+    with pytest.raises(openai.RateLimitError) as limited:
+        await client.chat.completions.create(model=MODEL, messages=CHAT_MESSAGES, max_tokens=2)
+    assert limited.value.code == "rate_limit_exceeded" and limited.value.response.headers["Retry-After"] == "1"
+    assert "2 running, this request needs 1, the limit is 2" in limited.value.message
+    await serve_one(prefill, decode, [(10, "o"), (11, "k")], job=job)
+    await serve_one(prefill, decode, [(10, "o"), (11, "k")])  # choice 1, admitted once choice 0 answered
+    assert [c.message.content for c in (await pair).choices] == ["ok", "ok"]
+    keys = master.app.state.api_keys
+    await wait_until(lambda: not keys.open_generations, what="the generations to be released")
+    await client.close()
 
 
 async def test_a_full_admission_queue_answers_429_with_retry_after(tmp_path: Path):

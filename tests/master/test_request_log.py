@@ -55,7 +55,7 @@ def test_every_request_ends_in_one_json_line_with_its_route_tokens_and_latency(c
         extra_headers={"X-Request-Id": "client-id-42"},
     )
     reply = raw.parse()
-    assert raw.headers["x-request-id"] == reply.id  # the master's id, the one its logs carry
+    assert raw.headers["x-request-id"] == "client-id-42"  # echoed: a proxy in front follows its own id
 
     line = request_line(cluster, reply.id)
     assert line["level"] == "info" and line["logger"] == "master.requests"
@@ -81,19 +81,26 @@ def test_every_request_ends_in_one_json_line_with_its_route_tokens_and_latency(c
     # The same prompt again, streamed: D holds its prefix now, so less KV moves.
     with client.chat.completions.with_streaming_response.create(
         model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True,
+        extra_headers={"X-Request-Id": "client-stream-7"},
     ) as response:
-        stream_id = response.headers["x-request-id"]
+        assert response.headers["x-request-id"] == "client-stream-7"
         chunks = list(response.parse())
-    assert chunks[0].id == stream_id
-    again = request_line(cluster, stream_id)
-    assert again["stream"] is True and again["client_request_id"] is None
+    again = request_line(cluster, chunks[0].id)
+    assert again["stream"] is True and again["client_request_id"] == "client-stream-7"
     assert again["decode_hit_tokens"] > 0
     assert again["transferred_tokens"] < line["transferred_tokens"]
     assert f"D held {again['decode_hit_tokens']}/{again['prompt_tokens']} prompt tokens" in again["routing"]
 
-    # The id reached both nodes' logs: where the job started on P and where it ended on D.
+    # The id reached both nodes' logs: where the job started on P (beside the client's) and where it ended on D.
     wait_until(lambda: f"request {reply.id}: prefill job" in cluster.log("p0"), 10, "P's line")
+    p_line = next(line for line in cluster.log("p0").splitlines() if f"request {reply.id}: prefill job" in line)
+    assert "client request id client-id-42" in p_line
     wait_until(lambda: f"request {reply.id}: finished (length)" in cluster.log("d0"), 10, "D's line")
+
+    # Without one, the answer carries the master's own id: the one its line and the nodes' carry.
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="One, two,", max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id
+    assert request_line(cluster, raw.parse().id)["client_request_id"] is None
 
 
 def test_json_log_format_makes_every_master_line_json(cluster, client):
