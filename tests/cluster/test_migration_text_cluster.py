@@ -17,6 +17,7 @@ import signal
 import openai
 import pytest
 
+from tests.cluster.test_faults_cluster import _busy, _kv_idle, _rest
 from tests.cluster_harness import CLUSTER_TOKEN, Cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -61,25 +62,9 @@ def _prompt() -> str:
     return filler + "\n\n" + "🎉🚀😀" * 4
 
 
-def _greedy(**more) -> dict:
+def _greedy() -> dict:
     return {"model": MODEL, "prompt": _prompt(), "temperature": 0, "max_tokens": MAX_TOKENS,
-            "extra_body": {"ignore_eos": True}, **more}
-
-
-def _busy(cluster: Cluster, role: str) -> list[str]:
-    """Nodes of ``role`` that the master counts as holding a request of its own."""
-    return [n["id"] for n in cluster.nodes() if n["role"] == role and n["load"]["routed_in_flight"]]
-
-
-def _idle(cluster: Cluster) -> bool:
-    """No request left on the nodes still up, and every KV slot free or only cached."""
-    for n in cluster.nodes():
-        load, kv = n["load"], n["kv"]
-        if load["running"] or load["waiting"] or load["routed_in_flight"]:
-            return False
-        if n["role"] == "decode" and kv["free_tokens"] + kv["evictable_tokens"] != kv["total_tokens"]:
-            return False
-    return True
+            "extra_body": {"ignore_eos": True}}
 
 
 def test_a_stream_moved_inside_a_character_shows_the_uninterrupted_text(cluster, client):
@@ -96,13 +81,9 @@ def test_a_stream_moved_inside_a_character_shows_the_uninterrupted_text(cluster,
         cluster.kill(victim)  # the stream moves after 1 token, to the other decode node
     finally:
         os.kill(prefill.pid, signal.SIGCONT)
-    text, finish = "", None
-    for chunk in chunks:
-        if chunk.choices:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
+    text, finish = _rest(chunks)
     assert re.search(r"migrating the stream of \S+ after 1 tokens", cluster.log("master"))
     assert cluster.metric("pdc_stream_migrations_total") == migrations + 1
     reply = client.completions.create(**_greedy())
     assert (text, finish) == (reply.choices[0].text, "length") and "🎉" in text
-    wait_until(lambda: len(cluster.nodes()) == 2 and _idle(cluster), 60, "the nodes left back to idle")
+    wait_until(lambda: len(nodes := cluster.nodes()) == 2 and _kv_idle(nodes), 60, "the nodes left back to idle")

@@ -59,18 +59,14 @@ def _stream(tokenizer: Any, output: list[int], sampling: SamplingParams, switch_
     for position, token_id in enumerate(output):
         if position == switch_at:
             assert r.sent and len(r.output_ids) == switch_at
-            node = OutputProcessor(tokenizer, *_continuation(r, tokenizer))
+            token_ids, moved = r.next_inputs()  # the master's continuation, as the next node gets it
+            assert token_ids == prompt + r.output_ids and moved.output_offset == switch_at
+            node = OutputProcessor(tokenizer, moved, {tokenizer.eos_token_id}, token_ids)
         update = node.append(token_id)
         r.add_output(TokenChunk([token_id], update.text_delta, None, update.finish_reason), float(position))
         if update.finish_reason is not None:
             break
     return Streamed(r, update)
-
-
-def _continuation(r: RelayRequest, tokenizer: Any) -> tuple[SamplingParams, set[int], list[int]]:
-    token_ids, sampling = r.next_inputs()
-    assert token_ids == r.token_ids + r.output_ids and sampling.output_offset == len(r.output_ids)
-    return sampling, {tokenizer.eos_token_id}, token_ids
 
 
 def _same_stream(moved: Streamed, whole: Streamed, switch_at: int) -> None:
