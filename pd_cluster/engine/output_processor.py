@@ -3,6 +3,12 @@
 Detokenization is incremental (vLLM's prefix/read offsets): each step decodes only a few
 tokens, so long outputs cost the same per token as short ones, and text is released only when it
 does not end in U+FFFD (a multi-byte character split across tokens waits for its last byte).
+
+A stream that moved to another node carries its earlier output at the end of its prompt
+(``SamplingParams.output_offset``). The processor replays it first, from the original prompt's
+context, so it holds exactly what the first node held when it stopped: the bytes of a character
+that node never finished and a tail withheld for stop strings. The text deltas then go on as
+an uninterrupted run's would, and a stop string spanning the move is found.
 """
 
 from __future__ import annotations
@@ -94,8 +100,10 @@ class OutputProcessor:
         prompt_token_ids: list[int],
     ) -> None:
         self.params = params
+        #: This node's output ids (carried output excluded: ``max_tokens`` counts only these).
         self.token_ids: list[int] = []
-        #: Full output text so far, including a tail still withheld from the deltas.
+        #: Full output text so far, the carried output's included, with a tail still withheld
+        #: from the deltas.
         self.text = ""
         self.finish_reason: OutputFinishReason | None = None
         self.stop_reason: str | int | None = None
@@ -103,10 +111,12 @@ class OutputProcessor:
         self._stop_ids = frozenset(params.stop_token_ids)
         self._stops = list(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        split = max(len(prompt_token_ids) - params.output_offset, 0)
         self._detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, params.skip_special_tokens
+            tokenizer, prompt_token_ids[:split], params.skip_special_tokens
         )
         self._emitted = 0  # characters of self.text already handed out as deltas
+        self._replay(prompt_token_ids[split:])
 
     @property
     def finished(self) -> bool:
@@ -144,6 +154,16 @@ class OutputProcessor:
         elif len(self.token_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
         return OutputUpdate(self._take_delta(), self.finish_reason, self.stop_reason)
+
+    def _replay(self, carried: list[int]) -> None:
+        """Take output an earlier node already streamed: its text, and how much of it that node
+        handed out (those deltas reached the client, so none is returned here). The end of the
+        text :meth:`_take_delta` hands out never moves back, so after any token it is the text
+        less its longest possible start of a stop string; the carried output held no whole stop
+        string (the stream would have ended there)."""
+        for token_id in carried:
+            self.text += self._detokenizer.add(token_id)
+        self._emitted = len(self.text) - self._stop_prefix_len()
 
     def _cut_at_stop_string(self, old_len: int) -> bool:
         """Find the earliest stop string the new text completed; cut the text before it."""
