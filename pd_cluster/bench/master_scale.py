@@ -221,6 +221,7 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
         "tokens_per_s": tokens / options.measure_s,
         "tokens": tokens,
         "requests": len(requests),
+        "requests_by_master": [sum(1 for m, _ in requests if m == i) for i in range(len(cluster.masters))],
         "completed": sum(r.completed for r in results),
         "failed": sum(r.failed for r in results),
         "errors": [e for r in results for e in r.errors][:5],
