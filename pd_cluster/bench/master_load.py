@@ -206,8 +206,10 @@ def cpu_seconds(pid: int) -> float | None:
 class MasterProcess:
     """``pd-cluster master`` as a child process, its log in a file."""
 
-    def __init__(self, model: str, port: int, log_path: Path, extra: list[str]) -> None:
+    def __init__(self, model: str, port: int, log_path: Path, extra: list[str], pythonpath: str | None = None) -> None:
         self.port, self.log_path = port, log_path
+        #: Where the master's code is imported from (another build's checkout); None: this one's.
+        self.pythonpath = pythonpath
         self.args = [sys.executable, "-m", "pd_cluster.cli", "master", "--host", "127.0.0.1", "--port", str(port),
                      "--model", model, "--served-model-name", SERVED_NAME, *extra]
         self.proc: subprocess.Popen | None = None
@@ -218,6 +220,8 @@ class MasterProcess:
 
     def start(self) -> None:
         env = {**os.environ, "PD_CLUSTER_TOKEN": CLUSTER_TOKEN, "PD_ADMIN_TOKEN": ADMIN_TOKEN}
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = self.pythonpath
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 

@@ -68,6 +68,8 @@ class ScaleOptions:
     node_procs: int = max(1, min(4, (os.cpu_count() or 2) // 8))
     port: int = 8100
     master_args: list[str] = field(default_factory=list)
+    #: A checkout whose master is measured (an A/B against another build); None: this one's.
+    master_pythonpath: str | None = None
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
 
@@ -119,7 +121,7 @@ class _Cluster:
     def __init__(self, options: ScaleOptions, model_dir: Path, count: int, work_dir: Path) -> None:
         self.options, self.model_dir = options, model_dir
         self.masters = [MasterProcess(str(model_dir), options.port + i, work_dir / f"master{i}.log",
-                                      options.master_args) for i in range(count)]
+                                      options.master_args, options.master_pythonpath) for i in range(count)]
         urls = [f"ws://127.0.0.1:{m.port}{protocol.NODE_WS_PATH}" for m in self.masters]
         ids = [f"synthetic-decode-{i}" for i in range(options.decode_nodes)]
         ctx = multiprocessing.get_context("spawn")
@@ -326,6 +328,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--measure-s", type=float, default=d.measure_s, help="seconds measured at each concurrency")
     g.add_argument("--client-procs", type=int, default=d.client_procs, help="load client processes")
     g.add_argument("--node-procs", type=int, default=d.node_procs, help="processes the synthetic nodes run in")
+    g.add_argument("--master-pythonpath", default=None,
+                   help="run the masters from this checkout (PYTHONPATH), e.g. another build's, to compare it")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -342,7 +346,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         step_ms=args.step_ms if args.step_ms is not None else d.step_ms, input_len=args.input_len,
         output_len=args.output_len if args.output_len is not None else d.output_len, measure_s=args.measure_s,
         client_procs=args.client_procs, node_procs=args.node_procs, port=args.port,
-        master_args=args.master_args.split())
+        master_args=args.master_args.split(), master_pythonpath=args.master_pythonpath)
     date = dt.date.today().isoformat()
     stem = f"master-load-scale-{date}" + (f"-{args.tag}" if args.tag else "")
     doc = run_scale(replace(options), args.out / f"{stem}-logs")
