@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pd_cluster import protocol
-from pd_cluster import aio
+from pd_cluster import aio, protocol
+from pd_cluster.bench.master_load import PREFILL_TOKENS_PER_S, kv_spec_for
 from pd_cluster.kv_spec import KVSpec
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 _STAMP = "@STAMP@"
 #: The token id every synthetic token carries (any ordinary id: the master relays the node's text).
 TOKEN_ID = 1000
-PREFILL_TOKENS_PER_S = 50_000.0
 CAPACITY_TOKENS = 1 << 24
 
 
@@ -148,16 +147,6 @@ class StampedDecode:
                 prefill_tokens_per_s=PREFILL_TOKENS_PER_S, decode_step_base_s=self.step_s,
             )))
             await asyncio.sleep(0.5)
-
-
-def kv_spec_for(model_dir: Path, block_size: int = 16) -> tuple[KVSpec, int]:
-    """The KV spec an engine would register for this model (bfloat16), and its context length."""
-    from pd_cluster.model.config import ModelConfig
-
-    config = ModelConfig.from_path(model_dir)
-    spec = KVSpec(model=config.name, num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
-                  head_dim=config.head_dim, dtype="bfloat16", block_size=block_size)
-    return spec, config.max_position_embeddings
 
 
 def nodes_main(urls: list[str], model_dir: str, node_ids: list[str], step_s: float, token: str) -> None:
