@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from master import openai_schemas as oa
 from master import tool_calls
@@ -23,6 +23,7 @@ from master.answer_shapes import (
 )
 from master.context import MasterContext
 from master.errors import APIError
+from master.event_stream import EventStreamResponse
 from master.fanout import FanOut, PromptChoices, create_choices
 from master.prepare import Kind, Prepared
 from master.relay_request import ClientDisconnected, StreamFailed, TokenChunk
@@ -74,7 +75,7 @@ async def serve(
     if req.stream:
         head = StreamHead(fan.request_id, shape, created, model, req.include_usage)
         writer = _StreamWriter(ctx, fan, req, head, echo)
-        return StreamingResponse(_stream(fan, writer), media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStreamResponse(_stream(fan, writer), fan.hang_up, headers=SSE_HEADERS)
     try:
         await fan.wait()
     except ClientDisconnected:
@@ -97,18 +98,21 @@ def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: list
 
 
 async def _stream(fan: FanOut, writer: _StreamWriter) -> AsyncIterator[str]:
-    """The choices' events interleaved as their tokens arrive; ends by every request's deadline."""
+    """The choices' events interleaved as their tokens arrive, every event ready at one wake-up
+    in one string; ends by every request's deadline."""
     try:
-        for event in writer.openings():
-            yield event
-        async with contextlib.aclosing(fan.events()) as events:
-            async for index, item in events:
-                done = writer.failed(index, item.error) if isinstance(item, StreamFailed) else writer.piece(index, item)
-                for event in done:
-                    yield event
-        if writer.head.include_usage:
-            yield sse(writer.head.chunk([], usage=fan.usage()))
-        yield "data: [DONE]\n\n"
+        openings = writer.openings()
+        if openings:
+            yield "".join(openings)
+        async with contextlib.aclosing(fan.batches()) as batches:
+            async for batch in batches:
+                events: list[str] = []
+                for index, item in batch:
+                    events += writer.failed(index, item.error) if isinstance(item, StreamFailed) else writer.piece(index, item)
+                if events:
+                    yield "".join(events)
+        tail = sse(writer.head.chunk([], usage=fan.usage())) if writer.head.include_usage else ""
+        yield tail + "data: [DONE]\n\n"
     finally:
         fan.release()
 

@@ -5,7 +5,7 @@ prompts, each with its choices. One relay request per prompt x choice; choice ``
 A prompt's choice 0 is admitted first; the others once it streams from its decode node (its
 prompt then sits in that D's prefix cache and in its P's), preferring that D, so their prompt is
 neither recomputed beyond its last partial block nor moved again. The prompts of a list are
-admitted at once. Nothing here knows HTTP: the routes turn :meth:`FanOut.events` (streamed) or
+admitted at once. Nothing here knows HTTP: the routes turn :meth:`FanOut.batches` (streamed) or
 the finished requests (not) into an answer.
 """
 
@@ -93,6 +93,9 @@ class FanOut:
     is_disconnected: IsDisconnected | None = None
     #: Every choice, by its index in the answer.
     relays: list[RelayRequest] = field(init=False)
+    #: The client left (:meth:`hang_up`).
+    hung_up: bool = field(default=False, init=False)
+    _merged: asyncio.Queue | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.relays = [r for prompt in self.prompts for r in prompt.relays]
@@ -161,36 +164,63 @@ class FanOut:
         for r in self.relays:
             await self.relay.wait(r, self.is_disconnected)
 
-    async def events(self) -> AsyncIterator[tuple[int, TokenChunk | StreamFailed]]:
-        """Every choice's chunks as its tokens arrive, with its index; a choice that fails gives
-        its StreamFailed. Each relay event stream ends by its request's deadline, so this does too."""
+    def hang_up(self) -> None:
+        """The client left: :meth:`batches` raises ClientDisconnected at its next wake-up, which
+        this gives it at once."""
+        self.hung_up = True
+        for r in self.relays:
+            r.wakeup.set()
+        if self._merged is not None:
+            self._merged.put_nowait((-1, None))
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, TokenChunk | StreamFailed]]]:
+        """Every choice's chunks as its tokens arrive, with its index, all that arrived since the
+        last wake-up in one list; a choice that fails gives its StreamFailed. Each relay stream
+        ends by its request's deadline, so this does too; raises ClientDisconnected once
+        :meth:`hang_up` was called."""
         relays = self.relays
         if len(relays) == 1:  # one choice: its own stream, no task between
             try:
-                async for piece in self.relay.events(relays[0]):
-                    yield 0, piece
+                async for chunks in self.relay.batches(relays[0]):
+                    if self.hung_up:
+                        raise ClientDisconnected()
+                    if chunks:
+                        yield [(0, c) for c in chunks]
             except StreamFailed as exc:
-                yield 0, exc
+                yield [(0, exc)]
             return
+        async for batch in self._merged_batches():
+            yield batch
+
+    async def _merged_batches(self) -> AsyncIterator[list[tuple[int, TokenChunk | StreamFailed]]]:
         queue: asyncio.Queue[tuple[int, TokenChunk | StreamFailed | None]] = asyncio.Queue()
+        self._merged = queue
 
         async def pump(index: int, r: RelayRequest) -> None:
             try:
-                async for piece in self.relay.events(r):
-                    queue.put_nowait((index, piece))
+                async for chunks in self.relay.batches(r):
+                    for c in chunks:
+                        queue.put_nowait((index, c))
                 queue.put_nowait((index, None))
             except StreamFailed as exc:
                 queue.put_nowait((index, exc))
 
-        pumps = [asyncio.create_task(pump(index, r)) for index, r in enumerate(relays)]
+        pumps = [asyncio.create_task(pump(index, r)) for index, r in enumerate(self.relays)]
         try:
             open_choices = len(pumps)
             while open_choices:
-                index, item = await queue.get()
-                if item is None or isinstance(item, StreamFailed):
-                    open_choices -= 1
-                if item is not None:
-                    yield index, item
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                if self.hung_up:
+                    raise ClientDisconnected()
+                batch: list[tuple[int, TokenChunk | StreamFailed]] = []
+                for index, item in items:
+                    if item is None or isinstance(item, StreamFailed):
+                        open_choices -= 1
+                    if item is not None:
+                        batch.append((index, item))
+                yield batch
         finally:
             for task in pumps:
                 task.cancel()

@@ -116,24 +116,32 @@ class Relay:
                 raise ClientDisconnected()
         self._raise_failure(r)
 
-    async def events(self, r: RelayRequest) -> AsyncIterator[TokenChunk]:
-        """Output chunks of a streaming request until it finishes; raises StreamFailed.
+    async def batches(self, r: RelayRequest) -> AsyncIterator[list[TokenChunk]]:
+        """Output chunks of a streaming request until it finishes, every chunk that arrived since
+        the last wake-up in one list (one write to the client for them, however many frames the
+        loop took in meanwhile); a wake-up with nothing new gives an empty list, so the caller
+        can look at its own state. Raises StreamFailed after the chunks before the failure.
 
         The wait for the next chunk has no timeout of its own: the request's deadline timer
         (set in :meth:`create`, cancelled only by :meth:`release`) fails it and wakes this loop,
         so a token costs no timer here."""
         while True:
             items, r.buffer = r.buffer, []
+            chunks: list[TokenChunk] = []
             for item in items:
                 if item is DONE:
+                    if chunks:
+                        yield chunks
                     return
                 if isinstance(item, APIError):
+                    if chunks:
+                        yield chunks
                     raise StreamFailed(item)
-                yield item  # type: ignore[misc]
-            if items:
-                continue
-            r.wakeup.clear()
-            await r.wakeup.wait()
+                chunks.append(item)  # type: ignore[arg-type]
+            yield chunks
+            if not r.buffer:
+                r.wakeup.clear()
+                await r.wakeup.wait()
 
     async def wait(self, r: RelayRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Wait until a non-streaming request is done; raises APIError or ClientDisconnected."""

@@ -384,14 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_bench_serve_arguments(serve)
     serve.set_defaults(func=cmd_bench_serve)
-    from pd_cluster.bench import master_load
+    from pd_cluster.bench import master_load, master_scale
 
     master_bench = bench_sub.add_parser(
-        "master", help="the master alone under multi-turn load, against synthetic decode nodes",
+        "master", help="the master alone under multi-turn load or N concurrent streams, against synthetic decode nodes",
         description=master_load.__doc__.split("\n\n")[0].replace("\n", " "),
     )
-    master_load.add_arguments(master_bench)
-    master_bench.set_defaults(func=master_load.run_from_args)
+    master_scale.add_arguments(master_bench)
+    master_bench.set_defaults(func=master_scale.run_from_args)
 
     _add_cluster_commands(sub)
     from pd_cluster.admin_cli import add_admin_commands

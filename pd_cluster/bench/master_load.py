@@ -207,8 +207,10 @@ def cpu_seconds(pid: int) -> float | None:
 class MasterProcess:
     """``pd-cluster master`` as a child process, its log in a file."""
 
-    def __init__(self, model: str, port: int, log_path: Path, extra: list[str]) -> None:
+    def __init__(self, model: str, port: int, log_path: Path, extra: list[str], pythonpath: str | None = None) -> None:
         self.port, self.log_path = port, log_path
+        #: Where the master's code is imported from (another build's checkout); None: this one's.
+        self.pythonpath = pythonpath
         self.args = [sys.executable, "-m", "pd_cluster.cli", "master", "--host", "127.0.0.1", "--port", str(port),
                      "--model", model, "--served-model-name", SERVED_NAME, *extra]
         self.proc: subprocess.Popen | None = None
@@ -219,6 +221,8 @@ class MasterProcess:
 
     def start(self) -> None:
         env = {**os.environ, "PD_CLUSTER_TOKEN": CLUSTER_TOKEN, "PD_ADMIN_TOKEN": ADMIN_TOKEN}
+        if self.pythonpath is not None:
+            env["PYTHONPATH"] = self.pythonpath
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
@@ -357,14 +361,17 @@ def markdown(doc: dict[str, Any]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = LoadOptions(model="default")
     p.add_argument("--model", default="default", help='"default" or an HF model directory (template, tokenizer)')
-    p.add_argument("--decode-nodes", type=int, default=d.decode_nodes, help="synthetic decode nodes")
-    p.add_argument("--step-ms", type=float, default=d.step_ms, help="their decode step, one token a request")
+    p.add_argument("--decode-nodes", type=int, default=None,
+                   help=f"synthetic decode nodes (default {d.decode_nodes}; with --concurrency 8)")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help=f"their decode step, one token a request (default {d.step_ms:g}; with --concurrency 10)")
     p.add_argument("--conversations", type=int, default=d.conversations, help="multi-turn conversations sent")
     p.add_argument("--turns", type=int, default=d.turns, help="turns a conversation")
     p.add_argument("--rate", type=float, default=d.rate, help="conversations started a second")
     p.add_argument("--first-turn-len", type=int, default=d.first_turn_len, help="tokens of a first message")
     p.add_argument("--turn-len", type=int, default=d.turn_len, help="tokens of each later message")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="tokens of each answer")
+    p.add_argument("--output-len", type=int, default=None,
+                   help=f"tokens of each answer (default {d.output_len}; with --concurrency 256)")
     p.add_argument("--prompt-vocab", choices=["any", "words"], default=d.prompt_vocab,
                    help="messages from any ordinary token or from whole words only (text the tokenizer's word cache "
                         "holds, as real text)")
@@ -380,9 +387,11 @@ def run_from_args(args: argparse.Namespace) -> int:
     """``pd-cluster bench master``: the runs, their JSON and table (exit 1 when a request failed)."""
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    options = LoadOptions(model=args.model, decode_nodes=args.decode_nodes, step_ms=args.step_ms,
-                          conversations=args.conversations, turns=args.turns, rate=args.rate,
-                          first_turn_len=args.first_turn_len, turn_len=args.turn_len, output_len=args.output_len,
+    d = LoadOptions(model=args.model)
+    options = LoadOptions(model=args.model, decode_nodes=_given(args.decode_nodes, d.decode_nodes),
+                          step_ms=_given(args.step_ms, d.step_ms), conversations=args.conversations, turns=args.turns,
+                          rate=args.rate, first_turn_len=args.first_turn_len, turn_len=args.turn_len,
+                          output_len=_given(args.output_len, d.output_len),
                           prompt_vocab=args.prompt_vocab, port=args.port, master_args=args.master_args.split())
     date = dt.date.today().isoformat()
     stem = f"master-load-cpu-{date}" + (f"-{args.tag}" if args.tag else "")
@@ -395,6 +404,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     (args.out / f"{stem}.md").write_text(text)
     sys.stdout.write(f"\n{text}\nresults: {args.out / stem}.json\n")
     return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:

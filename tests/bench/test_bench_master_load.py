@@ -1,4 +1,5 @@
-"""``pd-cluster bench master``: a real master process, synthetic decode nodes, multi-turn load."""
+"""``pd-cluster bench master``: a real master process, synthetic decode nodes, multi-turn load; and
+with ``--concurrency``, closed-loop streams through one or several masters."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from pd_cluster.bench.master_load import LoadOptions, markdown, run_master_load
+from pd_cluster.bench.master_scale import ScaleOptions, best_within_bounds, run_scale, within_bounds
+from pd_cluster.bench.master_scale import markdown as markdown_scale
+from pd_cluster.bench.scale_client import content_of
 from pd_cluster.cli import main as cli_main
 from tests.cluster_harness import free_port
 
@@ -44,3 +48,48 @@ def test_the_command_stops_with_the_masters_exit_when_it_cannot_start(tmp_path: 
     with pytest.raises(RuntimeError, match="the master exited with"):
         cli_main(["bench", "master", "--model", str(bad), "--port", str(free_port()), "--out", str(tmp_path / "out"),
                   "--conversations", "1", "--turns", "1"])
+
+
+def test_concurrent_streams_through_two_masters_report_tokens_dispatch_and_the_masters_added_latency(
+        default_model_dir: Path, tmp_path: Path):
+    """Closed-loop streams from two client processes, spread over two masters that the same
+    synthetic nodes joined: every request is served, both masters take a share, each request's
+    dispatch is found in its master's log, and every token's time from its node to the client is
+    measured."""
+    options = ScaleOptions(model=str(default_model_dir), masters=[2], concurrency=[8], decode_nodes=2, step_ms=5.0,
+                           input_len=64, output_len=16, measure_s=2.0, client_procs=2, node_procs=1, port=free_port())
+    doc = run_scale(options, tmp_path / "run")
+    (level,) = doc["levels"]
+    assert level["masters"] == 2 and level["concurrency"] == 8
+    assert level["failed"] == 0, level["errors"]
+    assert level["tokens"] > 0 and level["tokens_per_s"] == level["tokens"] / 2.0
+    assert level["completed"] > 0 and all(n > 0 for n in level["requests_by_master"]), level
+    assert 0 < level["dispatch_p50_s"] <= level["dispatch_p99_s"] < 5.0, level
+    assert 0 < level["added_itl_p50_s"] <= level["added_itl_p99_s"] < 5.0, level
+    assert 0 < level["ttft_p50_s"] and level["master_cpu_cores"] > 0
+    assert level["within_bounds"] == within_bounds(level)
+    assert set(doc["scaling"]) == {"2"} and doc["master_tokens_per_s_dispatch_p99_10ms"] is None  # 1 not measured
+    doc.update(device="cpu", date="2026-11-28")
+    assert "| 2 | 8 |" in markdown_scale(doc)
+
+
+def test_the_key_figure_is_the_most_tokens_served_within_both_bounds():
+    """A level counts only without failures, at dispatch p99 <= 10 ms and added ITL p99 <= 1 ms."""
+    def level(rate: float, dispatch: float, added: float, failed: int = 0) -> dict:
+        lv = {"tokens_per_s": rate, "tokens": int(rate), "failed": failed, "dispatch_p99_s": dispatch,
+              "added_itl_p99_s": added}
+        lv["within_bounds"] = within_bounds(lv)
+        return lv
+
+    levels = [level(10_000, 0.002, 0.0004), level(20_000, 0.009, 0.0009), level(30_000, 0.011, 0.0005),
+              level(40_000, 0.005, 0.0012), level(50_000, 0.001, 0.0001, failed=1)]
+    assert [lv["within_bounds"] for lv in levels] == [True, True, False, False, False]
+    assert best_within_bounds(levels) == 20_000
+    assert best_within_bounds(levels[2:]) is None
+
+
+def test_a_chunk_line_gives_its_content_bytes():
+    line = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"123.250000"},"finish_reason":null}]}\n'
+    assert content_of(line) == b"123.250000"
+    assert content_of(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n') == b""
+    assert content_of(b"data: [DONE]\n") is None

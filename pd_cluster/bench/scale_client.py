@@ -1,0 +1,149 @@
+"""The load client of ``pd-cluster bench master --concurrency``: closed-loop streams in one process.
+
+Each stream sends a chat request, reads its answer to the end and sends the next, until the
+run's end; streams start spread over a ramp so they do not move in lockstep. A run's streams are
+split over several such processes (one event loop each) so that the client is never what limits
+the master. SSE is parsed minimally: a chunk's text is found by its ``"content":"`` key, and the
+synthetic nodes' text is the time their frame left the node (:mod:`pd_cluster.bench.stamped_nodes`),
+so each token gives the time it spent in the master and on the wire after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from array import array
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+
+import aiohttp
+
+from pd_cluster import aio
+
+_CONTENT = b'"content":"'
+_ERROR = b'{"error"'
+#: Error messages a process keeps (the count is of all).
+_KEPT_ERRORS = 5
+
+
+@dataclass
+class ClientPlan:
+    """What one client process runs: its streams (global indices), where they go, and when."""
+
+    urls: list[str]
+    streams: list[int]
+    total_streams: int
+    prompts: list[str]
+    model: str
+    max_tokens: int
+    #: ``time.monotonic()`` the first stream starts at; the others follow over ``ramp_s``.
+    start: float
+    ramp_s: float
+    #: What is measured: tokens and requests from ``window_start`` to ``end`` (monotonic seconds).
+    window_start: float
+    end: float
+    request_timeout_s: float
+
+
+@dataclass
+class ClientResult:
+    """What one process measured inside the window."""
+
+    tokens: int = 0
+    #: Per token: its arrival here less its node's send stamp (seconds).
+    added_s: array = field(default_factory=lambda: array("d"))
+    #: Per request that arrived in the window and got its first token: TTFT (seconds).
+    ttft_s: array = field(default_factory=lambda: array("d"))
+    #: (master index, request id) of requests sent inside the window.
+    requests: list[tuple[int, str]] = field(default_factory=list)
+    completed: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def fail(self, message: str) -> None:
+        self.failed += 1
+        if len(self.errors) < _KEPT_ERRORS:
+            self.errors.append(message)
+
+
+def content_of(line: bytes) -> bytes | None:
+    """A chunk line's ``content`` string as raw bytes (None when it has none)."""
+    at = line.find(_CONTENT)
+    if at < 0:
+        return None
+    at += len(_CONTENT)
+    return line[at:line.index(b'"', at)]
+
+
+class _Streams:
+    def __init__(self, plan: ClientPlan, session: aiohttp.ClientSession) -> None:
+        self.plan, self.session = plan, session
+        self.result = ClientResult()
+
+    async def stream(self, index: int) -> None:
+        plan = self.plan
+        await asyncio.sleep(max(0.0, plan.start + plan.ramp_s * index / plan.total_streams - time.monotonic()))
+        master, sent = index % len(plan.urls), 0
+        while time.monotonic() < plan.end:
+            prompt = plan.prompts[(index + sent * plan.total_streams) % len(plan.prompts)]
+            sent += 1
+            try:
+                async with asyncio.timeout(plan.request_timeout_s):
+                    await self.request(master, prompt)
+            except Exception as exc:  # a benchmark counts failures; it does not stop on them
+                self.result.fail(f"{type(exc).__name__}: {exc}"[:300])
+
+    async def request(self, master: int, prompt: str) -> None:
+        plan, result = self.plan, self.result
+        body = {"model": plan.model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": plan.max_tokens, "stream": True}
+        start = time.monotonic()
+        counted = plan.window_start <= start < plan.end
+        first = True
+        async with self.session.post(plan.urls[master] + "/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                result.fail(f"HTTP {response.status}: {(await response.read())[:200]!r}")
+                return
+            if counted:
+                result.requests.append((master, response.headers.get("x-request-id", "")))
+            async for line in response.content:
+                now = time.monotonic()
+                stamp = content_of(line)
+                if stamp:
+                    if plan.window_start <= now < plan.end:
+                        result.tokens += 1
+                        result.added_s.append(now - float(stamp))
+                    if first and counted:
+                        result.ttft_s.append(now - start)
+                    first = False
+                elif line.startswith(b"data: [DONE]"):
+                    result.completed += 1
+                    return
+                elif line.startswith(b"data: " + _ERROR):
+                    result.fail(json.loads(line[6:])["error"].get("message", "error event")[:300])
+                    return
+        result.fail("the stream ended without [DONE]")
+
+
+async def _run(plan: ClientPlan) -> ClientResult:
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        streams = _Streams(plan, session)
+        tasks = [asyncio.create_task(streams.stream(i)) for i in plan.streams]
+        await asyncio.sleep(max(0.0, plan.end - time.monotonic()))
+        # Requests still open at the end are cut off: what they sent inside the window counted.
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return streams.result
+
+
+def client_main(plan: ClientPlan, conn: Connection) -> None:
+    """A child process: say it is ready, take the run's (start, window start, end) from ``conn``,
+    run ``plan`` and send back its :class:`ClientResult`."""
+    conn.send("ready")
+    start, window_start, end = conn.recv()
+    conn.send(aio.run(_run(replace(plan, start=start, window_start=window_start, end=end))))
