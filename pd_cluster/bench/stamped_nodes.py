@@ -25,6 +25,7 @@ from typing import Any
 from pd_cluster import aio, protocol
 from pd_cluster.bench.master_load import PREFILL_TOKENS_PER_S, kv_spec_for
 from pd_cluster.kv_spec import KVSpec
+from pd_cluster.node.master_proof import prove_to_master
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +89,11 @@ class StampedDecode:
     async def run(self) -> None:
         from websockets.asyncio.client import connect
 
-        headers = {"Authorization": f"Bearer {self.token}"}
         async with contextlib.AsyncExitStack() as stack:
             for url in self.urls:
                 ws = await stack.enter_async_context(connect(
-                    url, additional_headers=headers, max_size=2 * protocol.MAX_MESSAGE_BYTES, compression=None))
+                    url, max_size=2 * protocol.MAX_MESSAGE_BYTES, compression=None))
+                await prove_to_master(ws, self.token, self.node_id)
                 await self._register(ws)
                 self.links.append(_Link(ws))
             tasks = [self._steps()]
