@@ -12,14 +12,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import signal
 import threading
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from master.request_log import parse_text_line
-from tests.cluster_harness import CLUSTER_TOKEN, Cluster, free_port, wait_until
+from tests.cluster_harness import CLUSTER_TOKEN, TwoMastersCluster, wait_until
 from tests.reference import CHAT_MESSAGES
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,31 +28,11 @@ NEW_TOKENS = 24
 QUEUE_SIZE = 2
 
 
-class OverloadCluster(Cluster):
-    """Masters ``master`` and ``master-b``; every node registers with both."""
-
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        super().__init__(model_dir, log_dir)
-        self.port_b = free_port()
-
-    @property
-    def url_b(self) -> str:
-        return f"http://127.0.0.1:{self.port_b}"
+class OverloadCluster(TwoMastersCluster):
+    """Masters ``master`` and ``master-b``, each with a small admission queue; every node registers with both."""
 
     def env(self, token: str = CLUSTER_TOKEN) -> dict[str, str]:
         return {**super().env(token), "PD_QUEUE_SIZE": str(QUEUE_SIZE), "PD_QUEUE_TIMEOUT_S": "120"}
-
-    def start_masters(self) -> None:
-        self.start_master()
-        self._spawn("master-b", ["master", "--host", "127.0.0.1", "--port", str(self.port_b), "--model",
-                                 str(self.model_dir)])
-        wait_until(lambda: _get(self.url_b + "/livez") == 200, 60, "master b to serve")
-
-    def start_peer_node(self, role: str, name: str, *extra: str) -> None:
-        proc = self._spawn(name, [role, "--master", f"{self.url},{self.url_b}", "--node-id", name, "--model",
-                                  str(self.model_dir), *self.node_args, *extra])
-        wait_until(lambda: self.node(name) is not None or proc.poll() is not None, 120, f"{name} to join")
-        assert proc.poll() is None, f"{name} exited: {self.log(name)[-2000:]}"
 
     def metric_at(self, url: str, name: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(url + "/metrics", timeout=5).text.splitlines()
@@ -74,7 +53,8 @@ def _get(url: str) -> int:
 def cluster(default_model_dir, tmp_path_factory):
     c = OverloadCluster(default_model_dir, tmp_path_factory.mktemp("overload-logs"))
     try:
-        c.start_masters()
+        c.start_master()
+        c.start_master_b()
         c.start_peer_node("prefill", "p0")
         c.start_peer_node("prefill", "p1")
         c.start_peer_node("decode", "d0", "--max-running-requests", "1")
