@@ -61,6 +61,16 @@ class MasterMetrics:
             "pdc_route_decisions_total", "Dispatches by path (pd: a prefill node then a decode node; local: "
             "prefilled where it decodes) and reason", ["path", "reason"], registry=r,
         )
+        self.queue_wait = Histogram(
+            "pdc_queue_wait_seconds", "One wait of a request in the admission queue, by why it waited: decode_full "
+            "(every decode node's batch was full), kv_full, decode_refused (a decode node refused its lease), rerun "
+            "(after a fault), behind_queue (behind earlier requests)", ["reason"], buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_refusals = Counter(
+            "pdc_decode_refusals_total", "Leases a decode node refused for want of room (the request waited "
+            "again; no attempt counted)", registry=r,
+        )
         self.nodes = Gauge("pdc_nodes", "Registered nodes", ["role", "state"], registry=r)
         self.warm_channels = Gauge(
             "pdc_warm_channels", "Pairs of an active prefill and decode node whose data-plane channel is warm",

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from master.config import MasterSettings
+from master.decode_room import Refusals, WaitReason, why_full
 from master.errors import APIError, internal_error, unavailable
 from master.metrics import MasterMetrics
 from master.registry import NodeRecord, Registry
@@ -62,7 +63,10 @@ class Relay:
         self.requests: dict[str, RelayRequest] = {}
         #: Live attempt id -> its request.
         self.attempts: dict[str, RelayRequest] = {}
-        self.queue = AdmissionQueue(settings.queue_timeout_s, self._queue_expired)
+        self.queue = AdmissionQueue(settings.queue_timeout_s, self._queue_expired, self._waited)
+        #: Decode nodes that refused a lease, held off until their next report.
+        self.refusals = Refusals()
+        self._pump_scheduled = False
         self.ended = EndedAttempts()
         #: This master process's id, inside every request id it makes (see :meth:`new_request_id`).
         self.instance_id = uuid.uuid4().hex[:12]
@@ -109,7 +113,7 @@ class Relay:
             full = APIError(429, message, "rate_limit_error", None, "queue_full", self.settings.retry_after_s)
             self._fail(r, full, "rate_limited")
             raise r.failure  # type: ignore[misc]
-        self._enqueue(r)
+        self._enqueue(r, why_full(self._decodes(), r.kv_need, self.refusals))
         while r.state == RequestState.QUEUED:
             await self._wake_or_poll(r)
             if r.state == RequestState.QUEUED and is_disconnected is not None and await is_disconnected():
@@ -305,16 +309,34 @@ class Relay:
         if live is None or node.node_id not in (live[1].prefill_id, live[1].decode_id):
             return
         r, attempt = live
-        logger.warning(
-            "node %s failed attempt %s (retryable=%s): %s", node.node_id, msg.request_id, msg.retryable, msg.message
+        logger.log(
+            logging.INFO if msg.busy else logging.WARNING, "node %s failed attempt %s (retryable=%s, busy=%s): %s",
+            node.node_id, msg.request_id, msg.retryable, msg.busy, msg.message,
         )
         why = f"{node.role} node {node.node_id} failed it: {msg.message}"
-        if not msg.retryable:
+        if msg.busy and node.node_id == attempt.prefill_id and not attempt.first_token_seen:
+            self._refused(r, attempt, msg.message)
+        elif not msg.retryable:
             self._fail(r, internal_error(), "error")  # the node's words stay in the log
         elif node.node_id == attempt.prefill_id and not attempt.first_token_seen:
             self._rerun(r, node.node_id, why, keep_decode=True)
         else:
             self._rerun(r, node.node_id, why, keep_decode=False)
+
+    def _refused(self, r: RelayRequest, attempt: Attempt, message: str) -> None:
+        """D refused the attempt's lease for want of room (its last report did not show it full yet):
+        backpressure, not a fault. Neither node holds anything of the attempt; D is held off until
+        its next report, and the request waits at its place in the queue without counting an attempt."""
+        decode = self.registry.get(attempt.decode_id)
+        if decode is not None:
+            self.refusals.mark(decode)
+        logger.info("request %s waits: decode node %s had no room (%s)", r.request_id, attempt.decode_id, message)
+        self._end_attempt(r, abort=False)
+        r.refused += 1
+        r.preferred_decode = None
+        self.metrics.decode_refusals.inc()
+        self._enqueue(r, "decode_refused", in_place=True)
+        self.pump()
 
     def on_node_removed(self, node: NodeRecord, reason: str) -> None:
         for attempt_id in sorted(node.inflight):
@@ -365,9 +387,12 @@ class Relay:
 
     # ---- dispatch and settlement ---------------------------------------------------------------
 
+    def _decodes(self) -> list[NodeRecord]:
+        return self.registry.active("decode") + self.registry.active("mixed")
+
     def _dispatch(self, r: RelayRequest) -> bool:
         prefills = self.registry.active("prefill")
-        decodes = admissible_decodes(self.registry.active("decode") + self.registry.active("mixed"), r.kv_need)
+        decodes = admissible_decodes(self._decodes(), r.kv_need, self.refusals)
         if not decodes:
             return False
         prefills = [p for p in prefills if p.node_id not in r.excluded] or prefills
@@ -376,7 +401,7 @@ class Relay:
         route = r.next_route()
         plan = self.policy.plan(route, prefills, decodes, self.settings.local_prefill_max_tokens, preferred)
         self.metrics.route_decisions.labels(path=plan.path, reason=plan.reason).inc()
-        attempt = Attempt.start(r.request_id, r.attempt + 1, plan.prefill, plan.decode, plan, time.monotonic())
+        attempt = Attempt.start(r.request_id, r.dispatches + 1, plan.prefill, plan.decode, plan, time.monotonic())
         self._start_attempt(r, attempt, plan.prefill, plan.decode, miss_tokens=route.prompt_tokens - plan.hit_tokens)
         return True
 
@@ -411,6 +436,19 @@ class Relay:
         attempt.cancel_handoff_timer()
         self.ended.add(attempt.attempt_id)
         release_nodes(attempt, self.registry.get, abort, abort_decode_only)
+        self._schedule_pump()  # its row and KV may let a queued request go
+
+    def _schedule_pump(self) -> None:
+        """Pump the queue once the current state change is done (at most one pump queued)."""
+        if not self.queue or self._pump_scheduled:
+            return
+        self._pump_scheduled = True
+
+        def run() -> None:
+            self._pump_scheduled = False
+            self.pump()
+
+        asyncio.get_running_loop().call_soon(run)
 
     def _apply_delta(self, r: RelayRequest, msg: protocol.TokenDelta) -> None:
         r.add_output(TokenChunk(list(msg.token_ids), msg.text, msg.logprobs, msg.finish_reason), time.monotonic())
@@ -474,11 +512,18 @@ class Relay:
             self.metrics.migrations.inc()
         r.preferred_decode = preferred
         if not self._dispatch(r):
-            self._enqueue(r, front=True)
+            self._enqueue(r, "rerun", front=True)
 
-    def _enqueue(self, r: RelayRequest, front: bool = False) -> None:
+    def _enqueue(self, r: RelayRequest, reason: WaitReason, front: bool = False, in_place: bool = False) -> None:
+        """Make ``r`` wait: at the back, at the front (a re-run), or ``in_place`` by its arrival."""
         r.move_to(RequestState.QUEUED)
-        self.queue.add(r, front)
+        if in_place:
+            self.queue.put_back(r, reason)
+        else:
+            self.queue.add(r, reason, front)
+
+    def _waited(self, reason: WaitReason, seconds: float) -> None:
+        self.metrics.queue_wait.labels(reason=reason).observe(seconds)
 
     def _queue_expired(self, r: RelayRequest) -> None:
         if r.state != RequestState.QUEUED:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from master.auth import ClientSlot
+from master.decode_room import WaitReason
 from master.errors import APIError
 from master.relay_attempt import Attempt
 from master.relay_state import Outcome, RequestState, check_move
@@ -93,6 +94,13 @@ class RelayRequest:
     excluded: set[str] = field(default_factory=set)
     #: The D its next dispatch prefers (its prompt is cached there).
     preferred_decode: str | None = None
+    #: Attempts a decode node refused for want of room: backpressure, not counted in ``attempt``.
+    refused: int = 0
+    #: Seconds it waited in the admission queue (all its waits), and why it waited last.
+    queue_wait_s: float = 0.0
+    wait_reason: WaitReason | None = None
+    #: When its current wait in the queue began (monotonic; None while it does not wait).
+    queued_at: float | None = None
     # output
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -130,7 +138,13 @@ class RelayRequest:
 
     @property
     def attempt(self) -> int:
-        """How many attempts were dispatched."""
+        """How many attempts count against ``max_attempts``: those dispatched, less those a decode
+        node refused for want of room (the request only waited)."""
+        return self.dispatches - self.refused
+
+    @property
+    def dispatches(self) -> int:
+        """How many attempts were dispatched (each with its own id on the wire)."""
         return self.current.number if self.current is not None else 0
 
     @property

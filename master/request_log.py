@@ -74,6 +74,12 @@ class RequestRecord:
     e2e_s: float | None
     stream: bool
     ended_at: float  # wall clock (epoch seconds)
+    #: Leases a decode node refused it for want of room (it waited again; not counted in ``attempts``).
+    refusals: int = 0
+    #: Seconds it waited in the admission queue for a decode node with room (None: it never
+    #: waited), and why it waited last: decode_full, kv_full, decode_refused, rerun, behind_queue.
+    queue_wait_s: float | None = None
+    wait_reason: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,6 +176,9 @@ class RequestLog:
             prefill=r.prefill_id,
             decode=r.decode_id,
             attempts=r.attempt,
+            refusals=r.refused,
+            queue_wait_s=_seconds(r.queue_wait_s) if r.wait_reason is not None else None,
+            wait_reason=r.wait_reason,
             path=plan.path if plan is not None else None,
             route_reason=plan.reason if plan is not None else None,
             routing=self._reason(r, hit, prompt),

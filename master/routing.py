@@ -2,8 +2,10 @@
 or a mixed node), and which nodes.
 
 Admission comes first and is the same for every policy: a decode (or mixed) node is a candidate
-only if it can hold the request's whole KV (prompt + max_tokens) in its free and evictable slots
-right now, counting what was routed to it but does not show in its status yet.
+only if its batch has a free row (``max_running_requests``) and it can hold the request's whole KV
+(prompt + max_tokens) in its free and evictable slots right now, counting what was routed to it
+but does not show in its status yet (:mod:`master.decode_room`). With no candidate the request
+waits in the admission queue: a full decode node is backpressure, never a failure.
 
 Then the path (:meth:`RoutingPolicy.plan`). A mixed node always serves the request whole. On a
 decode node, a request whose missing prompt tokens (the prompt less D's prefix hit) are at most
@@ -37,6 +39,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
+from master.decode_room import Refusals, has_room
 from master.registry import NodeRecord
 from master.route_cost import DEFAULT_CHANNEL_SETUP_S, CostModel, LinkRate, Rates
 
@@ -77,9 +80,12 @@ class RouteRequest:
         return self._hashes[block_size]
 
 
-def admissible_decodes(decodes: Sequence[NodeRecord], kv_need: int) -> list[NodeRecord]:
-    """Decode nodes that can take ``kv_need`` KV tokens now without evicting running work."""
-    return [d for d in decodes if d.active and d.kv_available >= kv_need]
+def admissible_decodes(
+    decodes: Sequence[NodeRecord], kv_need: int, refusals: Refusals | None = None
+) -> list[NodeRecord]:
+    """Decode (and mixed) nodes with a free row in their batch and ``kv_need`` KV tokens now
+    (without evicting running work), and no refusal since their last report."""
+    return [d for d in decodes if has_room(d, kv_need, refusals)]
 
 
 def cold_decodes(prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord]) -> set[str]:

@@ -158,7 +158,9 @@ def node_row(node: Mapping[str, Any], now: float) -> tuple[str, ...]:
     load = node.get("load", {})
     kv = node.get("kv", {})
     running, waiting = load.get("running", 0), load.get("waiting", 0)
-    load_text = f"{running} run / {waiting} wait"
+    limit = node.get("capacity", {}).get("max_running_requests")
+    # The batch limit the node reported at registration (a decode node's: sized for decoding).
+    load_text = f"{running}{f'/{limit}' if limit else ''} run / {waiting} wait"
     if load.get("queued_prefill_tokens"):
         load_text += f" / {load['queued_prefill_tokens']} tok"
     used = kv.get("used_fraction")

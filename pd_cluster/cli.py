@@ -24,11 +24,19 @@ logger = logging.getLogger("pd_cluster")
 DECODE_STEP_TOKENS = 512
 
 
+#: Node roles whose batch limit defaults to ``auto`` (sized for decoding from the KV pool); a
+#: prefill node's batch is its prefill's, bound by its step budget, and keeps the fixed default.
+AUTO_ROWS_ROLES = ("decode", "mixed")
+
+
 def engine_config_from_args(args: argparse.Namespace, role: str | None = None) -> EngineConfig:
-    """The engine a command's flags ask for; a decode node's step budget defaults to ``DECODE_STEP_TOKENS``."""
+    """The engine a command's flags ask for; a decode node's step budget defaults to
+    ``DECODE_STEP_TOKENS``, and a decode or mixed node's batch limit to ``auto``."""
     values = given_values(args)
     if role == "decode":
         values.setdefault("max_num_batched_tokens", DECODE_STEP_TOKENS)
+    if role in AUTO_ROWS_ROLES:
+        values.setdefault("max_running_requests", "auto")
     return EngineConfig(**values)
 
 

@@ -46,8 +46,18 @@ class EngineConfig(BaseModel):
     enable_prefix_cache: Annotated[bool, Flag(name="prefix-cache")] = Field(
         default=True, description="reuse the KV of an earlier prompt that shares a prefix (default: on)"
     )
-    max_running_requests: Annotated[int, Flag()] = Field(
-        default=64, gt=0, description="requests in one batch at most"
+    # A node command's default depends on its role (pd_cluster.cli.AUTO_ROWS_ROLES); "auto" is
+    # resolved by the engine once its KV pool is sized (pd_cluster.engine.batch_rows).
+    max_running_requests: Annotated[Annotated[int, Field(gt=0)] | Literal["auto"], Flag(metavar="{N,auto}")] = Field(
+        default=64,
+        description="requests in one batch at most; auto: sized for decoding, as many as the KV pool holds at "
+                    "--typical-context tokens each, at least 16 and at most the largest decode CUDA graph, captured "
+                    "to match (512; 32 on CPU) (default 64, on decode and mixed nodes auto)",
+    )
+    typical_context: Annotated[int | None, Flag(metavar="TOKENS")] = Field(
+        default=None, gt=0,
+        description="tokens (prompt and output) a request typically holds, which --max-running-requests auto sizes "
+                    "the batch for (default: an eighth of the context length, between 256 and 2048)",
     )
     # A node command's default depends on its role (pd_cluster.cli.DECODE_STEP_TOKENS).
     max_num_batched_tokens: Annotated[int, Flag()] = Field(
@@ -140,6 +150,8 @@ class EngineConfig(BaseModel):
         """Sizes to capture, ascending, capped at (and always including) max_running_requests,
         so every decode batch pads to one of them."""
         cap = self.max_running_requests
+        if cap == "auto":
+            raise ValueError("max_running_requests is resolved by the engine before graphs are sized")
         if self.cuda_graph_batch_sizes is not None:
             sizes = {min(s, cap) for s in self.cuda_graph_batch_sizes}
         else:

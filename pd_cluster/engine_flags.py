@@ -13,7 +13,7 @@ import argparse
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
 import annotated_types
 from pydantic import BaseModel, Field, ValidationError, create_model, model_validator
@@ -38,6 +38,8 @@ class EngineFlag:
     choices: tuple[Any, ...] | None
     metavar: str | None
     passed_on: bool
+    #: Words the flag takes besides a value of its kind (``auto`` of ``int | Literal["auto"]``).
+    words: tuple[str, ...] = ()
 
     @property
     def option(self) -> str:
@@ -67,6 +69,8 @@ class EngineFlag:
         return value
 
     def _convert(self, text: str) -> Any:
+        if text.strip().lower() in self.words:
+            return text.strip().lower()
         if self.kind is list:
             if text.strip().lower() in ("", EMPTY_LIST):
                 return []
@@ -76,7 +80,8 @@ class EngineFlag:
     def _expected(self) -> str:
         if self.kind is list:
             return f"comma-separated integers or {EMPTY_LIST!r}"
-        return {int: "an integer", float: "a number"}.get(self.kind, "a value")
+        kind = {int: "an integer", float: "a number"}.get(self.kind, "a value")
+        return " or ".join([kind, *map(repr, self.words)])
 
     def argv(self, value: Any) -> list[str]:
         """The words that give ``value`` to a node command ([] for None: the node's default)."""
@@ -97,6 +102,21 @@ def _without_none(annotation: Any) -> Any:
     return annotation
 
 
+def _split_words(annotation: Any) -> tuple[Any, tuple[str, ...]]:
+    """``int | Literal["auto"]`` -> (int, ("auto",)): a value type that also takes some words."""
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return annotation, ()
+    literals = [a for a in get_args(annotation) if get_origin(a) is Literal]
+    rest = [a for a in get_args(annotation) if get_origin(a) is not Literal]
+    words = tuple(w for lit in literals for w in get_args(lit) if isinstance(w, str))
+    if len(rest) != 1 or not words or len(words) != sum(len(get_args(lit)) for lit in literals):
+        return annotation, ()
+    base = rest[0]
+    if get_origin(base) is Annotated:
+        base = get_args(base)[0]
+    return base, words
+
+
 def _bounds(info: FieldInfo) -> tuple[Any, Any]:
     low = next((m.ge for m in info.metadata if isinstance(m, annotated_types.Ge)), None)
     high = next((m.le for m in info.metadata if isinstance(m, annotated_types.Le)), None)
@@ -106,7 +126,7 @@ def _bounds(info: FieldInfo) -> tuple[Any, Any]:
 def _flag_of(field: str, info: FieldInfo, mark: Flag) -> EngineFlag:
     if not info.description:
         raise TypeError(f"EngineConfig.{field} is a flag: its description is the flag's help, so it needs one")
-    base = _without_none(info.annotation)
+    base, words = _split_words(_without_none(info.annotation))
     choices = None
     if get_origin(base) is Literal:
         choices = get_args(base)
@@ -125,7 +145,7 @@ def _flag_of(field: str, info: FieldInfo, mark: Flag) -> EngineFlag:
         metavar = "N,N,..."
     return EngineFlag(field=field, name=mark.name or field.replace("_", "-"), help=info.description,
                       annotation=info.annotation, kind=kind, choices=choices, metavar=metavar,
-                      passed_on=mark.passed_on)
+                      passed_on=mark.passed_on, words=words)
 
 
 def read_flags(config: type[BaseModel]) -> tuple[EngineFlag, ...]:

@@ -204,6 +204,10 @@ class RequestFailed(_Message):
     request_id: str
     message: str
     retryable: bool = True
+    busy: bool = Field(
+        default=False, description="the decode node had no room for it (backpressure, not a fault): the master "
+        "queues the request again, in its place, without counting an attempt",
+    )
 
 
 class KVTransferred(_Message):

@@ -74,8 +74,12 @@ class PrefillNode(NodeRuntime):
                 self.send(protocol.KVTransferred(request_id=job.request_id, bytes=result.transfer_bytes,
                                                  seconds=result.transfer_seconds))
         except PrefillFailed as e:
-            logger.warning("prefill of %s failed: %s", job.request_id, e)
-            self.send(protocol.RequestFailed(request_id=job.request_id, message=str(e), retryable=e.retryable))
+            if e.busy:  # backpressure, not a fault: the master queues the request again
+                logger.info("prefill of %s waits: %s", job.request_id, e)
+            else:
+                logger.warning("prefill of %s failed: %s", job.request_id, e)
+            self.send(protocol.RequestFailed(request_id=job.request_id, message=str(e), retryable=e.retryable,
+                                             busy=e.busy))
         except asyncio.CancelledError:
             logger.info("prefill of %s aborted", job.request_id)
         except Exception as e:

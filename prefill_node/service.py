@@ -33,9 +33,13 @@ FirstTokenSink = Callable[[FirstToken], Awaitable[None]]
 
 
 class PrefillFailed(RuntimeError):
-    def __init__(self, message: str, retryable: bool = True) -> None:
+    """A job P could not finish; ``busy``: its decode node had no room (the master queues the
+    request again without counting a fault)."""
+
+    def __init__(self, message: str, retryable: bool = True, busy: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.busy = busy
 
 
 @dataclass
@@ -56,6 +60,8 @@ class PrefillCounters:
 
     jobs: int = 0
     failed: int = 0
+    #: Jobs whose decode node had no room for them (handed back to the master to wait).
+    refused: int = 0
     #: KV bytes moved to decode nodes, sent or written in place.
     kv_bytes_sent: int = 0
     #: Prompt tokens of the jobs in flight.
@@ -236,8 +242,11 @@ class PrefillService:
             first = await self._first_token(job, left)
             return await self._hand_over(job, report_first_token, sender, req, first, times, left)
         except (PrefillFailed, HandoverFailed, TransferError, asyncio.TimeoutError) as e:
-            self.counters.failed += 1
             failure = self._failure(job, e)
+            if isinstance(failure, PrefillFailed) and failure.busy:
+                self.counters.refused += 1
+            else:
+                self.counters.failed += 1
             if failure is e:
                 raise
             raise failure from e
@@ -316,7 +325,7 @@ class PrefillService:
         if isinstance(error, PrefillFailed):
             return error
         if isinstance(error, HandoverFailed):
-            return PrefillFailed(str(error), retryable=error.retryable)
+            return PrefillFailed(str(error), retryable=error.retryable, busy=error.busy)
         if isinstance(error, HandshakeRefused):
             return PrefillFailed(f"decode node {job.decode_node_id} refused the data plane: {error}", retryable=False)
         return PrefillFailed(f"lost decode node {job.decode_node_id}: {error or type(error).__name__}")

@@ -160,3 +160,40 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(5)
+
+
+def _status_of(url: str) -> int:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+class TwoMastersCluster(Cluster):
+    """Two peer masters (``master`` and ``master-b``); every node started with
+    :meth:`start_peer_node` registers with both."""
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        super().__init__(model_dir, log_dir)
+        self.port_b = free_port()
+
+    @property
+    def url_b(self) -> str:
+        return f"http://127.0.0.1:{self.port_b}"
+
+    def start_master_b(self) -> None:
+        self._spawn("master-b", ["master", "--host", "127.0.0.1", "--port", str(self.port_b), "--model",
+                                 str(self.model_dir)])
+        wait_until(lambda: _status_of(self.url_b + "/livez") == 200, 60, "master b to serve")
+
+    def start_peer_node(self, role: str, name: str, *extra: str) -> subprocess.Popen | ForkedProcess:
+        args = [role, "--master", f"{self.url},{self.url_b}", "--node-id", name, "--model", str(self.model_dir),
+                *self.node_args, *extra]
+        proc = self._spawn(name, args)
+        wait_until(lambda: self.node(name) is not None or proc.poll() is not None, 120, f"{name} to join")
+        assert proc.poll() is None, f"{name} exited: {self.log(name)[-2000:]}"
+        return proc
+
+    def nodes_at(self, url: str) -> list[dict]:
+        response = httpx.get(url + "/admin/nodes", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10)
+        return response.json()["data"]

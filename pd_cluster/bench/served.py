@@ -186,6 +186,16 @@ def cold_start(sweep: SweepResult) -> dict[str, Any]:
     return {"first_ttft_s": first, "warm_ttft_p50_s": warm, "ratio": first / warm, "requests": len(records)}
 
 
+def overload_counts(sweep: SweepResult) -> dict[str, int]:
+    """What overload did to the sweep's requests: ``overload_failed_requests``, those the cluster
+    accepted and did not finish (an error, or a stream that ended without a finish reason), which a
+    busy cluster must never have; ``overload_rejected_requests``, those answered 429 at the door."""
+    records = [record for result in sweep.results for record in result.records]
+    rejected = [r for r in records if r.error == "HTTP 429"]
+    failed = [r for r in records if r.error != "HTTP 429" and (r.error is not None or r.finish_reason is None)]
+    return {"overload_failed_requests": len(failed), "overload_rejected_requests": len(rejected)}
+
+
 def sampled_sweep_config(base: ServeBenchConfig, sweep_rates: list[float], rates: list[float]) -> ServeBenchConfig:
     """The random workload again at temperature 0.8, its rates seeded past the greedy sweep's: its
     prompts are new to the cluster, as the greedy sweep's were, rather than served from the prefix
@@ -372,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = _run(replace(base, num_requests=args.requests_per_rate,
                              rates=[float(r) for r in args.sweep.split(",")]), "sweep", args.out)
         doc["sweep"] = results_document(sweep)
+        doc.update(overload_counts(sweep))
         ok = [r["rate"] for r in doc["sweep"]["results"] if r["slo_attainment"] >= 0.9 and not r["failed"]]
         doc["max_rate_at_slo"] = max(ok) if ok else None
         best = max(r["request_throughput"] for r in doc["sweep"]["results"])

@@ -27,6 +27,7 @@ import torch
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import resolve_model_path
+from pd_cluster.engine.batch_rows import resolve_rows, typical_context
 from pd_cluster.engine.grammar import Grammars
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.launch_timing import LaunchTimer, StepMarks
@@ -98,6 +99,7 @@ class LLMEngine:
         kv_event_sink: KVEventSink | None = None,
     ) -> None:
         self.config = config
+        self._asked_rows = config.max_running_requests
         self.model_path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_path(self.model_path)
         device_name = config.resolved_device()
@@ -140,6 +142,10 @@ class LLMEngine:
         )
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
+        self.config = config = resolve_rows(config, num_slots, self.max_model_len, self.device.type == "cuda")
+        if config.max_running_requests != self._asked_rows:
+            logger.info("batch limit auto: %d requests (%d KV slots, typical context %d tokens)",
+                        config.max_running_requests, num_slots, typical_context(config, self.max_model_len))
         self.table = ReqSlotTable(config.max_running_requests, self.max_model_len + 1, self.device)
         return num_slots
 

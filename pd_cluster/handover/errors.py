@@ -4,8 +4,10 @@ from __future__ import annotations
 
 
 class HandoverFailed(RuntimeError):
-    """The KV did not reach D; ``retryable``: another attempt (another pair) may succeed."""
+    """The KV did not reach D; ``retryable``: another attempt (another pair) may succeed; ``busy``:
+    D refused the lease for want of room (backpressure: the request waits, no fault is counted)."""
 
-    def __init__(self, message: str, retryable: bool = True) -> None:
+    def __init__(self, message: str, retryable: bool = True, busy: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.busy = busy

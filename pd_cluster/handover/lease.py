@@ -38,7 +38,8 @@ class DecodeLease:
 
 async def reserve(channel: PeerChannel, job: PrefillJob, lease_s: float, left: Callable[[], float]) -> DecodeLease:
     """Send ``MatchPrefix`` for ``job`` and return D's lease; :class:`HandoverFailed` when D
-    refuses. ``direct`` (D's reserved slots in the answer) when the channel writes into D's pool."""
+    refuses (``busy`` when for want of room). ``direct`` (D's reserved slots in the answer) when
+    the channel writes into D's pool."""
     asked = time.monotonic()
     match = await channel.request(
         MatchPrefix(request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling, lease_s=lease_s,
@@ -49,6 +50,7 @@ async def reserve(channel: PeerChannel, job: PrefillJob, lease_s: float, left: C
     if not isinstance(match, MatchResult):
         raise HandoverFailed(f"decode node answered {match.type!r} to a prefix query")
     if match.error is not None or match.lease_id is None:
-        raise HandoverFailed(f"decode node {job.decode_node_id}: {match.error}", retryable=match.retryable)
+        raise HandoverFailed(f"decode node {job.decode_node_id}: {match.error}", retryable=match.retryable,
+                             busy=match.busy)
     return DecodeLease(lease_id=match.lease_id, hit_blocks=match.hit_blocks, decode_node_id=job.decode_node_id,
                        asked_at=asked, lease_s=lease_s, query_seconds=query_seconds, slots=match.slots)

@@ -60,6 +60,7 @@ class MatchResult(DataMessage):
     slots: str | None = Field(default=None, description="base64 int64 slots reserved for the missing tokens")
     error: str | None = None
     retryable: bool = True
+    busy: bool = Field(default=False, description="refused for want of room (rows or KV), not for a fault")
 
 
 # ---- whole push --------------------------------------------------------------------------

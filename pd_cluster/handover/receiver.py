@@ -106,7 +106,7 @@ class KVReceiver:
                 self.reservations.reserve, msg.request_id, msg.token_ids, msg.sampling, msg.lease_s
             )
         except NoCapacity as e:
-            return MatchResult(error=str(e), retryable=True)
+            return MatchResult(error=str(e), retryable=True, busy=True)
         except ValueError as e:
             return MatchResult(error=str(e), retryable=False)
         self.counters.hit_tokens += res.hit_tokens

@@ -73,7 +73,8 @@ class Reservations:
         left = sched.predicted_left(params, generated=1)
         busy = len(sched.running) + len(self.pending)
         if busy >= engine.config.max_running_requests or not sched.fits(n + 1, left):
-            raise NoCapacity(f"decode node is full ({len(sched.running)} running, {engine.pool.num_free} free KV slots)")
+            raise NoCapacity(f"decode node is full ({len(sched.running)} running, {len(self.pending)} reserved of "
+                             f"{engine.config.max_running_requests} rows, {engine.pool.num_free} free KV slots)")
         match = engine.cache.match_prefix(prompt_token_ids)
         engine.cache.inc_ref(match.node)
         engine.settle_freed_slots()  # the prefill node writes these slots from outside the engine's stream

@@ -9,7 +9,14 @@ from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.records import RequestRecord
 from pd_cluster.bench.serve.runner import RateResult, SweepResult
 from pd_cluster.bench.serve.workloads import build_workload
-from pd_cluster.bench.served import cold_start, markdown, placement_table, sampled_sweep_config, sampled_vs_greedy
+from pd_cluster.bench.served import (
+    cold_start,
+    markdown,
+    overload_counts,
+    placement_table,
+    sampled_sweep_config,
+    sampled_vs_greedy,
+)
 from pd_cluster.local_cluster import format_placement_table
 
 
@@ -84,3 +91,15 @@ def test_the_temperature_sweep_is_reported_over_the_greedy_one_rate_by_rate():
            "slo": {"ttft_s": 1.0, "tpot_s": 0.05}, "placement": "", "sweep": greedy, "sampled_sweep": sampled,
            "sampled_vs_greedy": rows}
     assert "Temperature 0.8 over greedy at the same rate: rate 1: TPOT p50 1.050x, ITL p50 -." in markdown(doc)
+
+
+def test_overload_counts_accepted_requests_that_did_not_finish_apart_from_429s():
+    done = RequestRecord(0, chunk_times=[0.1], output_tokens=1, finish_reason="length")
+    cut = RequestRecord(1, chunk_times=[0.1], output_tokens=1)  # the stream ended without a finish reason
+    errored = RequestRecord(2, error="stream:server_error")
+    unavailable = RequestRecord(3, error="HTTP 503")
+    rejected = RequestRecord(4, error="HTTP 429")
+    sweep = SweepResult(ServeBenchConfig(), "m", "tok")
+    sweep.results.append(RateResult(None, [done, cut, errored]))  # type: ignore[arg-type]
+    sweep.results.append(RateResult(None, [unavailable, rejected, done]))  # type: ignore[arg-type]
+    assert overload_counts(sweep) == {"overload_failed_requests": 3, "overload_rejected_requests": 1}

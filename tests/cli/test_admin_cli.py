@@ -201,3 +201,6 @@ def test_formatting_helpers():
                     "prefix": {"hit_rate": 0.5}, "data_plane": {"warm_peers": ["p"]}, "kv_transfer_bytes": 2048},
                    now=161)
     assert row == ("d", "decode", "draining", "cpu", "2 run / 1 wait", "25% of 64", "50%", "2.0 KiB", "p", "1m01s")
+    limited = node_row({"id": "d", "load": {"running": 3, "waiting": 0}, "capacity": {"max_running_requests": 256}},
+                       now=0)
+    assert limited[4] == "3/256 run / 0 wait"

@@ -46,7 +46,8 @@ def test_every_marked_field_is_a_flag_with_its_description_as_help():
 def test_an_engine_command_left_alone_builds_the_engine_config_defaults(command):
     config = engine_config_from_args(build_parser().parse_args(command), command[0])
     budget = 512 if command[0] == "decode" else EngineConfig().max_num_batched_tokens
-    assert config == EngineConfig(max_num_batched_tokens=budget)
+    rows = "auto" if command[0] in ("decode", "mixed") else EngineConfig().max_running_requests
+    assert config == EngineConfig(max_num_batched_tokens=budget, max_running_requests=rows)
 
 
 @pytest.mark.parametrize("command", ENGINE_COMMANDS, ids=lambda c: c[0])

@@ -12,58 +12,25 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
-import subprocess
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.cluster_harness import CLUSTER_TOKEN, Cluster, free_port, wait_until
+from tests.cluster_harness import CLUSTER_TOKEN, Cluster, TwoMastersCluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 #: Generous bound on any one request here: a hung request fails the test instead of blocking it.
 REQUEST_TIMEOUT_S = 120.0
 
 
-class PeerMastersCluster(Cluster):
+class PeerMastersCluster(TwoMastersCluster):
     """Two masters (``master`` and ``master-b``); every node registers with both."""
-
-    def __init__(self, model_dir: Path, log_dir: Path) -> None:
-        super().__init__(model_dir, log_dir)
-        self.port_b = free_port()
-
-    @property
-    def url_b(self) -> str:
-        return f"http://127.0.0.1:{self.port_b}"
 
     def env(self, token: str = CLUSTER_TOKEN) -> dict[str, str]:
         # Faster eviction of a frozen node and of a stalled handover than production's defaults.
         return {**super().env(token), "PD_HEARTBEAT_TIMEOUT_S": "3", "PD_HANDOFF_TIMEOUT_S": "20"}
-
-    def start_master_b(self) -> None:
-        self._spawn("master-b", ["master", "--host", "127.0.0.1", "--port", str(self.port_b), "--model",
-                                 str(self.model_dir)])
-        wait_until(lambda: _status(self.url_b + "/livez") == 200, 60, "master b to serve")
-
-    def start_peer_node(self, role: str, name: str) -> subprocess.Popen:
-        args = [role, "--master", f"{self.url},{self.url_b}", "--node-id", name, "--model", str(self.model_dir),
-                *self.node_args]
-        proc = self._spawn(name, args)
-        wait_until(lambda: self.node(name) is not None or proc.poll() is not None, 120, f"{name} to join")
-        assert proc.poll() is None, f"{name} exited: {self.log(name)[-2000:]}"
-        return proc
-
-    def nodes_at(self, url: str) -> list[dict]:
-        response = httpx.get(url + "/admin/nodes", headers={"Authorization": f"Bearer {_admin_token()}"}, timeout=10)
-        return response.json()["data"]
-
-
-def _admin_token() -> str:
-    from tests.cluster_harness import ADMIN_TOKEN
-
-    return ADMIN_TOKEN
 
 
 def _status(url: str) -> int:

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 from pd_cluster.chart_values import engine_values_schema, engine_values_yaml, value_key
-from pd_cluster.cli import build_parser, engine_config_from_args
+from pd_cluster.cli import AUTO_ROWS_ROLES, build_parser, engine_config_from_args
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine_flags import PASSED_ON
 from tests.engine_flags import sample_value
@@ -698,7 +698,9 @@ def test_a_node_group_engine_map_overrides_the_top_level_one(helm: Helm) -> None
 def test_nodes_keep_their_engine_defaults_when_no_engine_value_is_set(default_release: Release) -> None:
     for role in NODE_ROLES:
         engine = _node_engine(default_release.container(role)["args"])
-        defaults = EngineConfig(max_num_batched_tokens=engine.max_num_batched_tokens)  # a role's own default
+        # A role's own defaults: the decode node's step budget, decode and mixed nodes' batch limit.
+        defaults = EngineConfig(max_num_batched_tokens=engine.max_num_batched_tokens,
+                                max_running_requests="auto" if role in AUTO_ROWS_ROLES else 64)
         assert engine.model_dump(exclude={"device"}) == defaults.model_dump(exclude={"device"})
 
 
