@@ -86,24 +86,43 @@ async def client(served_cluster):
         yield c
 
 
-async def test_json_schema_answers_validate_against_their_schemas(client):
+async def _failing_answers(client, schemas: list[tuple[str, dict]], max_tokens: int) -> list[tuple[str, str, str]]:
+    """Ask for each (what, schema) greedily under a strict ``json_schema``: the answers that do not
+    end ("stop"), parse, validate against their schema and hold only keys it lists."""
     async def ask(what: str, schema: dict, i: int):
         return await client.chat.completions.create(
-            model=MODEL, temperature=0, max_tokens=MAX_TOKENS,
+            model=MODEL, temperature=0, max_tokens=max_tokens,
             messages=[{"role": "user", "content": f"Give me {what} as JSON."}],
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
         )
 
-    answers = await asyncio.gather(*(ask(what, schema, i) for i, (what, schema) in enumerate(SCHEMAS)))
-    invalid = []
-    for (what, schema), answer in zip(SCHEMAS, answers):
+    answers = await asyncio.gather(*(ask(what, schema, i) for i, (what, schema) in enumerate(schemas)))
+    failing = []
+    for (what, schema), answer in zip(schemas, answers):
         choice = answer.choices[0]
         try:
             assert choice.finish_reason == "stop", f"finish_reason {choice.finish_reason}"
-            jsonschema.validate(json.loads(choice.message.content), schema)
+            value = json.loads(choice.message.content)
+            jsonschema.validate(value, schema)
+            assert _unlisted_keys(value, schema) == [], f"unlisted keys {_unlisted_keys(value, schema)}"
         except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
-            invalid.append((what, choice.message.content, str(exc)[:200]))
-    assert invalid == [], invalid
+            failing.append((what, choice.message.content, str(exc)[:200]))
+    return failing
+
+
+def _unlisted_keys(value: object, schema: dict) -> list[str]:
+    """Keys of ``value`` that no ``properties`` of ``schema`` lists, at any depth."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return [k for k in value if k not in props] + [u for k, v in value.items() if k in props
+                                                       for u in _unlisted_keys(v, props[k])]
+    if isinstance(value, list):
+        return [u for v in value for u in _unlisted_keys(v, schema.get("items", {}))]
+    return []
+
+
+async def test_json_schema_answers_validate_against_their_schemas(client):
+    assert await _failing_answers(client, SCHEMAS, MAX_TOKENS) == []
 
 
 def _open_obj(props: dict) -> dict:
@@ -126,40 +145,10 @@ OPEN_SCHEMAS: list[tuple[str, dict]] = [
 ]
 
 
-def _unlisted_keys(value: object, schema: dict) -> list[str]:
-    """Keys of ``value`` that no ``properties`` of ``schema`` lists, at any depth."""
-    if isinstance(value, dict):
-        props = schema.get("properties", {})
-        return [k for k in value if k not in props] + [u for k, v in value.items() if k in props
-                                                       for u in _unlisted_keys(v, props[k])]
-    if isinstance(value, list):
-        return [u for v in value for u in _unlisted_keys(v, schema.get("items", {}))]
-    return []
-
-
 async def test_strict_schemas_hold_only_their_listed_keys(client):
     """``strict`` reads a missing additionalProperties as false (OpenAI's strict mode): each answer
     ends within 96 tokens, parses, validates and holds no key its schema does not list."""
-    async def ask(what: str, schema: dict, i: int):
-        return await client.chat.completions.create(
-            model=MODEL, temperature=0, max_tokens=96,
-            messages=[{"role": "user", "content": f"Give me {what} as JSON."}],
-            response_format={"type": "json_schema", "json_schema": {"name": f"open{i}", "schema": schema,
-                                                                    "strict": True}},
-        )
-
-    answers = await asyncio.gather(*(ask(what, schema, i) for i, (what, schema) in enumerate(OPEN_SCHEMAS)))
-    wrong = []
-    for (what, schema), answer in zip(OPEN_SCHEMAS, answers):
-        choice = answer.choices[0]
-        try:
-            assert choice.finish_reason == "stop", f"finish_reason {choice.finish_reason}"
-            value = json.loads(choice.message.content)
-            jsonschema.validate(value, schema)
-            assert _unlisted_keys(value, schema) == [], f"unlisted keys {_unlisted_keys(value, schema)}"
-        except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
-            wrong.append((what, choice.message.content, str(exc)[:200]))
-    assert wrong == [], wrong
+    assert await _failing_answers(client, OPEN_SCHEMAS, 96) == []
 
 
 async def test_json_object_answer_parses_as_an_object(client):
