@@ -38,7 +38,8 @@ class JsonSchemaFormat(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    #: Always honoured: the output follows the schema whether or not strict is asked for.
+    #: The output follows the schema either way; strict also reads a missing additionalProperties
+    #: as false, as OpenAI's strict mode does (the model cannot wander into keys of its own).
     strict: bool | None = None
 
 
@@ -56,7 +57,7 @@ class ResponseFormat(BaseModel):
             return StructuredOutput(kind="json_object")
         if self.json_schema is None:
             raise bad_request("response_format of type json_schema needs a json_schema.", "response_format")
-        spec = StructuredOutput.from_schema(self.json_schema.schema_)
+        spec = StructuredOutput.from_schema(self.json_schema.schema_, strict=bool(self.json_schema.strict))
         if len(spec.json_schema or "") > MAX_GRAMMAR_CHARS:
             raise bad_request(f"response_format.json_schema.schema is longer than {MAX_GRAMMAR_CHARS} characters.",
                               "response_format")

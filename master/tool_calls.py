@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_cluster.sampling_params import StructuredOutput
+from pd_cluster.strict_schema import close_objects
 
 #: Llama 3.1's prompt for JSON tool calls (its chat template's wording).
 TOOL_PROMPT = (
@@ -35,8 +36,11 @@ def new_call_id() -> str:
 
 
 def call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    """The JSON schema of one call of ``function`` (an OpenAI function definition)."""
+    """The JSON schema of one call of ``function`` (an OpenAI function definition); a ``strict``
+    function's parameters hold only the keys they list."""
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    if function.get("strict"):
+        parameters = close_objects(parameters)
     return {"type": "object", "properties": {"name": {"const": function["name"]}, "parameters": parameters},
             "required": ["name", "parameters"], "additionalProperties": False}
 

@@ -7,6 +7,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pd_cluster.strict_schema import close_objects
+
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 #: Most entries a logit_bias map may hold (it travels with every prefill job and handover).
@@ -44,8 +46,12 @@ class StructuredOutput(BaseModel):
         return self
 
     @classmethod
-    def from_schema(cls, schema: object) -> "StructuredOutput":
-        """A ``json_schema`` spec from a parsed schema (a dict), in compact text."""
+    def from_schema(cls, schema: object, strict: bool = False) -> "StructuredOutput":
+        """A ``json_schema`` spec from a parsed schema (a dict), in compact text. ``strict`` closes
+        its objects: one without ``additionalProperties`` holds only the keys it lists
+        (:func:`pd_cluster.strict_schema.close_objects`)."""
+        if strict:
+            schema = close_objects(schema)
         return cls(kind="json_schema", json_schema=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
 

@@ -47,6 +47,7 @@ async def _decode(conn, config: dict, token: str, stall_push: bool) -> None:
     from decode_node.service import DecodeService
     from pd_cluster.config import EngineConfig
     from pd_cluster.handover.messages import PushKV
+    from tests.pool_writes import PoolWrites
 
     send_lock = threading.Lock()
 
@@ -69,6 +70,7 @@ async def _decode(conn, config: dict, token: str, stall_push: bool) -> None:
 
         service.server._handler = stalling
     await service.start()
+    writes = PoolWrites(service)
     send(("ready", service.data_address, service.engine.kv_spec.bytes_per_block, service.engine.pool.capacity))
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
@@ -92,6 +94,10 @@ async def _decode(conn, config: dict, token: str, stall_push: bool) -> None:
                 value = await service.worker.call(service.engine.cache.flush)
             elif cmd[0] == "abort":
                 value = await service.abort(cmd[1])
+            elif cmd[0] == "arm_writes":  # measure the KV written into the pool (tests/pool_writes.py)
+                value = await writes.arm()
+            elif cmd[0] == "writes":
+                value = writes.bytes_at_commit
             else:
                 raise ValueError(f"unknown command {cmd[0]}")
             send(("reply", "ok", value))

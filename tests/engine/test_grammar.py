@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.engine.grammar import GrammarError, Grammars, apply_token_bitmask, check_spec, token_bitmask_words
 from pd_cluster.sampling_params import MAX_GRAMMAR_CHARS, StructuredOutput
+from pd_cluster.strict_schema import close_objects
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 {}[]\":,.-"
 EOS = 2
@@ -178,3 +179,67 @@ def test_engine_under_a_grammar_with_and_without_overlap(llm):
         assert json.loads(constrained.text)["color"] in {"red", "green", "blue"}
         assert free.token_ids == alone.token_ids  # the other row of the batch is not masked
     assert results[0][0].token_ids == results[1][0].token_ids
+
+
+def _object(props: dict, required: list[str] | None = None) -> dict:
+    """An object schema that says nothing of additionalProperties."""
+    return {"type": "object", "properties": props, "required": list(props) if required is None else required}
+
+
+_INT = {"type": "integer"}
+#: (schema without additionalProperties, a document it describes, the same with a key no object lists).
+STRICT_CASES: list[tuple[dict, object, object]] = [
+    (_object({"a": _INT, "b": {"type": "string"}}), {"a": 1, "b": "x"}, {"a": 1, "b": "x", "c": 2}),
+    (_object({"inner": _object({"a": _INT})}), {"inner": {"a": 1}}, {"inner": {"a": 1, "z": 0}}),
+    ({"type": "array", "items": _object({"a": _INT})}, [{"a": 1}], [{"a": 1}, {"a": 2, "z": 0}]),
+    ({"$defs": {"P": _object({"a": _INT})}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}},
+     {"p": {"a": 1}}, {"p": {"a": 1, "z": 0}}),
+    ({"anyOf": [_object({"a": _INT}), _object({"b": _INT})]}, {"b": 1}, {"b": 1, "a": 1}),
+    # Keys spread over allOf parts (one a reference) stay allowed; only unlisted ones are refused.
+    ({"$defs": {"A": _object({"a": _INT})}, "allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": _INT}}]},
+     {"a": 1, "b": 2}, {"a": 1, "b": 2, "c": 3}),
+    # Keys beside a union stay allowed in each branch.
+    ({**_object({"kind": {"type": "string"}}), "oneOf": [_object({"x": _INT}, ["x"]), _object({"y": _INT}, ["y"])]},
+     {"kind": "k", "x": 1}, {"kind": "k", "x": 1, "z": 0}),
+]
+
+
+@pytest.mark.parametrize("schema,listed,unlisted", STRICT_CASES)
+def test_strict_closes_every_object_the_schema_does_not_open(schema, listed, unlisted):
+    import jsonschema
+
+    closed = close_objects(schema)
+    jsonschema.validate(listed, schema)
+    jsonschema.validate(unlisted, schema)  # JSON Schema itself allows the unlisted key
+    jsonschema.validate(listed, closed)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(unlisted, closed)
+    check_spec(StructuredOutput.from_schema(schema, strict=True))
+
+
+def test_strict_keeps_what_a_schema_says_of_extra_keys():
+    free = {"type": "object", "properties": {"tags": {"type": "object", "additionalProperties": {"type": "string"}},
+                                             "meta": {"type": "object", "additionalProperties": True}}}
+    closed = close_objects(free)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"] == free["properties"]  # the objects that say it keep their word
+    assert "additionalProperties" not in free  # the caller's schema is not changed
+    assert close_objects({"type": "string"}) == {"type": "string"}
+    assert StructuredOutput.from_schema(_object({"a": _INT})).json_schema == json.dumps(_object({"a": _INT}),
+                                                                                        separators=(",", ":"))
+
+
+def test_strict_mask_forbids_a_key_the_schema_does_not_list(tok):
+    """After the last listed property only ``}`` may follow under strict; without strict, JSON
+    Schema's default lets the object go on (``,`` and another key)."""
+    schema = _object({"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}})
+    grammars = Grammars(tok, vocab_size=len(tok), eos_token_ids={EOS})
+    done = ids('{"ok": true, "n": 42')
+    strict = grammars.state(SamplingParams(structured=StructuredOutput.from_schema(schema, strict=True)), [1])
+    strict.sync(done)
+    assert allowed(grammars, strict) == set(ids("}"))
+    lax = grammars.state(SamplingParams(structured=StructuredOutput.from_schema(schema)), [1])
+    lax.sync(done)
+    assert set(ids("},")) <= allowed(grammars, lax)
+    lax.sync(done + ids(', "'))
+    assert set(ids("xyz")) <= allowed(grammars, lax)  # any key may follow

@@ -51,12 +51,16 @@ def test_a_p_killed_mid_write_leaves_d_serving_with_its_slots_back(model_8b):
     try:
         idle = d.call("stats")
         # A first request through the in-place path: the reference output, and the slots' idle count.
+        d.call("arm_writes")
         spec = job(prompt[:1000], d.info[1])
         result = p.call("job", spec)
         assert result["transport"] == "ipc" and result["committed"]
         reference = [result["first"]["token_id"]] + d.wait_finished(PrefillJob.model_validate_json(spec).request_id)
         bytes_per_token = d.info[2] // 16
-        assert result["transfer_bytes"] == 1000 * bytes_per_token  # the missing tokens, no padding
+        # The missing tokens, no padding: measured in D's pool (slots written when the commit
+        # arrived), and as P reports it.
+        assert d.call("writes") == [1000 * bytes_per_token]
+        assert result["transfer_bytes"] == 1000 * bytes_per_token
         assert d.call("stats")["bytes_received"] - idle["bytes_received"] == result["transfer_bytes"]
         d.call("flush")
         baseline = d.call("stats")

@@ -23,6 +23,7 @@ from pd_cluster.transfer import ipc
 from pd_cluster.transfer.handshake import Hello, share_pool_with
 from pd_cluster.kv_spec import KVSpec
 from tests.handover_pairs import ServicePair, single_engine_tokens, start_pair
+from tests.pool_writes import PoolWrites
 
 
 @pytest.fixture
@@ -82,13 +83,17 @@ async def test_p_on_d_host_writes_kv_in_place_with_output_identical_to_the_engin
     pair = either_pair
     prompt = chat_prompts[0]
     idle = (await pair.d_stats())["idle"]
+    writes = PoolWrites(pair.d)
+    await writes.arm()
     tokens, result = await pair.run(prompt)
     assert tokens == engine_outputs[0]
     channel = pair.channel()
     assert channel is not None and channel.transport == "ipc"
     spec = pair.d.engine.kv_spec
     n = len(prompt)
-    # The delta rule: exactly the missing tokens' bytes, and none through the tensor channel.
+    # The delta rule, measured in D's pool: exactly the missing tokens' slots were written, and
+    # nothing went through the tensor channel.
+    assert writes.bytes_at_commit == [n * spec.bytes_per_token]
     assert result.transfer_bytes == n * spec.bytes_per_token == pair.d.counters.kv_bytes_received
     assert channel.channel.bytes_sent == 0 and channel.bytes_written == result.transfer_bytes
     stats = await pair.d_stats()
@@ -100,10 +105,14 @@ async def test_a_prefix_hit_on_d_writes_only_the_missing_tokens(pair, chat_promp
     await pair.run(first)
     received = pair.d.counters.kv_bytes_received
     follow_up = first + chat_prompts[0][-40:]
+    writes = PoolWrites(pair.d)
+    await writes.arm()
     _, result = await pair.run(follow_up)
     bs = pair.d.engine.kv_spec.block_size
     assert result.hit_blocks == len(first) // bs > 0
     missing = len(follow_up) - result.hit_blocks * bs
+    # Measured in D's pool: the missing tokens' slots, none of the slots D already held.
+    assert writes.bytes_at_commit == [missing * pair.d.engine.kv_spec.bytes_per_token]
     assert result.transfer_bytes == missing * pair.d.engine.kv_spec.bytes_per_token
     assert pair.d.counters.kv_bytes_received - received == result.transfer_bytes
 
@@ -214,12 +223,16 @@ async def test_the_same_prompt_twice_writes_only_what_d_lacks(default_model_dir,
     """The second time D holds every whole block of the prompt (with blocks of one token, all of
     it: an empty slot list), and P all of it."""
     pair = await start_pair(default_model_dir, share=True, block_size=block_size)
+    writes = PoolWrites(pair.d)
     try:
         first, _ = await pair.run(chat_prompts[0])
+        await writes.arm()  # D's free slots (those of the last partial block among them) reset
         again, result = await pair.run(chat_prompts[0])
     finally:
         await pair.stop()
     assert first == again == engine_outputs[0]
     bs = pair.d.engine.kv_spec.block_size
     assert result.hit_blocks == len(chat_prompts[0]) // bs
-    assert result.transfer_bytes == (len(chat_prompts[0]) - result.hit_blocks * bs) * pair.d.engine.kv_spec.bytes_per_token
+    missing_bytes = (len(chat_prompts[0]) - result.hit_blocks * bs) * pair.d.engine.kv_spec.bytes_per_token
+    assert writes.bytes_at_commit == [missing_bytes]  # measured in D's pool
+    assert result.transfer_bytes == missing_bytes

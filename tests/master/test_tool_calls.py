@@ -1,11 +1,11 @@
 """Reading Llama-3 JSON tool calls back as OpenAI tool_calls, whole and streamed ("auto" parses
-whatever the model wrote)."""
+whatever the model wrote); the grammar of a strict function's call."""
 
 from __future__ import annotations
 
 import json
 
-from master.tool_calls import ToolCallStream, parse_tool_calls
+from master.tool_calls import ToolCallStream, call_schema, parse_tool_calls
 
 NAMES = {"get_weather", "get_time"}
 CALL = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": {"x": 1}}}'
@@ -41,3 +41,12 @@ def test_streamed_text_that_is_not_a_call_is_content():
     assert s.state == "content" and "".join(d["content"] for d in deltas) == "Sunny, 21 degrees."
     deltas, s = _stream('{"answer": 42}')
     assert s.state == "content" and "".join(d["content"] for d in deltas) == '{"answer": 42}'
+
+
+def test_a_strict_function_call_holds_only_the_arguments_its_parameters_list():
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    strict = call_schema({"name": "get_weather", "parameters": parameters, "strict": True})
+    lax = call_schema({"name": "get_weather", "parameters": parameters})
+    assert strict["properties"]["parameters"] == {**parameters, "additionalProperties": False}
+    assert lax["properties"]["parameters"] == parameters
+    assert "additionalProperties" not in parameters

@@ -53,28 +53,41 @@ def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: tor
                     row["floor_ratio"])
     for r in reqs:
         engine.abort(r.request_id)
-    key = f"b{plan.key_batch}"
-    if key in out:
-        out["sampling"] = measure_sampling_overhead(engine, plan, gen, out[key]["step_ms"])
+    if f"b{plan.key_batch}" in out:
+        out["sampling"] = measure_sampling_overhead(engine, plan, gen)
     return out
 
 
-def measure_sampling_overhead(engine: LLMEngine, plan: Plan, gen: torch.Generator, greedy_ms: float) -> dict:
-    """The key batch's whole step with :data:`SAMPLED` sampling, over the greedy step."""
-    params = SamplingParams(max_tokens=200, ignore_eos=True, seed=7, **SAMPLED)
+def measure_sampling_overhead(engine: LLMEngine, plan: Plan, gen: torch.Generator) -> dict:
+    """The key batch's whole step with :data:`SAMPLED` sampling, over the greedy step: both sides
+    start fresh requests of the same prompt length and time the same steps, so they read the same
+    KV lengths (the decode rows' contexts have grown by the larger batches' steps)."""
+    greedy = time_fresh_decode(engine, plan, gen, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    sampled = time_fresh_decode(engine, plan, gen, SamplingParams(max_tokens=200, ignore_eos=True, seed=7, **SAMPLED))
+    result = {"batch": plan.key_batch, "params": SAMPLED, "sampled_step_ms": sampled["step_ms"],
+              "greedy_step_ms": greedy["step_ms"], "overhead": sampled["step_ms"] / greedy["step_ms"],
+              "greedy_mean_ctx_sum": greedy["mean_ctx_sum"], "sampled_mean_ctx_sum": sampled["mean_ctx_sum"]}
+    logger.info("sampling b%d: %.3f ms/step vs greedy %.3f ms (%.3fx)", plan.key_batch, sampled["step_ms"],
+                greedy["step_ms"], result["overhead"])
+    return result
+
+
+def time_fresh_decode(engine: LLMEngine, plan: Plan, gen: torch.Generator, params: SamplingParams,
+                      check: Callable[[list], None] | None = None) -> dict:
+    """:func:`time_decode_steps` of ``plan.key_batch`` new requests of ``plan.decode_ctx`` tokens
+    under ``params``, after 3 untimed steps; ``check`` sees the requests after the timed steps.
+    Two calls on one engine time steps at the same contexts."""
     reqs = start_decoding(engine, plan.key_batch, plan.decode_ctx, gen, params)
     try:
         for _ in range(3):
             engine.step()
         row = time_decode_steps(engine, reqs, plan.decode_steps)
+        if check is not None:
+            check(reqs)
+        return row
     finally:
         for r in reqs:
             engine.abort(r.request_id)
-    result = {"batch": plan.key_batch, "params": SAMPLED, "sampled_step_ms": row["step_ms"], "greedy_step_ms": greedy_ms,
-              "overhead": row["step_ms"] / greedy_ms}
-    logger.info("sampling b%d: %.3f ms/step vs greedy %.3f ms (%.3fx)", plan.key_batch, row["step_ms"], greedy_ms,
-                result["overhead"])
-    return result
 
 
 def start_decoding(engine: LLMEngine, batch: int, context: int, gen: torch.Generator,

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from pd_cluster.bench.gpu.decode import start_decoding, time_decode_steps
+from pd_cluster.bench.gpu.decode import time_fresh_decode
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import default_model_path
@@ -50,21 +50,15 @@ def measure_json_schema_overhead(engine: LLMEngine, plan: Plan, gen: torch.Gener
     """Median step of ``plan.key_batch`` greedy requests with :data:`BENCH_SCHEMA` on every row,
     over the same step without a grammar, timed back to back on the same engine."""
     engine = grammar_engine(engine, plan)
-    spec = StructuredOutput.from_schema(BENCH_SCHEMA)
-    rows = {}
-    for name, structured in (("plain", None), ("json_schema", spec)):
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, structured=structured)
-        reqs = start_decoding(engine, plan.key_batch, plan.decode_ctx, gen, params)
-        try:
-            for _ in range(3):
-                engine.step()
-            rows[name] = time_decode_steps(engine, reqs, plan.decode_steps)
-            if structured is not None:
-                assert all(r.grammar is not None and not r.grammar.terminated for r in reqs)
-        finally:
-            for r in reqs:
-                engine.abort(r.request_id)
-    plain_ms, masked_ms = rows["plain"]["step_ms"], rows["json_schema"]["step_ms"]
+
+    def under_grammar(reqs: list) -> None:
+        assert all(r.grammar is not None and not r.grammar.terminated for r in reqs)
+
+    plain = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    masked = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True,
+                            structured=StructuredOutput.from_schema(BENCH_SCHEMA))
+    plain_ms = time_fresh_decode(engine, plan, gen, plain)["step_ms"]
+    masked_ms = time_fresh_decode(engine, plan, gen, masked, check=under_grammar)["step_ms"]
     result = {"batch": plan.key_batch, "model": engine.model_config.name, "schema": BENCH_SCHEMA, "plain_step_ms": plain_ms,
               "json_schema_step_ms": masked_ms, "overhead": masked_ms / plain_ms}
     logger.info("json_schema b%d: %.3f ms/step vs %.3f ms without (%.3fx)", plan.key_batch, masked_ms, plain_ms,

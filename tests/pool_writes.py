@@ -1,0 +1,60 @@
+"""The KV a P wrote into a decode service's pool, measured in the pool itself.
+
+:meth:`PoolWrites.arm` fills every free slot of D's pool with a sentinel and keeps a copy of the
+pool; when a ``CommitKV`` reaches D's receiver (every write of the lease has landed, and D has
+not yet decoded a token of the request), the slots that differ from the copy are counted. Slots
+a lease reserves come from the free ones, so a write that repeats what a slot held before still
+counts; a write into a slot D already held (a prefix hit) counts too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: What an armed pool's free slots hold: no key or value a model writes equals it everywhere.
+SENTINEL = 1234.5
+
+
+class PoolWrites:
+    """Counts the slots of ``service``'s pool written between :meth:`arm` and each commit (commits
+    before the first arm are not measured)."""
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self.engine = service.engine
+        self._before: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: Slots found written at each commit since the last arm, in order.
+        self.slots_at_commit: list[int] = []
+        receiver = service.receiver
+        commit = receiver.commit
+
+        async def measured_commit(msg):
+            if self._before is not None:
+                self.slots_at_commit.append(await service.worker.call(self._changed_slots))
+            return await commit(msg)
+
+        receiver.commit = measured_commit
+
+    @property
+    def bytes_at_commit(self) -> list[int]:
+        return [n * self.engine.kv_spec.bytes_per_token for n in self.slots_at_commit]
+
+    async def arm(self) -> None:
+        await self.service.worker.call(self._arm)
+        self.slots_at_commit.clear()
+
+    def _arm(self) -> None:
+        pool = self.engine.pool
+        free = torch.from_numpy(pool._is_free.copy()).to(pool.device)
+        pool.k_cache[:, free] = SENTINEL
+        pool.v_cache[:, free] = SENTINEL
+        self._before = (pool.k_cache.clone(), pool.v_cache.clone())
+
+    def _changed_slots(self) -> int:
+        assert self._before is not None
+        pool = self.engine.pool
+        changed = torch.zeros(pool.capacity, dtype=torch.bool, device=pool.device)
+        for now, before in zip((pool.k_cache, pool.v_cache), self._before):
+            for layer in range(now.shape[0]):  # a layer at a time: no copy of the whole pool's size
+                changed |= (now[layer] != before[layer]).flatten(1).any(1)
+        return int(changed.sum())
