@@ -53,8 +53,13 @@ class PoolWrites:
     def _changed_slots(self) -> int:
         assert self._before is not None
         pool = self.engine.pool
-        changed = torch.zeros(pool.capacity, dtype=torch.bool, device=pool.device)
+        # Every row of the cache: with CUDA graphs, one slot out of service takes their padding
+        # rows' writes (it no longer counts in the pool's capacity) and is left out below.
+        changed = torch.zeros(pool.k_cache.shape[1], dtype=torch.bool, device=pool.device)
         for now, before in zip((pool.k_cache, pool.v_cache), self._before):
             for layer in range(now.shape[0]):  # a layer at a time: no copy of the whole pool's size
                 changed |= (now[layer] != before[layer]).flatten(1).any(1)
+        graphs = self.engine.runner.graphs
+        if graphs is not None:
+            changed[graphs.pad_slot] = False
         return int(changed.sum())

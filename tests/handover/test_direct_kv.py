@@ -20,7 +20,7 @@ import torch
 from pd_cluster.handover import DISCONNECT_GRACE_S
 from pd_cluster.handover.messages import CommitKV, PushAck
 from pd_cluster.transfer import ipc
-from pd_cluster.transfer.handshake import Hello, share_pool_with
+from pd_cluster.transfer.handshake import Join, share_pool_with
 from pd_cluster.kv_spec import KVSpec
 from tests.handover_pairs import ServicePair, single_engine_tokens, start_pair
 from tests.pool_writes import PoolWrites
@@ -194,8 +194,8 @@ async def test_a_p_that_disconnects_loses_its_leases_after_a_short_grace(socket_
 def test_the_pool_is_offered_only_on_the_same_host_and_gpu():
     spec = KVSpec(model="m", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32", block_size=16)
 
-    def hello(**kw) -> Hello:
-        return Hello(token="t", node_id="p", kv_spec=spec, device_type="cuda", **kw)
+    def hello(**kw) -> Join:
+        return Join(proof="0" * 64, kv_spec=spec, device_type="cuda", **kw)
 
     host = ipc.host_identity()
     same = hello(host_id=host, device_uuid="GPU-a", kv_ipc_kinds=["cuda"])
