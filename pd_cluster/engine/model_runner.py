@@ -18,6 +18,7 @@ from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.sampler import GraphDrawn
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.step_layout import StepLayout
+from pd_cluster.engine.tp_leader import TPLeader
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.llama import LayerHook, LlamaModel
 
@@ -30,9 +31,11 @@ StepHook = Callable[[ScheduledStep], LayerHook | None]
 class ModelRunner:
     def __init__(
         self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, device: torch.device,
-        config: EngineConfig | None = None,
+        config: EngineConfig | None = None, tp: TPLeader | None = None,
     ) -> None:
         self.model = model
+        #: The other ranks of a tensor-parallel node, sent each step's inputs before it runs here.
+        self.tp = tp
         self.pool = pool
         self.table = table
         self.device = device
@@ -138,4 +141,6 @@ class ModelRunner:
             starts = layout.token_starts(step)
             batch = self.prepare(step, layout, starts)
             layout.take_device_ids(step, starts, batch.input_ids, device_tokens)
+            if self.tp is not None:
+                self.tp.forward(batch)
             return self.model.forward(batch, self.pool, layer_hook)
