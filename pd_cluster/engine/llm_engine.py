@@ -43,8 +43,8 @@ from pd_cluster.engine.request import Request, RequestStatus
 from pd_cluster.engine.sampler import DeviceSample, GraphDrawn, SamplingState, sample_on_device
 from pd_cluster.engine.scheduler import ScheduledStep, Scheduler
 from pd_cluster.engine.side_prefill import SidePrefills
+from pd_cluster.engine.tp_kv import HeadView, KVShare
 from pd_cluster.engine.tp_leader import TPLeader
-from pd_cluster.engine.tp_rank import rank_kv_spec
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
@@ -161,12 +161,10 @@ class LLMEngine:
             dtype=self.dtype_name,
             block_size=config.block_size,
         )
-        #: What this rank's pool holds: every KV head at TP 1, its own heads on a tensor-parallel node.
-        self.rank_kv_spec = rank_kv_spec(self.model_config, self.shard, self.dtype_name, config.block_size)
         num_slots = config.max_total_tokens or self._default_kv_tokens()
         # CUDA graphs take one extra slot for their padding rows; the configured count stays usable.
         extra = 1 if (config.cuda_graphs and self.device.type == "cuda") else 0
-        self.pool = KVPool(self.rank_kv_spec, num_slots + extra, self.device)
+        self.pool = KVPool(self.kv_spec, num_slots + extra, self.device)
         self.cache = RadixCache(
             self.pool, block_size=config.block_size, enabled=config.enable_prefix_cache, event_sink=kv_event_sink
         )
@@ -180,7 +178,12 @@ class LLMEngine:
         config = self.config
         self.predictor = OutputLengthPredictor()
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
-        self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config, tp=self.tp)
+        share = None
+        if self.tp is not None:
+            # Rank 0's pool keeps every head (see pd_cluster.engine.tp_kv); its model uses its own.
+            share = KVShare(self.tp.group, self.model_config, HeadView(self.pool, self.shard.kv_heads(self.model_config)),
+                            self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config, tp=self.tp, share=share)
         if config.prefill_chunk_tokens is None and self.runner.graphs is not None and config.graph_prefill_tokens():
             # Prefill in chunks that replay the mixed graphs rather than in one eager step.
             self.scheduler.prefill_chunk_tokens = max(config.graph_prefill_tokens())
@@ -221,7 +224,7 @@ class LLMEngine:
             # Reserved, not just allocated: the allocator's cached blocks are this process's too.
             held = torch.cuda.memory_reserved(self.device)
             budget = min(int(fraction * total) - held, free) - headroom
-        return max(budget // self.rank_kv_spec.bytes_per_token, 1024)
+        return max(budget // self.kv_spec.bytes_per_token, 1024)
 
     # ---- requests --------------------------------------------------------------------------
 

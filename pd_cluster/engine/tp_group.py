@@ -16,6 +16,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,16 @@ class TPGroup:
         work = self.model.allreduce([tensor], self._reduce_options)
         if tensor.device.type == "cuda":
             work.wait()  # orders the current stream after the NCCL kernel; no host wait
+        else:
+            work.wait(self.step_timeout)
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every rank's ``tensor`` into ``outputs[rank]`` on every rank (the model group)."""
+        options = AllgatherOptions()
+        options.timeout = self.step_timeout
+        work = self.model.allgather([outputs], [tensor], options)
+        if tensor.device.type == "cuda":
+            work.wait()
         else:
             work.wait(self.step_timeout)
 

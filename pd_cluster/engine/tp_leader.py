@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from pd_cluster.engine.tp_group import STEP_TIMEOUT_S, TPGroup, make_store
-from pd_cluster.engine.tp_plan import Op, header, pack
+from pd_cluster.engine.tp_plan import Op, header, pack, put_header
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.model.forward_batch import ForwardBatch
 
@@ -84,11 +84,15 @@ class TPLeader:
         payload = pack(batch)
         self._send(header(Op.FORWARD, batch), payload)
 
-    def _send(self, head: torch.Tensor, payload: torch.Tensor | None = None) -> None:
+    def put_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Send every head's KV at ``slots`` (``[layers, 2, n, heads, head_dim]``); each rank keeps its own."""
+        self._send(put_header(slots.numel()), slots.to(device="cpu", dtype=torch.int64), kv)
+
+    def _send(self, head: torch.Tensor, *payloads: torch.Tensor) -> None:
         with self._lock:
             try:
                 self.group.broadcast(head)
-                if payload is not None:
+                for payload in payloads:
                     self.group.broadcast(payload)
             except Exception as e:
                 if not self._closing.is_set():

@@ -20,6 +20,8 @@ class Op(enum.IntEnum):
     STOP = 0
     FORWARD = 1
     KEEP_ALIVE = 2
+    #: KV written on rank 0 from outside (a handover): the slots, then every head's KV there.
+    PUT_KV = 3
 
 
 def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
@@ -29,6 +31,12 @@ def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
         b, max_ctx = batch.slot_table.shape
         head[1:7] = torch.tensor([batch.num_tokens, b, max_ctx, batch.logits_indices.numel(), int(batch.is_decode),
                                   batch.num_decode])
+    return head
+
+
+def put_header(n_slots: int) -> torch.Tensor:
+    head = header(Op.PUT_KV)
+    head[1] = n_slots
     return head
 
 

@@ -20,6 +20,7 @@ import torch
 
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.tp_group import TPGroup, make_store
+from pd_cluster.engine.tp_kv import KVShare
 from pd_cluster.engine.tp_plan import HEADER_LEN, Op, payload_size, unpack
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.kv_spec import KVSpec
@@ -65,6 +66,8 @@ class RankLoop:
                                 all_reduce=self.group.all_reduce)
         num_slots = int(store.get("num_slots"))
         self.pool = KVPool(rank_kv_spec(config, shard, spec.dtype), num_slots, self.device)
+        self.share = KVShare(self.group, config, self.pool, None)
+        self.config = config
         self.group.barrier()
         logger.info("tensor parallel rank %d of %d ready on %s: %d KV heads, %d slots", spec.rank, spec.size,
                     self.device, self.pool.spec.num_kv_heads, num_slots)
@@ -78,11 +81,25 @@ class RankLoop:
                 return
             if op is Op.KEEP_ALIVE:
                 continue
-            payload = torch.empty(payload_size(head), dtype=torch.int64)
-            self.group.broadcast(payload)
-            batch = unpack(head, payload, self.device)
             with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_device():
-                self.model.forward(batch, self.pool)
+                if op is Op.PUT_KV:
+                    self._put_kv(int(head[1]))
+                else:
+                    self._forward(head)
+
+    def _forward(self, head: torch.Tensor) -> None:
+        payload = torch.empty(payload_size(head), dtype=torch.int64)
+        self.group.broadcast(payload)
+        batch = unpack(head, payload, self.device)
+        self.model.forward(batch, self.pool, lambda layer: self.share.layer_done(batch.out_slots, layer))
+
+    def _put_kv(self, n: int) -> None:
+        slots = torch.empty(n, dtype=torch.int64)
+        self.group.broadcast(slots)
+        cfg = self.config
+        kv = torch.empty((cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype)
+        self.group.broadcast(kv)
+        self.share.take(slots, kv)
 
 
 class _no_device:

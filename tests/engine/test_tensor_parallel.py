@@ -78,3 +78,20 @@ def test_default_model_at_tp2_matches_transformers(default_model_dir, tokenizer,
                for text in ("The capital of France is", "1, 2, 3, 4,")]
     ours = _generate(str(default_model_dir), 2, prompts)
     assert ours == [hf_reference.greedy(p, 12) for p in prompts]
+
+
+def test_rank0_pool_holds_every_heads_kv_as_tp1(kv4_model):
+    # What a prefill node hands over is rank 0's pool: after the steps, every head of it (the
+    # other ranks' gathered layer by layer) equals a TP 1 engine's.
+    pools = []
+    for tp in (1, 2):
+        llm = LLM(model=str(kv4_model), device="cpu", dtype="float32", tp=tp, max_total_tokens=256)
+        try:
+            llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+            pools.append((llm.engine.pool.k_cache.clone(), llm.engine.pool.v_cache.clone()))
+        finally:
+            llm.close()
+    (k1, v1), (k2, v2) = pools
+    assert k1.abs().sum() > 0
+    torch.testing.assert_close(k2, k1, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-5)
