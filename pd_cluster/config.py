@@ -32,7 +32,8 @@ class EngineConfig(BaseModel):
         default="auto", description="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)"
     )
     device: Annotated[str, Flag(passed_on=False)] = Field(default="auto", description="auto, cpu, cuda or cuda:N")
-    tp: Annotated[int, Flag(metavar="N")] = Field(
+    # pd-cluster local sets it per role (--prefill-tp, --decode-tp, --mixed-tp).
+    tp: Annotated[int, Flag(metavar="N", passed_on=False)] = Field(
         default=1, ge=1, le=64,
         description="tensor parallelism: the node runs on N devices (cuda:i to cuda:i+N-1 from its device cuda:i; "
                     "on CPU N processes), each holding its share of the attention heads, of the MLP and of the KV "
