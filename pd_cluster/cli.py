@@ -250,7 +250,8 @@ def cmd_local(args: argparse.Namespace) -> int:
 
     options = LocalOptions(
         **given_values(args, LOCAL_ENGINE_FLAGS), host=args.host, port=args.port, prefill=args.prefill,
-        decode=args.decode, mixed=args.mixed, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        decode=args.decode, mixed=args.mixed, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+        mixed_tp=args.mixed_tp, local_prefill_max_tokens=args.local_prefill_max_tokens,
         device=args.device, gpus=args.gpus, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
@@ -326,6 +327,10 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--mixed", type=int, default=0,
                      help="mixed nodes (prefill and decode in one engine) to keep running; --prefill 0 --decode 0 "
                           "--mixed 1 is the colocated baseline")
+    for role in ("prefill", "decode", "mixed"):
+        loc.add_argument(f"--{role}-tp", type=int, default=1, metavar="N",
+                         help=f"tensor parallelism of each {role} node: N whole GPUs a node, none shared (on CPU: "
+                              "N processes a node); default 1")
     loc.add_argument("--local-prefill-max-tokens", type=int, default=None,
                      help="the master's threshold: a decode node prefills a request itself when it misses at most "
                           "this many prompt tokens (default: 512; 0: always through a prefill node)")

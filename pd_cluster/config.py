@@ -32,6 +32,13 @@ class EngineConfig(BaseModel):
         default="auto", description="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)"
     )
     device: Annotated[str, Flag(passed_on=False)] = Field(default="auto", description="auto, cpu, cuda or cuda:N")
+    # pd-cluster local sets it per role (--prefill-tp, --decode-tp, --mixed-tp).
+    tp: Annotated[int, Flag(metavar="N", passed_on=False)] = Field(
+        default=1, ge=1, le=64,
+        description="tensor parallelism: the node runs on N devices (cuda:i to cuda:i+N-1 from its device cuda:i; "
+                    "on CPU N processes), each holding its share of the attention heads, of the MLP and of the KV "
+                    "heads (replicated when N exceeds them); one registration with the master (default 1)",
+    )
     max_total_tokens: Annotated[int | None, Flag()] = Field(
         default=None, gt=0, description="KV slots in the pool (default: a fraction of the free GPU memory, or 16384 "
                                         "on CPU)"

@@ -29,6 +29,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any."""
+        self.engine.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -74,10 +74,40 @@ class NodePlacement:
     memory_fraction: float | None = None  # of the GPU's total memory; None: the node sizes itself
     kv_bytes: int | None = None  # the KV memory this plan leaves the node on a shared GPU
     shared_by: int = 1  # nodes on this GPU
+    #: Tensor parallel: the node's GPUs (``gpu`` is the first), a whole set no other node uses.
+    tp_gpus: tuple[int, ...] = ()
+    tp: int = 1
 
 
 def node_roles(prefill: int, decode: int, mixed: int = 0) -> list[str]:
     return ["prefill"] * prefill + ["decode"] * decode + ["mixed"] * mixed
+
+
+def _node_names(roles: Sequence[str]) -> list[str]:
+    counters: dict[str, int] = {}
+    names = []
+    for role in roles:
+        index = counters.get(role, 0)
+        counters[role] = index + 1
+        names.append(f"{role}-{index}")
+    return names
+
+
+def plan_tp_placement(roles: Sequence[str], gpus: Sequence[int], tps: Sequence[int]) -> list[NodePlacement]:
+    """Place nodes of which some are tensor parallel: each node takes ``tp`` whole GPUs of
+    ``gpus`` in order, none shared (on CPU, ``gpus`` empty: each node runs its ``tp`` processes)."""
+    names = _node_names(roles)
+    if not gpus:
+        return [NodePlacement(name, role, tp=tp) for name, role, tp in zip(names, roles, tps)]
+    if sum(tps) > len(gpus):
+        raise PlacementError(f"the nodes' tensor parallelism needs {sum(tps)} GPUs ({' + '.join(map(str, tps))}) "
+                             f"but {len(gpus)} are given; use fewer nodes, a smaller --*-tp or more GPUs (--gpus)")
+    placements, first = [], 0
+    for name, role, tp in zip(names, roles, tps):
+        own = tuple(gpus[first:first + tp])
+        placements.append(NodePlacement(name, role, own[0], tp_gpus=own, tp=tp))
+        first += tp
+    return placements
 
 
 def plan_placement(roles: Sequence[str], gpus: Mapping[int, GPUMemory], weight_bytes: int) -> list[NodePlacement]:
@@ -88,12 +118,7 @@ def plan_placement(roles: Sequence[str], gpus: Mapping[int, GPUMemory], weight_b
     CUDA context, i.e. its weights, the engine's headroom and the rest as KV, given as a fraction
     of the GPU's total memory (what ``--gpu-memory-fraction`` takes).
     """
-    counters: dict[str, int] = {}
-    names = []
-    for role in roles:
-        index = counters.get(role, 0)
-        counters[role] = index + 1
-        names.append(f"{role}-{index}")
+    names = _node_names(roles)
     if not gpus:
         return [NodePlacement(name, role) for name, role in zip(names, roles)]
     ids = list(gpus)
@@ -451,6 +476,10 @@ class LocalOptions(NodeEngineOptions):
     local_prefill_max_tokens: int | None = None
     #: The master's and every node's model.
     model: str = "default"
+    #: Tensor parallelism of each role's nodes (GPUs, or processes on CPU, a node).
+    prefill_tp: int = Field(default=1, ge=1)
+    decode_tp: int = Field(default=1, ge=1)
+    mixed_tp: int = Field(default=1, ge=1)
     #: Where the nodes run: auto, cpu, cuda or cuda:N (the one GPU every node shares).
     device: str = "auto"
     gpus: list[int] | None = None
@@ -556,6 +585,10 @@ class LocalCluster:
         chosen = choose_gpus(o.device, o.gpus, len(measured))
         self.device_ids = visible_device_ids(len(measured))
         memory = {i: measured[i] for i in chosen}
+        tps = [{"prefill": o.prefill_tp, "decode": o.decode_tp, "mixed": o.mixed_tp}[role] for role in roles]
+        if max(tps) > 1:
+            self.placements = plan_tp_placement(roles, chosen, tps)
+            return self.placements
         weights = 0
         if len(chosen) < len(roles) and chosen:  # some GPU is shared: its memory is split by the plan
             from pd_cluster.default_model import resolve_model_path
@@ -590,9 +623,12 @@ class LocalCluster:
                                         *o.tls_argv(p.role)]
             if p.memory_fraction is not None:
                 argv += ["--gpu-memory-fraction", f"{p.memory_fraction:.4f}"]
+            if p.tp > 1:
+                argv += ["--tp", str(p.tp)]
             node_env = dict(env)
             if p.gpu is not None:
-                node_env["CUDA_VISIBLE_DEVICES"] = self.device_ids[p.gpu]
+                # A tensor-parallel node sees its set only: rank r runs on cuda:r.
+                node_env["CUDA_VISIBLE_DEVICES"] = ",".join(self.device_ids[g] for g in p.tp_gpus or (p.gpu,))
             specs.append(ProcessSpec(p.name, p.role, tuple(argv), node_env, stop_order=0))
         return specs
 
@@ -652,7 +688,9 @@ class LocalCluster:
 
     def _where(self, p: NodePlacement) -> str:
         if p.gpu is None:
-            return "CPU"
+            return "CPU" if p.tp == 1 else f"CPU, tp {p.tp} ({p.tp} processes)"
+        if p.tp_gpus:
+            return f"GPUs {self._gpu_names(p)} (tp {p.tp})"
         text = f"GPU {self.device_ids[p.gpu]}"
         if p.memory_fraction is not None:
             text += (f" shared by {p.shared_by} nodes: --gpu-memory-fraction {p.memory_fraction:.4f} "
@@ -662,6 +700,12 @@ class LocalCluster:
         else:
             text += " alone: its KV pool takes a fraction of the free memory"
         return text
+
+    def _gpu_names(self, p: NodePlacement) -> str:
+        """The node's GPUs as CUDA_VISIBLE_DEVICES names them (``cpu`` on CPU)."""
+        if p.gpu is None:
+            return "cpu" if p.tp == 1 else f"cpu x{p.tp}"
+        return ",".join(self.device_ids[g] for g in p.tp_gpus or (p.gpu,))
 
     def _wait_ready(self) -> bool | None:
         """True once the master's /health says it routes; False on a deadline or an early exit;
@@ -731,7 +775,7 @@ class LocalCluster:
             else:
                 fraction = "auto" if p.gpu is not None and not self.options.max_total_tokens else "-"
             slots = view["capacity"]["max_total_tokens"] if view else "(not registered)"
-            rows.append({"node": p.name, "role": p.role, "gpu": "cpu" if p.gpu is None else self.device_ids[p.gpu],
+            rows.append({"node": p.name, "role": p.role, "gpu": self._gpu_names(p),
                          "mem_fraction": fraction, "kv_slots": slots, "pid": procs[p.name].pid})
         return rows
 

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 logger = logging.getLogger(__name__)
 
 #: Shapes shipped as package data (pd_cluster/bench/configs/<name>.json).
-SHAPES = ("llama3-8b", "smollm2-135m", "tiny")
+SHAPES = ("llama3-8b", "smollm2-135m", "tiny", "tiny-kv4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 SHARD_BYTES = 4 * 2**30

@@ -44,9 +44,12 @@ from pd_cluster.engine.request import Request, RequestStatus
 from pd_cluster.engine.sampler import DeviceSample, GraphDrawn, SamplingState, sample_on_device
 from pd_cluster.engine.scheduler import ScheduledStep, Scheduler
 from pd_cluster.engine.side_prefill import SidePrefills
+from pd_cluster.engine.tp_kv import HeadView, KVShare
+from pd_cluster.engine.tp_leader import TPLeader
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
+from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import load_weights
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.tokenizer import load_tokenizer
@@ -75,6 +78,16 @@ def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def tp_config(config: EngineConfig) -> EngineConfig:
+    """A tensor-parallel node's settings: its steps run eagerly, one at a time, so that each
+    rank runs exactly the forward rank 0 plans (no CUDA graphs, no overlapped or side steps)."""
+    eager = {"cuda_graphs": False, "overlap_schedule": False, "side_prefill_max_tokens": 0}
+    changed = [name for name, value in eager.items() if getattr(config, name) != value]
+    if changed:
+        logger.info("tp %d: %s off (tensor-parallel steps run eagerly)", config.tp, ", ".join(changed))
+    return config.model_copy(update=eager)
 
 
 @dataclass
@@ -111,9 +124,21 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, self.model_path)
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
-        weights = load_weights(self.model_path, self.model_config, torch_dtype(self.dtype_name), self.device)
-        self.model = LlamaModel(self.model_config, weights, self.device, fused_rows=config.fused_decode_rows)
+        self.shard = Shard(0, config.tp)
+        #: The other ranks of a tensor-parallel node (None at TP 1).
+        self.tp: TPLeader | None = None
+        if config.tp > 1:
+            self.shard.check(self.model_config)
+            config = self.config = tp_config(config)
+            self.tp = TPLeader(config.tp, str(self.model_path), self.dtype_name, self.device,
+                               config.fused_decode_rows)
+        weights = load_weights(self.model_path, self.model_config, torch_dtype(self.dtype_name), self.device,
+                               self.shard)
+        self.model = LlamaModel(self.model_config, weights, self.device, fused_rows=config.fused_decode_rows,
+                                shard=self.shard, all_reduce=self.tp.group.all_reduce if self.tp else None)
         num_slots = self._make_kv(kv_event_sink)
+        if self.tp is not None:
+            self.tp.start(int(self.pool.k_cache.shape[1]))
         self._make_loop()
         logger.info(
             "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
@@ -121,6 +146,11 @@ class LLMEngine:
             num_slots * self.kv_spec.bytes_per_token / 2**20, config.block_size,
             "on" if config.enable_prefix_cache else "off",
         )
+
+    def close(self) -> None:
+        """Stop a tensor-parallel node's other ranks (nothing at TP 1)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _make_kv(self, kv_event_sink: KVEventSink | None) -> int:
         """The KV pool, the prefix cache over it and the request-to-slot table; the configured slots."""
@@ -154,7 +184,12 @@ class LLMEngine:
         config = self.config
         self.predictor = OutputLengthPredictor()
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
-        self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config)
+        share = None
+        if self.tp is not None:
+            # Rank 0's pool keeps every head (see pd_cluster.engine.tp_kv); its model uses its own.
+            share = KVShare(self.tp.group, self.model_config, HeadView(self.pool, self.shard.kv_heads(self.model_config)),
+                            self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config, tp=self.tp, share=share)
         if config.prefill_chunk_tokens is None and self.runner.graphs is not None and config.graph_prefill_tokens():
             # Prefill in chunks that replay the mixed graphs rather than in one eager step.
             self.scheduler.prefill_chunk_tokens = max(config.graph_prefill_tokens())

@@ -16,10 +16,13 @@ import kernels
 from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
+from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import LayerWeights, ModelWeights
 
 #: Called after each layer's KV is stored, e.g. to start sending it to a decode node.
 LayerHook = Callable[[int], None]
+#: Sums a tensor in place over the ranks of a tensor-parallel node (row-parallel outputs).
+AllReduce = Callable[[torch.Tensor], None]
 
 
 class KVLayers(Protocol):
@@ -52,9 +55,12 @@ def default_fused_rows(config: ModelConfig) -> int:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device,
-                 fused_rows: int | None = None) -> None:
+                 fused_rows: int | None = None, shard: Shard | None = None,
+                 all_reduce: AllReduce | None = None) -> None:
         """``fused_rows``: decode steps of at most this many rows fold each RMSNorm and the SiLU
-        gate into the projection after them (fewer kernels); ``None``: :func:`default_fused_rows`."""
+        gate into the projection after them (fewer kernels); ``None``: :func:`default_fused_rows`.
+        ``shard``: the part of the model ``weights`` hold (one rank of a tensor-parallel node, whose
+        o and down outputs ``all_reduce`` sums over the ranks); None: the whole model."""
         self.config = config
         self.fused_rows = min(default_fused_rows(config) if fused_rows is None else fused_rows,
                               FUSED_ROWS_LIMIT)
@@ -64,8 +70,22 @@ class LlamaModel:
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling, device
         )
         self.sm_scale = config.head_dim**-0.5
-        self._q_size = config.num_heads * config.head_dim
-        self._kv_size = config.num_kv_heads * config.head_dim
+        shard = shard or Shard()
+        if not shard.whole and all_reduce is None:
+            raise ValueError("a model shard needs an all-reduce over its node's ranks")
+        self.shard = shard
+        self._all_reduce = all_reduce if not shard.whole else None
+        #: Heads of this rank (all of them on a whole model).
+        self.num_heads = shard.q_heads(config).count
+        self.num_kv_heads = shard.kv_heads(config).count
+        self._q_size = self.num_heads * config.head_dim
+        self._kv_size = self.num_kv_heads * config.head_dim
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's output summed over the node's ranks (as is on a whole model)."""
+        if self._all_reduce is not None:
+            self._all_reduce(partial)
+        return partial
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVLayers, layer_hook: LayerHook | None = None,
@@ -108,15 +128,15 @@ class LlamaModel:
         x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual)
         qkv = F.linear(x, w.qkv, w.qkv_bias)
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q = q.view(-1, self.num_heads, cfg.head_dim)
+        k = k.view(-1, self.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, self.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv.layer(index)
         q = kernels.rotary_store_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots)
         attn = self._attention(q, k_cache, v_cache, batch, prefill)
-        hidden = F.linear(attn.reshape(-1, self._q_size), w.o)
+        hidden = self._reduce(F.linear(attn.reshape(-1, self._q_size), w.o))
         x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
-        hidden = F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down)
+        hidden = self._reduce(F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down))
         return hidden, residual
 
     def _fused_layer(
@@ -136,11 +156,11 @@ class LlamaModel:
         k_cache, v_cache = kv.layer(index)
         q, residual = kernels.norm_qkv_rotary(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias,
                                               batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots,
-                                              cfg.num_heads, cfg.num_kv_heads)
+                                              self.num_heads, self.num_kv_heads)
         attn = self._attention(q, k_cache, v_cache, batch, prefill)
-        hidden = kernels.linear(attn.reshape(-1, self._q_size), w.o)
+        hidden = self._reduce(kernels.linear(attn.reshape(-1, self._q_size), w.o))
         gate_up, residual = kernels.norm_linear(hidden, residual, w.post_norm, cfg.rms_norm_eps, w.gate_up)
-        return kernels.silu_linear(gate_up, w.down), residual
+        return self._reduce(kernels.silu_linear(gate_up, w.down)), residual
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                    prefill: PrefillPart | None) -> torch.Tensor:

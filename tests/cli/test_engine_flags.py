@@ -131,8 +131,8 @@ def test_launchers_refuse_what_the_engine_would():
         ClusterSpec(max_total_tokens=0)
 
 
-def test_only_the_model_device_and_gpu_share_are_set_per_node():
-    assert {f.field for f in ENGINE_FLAGS if not f.passed_on} == {"model", "device", "gpu_memory_fraction"}
+def test_only_the_model_device_gpu_share_and_tp_are_set_per_node():
+    assert {f.field for f in ENGINE_FLAGS if not f.passed_on} == {"model", "device", "gpu_memory_fraction", "tp"}
     with pytest.raises(KeyError):
         engine_flag("seed")  # a config field that is no flag
 

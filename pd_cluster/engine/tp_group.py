@@ -1,0 +1,91 @@
+"""The collectives of one tensor-parallel node: a private store and two process groups.
+
+Each node makes its own ``TCPStore`` (rank 0 listens on a free port) and its groups from it,
+without ``torch.distributed.init_process_group``, so several nodes share a host (and a process
+never joins a group that is not its node's). Two groups, so that their operations never
+interleave: ``control`` (gloo, host tensors) carries each step's plan and the keep-alives from
+rank 0; ``model`` (NCCL on CUDA devices, gloo on CPU) carries the forward's all-reduces.
+Every operation has a deadline: a rank that died makes the others' next operation fail, never
+hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+logger = logging.getLogger(__name__)
+
+#: How long the ranks wait for one another to start (a rank loads its weights meanwhile).
+STARTUP_TIMEOUT_S = 600.0
+#: How long one collective of a step waits for the other ranks.
+STEP_TIMEOUT_S = 60.0
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def make_store(host: str, port: int, size: int, leader: bool) -> dist.TCPStore:
+    """The node's store: rank 0 listens (``port`` 0: any free port, then ``store.port``)."""
+    return dist.TCPStore(host, port, size, leader, timeout=_delta(STARTUP_TIMEOUT_S), wait_for_workers=False)
+
+
+class TPGroup:
+    """Rank ``rank`` of ``size``: the control and model groups over the node's store."""
+
+    def __init__(self, store: dist.TCPStore, rank: int, size: int, device: torch.device,
+                 step_timeout_s: float = STEP_TIMEOUT_S) -> None:
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.store = store
+        self.step_timeout = _delta(step_timeout_s)
+        startup = _delta(STARTUP_TIMEOUT_S)
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, startup)
+        model_store = dist.PrefixStore("model", store)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.step_timeout
+            self.model: dist.ProcessGroup = dist.ProcessGroupNCCL(model_store, rank, size, options)
+        else:
+            self.model = dist.ProcessGroupGloo(model_store, rank, size, self.step_timeout)
+        self._reduce_options = dist.AllreduceOptions()
+        self._reduce_options.timeout = self.step_timeout
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place (the row-parallel projections' outputs)."""
+        work = self.model.allreduce([tensor], self._reduce_options)
+        if tensor.device.type == "cuda":
+            work.wait()  # orders the current stream after the NCCL kernel; no host wait
+        else:
+            work.wait(self.step_timeout)
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every rank's ``tensor`` into ``outputs[rank]`` on every rank (the model group)."""
+        options = AllgatherOptions()
+        options.timeout = self.step_timeout
+        work = self.model.allgather([outputs], [tensor], options)
+        if tensor.device.type == "cuda":
+            work.wait()
+        else:
+            work.wait(self.step_timeout)
+
+    def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        """Rank 0's host ``tensor`` into every rank's ``tensor`` (the control group)."""
+        timeout = _delta(timeout_s) if timeout_s is not None else self.step_timeout
+        self.control.broadcast(tensor, 0, timeout).wait(timeout)
+
+    def barrier(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Wait until every rank is here (e.g. has loaded its weights)."""
+        flag = torch.ones(1)
+        options = dist.AllreduceOptions()
+        options.timeout = _delta(timeout_s)
+        self.control.allreduce([flag], options).wait(_delta(timeout_s))
+        if int(flag.item()) != self.size:
+            raise RuntimeError(f"tensor parallel barrier saw {int(flag.item())} of {self.size} ranks")

@@ -1,0 +1,131 @@
+"""Rank 0 of a tensor-parallel node: starts the other ranks, sends them each step's plan, keeps
+them waiting with keep-alives while idle, and notices one dying.
+
+A node is one registration with the master whatever its TP; its scheduler, sampler and prefix
+cache live here only. A rank that dies leaves the node unable to run a step, so the node is
+lost as a whole (:attr:`TPLeader.on_lost`; by default the process exits non-zero and its
+launcher restarts it, while the master moves its requests as for any lost node).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from pd_cluster.engine.tp_group import STEP_TIMEOUT_S, TPGroup, make_store
+from pd_cluster.engine.tp_plan import Op, header, pack, put_header
+from pd_cluster.engine.tp_rank_spec import RankSpec
+from pd_cluster.model.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of a node process whose rank died.
+RANK_LOST_EXIT = 3
+KEEP_ALIVE_S = 5.0
+STOP_WAIT_S = 10.0
+
+
+def rank_device(device: torch.device, rank: int) -> str:
+    """Rank ``rank``'s device: the ``rank``-th after rank 0's (``cuda:i`` -> ``cuda:i+rank``)."""
+    if device.type != "cuda":
+        return "cpu"
+    return f"cuda:{(device.index or 0) + rank}"
+
+
+def exit_node(reason: str) -> None:
+    logger.critical("%s: this node cannot run a step; exiting for its launcher to restart it", reason)
+    logging.shutdown()
+    os._exit(RANK_LOST_EXIT)
+
+
+class TPLeader:
+    def __init__(self, size: int, model_path: str, dtype: str, device: torch.device, fused_rows: int | None,
+                 on_lost: Callable[[str], None] = exit_node, step_timeout_s: float = STEP_TIMEOUT_S,
+                 keep_alive_s: float = KEEP_ALIVE_S) -> None:
+        self.size = size
+        self.on_lost = on_lost
+        self._keep_alive_s = keep_alive_s
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._last_sent = time.monotonic()
+        store = make_store("127.0.0.1", 0, size, leader=True)
+        self._procs: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            spec = RankSpec(model_path=str(model_path), dtype=dtype, device=rank_device(device, rank),
+                            fused_rows=fused_rows, rank=rank, size=size, store_host="127.0.0.1",
+                            store_port=store.port, parent_pid=os.getpid(), step_timeout_s=step_timeout_s,
+                            idle_timeout_s=6 * keep_alive_s)
+            self._procs.append(subprocess.Popen([sys.executable, "-m", "pd_cluster.engine.tp_rank",
+                                                 spec.model_dump_json()]))
+        for rank, proc in enumerate(self._procs, start=1):
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"tp-rank-{rank}", daemon=True).start()
+        self.group = TPGroup(store, 0, size, device, step_timeout_s)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1 .. size-1."""
+        return [p.pid for p in self._procs]
+
+    def start(self, num_slots: int) -> None:
+        """Give the ranks the pool size and wait until all have loaded their weights."""
+        self.group.store.set("num_slots", str(num_slots))
+        self.group.barrier()
+        threading.Thread(target=self._keep_alive, name="tp-keep-alive", daemon=True).start()
+
+    def forward(self, batch: ForwardBatch) -> None:
+        """Send the step's plan; the caller then runs the same forward here."""
+        payload = pack(batch)
+        self._send(header(Op.FORWARD, batch), payload)
+
+    def put_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Send every head's KV at ``slots`` (``[layers, 2, n, heads, head_dim]``); each rank keeps its own."""
+        self._send(put_header(slots.numel()), slots.to(device="cpu", dtype=torch.int64), kv)
+
+    def _send(self, head: torch.Tensor, *payloads: torch.Tensor) -> None:
+        with self._lock:
+            try:
+                self.group.broadcast(head)
+                for payload in payloads:
+                    self.group.broadcast(payload)
+            except Exception as e:
+                if not self._closing.is_set():
+                    self.on_lost(f"tensor parallel group failed: {e}")
+                raise
+            self._last_sent = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        while not self._closing.wait(self._keep_alive_s / 2):
+            if time.monotonic() - self._last_sent >= self._keep_alive_s:
+                try:
+                    self._send(header(Op.KEEP_ALIVE))
+                except Exception:
+                    return
+
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if not self._closing.is_set():
+            self.on_lost(f"tensor parallel rank {rank} (pid {proc.pid}) exited with status {code}")
+
+    def close(self) -> None:
+        """Stop the ranks (they exit 0), killing any that does not within a few seconds."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        try:
+            with self._lock:
+                self.group.broadcast(header(Op.STOP), timeout_s=STOP_WAIT_S)
+        except Exception:
+            logger.warning("tensor parallel ranks did not take the stop; killing them")
+        for proc in self._procs:
+            try:
+                proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(STOP_WAIT_S)

@@ -1,0 +1,61 @@
+"""A step's plan as rank 0 sends it to the other ranks: the model inputs, packed in two tensors.
+
+A fixed-size header says what follows (a step, a keep-alive or the end) and the sizes; one int64
+payload holds every input of :class:`~pd_cluster.model.forward_batch.ForwardBatch`. Two
+broadcasts a step, whatever its size.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from pd_cluster.model.forward_batch import ForwardBatch
+
+HEADER_LEN = 8
+
+
+class Op(enum.IntEnum):
+    STOP = 0
+    FORWARD = 1
+    KEEP_ALIVE = 2
+    #: KV written on rank 0 from outside (a handover): the slots, then every head's KV there.
+    PUT_KV = 3
+
+
+def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
+    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    head[0] = int(op)
+    if batch is not None:
+        b, max_ctx = batch.slot_table.shape
+        head[1:7] = torch.tensor([batch.num_tokens, b, max_ctx, batch.logits_indices.numel(), int(batch.is_decode),
+                                  batch.num_decode])
+    return head
+
+
+def put_header(n_slots: int) -> torch.Tensor:
+    head = header(Op.PUT_KV)
+    head[1] = n_slots
+    return head
+
+
+def pack(batch: ForwardBatch) -> torch.Tensor:
+    """The batch's inputs in one host int64 tensor (the order :func:`unpack` reads)."""
+    parts = (batch.input_ids, batch.positions, batch.out_slots, batch.slot_table.reshape(-1), batch.ctx_lens,
+             batch.q_lens, batch.q_start_loc, batch.logits_indices)
+    return torch.cat([p.to(device="cpu", dtype=torch.int64) for p in parts])
+
+
+def payload_size(head: torch.Tensor) -> int:
+    t, b, max_ctx, k = (int(x) for x in head[1:5])
+    return 3 * t + b * max_ctx + 3 * b + k
+
+
+def unpack(head: torch.Tensor, payload: torch.Tensor, device: torch.device) -> ForwardBatch:
+    t, b, max_ctx, k, is_decode, num_decode = (int(x) for x in head[1:7])
+    sizes = (t, t, t, b * max_ctx, b, b, b, k)
+    ids, positions, slots, table, ctx_lens, q_lens, q_start, logits = payload.to(device).split(sizes)
+    return ForwardBatch(input_ids=ids, positions=positions, out_slots=slots, slot_table=table.view(b, max_ctx),
+                        ctx_lens=ctx_lens, q_lens=q_lens, q_start_loc=q_start, logits_indices=logits,
+                        is_decode=bool(is_decode), num_decode=num_decode)

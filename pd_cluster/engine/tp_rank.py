@@ -1,0 +1,126 @@
+"""A rank other than 0 of a tensor-parallel node: its shard of the model, its KV heads, and a
+loop that runs each step rank 0 plans.
+
+Started by rank 0 (:class:`pd_cluster.engine.tp_leader.TPLeader`) as
+``python -m pd_cluster.engine.tp_rank SPEC_JSON``. It schedules nothing: the slots in each plan
+are rank 0's, and its pool has as many, so the same slot holds the same token's KV on every rank.
+It stops, non-zero, when rank 0 is gone (its parent changed, or a collective failed) so that a
+node never keeps half its ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from pd_cluster.engine.kv_pool import KVPool, torch_dtype
+from pd_cluster.engine.tp_group import TPGroup, make_store
+from pd_cluster.engine.tp_kv import KVShare
+from pd_cluster.engine.tp_plan import HEADER_LEN, Op, payload_size, unpack
+from pd_cluster.engine.tp_rank_spec import RankSpec
+from pd_cluster.kv_spec import KVSpec
+from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.llama import LlamaModel
+from pd_cluster.model.shard import Shard
+from pd_cluster.model.weights import load_weights
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of a rank that lost rank 0.
+LOST_LEADER_EXIT = 3
+PARENT_POLL_S = 0.5
+
+
+def rank_kv_spec(config: ModelConfig, shard: Shard, dtype: str, block_size: int = 1) -> KVSpec:
+    """The KV one rank stores: its own heads."""
+    return KVSpec(model=config.name, num_layers=config.num_layers, num_kv_heads=shard.kv_heads(config).count,
+                  head_dim=config.head_dim, dtype=dtype, block_size=block_size)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Rank 0 gone (killed, even with -9) leaves this rank with a new parent: stop at once."""
+    while True:
+        if os.getppid() != parent_pid:
+            logger.error("rank 0 (pid %d) is gone: stopping", parent_pid)
+            os._exit(LOST_LEADER_EXIT)
+        time.sleep(PARENT_POLL_S)
+
+
+class RankLoop:
+    """One rank's model and pool, and the steps it runs."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        self.spec = spec
+        self.device = torch.device(spec.device)
+        store = make_store(spec.store_host, spec.store_port, spec.size, leader=False)
+        self.group = TPGroup(store, spec.rank, spec.size, self.device, spec.step_timeout_s)
+        config = ModelConfig.from_path(spec.model_path)
+        shard = Shard(spec.rank, spec.size)
+        weights = load_weights(spec.model_path, config, torch_dtype(spec.dtype), self.device, shard)
+        self.model = LlamaModel(config, weights, self.device, fused_rows=spec.fused_rows, shard=shard,
+                                all_reduce=self.group.all_reduce)
+        num_slots = int(store.get("num_slots"))
+        self.pool = KVPool(rank_kv_spec(config, shard, spec.dtype), num_slots, self.device)
+        self.share = KVShare(self.group, config, self.pool, None)
+        self.config = config
+        self.group.barrier()
+        logger.info("tensor parallel rank %d of %d ready on %s: %d KV heads, %d slots", spec.rank, spec.size,
+                    self.device, self.pool.spec.num_kv_heads, num_slots)
+
+    def run(self) -> None:
+        head = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        while True:
+            self.group.broadcast(head, self.spec.idle_timeout_s)
+            op = Op(int(head[0]))
+            if op is Op.STOP:
+                return
+            if op is Op.KEEP_ALIVE:
+                continue
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_device():
+                if op is Op.PUT_KV:
+                    self._put_kv(int(head[1]))
+                else:
+                    self._forward(head)
+
+    def _forward(self, head: torch.Tensor) -> None:
+        payload = torch.empty(payload_size(head), dtype=torch.int64)
+        self.group.broadcast(payload)
+        batch = unpack(head, payload, self.device)
+        self.model.forward(batch, self.pool, lambda layer: self.share.layer_done(batch.out_slots, layer))
+
+    def _put_kv(self, n: int) -> None:
+        slots = torch.empty(n, dtype=torch.int64)
+        self.group.broadcast(slots)
+        cfg = self.config
+        kv = torch.empty((cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype)
+        self.group.broadcast(kv)
+        self.share.take(slots, kv)
+
+
+class _no_device:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = RankSpec.model_validate_json(argv[0])
+    threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="parent-watch", daemon=True).start()
+    try:
+        RankLoop(spec).run()
+    except Exception:
+        logger.exception("tensor parallel rank %d failed: stopping", spec.rank)
+        return LOST_LEADER_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,23 @@
+"""What rank 0 of a tensor-parallel node tells each other rank it starts."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RankSpec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str
+    dtype: str = Field(pattern="^(float32|bfloat16|float16)$")
+    device: str = Field(description="this rank's device: cpu, or cuda:N")
+    fused_rows: int | None = None
+    rank: int = Field(ge=1)
+    size: int = Field(ge=2)
+    store_host: str
+    store_port: int = Field(gt=0)
+    #: Rank 0's process id: a rank whose parent is gone stops.
+    parent_pid: int
+    step_timeout_s: float = Field(gt=0)
+    #: Longest wait for rank 0's next message (it sends keep-alives more often when idle).
+    idle_timeout_s: float = Field(gt=0)
