@@ -142,7 +142,9 @@ class Cluster:
         return total
 
     def log(self, name: str) -> str:
-        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+        """What ``name`` logged so far ("" until its process, forked a moment ago, opens its log)."""
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
