@@ -35,9 +35,11 @@ def tls_options(settings: MasterSettings) -> dict[str, str]:
 
 
 def _logging(settings: MasterSettings) -> None:
+    # A worker's lines name it: the workers of one master share its log.
+    worker = "" if settings.worker_index is None else f"worker-{settings.worker_index} "
     if not logging.getLogger().handlers:
         logging.basicConfig(
-            level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+            level=settings.log_level.upper(), format=f"%(asctime)s %(levelname)s {worker}%(name)s: %(message)s"
         )
     if settings.log_format == "json":
         use_json_logs()  # uvicorn's own lines too: it then configures no handlers of its own

@@ -204,7 +204,8 @@ def cmd_master(args: argparse.Namespace) -> int:
         "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
         "max_concurrent_per_key": args.max_concurrent_per_key,
         "local_prefill_max_tokens": args.local_prefill_max_tokens,
-        "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "workers": args.workers,
+        "worker_ports": args.worker_ports, "advertise_host": args.advertise_host,
     }.items() if v is not None}
     try:
         run_master(MasterSettings(**given))
@@ -295,6 +296,14 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                         "is prefilled on that node, not on a prefill node; 0: always through a prefill node while one "
                         "is ready (default: 512, measured: up to it a prefill chunk costs the decode batch about one "
                         "step, past it more)")
+    m.add_argument("--workers", type=int, default=None,
+                   help="master processes behind the one port, each relaying its share of the streams (about 25k "
+                        "tokens/s each); nodes link to every worker (default: 1)")
+    m.add_argument("--worker-ports", type=int, default=None,
+                   help="first private port of the workers: worker i takes this + i for node links and sibling "
+                        "calls (default: --port + 1)")
+    m.add_argument("--advertise-host", default=None,
+                   help="host the workers' private URLs carry when a node registers (default: the host it dialled)")
     m.set_defaults(func=cmd_master)
 
     p = sub.add_parser("prefill", help="run a prefill node that joins --master")
