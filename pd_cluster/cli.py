@@ -252,6 +252,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     options = LocalOptions(
         **given_values(args, LOCAL_ENGINE_FLAGS), host=args.host, port=args.port, prefill=args.prefill,
         decode=args.decode, mixed=args.mixed, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        master_workers=args.master_workers,
         device=args.device, gpus=args.gpus, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
@@ -338,6 +339,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--local-prefill-max-tokens", type=int, default=None,
                      help="the master's threshold: a decode node prefills a request itself when it misses at most "
                           "this many prompt tokens (default: 512; 0: always through a prefill node)")
+    loc.add_argument("--master-workers", type=int, default=1,
+                     help="the master's worker processes behind its one port (pd-cluster master --workers)")
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
     loc.add_argument("--gpus", type=_gpu_list, default=None,
                      help="GPUs to spread the nodes over, e.g. 0,1 (default: every visible GPU); nodes sharing a "
