@@ -1,4 +1,6 @@
-"""Operator API: list nodes, drain one, remove one (its id stays refused until allowed). Every call needs ``Authorization: Bearer <PD_ADMIN_TOKEN>``."""
+"""Operator API: list nodes, drain one, remove one (its id stays refused until allowed). Every call needs ``Authorization: Bearer <PD_ADMIN_TOKEN>``.
+
+In a master of several workers a change is applied by every worker (:mod:`master.worker_fanout`)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from master.auth import bearer_matches
 from master.context import MasterContext
 from master.errors import APIError, unauthorized
 from master.registry import CLOSE_NORMAL, NodeRecord
+from master.worker_fanout import FANOUT_HEADER, fan_out
 
 router = APIRouter(prefix="/admin")
 
@@ -22,6 +25,15 @@ def _authorize(request: Request) -> MasterContext:
     if not bearer_matches(request.headers.get("authorization"), ctx.settings.admin_token):
         raise unauthorized("Missing or wrong admin token.")
     return ctx
+
+
+async def _on_siblings(request: Request, ctx: MasterContext, answer: dict[str, Any]) -> dict[str, Any]:
+    """Repeat an applied change on the sibling workers (unless it came from one); the answer then
+    names the workers that did not apply it."""
+    if ctx.settings.worker_index is None or request.headers.get(FANOUT_HEADER):
+        return answer
+    failed = await fan_out(ctx.settings, request.method, request.url.path, request.headers["authorization"])
+    return {**answer, "workers_failed": failed} if failed else answer
 
 
 def _unknown(node_id: str) -> APIError:
@@ -87,7 +99,7 @@ async def drain_node(node_id: str, request: Request) -> dict[str, Any]:
     node = ctx.registry.drain(node_id)
     if node is None:
         raise _unknown(node_id)
-    return node_view(node)
+    return await _on_siblings(request, ctx, node_view(node))
 
 
 @router.delete("/nodes/{node_id}")
@@ -96,7 +108,7 @@ async def delete_node(node_id: str, request: Request) -> dict[str, Any]:
     node = ctx.registry.remove(node_id, "removed by an operator", CLOSE_NORMAL, ban=True)
     if node is None:
         raise _unknown(node_id)
-    return {"id": node_id, "deleted": True, "banned": True}
+    return await _on_siblings(request, ctx, {"id": node_id, "deleted": True, "banned": True})
 
 
 @router.post("/nodes/{node_id}/allow")
@@ -105,4 +117,4 @@ async def allow_node(node_id: str, request: Request) -> dict[str, Any]:
     ctx = _authorize(request)
     if not ctx.registry.allow(node_id):
         raise APIError(404, f"Node id {node_id!r} is not removed.", "invalid_request_error", "node_id", "node_not_banned")
-    return {"id": node_id, "allowed": True}
+    return await _on_siblings(request, ctx, {"id": node_id, "allowed": True})

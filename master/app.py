@@ -13,7 +13,7 @@ from fastapi import FastAPI, WebSocket
 from master import admin, openai_api, status_page
 from master.auth import ApiKeys, blank, read_keys_file
 from master.body_limit import BodyLimitMiddleware
-from master.config import MasterSettings
+from master.config import WORKERS_AND_KEY_LIMITS, MasterSettings
 from master.context import MasterContext
 from master.errors import install_error_handlers
 from master.metrics import MasterMetrics, status_of_http
@@ -63,6 +63,8 @@ def api_keys_from(settings: MasterSettings) -> ApiKeys:
             limits.update(read_keys_file(settings.api_keys_file))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the API keys file: {exc}") from exc
+    if settings.workers > 1 and any(limit is not None for limit in limits.values()):
+        raise ConfigError(WORKERS_AND_KEY_LIMITS)
     if any(not key.strip() for key in limits):
         raise ConfigError("an API key must not be empty")
     if limits:
@@ -93,7 +95,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
     metrics = MasterMetrics()
     registry = Registry(metrics, model, settings.node_outbox_frames)
     relay = Relay(registry, make_policy(settings.policy), metrics, settings)
-    metrics.registry.register(NodeCollector(registry))
+    metrics.add_live(NodeCollector(registry))
     request_log = RequestLog(registry, settings.policy)
     relay.on_end.append(request_log.record)
     ctx = MasterContext(settings=settings, metrics=metrics, registry=registry, relay=relay, tokenizer=tok, model=model,

@@ -11,6 +11,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pd_cluster import protocol
 from pd_cluster.tls import check_pair
 
+#: Why a master of several workers refuses per-key concurrency limits.
+WORKERS_AND_KEY_LIMITS = ("workers > 1 cannot enforce per-key concurrency limits (each worker would count its own, "
+                          "so a key could run W times its limit): run one worker, or drop --max-concurrent-per-key "
+                          "and the limits in --api-keys-file")
+
 PolicyName = Literal["round_robin", "least_load", "cache_aware"]
 
 
@@ -90,7 +95,42 @@ class MasterSettings(BaseSettings):
     )
     access_log: bool = False
 
+    workers: int = Field(
+        default=1, ge=1, le=256, description="master processes behind the one public port (SO_REUSEPORT): each a "
+        "whole master (registry, relay, queue) that every node links to; 1: one process",
+    )
+    worker_ports: int | None = Field(
+        default=None, gt=0, lt=65536, description="first private port of the workers (nodes and sibling workers "
+        "reach worker i on it + i); default: port + 1",
+    )
+    advertise_host: str | None = Field(
+        default=None, description="host name the workers' private URLs carry in the answer to a node's "
+        "registration; default: the host the node dialled",
+    )
+    #: Set by the supervisor in each worker: its index (None: the master runs as one process).
+    worker_index: int | None = Field(default=None, ge=0)
+
     @model_validator(mode="after")
     def _tls_pair(self) -> "MasterSettings":
         check_pair(self.tls_cert, self.tls_key)
         return self
+
+    @model_validator(mode="after")
+    def _worker_limits(self) -> "MasterSettings":
+        """Per-key limits are counted in each process: with several workers a key could run W times its
+        limit, so the two are refused together."""
+        if self.workers > 1 and self.max_concurrent_per_key is not None:
+            raise ValueError(WORKERS_AND_KEY_LIMITS)
+        if self.workers > 1 and self.port == 0:
+            raise ValueError("workers > 1 need a fixed port (port 0 picks one per process)")
+        return self
+
+    def worker_port(self, index: int) -> int:
+        """The private port of worker ``index`` (node links and sibling calls)."""
+        return (self.worker_ports if self.worker_ports is not None else self.port + 1) + index
+
+    def worker_urls(self, host: str, scheme: str) -> list[str]:
+        """Every worker's private URL, reached through ``host`` (or the advertised host)."""
+        host = self.advertise_host or host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        return [f"{scheme}://{host}:{self.worker_port(i)}" for i in range(self.workers)]

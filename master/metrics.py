@@ -1,8 +1,20 @@
-"""Prometheus metrics of one master app, in a registry of its own (several apps can share a process)."""
+"""Prometheus metrics of one master app, in a registry of its own (several apps can share a process).
+
+A master of several workers runs prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``,
+set by the supervisor): each worker's /metrics then reports the sum over all workers, and the node
+gauges (every worker sees the same nodes) the most recent value any worker set.
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+#: The environment variable that turns prometheus_client's multiprocess mode on.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -71,14 +83,28 @@ class MasterMetrics:
             "pdc_decode_refusals_total", "Leases a decode node refused for want of room (the request waited "
             "again; no attempt counted)", registry=r,
         )
-        self.nodes = Gauge("pdc_nodes", "Registered nodes", ["role", "state"], registry=r)
+        self.nodes = Gauge("pdc_nodes", "Registered nodes", ["role", "state"], registry=r,
+                           multiprocess_mode="mostrecent")
         self.warm_channels = Gauge(
             "pdc_warm_channels", "Pairs of an active prefill and decode node whose data-plane channel is warm",
-            registry=r,
+            registry=r, multiprocess_mode="mostrecent",
         )
+        #: Collectors that read live state (the registry's nodes): rendered by this process alone.
+        self._live: list[Collector] = []
         for role in ROLES:
             for state in NODE_STATES:
                 self.nodes.labels(role=role, state=state).set(0)
 
+    def add_live(self, collector: Collector) -> None:
+        """Serve ``collector`` (one that reads this process's state) with the metrics."""
+        self.registry.register(collector)
+        self._live.append(collector)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get(MULTIPROC_DIR_ENV):
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)
+        for collector in self._live:
+            merged.register(collector)
+        return generate_latest(merged)

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import time
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel
 from starlette.websockets import WebSocket
@@ -94,7 +95,8 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
 
     record = ctx.registry.add(msg)
     writer = asyncio.create_task(_writer(ws, record, ctx), name=f"node-writer-{msg.node_id}")
-    record.send(protocol.Registered(node_id=msg.node_id, master_id=ctx.relay.instance_id))
+    record.send(protocol.Registered(node_id=msg.node_id, master_id=ctx.relay.instance_id,
+                                    masters=_worker_urls(ws, ctx)))
     if record.role == "prefill":
         record.send(ctx.registry.decode_peers())  # so it warms its channels before any request
     try:
@@ -105,6 +107,19 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
             await wait_for(writer, _CLOSE_GRACE_S)
         except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
             writer.cancel()
+
+
+def _worker_urls(ws: WebSocket, ctx: MasterContext) -> list[str]:
+    """Every worker's private URL, for a node that dialled the public port of a master of several
+    workers (none otherwise): reached through the host the node dialled, so that it holds behind
+    DNS names, or the advertised host."""
+    settings = ctx.settings
+    server = ws.scope.get("server")
+    if settings.worker_index is None or not server or server[1] != settings.port:
+        return []
+    host = urlsplit("//" + ws.headers.get("host", "")).hostname or str(server[0])
+    scheme = "https" if settings.tls_cert is not None else "http"
+    return settings.worker_urls(host, scheme)
 
 
 async def _read_loop(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> None:

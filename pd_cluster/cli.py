@@ -204,7 +204,8 @@ def cmd_master(args: argparse.Namespace) -> int:
         "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
         "max_concurrent_per_key": args.max_concurrent_per_key,
         "local_prefill_max_tokens": args.local_prefill_max_tokens,
-        "tls_cert": args.tls_cert, "tls_key": args.tls_key,
+        "tls_cert": args.tls_cert, "tls_key": args.tls_key, "workers": args.workers,
+        "worker_ports": args.worker_ports, "advertise_host": args.advertise_host,
     }.items() if v is not None}
     try:
         run_master(MasterSettings(**given))
@@ -252,6 +253,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         **given_values(args, LOCAL_ENGINE_FLAGS), host=args.host, port=args.port, prefill=args.prefill,
         decode=args.decode, mixed=args.mixed, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
         mixed_tp=args.mixed_tp, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        master_workers=args.master_workers,
         device=args.device, gpus=args.gpus, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
         echo_logs=args.echo_logs, log_level=args.log_level, log_format=args.log_format,
@@ -296,6 +298,14 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                         "is prefilled on that node, not on a prefill node; 0: always through a prefill node while one "
                         "is ready (default: 512, measured: up to it a prefill chunk costs the decode batch about one "
                         "step, past it more)")
+    m.add_argument("--workers", type=int, default=None,
+                   help="master processes behind the one port, each relaying its share of the streams (about 25k "
+                        "tokens/s each); nodes link to every worker (default: 1)")
+    m.add_argument("--worker-ports", type=int, default=None,
+                   help="first private port of the workers: worker i takes this + i for node links and sibling "
+                        "calls (default: --port + 1)")
+    m.add_argument("--advertise-host", default=None,
+                   help="host the workers' private URLs carry when a node registers (default: the host it dialled)")
     m.set_defaults(func=cmd_master)
 
     p = sub.add_parser("prefill", help="run a prefill node that joins --master")
@@ -334,6 +344,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--local-prefill-max-tokens", type=int, default=None,
                      help="the master's threshold: a decode node prefills a request itself when it misses at most "
                           "this many prompt tokens (default: 512; 0: always through a prefill node)")
+    loc.add_argument("--master-workers", type=int, default=1,
+                     help="the master's worker processes behind its one port (pd-cluster master --workers)")
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
     loc.add_argument("--gpus", type=_gpu_list, default=None,
                      help="GPUs to spread the nodes over, e.g. 0,1 (default: every visible GPU); nodes sharing a "

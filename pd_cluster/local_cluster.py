@@ -474,6 +474,8 @@ class LocalOptions(NodeEngineOptions):
     mixed: int = 0
     #: The master's local_prefill_max_tokens (None: its default).
     local_prefill_max_tokens: int | None = None
+    #: The master's worker processes behind its one port (1: one process).
+    master_workers: int = Field(default=1, ge=1)
     #: The master's and every node's model.
     model: str = "default"
     #: Tensor parallelism of each role's nodes (GPUs, or processes on CPU, a node).
@@ -613,6 +615,8 @@ class LocalCluster:
                                            "--policy", o.policy, "--log-format", o.log_format]
         if o.local_prefill_max_tokens is not None:
             master_argv += ["--local-prefill-max-tokens", str(o.local_prefill_max_tokens)]
+        if o.master_workers > 1:
+            master_argv += ["--workers", str(o.master_workers)]
         master_argv += o.tls_argv("master")
         specs = [ProcessSpec("master", "master", tuple(master_argv),
                              {**env, "PD_ADMIN_TOKEN": admin_token, "CUDA_VISIBLE_DEVICES": ""},

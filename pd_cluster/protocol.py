@@ -235,6 +235,11 @@ class Registered(_Message):
         default=None, description="this master process's id; the ids of the requests it sends carry it, so a "
         "node that loses the link drops that master's requests (the master has re-run them elsewhere)",
     )
+    masters: list[str] = Field(
+        default_factory=list, description="a master of several worker processes, dialled on its public address: "
+        "every worker's own URL; the node links to each of them instead (each worker routes its own clients' "
+        "requests)",
+    )
 
 
 class Refused(_Message):

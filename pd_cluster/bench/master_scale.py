@@ -58,6 +58,8 @@ SETTLE_S = 0.5
 class ScaleOptions:
     model: str
     masters: list[int] = field(default_factory=lambda: [1])
+    #: Worker processes of each master (``pd-cluster master --workers``): a list, one cluster each.
+    master_workers: list[int] = field(default_factory=lambda: [1])
     concurrency: list[int] = field(default_factory=lambda: [1000])
     decode_nodes: int = 8
     step_ms: float = 10.0
@@ -118,10 +120,14 @@ def tree_cpu_seconds(pid: int) -> float:
 class _Cluster:
     """``count`` masters and the synthetic nodes that joined all of them."""
 
-    def __init__(self, options: ScaleOptions, model_dir: Path, count: int, work_dir: Path) -> None:
-        self.options, self.model_dir = options, model_dir
-        self.masters = [MasterProcess(str(model_dir), options.port + i, work_dir / f"master{i}.log",
-                                      options.master_args, options.master_pythonpath) for i in range(count)]
+    def __init__(self, options: ScaleOptions, model_dir: Path, count: int, work_dir: Path, workers: int = 1) -> None:
+        self.options, self.model_dir, self.workers = options, model_dir, workers
+        # A master of W workers takes its port and the W after it (the workers' private ports).
+        step = workers + 1 if workers > 1 else 1
+        extra = ["--workers", str(workers)] if workers > 1 else []
+        self.masters = [MasterProcess(str(model_dir), options.port + i * step, work_dir / f"master{i}.log",
+                                      [*options.master_args, *extra], options.master_pythonpath)
+                        for i in range(count)]
         urls = [f"ws://127.0.0.1:{m.port}{protocol.NODE_WS_PATH}" for m in self.masters]
         ids = [f"synthetic-decode-{i}" for i in range(options.decode_nodes)]
         ctx = multiprocessing.get_context("spawn")
@@ -219,6 +225,7 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
     tokens = sum(r.tokens for r in results)
     level = {
         "masters": len(cluster.masters),
+        "workers": cluster.workers,
         "concurrency": concurrency,
         "tokens_per_s": tokens / options.measure_s,
         "tokens": tokens,
@@ -237,8 +244,8 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
         "master_cpu_us_per_token": 1e6 * cpu / tokens if tokens else None,
     }
     level["within_bounds"] = within_bounds(level)
-    logger.info("%d master(s), %d streams: %.0f tokens/s, dispatch p99 %s s, added ITL p99 %s s, %d failed",
-                level["masters"], concurrency, level["tokens_per_s"], level["dispatch_p99_s"],
+    logger.info("%d master(s) of %d worker(s), %d streams: %.0f tokens/s, dispatch p99 %s s, added ITL p99 %s s, "
+                "%d failed", level["masters"], cluster.workers, concurrency, level["tokens_per_s"], level["dispatch_p99_s"],
                 level["added_itl_p99_s"], level["failed"])
     return level
 
@@ -256,20 +263,23 @@ def best_within_bounds(levels: list[dict[str, Any]]) -> float | None:
 
 
 def run_scale(options: ScaleOptions, work_dir: Path) -> dict[str, Any]:
-    """Every (masters, concurrency) level of ``options``, and the key figures."""
+    """Every (masters, workers, concurrency) level of ``options``, and the key figures: one master's
+    best within the bounds (any worker count), and the best of each number of masters."""
     from pd_cluster.default_model import resolve_model_path
 
     model_dir = resolve_model_path(options.model)
     prompts = make_prompts(model_dir, options.input_len)
     levels: list[dict[str, Any]] = []
     for count in options.masters:
-        cluster = _Cluster(options, model_dir, count, work_dir / f"masters{count}")
-        (work_dir / f"masters{count}").mkdir(parents=True, exist_ok=True)
-        cluster.start()
-        try:
-            levels += [_level(options, cluster, c, prompts) for c in options.concurrency]
-        finally:
-            cluster.stop()
+        for workers in options.master_workers:
+            logs = work_dir / (f"masters{count}" + (f"-workers{workers}" if workers > 1 else ""))
+            cluster = _Cluster(options, model_dir, count, logs, workers)
+            logs.mkdir(parents=True, exist_ok=True)
+            cluster.start()
+            try:
+                levels += [_level(options, cluster, c, prompts) for c in options.concurrency]
+            finally:
+                cluster.stop()
     scaling = {str(count): best_within_bounds([lv for lv in levels if lv["masters"] == count])
                for count in options.masters}
     most = {str(count): max(lv["tokens_per_s"] for lv in levels if lv["masters"] == count) for count in options.masters}
@@ -279,6 +289,8 @@ def run_scale(options: ScaleOptions, work_dir: Path) -> dict[str, Any]:
         "master_tokens_per_s_dispatch_p99_10ms": scaling.get("1"),
         "scaling": scaling,
         "most_tokens_per_s": most,
+        "by_workers": {str(w): best_within_bounds([lv for lv in levels if lv["masters"] == 1 and lv["workers"] == w])
+                       for w in options.master_workers},
         "levels": levels,
     }
 
@@ -289,7 +301,7 @@ def markdown(doc: dict[str, Any]) -> str:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.2f}"
 
-    rows = [f"| {lv['masters']} | {lv['concurrency']} | {lv['tokens_per_s']:.0f} | {ms(lv['dispatch_p50_s'])} | "
+    rows = [f"| {lv['masters']} | {lv['concurrency']} | {lv.get('workers', 1)} | {lv['tokens_per_s']:.0f} | {ms(lv['dispatch_p50_s'])} | "
             f"{ms(lv['dispatch_p99_s'])} | {ms(lv['added_itl_p50_s'])} | {ms(lv['added_itl_p99_s'])} | "
             f"{ms(lv['ttft_p50_s'])} | {lv['master_cpu_cores']:.2f} | {lv['failed']} | "
             f"{'yes' if lv['within_bounds'] else 'no'} |" for lv in doc["levels"]]
@@ -303,9 +315,9 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Tokens/s of one master at dispatch p99 <= 10 ms and added ITL p99 <= 1 ms: "
         f"{'-' if key is None else f'{key:.0f}'}; by masters: "
         + ", ".join(f"{k}: {'-' if v is None else f'{v:.0f}'}" for k, v in doc["scaling"].items()), "",
-        "| masters | streams | tokens/s | dispatch p50 ms | dispatch p99 ms | added ITL p50 ms | added ITL p99 ms | "
+        "| masters | streams | workers each | tokens/s | dispatch p50 ms | dispatch p99 ms | added ITL p50 ms | added ITL p99 ms | "
         "TTFT p50 ms | master CPU (cores) | failed | within bounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
     ])
 
@@ -324,6 +336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "measures tokens/s at dispatch and added-ITL bounds instead of the multi-turn load")
     g.add_argument("--masters", type=_int_list, default=d.masters,
                    help="master processes, nodes joined to all, clients spread over them (a list: one cluster each)")
+    g.add_argument("--master-workers", type=_int_list, default=d.master_workers,
+                   help="worker processes of each master (a list: one cluster each, for every --masters count)")
     g.add_argument("--input-len", type=int, default=d.input_len, help="prompt tokens of each request")
     g.add_argument("--measure-s", type=float, default=d.measure_s, help="seconds measured at each concurrency")
     g.add_argument("--client-procs", type=int, default=d.client_procs, help="load client processes")
@@ -341,7 +355,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     d = ScaleOptions(model=args.model)
     options = ScaleOptions(
-        model=args.model, masters=args.masters, concurrency=args.concurrency,
+        model=args.model, masters=args.masters, master_workers=args.master_workers, concurrency=args.concurrency,
         decode_nodes=args.decode_nodes if args.decode_nodes is not None else d.decode_nodes,
         step_ms=args.step_ms if args.step_ms is not None else d.step_ms, input_len=args.input_len,
         output_len=args.output_len if args.output_len is not None else d.output_len, measure_s=args.measure_s,

@@ -25,6 +25,7 @@ from typing import Any
 from pd_cluster import aio, protocol
 from pd_cluster.bench.master_load import PREFILL_TOKENS_PER_S, kv_spec_for
 from pd_cluster.kv_spec import KVSpec
+from pd_cluster.node.agent import node_ws_url
 from pd_cluster.node.master_proof import prove_to_master
 
 logger = logging.getLogger(__name__)
@@ -87,21 +88,44 @@ class StampedDecode:
         self.links: list[_Link] = []
 
     async def run(self) -> None:
-        from websockets.asyncio.client import connect
-
         async with contextlib.AsyncExitStack() as stack:
-            for url in self.urls:
-                ws = await stack.enter_async_context(connect(
-                    url, max_size=2 * protocol.MAX_MESSAGE_BYTES, compression=None))
-                await prove_to_master(ws, self.token, self.node_id)
-                await self._register(ws)
+            pending, seen = list(self.urls), set()
+            while pending:
+                url = pending.pop(0)
+                if url in seen:
+                    continue
+                seen.add(url)
+                ws, workers = await self._join(url)
+                # A master of several workers names them: link to each instead, as real nodes do.
+                if workers and url not in workers:
+                    await ws.close()
+                    pending += workers
+                    continue
+                stack.push_async_callback(ws.close)
                 self.links.append(_Link(ws))
             tasks = [self._steps()]
             for link in self.links:
                 tasks += [self._read(link), self._heartbeat(link)]
             await asyncio.gather(*tasks)
 
-    async def _register(self, ws: Any) -> None:
+    async def _join(self, url: str, timeout_s: float = 30.0) -> tuple[Any, list[str]]:
+        """A registered socket to ``url`` and the worker URLs its master named; a refusal that may
+        pass (the id still held by a link just closed) is retried until ``timeout_s``."""
+        from websockets.asyncio.client import connect
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ws = await connect(url, max_size=2 * protocol.MAX_MESSAGE_BYTES, compression=None)
+            await prove_to_master(ws, self.token, self.node_id)
+            reply = await self._register(ws)
+            if isinstance(reply, protocol.Registered):
+                return ws, [node_ws_url(m) for m in reply.masters]
+            await ws.close()
+            if not reply.retryable or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.node_id} was not registered: {reply}")
+            await asyncio.sleep(0.1)
+
+    async def _register(self, ws: Any) -> protocol.Registered | protocol.Refused:
         register = protocol.Register(
             node_id=self.node_id, role="decode", model=self.spec.model, kv_spec=self.spec,
             data_address=f"127.0.0.1:{9 + len(self.node_id)}", device="cpu",
@@ -110,8 +134,9 @@ class StampedDecode:
         )
         await ws.send(protocol.encode(register))
         reply = protocol.parse_master_message(await asyncio.wait_for(ws.recv(), 30.0))
-        if not isinstance(reply, protocol.Registered):
+        if not isinstance(reply, (protocol.Registered, protocol.Refused)):
             raise RuntimeError(f"{self.node_id} was not registered: {reply}")
+        return reply
 
     async def _read(self, link: _Link) -> None:
         async for frame in link.ws:

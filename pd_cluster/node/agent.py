@@ -18,6 +18,7 @@ import logging
 import random
 import socket
 import ssl
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit, urlunsplit
@@ -66,6 +67,9 @@ def _job_words(job: protocol.PrefillJob | protocol.GenerateJob) -> str:
         parts.append(f"client request id {job.client_request_id}")
     return f"{'prefill' if isinstance(job, protocol.PrefillJob) else 'generate'} job ({', '.join(parts)})"
 
+
+#: A master's public address is dialled again when none of the workers it named was linked this long.
+WORKERS_STALE_S = 15.0
 
 #: Longest a frame may take to go out before the link is dropped (and dialled again).
 SEND_TIMEOUT_S = 10.0
@@ -122,6 +126,9 @@ class NodeAgent:
         self.master_id: str | None = None
         #: Told that id when a registered link drops: the master has settled that node's requests.
         self.on_link_lost: Callable[[str], None] | None = None
+        #: Told the workers' URLs when this link reached a master of several workers on its public
+        #: address (the link then ends: the node links to each worker instead). None: stay linked.
+        self.on_redirect: Callable[[list[str]], None] | None = None
         self._token = token
         self.register_msg = register
         self._status = status
@@ -150,6 +157,10 @@ class NodeAgent:
 
     async def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, close the link, and stop reconnecting."""
+        self.stop()
+
+    def stop(self) -> None:
+        """Close the link and stop reconnecting."""
         self._closing = True
         self.stopped.set()
 
@@ -217,6 +228,8 @@ class NodeAgent:
                 raise RegistrationRefused(answer.reason)
             if not isinstance(answer, protocol.Registered):
                 raise OSError(f"master answered registration with {answer.type!r}")
+            if self._redirected(answer):
+                return
             logger.info("registered with the master at %s as %s (%s)", self.url, self.register_msg.node_id,
                         self.register_msg.role)
             self.master_id = answer.master_id
@@ -236,6 +249,16 @@ class NodeAgent:
                 await asyncio.gather(*tasks, stop, return_exceptions=True)
             if self._closing:
                 await self._flush(ws)
+
+    def _redirected(self, answer: protocol.Registered) -> bool:
+        """True when the master listed its workers and this link is none of them: it is handed the list."""
+        if not answer.masters or self.on_redirect is None:
+            return False
+        if self.url in {node_ws_url(url) for url in answer.masters}:
+            return False
+        logger.info("the master at %s runs %d workers; linking to each", self.url, len(answer.masters))
+        self.on_redirect(answer.masters)
+        return True
 
     async def _flush(self, ws) -> None:
         """Send what is still queued (a drained node's last frames) before closing."""
@@ -340,6 +363,10 @@ class MasterLinks:
         self.stopped = asyncio.Event()
         #: Told a master's id when the node's registered link to it drops.
         self.on_master_lost: Callable[[str], None] | None = None
+        #: Link URL of a master's public address -> its workers' link URLs, linked to instead.
+        self._workers: dict[str, list[str]] = {}
+        #: Public link URL -> when one of its workers' links was last seen registered.
+        self._workers_seen: dict[str, float] = {}
 
     def send_nowait(self, message: BaseModel) -> None:
         """To the request's master when known, else to every master the node is registered with.
@@ -395,6 +422,35 @@ class MasterLinks:
         else:
             self.registered.clear()
 
+    def _redirected(self, agent: NodeAgent, masters: list[str]) -> None:
+        urls = [node_ws_url(url) for url in masters]
+        self._workers[agent.url] = urls
+        self._workers_seen[agent.url] = time.monotonic()
+        if agent.url in self._names:  # the workers' certificate names the public host too
+            self._names.update({url: self._names[agent.url] for url in urls})
+        agent.stop()
+
+    def _through_workers(self, targets: set[str]) -> set[str]:
+        """``targets`` with each public address that named its workers replaced by them; an address
+        none of whose workers was linked for WORKERS_STALE_S is dialled again (to learn a new list)."""
+        now = time.monotonic()
+        out: set[str] = set()
+        for url in targets:
+            workers = self._workers.get(url)
+            if workers is None:
+                out.add(url)
+                continue
+            if any(u in self.agents and self.agents[u].registered.is_set() for u in workers):
+                self._workers_seen[url] = now
+            if now - self._workers_seen[url] > WORKERS_STALE_S:
+                logger.warning("no worker of the master at %s linked for %.0f s; asking it again", url,
+                               WORKERS_STALE_S)
+                del self._workers[url]
+                out.add(url)
+                continue
+            out.update(workers)
+        return out
+
     def _handler(self, agent: NodeAgent) -> MessageHandler:
         async def handle(message: BaseModel) -> None:
             if isinstance(message, protocol.PrefillJob):
@@ -431,7 +487,7 @@ class MasterLinks:
                 target = urlunsplit((parts.scheme or "http", netloc, "", "", ""))
                 targets.add(target)
                 self._names[node_ws_url(target)] = host  # its certificate names the host, not the address
-        return {node_ws_url(t) for t in targets}
+        return self._through_workers({node_ws_url(t) for t in targets})
 
     def _start(self, url: str) -> None:
         agent = NodeAgent(url, self._token, self.register_msg, self._status, self._on_message,
@@ -439,6 +495,7 @@ class MasterLinks:
                           on_link_change=self._link_changed, tls=self._tls, server_name=self._names.get(url))
         agent._on_message = self._handler(agent)
         agent.on_link_lost = self._link_lost
+        agent.on_redirect = lambda masters: self._redirected(agent, masters)
         self.agents[agent.url] = agent
         self._tasks[agent.url] = asyncio.create_task(agent.run(), name=f"master-link-{agent.url}")
         logger.info("linking to master %s", agent.url)

@@ -60,6 +60,7 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
     spec = ClusterSpec(
         **given_values(args, PASSED_ON), namespace=args.namespace, model=args.model,
         served_model_name=args.served_model_name, policy=args.policy, host=args.host, port=args.port,
+        master_workers=args.master_workers,
         device=args.device, gpus_per_node=args.gpus_per_node, gpu_memory_fraction=args.gpu_memory_fraction,
         cpus_per_node=args.cpus_per_node,
         masters=args.masters, master_cpus=args.master_cpus, master_resource=args.master_resource,
@@ -218,6 +219,8 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
                        help="how the master chooses a (prefill, decode) pair per request")
     start.add_argument("--host", default="0.0.0.0", help="the master's bind address")
     start.add_argument("--port", type=int, default=8000, help="the master's port")
+    start.add_argument("--master-workers", type=int, default=1,
+                       help="worker processes of each master behind its port (pd-cluster master --workers)")
     start.add_argument("--device", default=None, help="node device (default: cuda if --gpus-per-node > 0, else cpu)")
     start.add_argument("--gpus-per-node", type=float, default=1.0,
                        help="Ray GPUs per node actor (0: CPU nodes; 0.5: a P and a D share each GPU)")

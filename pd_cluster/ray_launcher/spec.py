@@ -50,6 +50,8 @@ class ClusterSpec(NodeEngineOptions):
     policy: Literal["cache_aware", "least_load", "round_robin"] = "cache_aware"
     host: str = Field(default="0.0.0.0", description="the master's bind address")
     port: int = Field(default=8000, gt=0, lt=65536, description="the master's port on its Ray node")
+    master_workers: int = Field(default=1, ge=1, description="worker processes of each master, behind its port "
+                                "(each takes a private port after it)")
     device: str | None = Field(default=None, description="node device; None: cuda with GPUs per node, else cpu")
     gpus_per_node: float = Field(
         default=1.0, ge=0, description="Ray GPUs of each node actor (0 on CPU; 0.5: a P and a D share one GPU)"
@@ -116,11 +118,13 @@ class ClusterSpec(NodeEngineOptions):
 
     def master_port(self, index: int = 0) -> int:
         """Master ``index``'s port: masters pinned to one Ray node must not share one."""
-        return self.port + index
+        return self.port + index * (self.master_workers + 1 if self.master_workers > 1 else 1)
 
     def master_argv(self, index: int = 0) -> list[str]:
         argv = self._base() + ["master", "--host", self.host, "--port", str(self.master_port(index)),
                                "--model", self.model, "--policy", self.policy]
+        if self.master_workers > 1:
+            argv += ["--workers", str(self.master_workers)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
         return argv

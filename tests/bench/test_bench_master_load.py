@@ -73,6 +73,22 @@ def test_concurrent_streams_through_two_masters_report_tokens_dispatch_and_the_m
     assert "| 2 | 8 |" in markdown_scale(doc)
 
 
+def test_streams_through_one_master_of_two_workers_are_served_by_the_synthetic_nodes_on_every_worker(
+        default_model_dir: Path, tmp_path: Path):
+    """``--master-workers 2``: the synthetic nodes dial the public port, follow the workers' list to
+    each worker, and every stream (the kernel spreads the clients' connections) is served."""
+    options = ScaleOptions(model=str(default_model_dir), masters=[1], master_workers=[2], concurrency=[8],
+                           decode_nodes=2, step_ms=5.0, input_len=64, output_len=16, measure_s=2.0, client_procs=2,
+                           node_procs=1, port=free_port())
+    doc = run_scale(options, tmp_path / "run")
+    (level,) = doc["levels"]
+    assert level["masters"] == 1 and level["workers"] == 2
+    assert level["failed"] == 0 and level["completed"] > 0, level["errors"]
+    assert set(doc["by_workers"]) == {"2"}
+    log = (tmp_path / "run" / "masters1-workers2" / "master0.log").read_text()
+    assert "worker-0 master.requests" in log and "worker-1 master.requests" in log
+
+
 def test_the_key_figure_is_the_most_tokens_served_within_both_bounds():
     """A level counts only without failures, at dispatch p99 <= 10 ms and added ITL p99 <= 1 ms."""
     def level(rate: float, dispatch: float, added: float, failed: int = 0) -> dict:

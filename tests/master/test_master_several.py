@@ -153,3 +153,19 @@ async def test_a_node_that_loses_a_master_is_told_which_one_and_its_request_ids_
             await b.__aexit__(None, None, None)
             await wait_until(lambda: lost, 10.0, "the lost link to be reported")
             assert lost == [b.ctx.relay.instance_id]
+
+
+def test_a_master_of_several_workers_refuses_per_key_limits_it_cannot_hold(tmp_path: Path):
+    """Each worker would count a key's generations alone: W workers would let it run W times its limit."""
+    from master.app import ConfigError, api_keys_from
+    from master.config import MasterSettings
+
+    with pytest.raises(ValueError, match="per-key concurrency limits"):
+        MasterSettings(cluster_token="t", workers=2, max_concurrent_per_key=2)
+    keys = tmp_path / "keys"
+    keys.write_text("key-a 3\n")
+    with pytest.raises(ConfigError, match="per-key concurrency limits"):
+        api_keys_from(MasterSettings(cluster_token="t", workers=2, api_keys_file=keys))
+    keys.write_text("key-a\n")  # keys without limits are fine
+    assert api_keys_from(MasterSettings(cluster_token="t", workers=2, api_keys_file=keys)) is not None
+    assert MasterSettings(cluster_token="t", port=9000, workers=3).worker_port(2) == 9003
