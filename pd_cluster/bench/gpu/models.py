@@ -57,7 +57,9 @@ def random_model(config_file: Path, seed: int = 0) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         shutil.copy(config_file, Path(tmp) / "config.json")
 
-        def load(path, config: ModelConfig, dtype: torch.dtype, device) -> ModelWeights:
+        def load(path, config: ModelConfig, dtype: torch.dtype, device, shard=None) -> ModelWeights:
+            if shard is not None and not shard.whole:
+                raise NotImplementedError("random in-memory weights are whole: write a model directory for TP > 1")
             return random_weights(config, dtype, torch.device(device), seed)
 
         with mock.patch.object(llm_engine, "load_weights", load):
