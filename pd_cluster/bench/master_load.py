@@ -226,18 +226,20 @@ class MasterProcess:
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_for_nodes(self, count: int, timeout: float) -> None:
-        """Until ``count`` decode nodes are active (0: until the master answers)."""
+    def wait_for_nodes(self, count: int, timeout: float, url: str | None = None) -> None:
+        """Until ``count`` decode nodes are active (0: until the master answers) as seen at ``url``
+        (default: the master's public address; a worker's private address sees that worker's)."""
         import httpx
 
         assert self.proc is not None
+        url = url or self.url
         deadline = time.monotonic() + timeout
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the master exited with {self.proc.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(httpx.HTTPError):
-                nodes = httpx.get(self.url + "/admin/nodes", headers=headers, timeout=5).json()["data"]
+                nodes = httpx.get(url + "/admin/nodes", headers=headers, timeout=5).json()["data"]
                 if sum(1 for n in nodes if n.get("state") == "active") >= count:
                     return
             time.sleep(0.1)

@@ -145,6 +145,10 @@ class _Cluster:
             p.start()
         for m in self.masters:
             m.wait_for_nodes(self.options.decode_nodes, self.options.ready_timeout_s)
+            # Every worker, at its private port (the public one answers from any one of them).
+            for i in range(self.workers if self.workers > 1 else 0):
+                m.wait_for_nodes(self.options.decode_nodes, self.options.ready_timeout_s,
+                                 f"http://127.0.0.1:{m.port + 1 + i}")
 
     def stop(self) -> None:
         for p in self.nodes:

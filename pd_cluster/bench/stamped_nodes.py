@@ -115,7 +115,13 @@ class StampedDecode:
 
         deadline = time.monotonic() + timeout_s
         while True:
-            ws = await connect(url, max_size=2 * protocol.MAX_MESSAGE_BYTES, compression=None)
+            try:
+                ws = await connect(url, max_size=2 * protocol.MAX_MESSAGE_BYTES, compression=None)
+            except OSError:  # a worker named by its master may not be listening yet
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+                continue
             await prove_to_master(ws, self.token, self.node_id)
             reply = await self._register(ws)
             if isinstance(reply, protocol.Registered):
