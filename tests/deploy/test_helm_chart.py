@@ -423,6 +423,9 @@ SCHEMA_MISTAKES = {
     "master replicas removed": ({"master": {"replicas": None}}, "replicas"),
     "unknown role key": ({"decoder": {"replicas": 2}}, "decoder"),
     "gpu count as a string": ({"mixed": {"gpu": "1"}}, "/mixed/gpu"),
+    "tensor parallelism of zero": ({"decode": {"tp": 0}}, "/decode/tp"),
+    "tensor parallelism not a whole number": ({"prefill": {"tp": 1.5}}, "/prefill/tp"),
+    "tensor parallelism removed": ({"mixed": {"tp": None}}, "tp"),
     "missing model": ({"model": None}, "model"),
     "model without a source": ({"model": {"source": None}}, "source"),
     "empty model source": ({"model": {"source": ""}}, "/model/source"),
@@ -873,6 +876,40 @@ def test_cpu_nodes_request_no_gpu(helm: Helm) -> None:
         container = release.container(role)
         assert not any("gpu" in key for key in container["resources"].get("limits", {}))
         assert container["args"][container["args"].index("--device") + 1] == "cpu"
+
+
+def test_nodes_of_one_rank_pass_no_tp(default_release: Release) -> None:
+    for role in NODE_ROLES:
+        assert "--tp" not in default_release.container(role)["args"]
+
+
+def test_tensor_parallel_nodes_pass_tp_and_request_a_gpu_per_rank(helm: Helm) -> None:
+    release = helm.install({"prefill": {"tp": 2}, "decode": {"tp": 4}, "mixed": {"tp": 8}})
+    for role, tp in (("prefill", 2), ("decode", 4), ("mixed", 8)):
+        container = release.container(role)
+        args = container["args"]
+        assert args[args.index("--tp") + 1] == str(tp)
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == tp
+        assert "nvidia.com/gpu" not in container["resources"].get("requests", {})
+        assert container["resources"]["limits"]["memory"] == "32Gi"  # the group's own limits are kept
+
+
+def test_tensor_parallelism_is_set_per_role(helm: Helm) -> None:
+    release = helm.install({"gpuResourceName": "amd.com/gpu", "decode": {"tp": 2}})
+    decode = release.container("decode")
+    assert decode["args"][decode["args"].index("--tp") + 1] == "2"
+    assert decode["resources"]["limits"]["amd.com/gpu"] == 2
+    prefill = release.container("prefill")
+    assert "--tp" not in prefill["args"]
+    assert prefill["resources"]["limits"]["amd.com/gpu"] == 1
+
+
+def test_cpu_tensor_parallel_nodes_run_their_ranks_and_request_no_gpu(helm: Helm) -> None:
+    release = helm.install({role: {"device": "cpu", "gpu": 0, "tp": 2} for role in NODE_ROLES})
+    for role in NODE_ROLES:
+        container = release.container(role)
+        assert container["args"][container["args"].index("--tp") + 1] == "2"
+        assert not any("gpu" in key for key in container["resources"].get("limits", {}))
 
 
 def test_gpu_memory_fraction_is_passed_per_role(helm: Helm) -> None:

@@ -63,7 +63,7 @@ EVERY_FEATURE: dict[str, Any] = {
                "probes": _PROBES, "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"},
                                               "loadBalancerSourceRanges": ["10.0.0.0/8"]}},
     "prefill": {**_NODE, "strategy": {"type": "Recreate"}},
-    "decode": {**_NODE, "engine": {"maxNumBatchedTokens": 256}},
+    "decode": {**_NODE, "tp": 2, "engine": {"maxNumBatchedTokens": 256}},
     "mixed": {**_NODE, "replicas": 1},
     "monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                    "dashboard": {"enabled": True, "annotations": {"grafana_folder": "LLM serving"}}},
@@ -75,7 +75,7 @@ OTHER_BRANCHES: dict[str, Any] = {
     "auth": {"existingSecret": "pd-tokens"},
     "model": {"source": "hostPath", "hostPath": {"path": "/data/models/llama"}},
     "master": {"replicas": 1, "service": {"type": "NodePort", "nodePort": 30080}},
-    **{role: {"device": "cpu", "gpu": 0, "replicas": 2} for role in NODE_ROLES},
+    **{role: {"device": "cpu", "gpu": 0, "tp": 2, "replicas": 2} for role in NODE_ROLES},
 }
 RENDERS: dict[str, dict[str, Any]] = {
     "defaults": {},

@@ -67,6 +67,10 @@ spec:
             - {{ include "pd-cluster.modelArg" $root | quote }}
             - --device
             - {{ $v.device | quote }}
+            {{- if gt (int $v.tp) 1 }}
+            - --tp
+            - {{ $v.tp | toString | quote }}
+            {{- end }}
             {{- if not (kindIs "invalid" $v.gpuMemoryFraction) }}
             - --gpu-memory-fraction
             - {{ $v.gpuMemoryFraction | toString | quote }}
@@ -131,9 +135,11 @@ spec:
             {{- toYaml . | nindent 12 }}
           {{- end }}
           {{- $resources := deepCopy ($v.resources | default dict) }}
-          {{- if gt (int $v.gpu) 0 }}
+          {{- /* gpu is per rank: a node of tp ranks takes tp times as many, all on one Kubernetes node. */}}
+          {{- $gpus := mul (int $v.gpu) (int $v.tp) }}
+          {{- if gt $gpus 0 }}
           {{- $limits := get $resources "limits" | default dict }}
-          {{- $_ := set $limits $root.Values.gpuResourceName (int $v.gpu) }}
+          {{- $_ := set $limits $root.Values.gpuResourceName $gpus }}
           {{- $_ := set $resources "limits" $limits }}
           {{- end }}
           {{- with $resources }}
