@@ -63,6 +63,7 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
         master_workers=args.master_workers,
         device=args.device, gpus_per_node=args.gpus_per_node, gpu_memory_fraction=args.gpu_memory_fraction,
         cpus_per_node=args.cpus_per_node,
+        prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, mixed_tp=args.mixed_tp,
         masters=args.masters, master_cpus=args.master_cpus, master_resource=args.master_resource,
         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
         mixed_resource=args.mixed_resource, drain_timeout_s=args.drain_timeout,
@@ -227,7 +228,13 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--gpu-memory-fraction", type=float, default=None,
                        help="share of its GPU's memory each node may use (default: from a fractional "
                             "--gpus-per-node, e.g. 0.5 -> 0.45)")
-    start.add_argument("--cpus-per-node", type=float, default=1.0, help="Ray CPUs each node actor reserves")
+    start.add_argument("--cpus-per-node", type=float, default=1.0,
+                       help="Ray CPUs each node actor reserves (per rank of a tensor-parallel node)")
+    for role in ("prefill", "decode", "mixed"):
+        start.add_argument(f"--{role}-tp", type=int, default=1, metavar="N",
+                           help=f"tensor parallelism of each {role} node: N ranks, each with --gpus-per-node GPUs, "
+                                "reserved together on one Ray node by a placement group (on CPU: N processes); "
+                                "default 1")
     start.add_argument("--masters", type=int, default=1,
                        help="master actors (peers: every node registers with each; master i serves on --port + i)")
     start.add_argument("--master-cpus", type=float, default=1.0, help="Ray CPUs the master actor reserves")

@@ -20,6 +20,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from pd_cluster.ray_launcher.actors import ClusterState, RoleProcess
 from pd_cluster.ray_launcher.master_client import MasterClient
+from pd_cluster.ray_launcher.placement import release_nodes, reserve_node
 from pd_cluster.ray_launcher.spec import (
     DEFAULT_NAMESPACE,
     NODE_ROLES,
@@ -218,6 +219,7 @@ class RayLauncher:
                 except BaseException:
                     self._stop_processes(self._placed(added), KILL_GRACE_S)
                     self._kill(added)
+                    release_nodes(self.namespace, list(added))
                     raise
                 result.added = list(added)
             if victims:
@@ -230,6 +232,7 @@ class RayLauncher:
         self.connect()
         names = self.actor_names()
         if not names:
+            release_nodes(self.namespace)
             return []
         drain_s = timeout
         if drain_s is None:
@@ -244,6 +247,7 @@ class RayLauncher:
         if masters:
             self._stop_processes(masters, KILL_GRACE_S)
         self._kill(handles)
+        release_nodes(self.namespace)
         deadline = time.monotonic() + KILL_GRACE_S
         while (left := self.actor_names()) and time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -303,7 +307,7 @@ class RayLauncher:
     def _create_node(self, spec: ClusterSpec, role: str, name: str, master_url: str) -> Any:
         return _remote(RoleProcess).options(
             name=name, namespace=self.namespace, lifetime="detached", max_restarts=spec.max_restarts,
-            max_concurrency=MAX_ACTOR_CONCURRENCY, **spec.node_actor_options(role),
+            max_concurrency=MAX_ACTOR_CONCURRENCY, **spec.node_actor_options(role), **reserve_node(spec, role, name),
         ).remote(role, name, spec.model_dump_json(), master_url)
 
     def _wait_joined(self, client: MasterClient, actors: dict[str, Any], deadline: float,
@@ -339,9 +343,11 @@ class RayLauncher:
                 hint = ""
                 if unplaced:
                     roles = sorted({role for n in unplaced if (role := node_role(n))})
-                    extra = "".join(f", {r}: 1" for role in roles if (r := spec.role_resource(role)))
-                    hint = (f"; not placed: {', '.join(unplaced)} (a node needs GPU: {spec.gpus_per_node}, "
-                            f"CPU: {spec.cpus_per_node}{extra}: see `ray status`)")
+                    needs = "; ".join(f"{role}: GPU {spec.node_gpus(role)}, CPU {spec.node_cpus(role)}"
+                                      + "".join(f", {r} 1" for r in [spec.role_resource(role)] if r)
+                                      + (f" on one Ray node (tp {spec.node_tp(role)})" if spec.node_tp(role) > 1 else "")
+                                      for role in roles)
+                    hint = f"; not placed: {', '.join(unplaced)} (a node needs {needs}: see `ray status`)"
                 missing = sorted(expected - joined - set(unplaced))
                 if missing:
                     hint += f"; not joined yet: {', '.join(missing)} (see `pd-cluster ray logs NAME`)"
@@ -411,6 +417,7 @@ class RayLauncher:
             logger.warning("not drained in time, stopping: %s", ", ".join(sorted(pending)))
         self._stop_processes({n: h for n, h in handles.items() if h is not None}, KILL_GRACE_S)
         self._kill({n: h for n, h in handles.items() if h is not None})
+        release_nodes(self.namespace, victims)
         return sorted(pending)
 
     def _stop_processes(self, handles: dict[str, Any], timeout: float) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
 from pd_cluster.engine_flags import NodeEngineOptions
 
@@ -61,6 +61,9 @@ class ClusterSpec(NodeEngineOptions):
         description="--gpu-memory-fraction of each node; None: derived from a fractional gpus_per_node",
     )
     cpus_per_node: float = Field(default=1.0, ge=0)
+    prefill_tp: int = Field(default=1, ge=1, le=64, description="--tp of each prefill node: its ranks, one GPU each")
+    decode_tp: int = Field(default=1, ge=1, le=64, description="--tp of each decode node")
+    mixed_tp: int = Field(default=1, ge=1, le=64, description="--tp of each mixed node")
     masters: int = Field(
         default=1, ge=1, le=8,
         description="master actors, peers: every node registers with each; master i listens on port + i",
@@ -76,6 +79,35 @@ class ClusterSpec(NodeEngineOptions):
     max_restarts: int = Field(default=3, ge=0, description="restarts of a crashed process (and of its actor)")
     log_level: str = "INFO"
     node_args: list[str] = Field(default_factory=list, description="extra arguments for every node's command")
+
+    @model_validator(mode="after")
+    def _whole_gpus_for_tensor_parallel_nodes(self) -> ClusterSpec:
+        if max(self.prefill_tp, self.decode_tp, self.mixed_tp) > 1 and not float(self.gpus_per_node).is_integer():
+            raise ValueError(f"a tensor-parallel node takes whole GPUs, one a rank: gpus_per_node must be 0 (CPU) or "
+                             f"a whole number with --prefill-tp, --decode-tp or --mixed-tp above 1, not "
+                             f"{self.gpus_per_node}")
+        return self
+
+    def node_tp(self, role: str) -> int:
+        """The tensor parallelism of a role's nodes: how many ranks (GPUs, or processes on CPU) a node runs."""
+        if role not in NODE_ROLES:
+            raise ValueError(f"not a node role: {role!r}")
+        return {"prefill": self.prefill_tp, "decode": self.decode_tp, "mixed": self.mixed_tp}[role]
+
+    def node_gpus(self, role: str) -> float:
+        """Ray GPUs of one node of ``role``: ``gpus_per_node`` for each of its ranks."""
+        return self.gpus_per_node * self.node_tp(role)
+
+    def node_cpus(self, role: str) -> float:
+        """Ray CPUs of one node of ``role``: ``cpus_per_node`` for each of its ranks."""
+        return self.cpus_per_node * self.node_tp(role)
+
+    def node_bundle(self, role: str) -> dict[str, float]:
+        """The one placement-group bundle of a tensor-parallel node: all its ranks' GPUs and CPUs (and the
+        role's custom resource) on one Ray node, since the ranks share peer memory and one process tree.
+        Ray refuses zero amounts in a bundle, so they are left out."""
+        wanted = {"CPU": self.node_cpus(role), "GPU": self.node_gpus(role), **self.node_resources(role)}
+        return {name: amount for name, amount in wanted.items() if amount > 0}
 
     @property
     def node_device(self) -> str:
@@ -95,8 +127,10 @@ class ClusterSpec(NodeEngineOptions):
         return None
 
     def node_actor_options(self, role: str) -> dict[str, Any]:
-        """Ray resources of a node actor: its GPU share (fractional when P and D share a GPU) and CPUs."""
-        return {"num_cpus": self.cpus_per_node, "num_gpus": self.gpus_per_node, "resources": self.node_resources(role)}
+        """Ray resources of a node actor: its GPU share (fractional when P and D share a GPU, one GPU a rank
+        when it is tensor parallel) and CPUs."""
+        return {"num_cpus": self.node_cpus(role), "num_gpus": self.node_gpus(role),
+                "resources": self.node_resources(role)}
 
     def pin_resources(self) -> dict[str, float]:
         return {self.master_resource: 0.001} if self.master_resource else {}
@@ -135,6 +169,9 @@ class ClusterSpec(NodeEngineOptions):
         argv = self._base() + [role, "--master", master_url, "--node-id", node_id, "--model", self.model,
                                "--device", self.node_device, *self.engine_argv(),
                                "--drain-timeout", str(self.drain_timeout_s)]
+        if self.node_tp(role) > 1:
+            # Ray shows the actor its GPUs as cuda:0 .. cuda:N-1, the devices --tp N takes from cuda.
+            argv += ["--tp", str(self.node_tp(role))]
         # A fixed pool (max_total_tokens) leaves nothing to split.
         if not self.max_total_tokens and self.node_gpu_memory_fraction is not None and self.node_device != "cpu":
             argv += ["--gpu-memory-fraction", str(self.node_gpu_memory_fraction)]

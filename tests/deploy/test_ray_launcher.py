@@ -253,6 +253,85 @@ def test_node_actors_take_the_spec_gpu_share(monkeypatch):
     assert options["resources"] == {"pd_prefill": 1.0} and options["name"] == "prefill-0"
 
 
+def test_spec_passes_tp_to_tensor_parallel_nodes_only():
+    spec = ClusterSpec(decode_tp=2, mixed_tp=4)
+    decode = spec.node_argv("decode", "decode-0", "http://10.0.0.1:8000", "10.0.0.7")
+    assert decode[decode.index("--tp") + 1] == "2"
+    assert decode[decode.index("--device") + 1] == "cuda"  # its GPUs are the actor's cuda:0 and cuda:1
+    mixed = spec.node_argv("mixed", "mixed-0", "http://10.0.0.1:8000", "10.0.0.7")
+    assert mixed[mixed.index("--tp") + 1] == "4"
+    assert "--tp" not in spec.node_argv("prefill", "prefill-0", "http://10.0.0.1:8000", "10.0.0.7")
+    assert [spec.node_tp(role) for role in ("prefill", "decode", "mixed")] == [1, 2, 4]
+
+
+def test_spec_reserves_a_gpu_and_the_cpus_of_each_rank_in_one_bundle():
+    spec = ClusterSpec(prefill_tp=2, cpus_per_node=2, prefill_resource="pd_prefill")
+    assert spec.node_actor_options("prefill") == {"num_cpus": 4.0, "num_gpus": 2.0, "resources": {"pd_prefill": 1.0}}
+    assert spec.node_bundle("prefill") == {"CPU": 4.0, "GPU": 2.0, "pd_prefill": 1.0}
+    assert spec.node_actor_options("decode") == {"num_cpus": 2.0, "num_gpus": 1.0, "resources": {}}
+    assert "--gpu-memory-fraction" not in spec.node_argv("prefill", "prefill-0", "http://m:8000", "10.0.0.7")
+    cpu = ClusterSpec(gpus_per_node=0, decode_tp=2)  # N processes on CPU: no GPU asked, none in the bundle
+    assert cpu.node_bundle("decode") == {"CPU": 2.0}
+    argv = cpu.node_argv("decode", "decode-0", "http://m:8000", "10.0.0.7")
+    assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--tp") + 1] == "2"
+
+
+@pytest.mark.parametrize("values", [{"decode_tp": 2, "gpus_per_node": 0.5}, {"mixed_tp": 4, "gpus_per_node": 1.5}])
+def test_spec_refuses_tensor_parallel_nodes_on_shares_of_a_gpu(values):
+    with pytest.raises(ValueError, match="a tensor-parallel node takes whole GPUs"):
+        ClusterSpec(**values)
+
+
+@pytest.mark.parametrize("values", [{"prefill_tp": 0}, {"decode_tp": 65}])
+def test_spec_refuses_a_tp_out_of_range(values):
+    with pytest.raises(ValueError):
+        ClusterSpec(**values)
+
+
+def test_a_tensor_parallel_node_is_placed_in_a_strict_pack_group_of_its_own(monkeypatch):
+    from pd_cluster.ray_launcher import launcher as launcher_module
+    from pd_cluster.ray_launcher import placement
+
+    options: list[dict] = []
+    groups: list[tuple] = []
+
+    class FakeActorClass:
+        def options(self, **kw):
+            options.append(kw)
+            return self
+
+        def remote(self, *args):
+            return args
+
+    def fake_placement_group(bundles, strategy, name, lifetime):
+        groups.append((bundles, strategy, name, lifetime))
+        return f"group of {name}"
+
+    monkeypatch.setattr(launcher_module, "_remote", lambda cls: FakeActorClass())
+    monkeypatch.setattr(placement, "placement_group", fake_placement_group)
+    monkeypatch.setattr(placement, "PlacementGroupSchedulingStrategy",
+                        lambda **kw: ("strategy", kw["placement_group"], kw["placement_group_bundle_index"]))
+    spec = ClusterSpec(namespace=NAMESPACE, decode_tp=2)
+    launcher = RayLauncher(namespace=NAMESPACE)
+    launcher._create_node(spec, "decode", "decode-0", "http://10.0.0.1:8000")
+    launcher._create_node(spec, "prefill", "prefill-0", "http://10.0.0.1:8000")
+    assert groups == [([{"CPU": 2.0, "GPU": 2.0}], "STRICT_PACK", f"{NAMESPACE}/decode-0", "detached")]
+    decode, prefill = options
+    assert decode["scheduling_strategy"] == ("strategy", f"group of {NAMESPACE}/decode-0", 0)
+    assert decode["num_gpus"] == 2.0 and decode["num_cpus"] == 2.0 and decode["name"] == "decode-0"
+    assert "scheduling_strategy" not in prefill and prefill["num_gpus"] == 1.0  # one rank: no group
+
+
+def test_cli_passes_each_role_tp_to_the_spec(monkeypatch):
+    recorder = RecordingLauncher()
+    monkeypatch.setattr(ray_cli_module, "_launcher", lambda args: recorder)
+    assert ray_cli(["ray", "start", "--prefill-tp", "1", "--decode-tp", "2", "--mixed", "1", "--mixed-tp", "4"]) == 0
+    (_, (spec, _, _), _), = recorder.calls
+    assert (spec.prefill_tp, spec.decode_tp, spec.mixed_tp) == (1, 2, 4)
+    defaults = build_parser().parse_args(["ray", "start"])
+    assert (defaults.prefill_tp, defaults.decode_tp, defaults.mixed_tp) == (1, 1, 1)
+
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = REPO / "deploy" / "ray" / "cluster.yaml"
 
@@ -510,3 +589,21 @@ def test_stop_leaves_no_actor_and_no_process(cluster, capsys):
     assert not _cluster_processes(cluster.url)  # no node process (their --master is this URL) anywhere
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{cluster.url}/health", timeout=2)
+
+
+def test_a_tensor_parallel_node_group_is_reserved_whole_and_released_with_the_node(ray_address):
+    from ray.util.placement_group import placement_group_table
+
+    from pd_cluster.ray_launcher.placement import release_nodes, reserve_node
+
+    namespace = "pd-cluster-test-groups"
+    spec = ClusterSpec(namespace=namespace, gpus_per_node=0, cpus_per_node=0.5, decode_tp=2)
+    strategy = reserve_node(spec, "decode", "decode-0")["scheduling_strategy"]
+    assert ray.get(strategy.placement_group.ready(), timeout=60)
+    (group,) = [g for g in placement_group_table().values() if g["name"] == f"{namespace}/decode-0"]
+    assert group["strategy"] == "STRICT_PACK" and group["state"] == "CREATED"
+    assert group["bundles"] == {0: {"CPU": 1.0}}
+    assert reserve_node(spec, "prefill", "prefill-0") == {}  # one rank: its actor's own resources suffice
+    assert release_nodes("pd-cluster-test-other") == []
+    assert release_nodes(namespace, ["decode-0"]) == [f"{namespace}/decode-0"]
+    assert placement_group_table(strategy.placement_group)["state"] == "REMOVED"
