@@ -164,7 +164,8 @@ class Cluster:
                 proc.wait(5)
 
 
-def _status_of(url: str) -> int:
+def status_of(url: str) -> int:
+    """The HTTP status ``url`` answers a GET with (0: no answer)."""
     try:
         return httpx.get(url, timeout=5).status_code
     except httpx.HTTPError:
@@ -186,7 +187,7 @@ class TwoMastersCluster(Cluster):
     def start_master_b(self) -> None:
         self._spawn("master-b", ["master", "--host", "127.0.0.1", "--port", str(self.port_b), "--model",
                                  str(self.model_dir)])
-        wait_until(lambda: _status_of(self.url_b + "/livez") == 200, 60, "master b to serve")
+        wait_until(lambda: status_of(self.url_b + "/livez") == 200, 60, "master b to serve")
 
     def start_peer_node(self, role: str, name: str, *extra: str) -> subprocess.Popen | ForkedProcess:
         args = [role, "--master", f"{self.url},{self.url_b}", "--node-id", name, "--model", str(self.model_dir),

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster_harness import CLUSTER_TOKEN, Cluster, TwoMastersCluster, wait_until
+from tests.cluster_harness import CLUSTER_TOKEN, Cluster, TwoMastersCluster, status_of, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 #: Generous bound on any one request here: a hung request fails the test instead of blocking it.
@@ -33,13 +33,6 @@ class PeerMastersCluster(TwoMastersCluster):
         return {**super().env(token), "PD_HEARTBEAT_TIMEOUT_S": "3", "PD_HANDOFF_TIMEOUT_S": "20"}
 
 
-def _status(url: str) -> int:
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
-
-
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
     c = PeerMastersCluster(default_model_dir, tmp_path_factory.mktemp("fault-logs"))
@@ -49,7 +42,7 @@ def cluster(default_model_dir, tmp_path_factory):
         for role, name in (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"), ("decode", "d1")):
             c.start_peer_node(role, name)
         for url in (c.url, c.url_b):
-            wait_until(lambda u=url: _status(u + "/health") == 200 and len(c.nodes_at(u)) == 4, 60, "both masters ready")
+            wait_until(lambda u=url: status_of(u + "/health") == 200 and len(c.nodes_at(u)) == 4, 60, "both masters ready")
         yield c
     finally:
         c.stop()
@@ -241,6 +234,6 @@ def test_a_killed_master_fails_over_to_its_peer_and_is_found_again_when_restarte
     # capped at 1 s; the deadline leaves room for a loaded machine).
     cluster.start_master()
     wait_until(lambda: len(cluster.nodes()) == 4, 30, "all nodes back on the restarted master", interval=0.05)
-    wait_until(lambda: _status(cluster.url + "/health") == 200, 30, "the restarted master ready")
+    wait_until(lambda: status_of(cluster.url + "/health") == 200, 30, "the restarted master ready")
     assert _uninterrupted(client, "Name a color.", 8)
     _assert_kv_idle(cluster)

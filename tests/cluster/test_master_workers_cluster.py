@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.cluster_harness import ADMIN_TOKEN, Cluster, wait_until
+from tests.cluster_harness import ADMIN_TOKEN, Cluster, status_of, wait_until
 from tests.reference import CHAT_MESSAGES
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -53,7 +53,7 @@ class WorkersCluster(Cluster):
                                str(self.model_dir), "--policy", policy, "--workers", str(WORKERS),
                                "--worker-ports", str(self.worker_base)])
         for url in self.worker_urls:
-            wait_until(lambda u=url: _status(u + "/livez") == 200, 90, f"worker {url} to serve")
+            wait_until(lambda u=url: status_of(u + "/livez") == 200, 90, f"worker {url} to serve")
 
     @property
     def worker_urls(self) -> list[str]:
@@ -73,13 +73,6 @@ class WorkersCluster(Cluster):
         return [len(re.findall(rf"worker-{i} master\.requests", log)) for i in range(WORKERS)]
 
 
-def _status(url: str) -> int:
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
-
-
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
     c = WorkersCluster(default_model_dir, tmp_path_factory.mktemp("workers-logs"))
@@ -89,7 +82,7 @@ def cluster(default_model_dir, tmp_path_factory):
         c.start_node("decode", "d0", "--data-port", "0")
         for url in c.worker_urls:
             wait_until(lambda u=url: {"p0", "d0"} <= set(c.nodes_at(u)), 60, f"both nodes on {url}")
-        wait_until(lambda: _status(c.url + "/health") == 200, 30, "health")
+        wait_until(lambda: status_of(c.url + "/health") == 200, 30, "health")
         yield c
     finally:
         c.stop()
@@ -149,9 +142,9 @@ def test_a_killed_worker_is_restarted_and_linked_again_while_the_other_serves(cl
         os.kill(old_pid, signal.SIGKILL)
         assert [f.result() for f in during] == [want] * 6  # the other worker failed none
     wait_until(lambda: cluster.worker_pid(1) != old_pid, 30, "the worker to be restarted")
-    wait_until(lambda: _status(victim + "/livez") == 200, 90, "the restarted worker to serve")
+    wait_until(lambda: status_of(victim + "/livez") == 200, 90, "the restarted worker to serve")
     wait_until(lambda: {"p0", "d0"} <= set(cluster.nodes_at(victim)), 30, "the nodes to link to it again")
-    wait_until(lambda: _status(victim + "/health") == 200, 30, "the restarted worker's health")
+    wait_until(lambda: status_of(victim + "/health") == 200, 30, "the restarted worker's health")
     assert _stream(victim, message) == want
     assert _stream(survivor, message) == want
 

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from master.request_log import parse_text_line
-from tests.cluster_harness import CLUSTER_TOKEN, TwoMastersCluster, wait_until
+from tests.cluster_harness import CLUSTER_TOKEN, TwoMastersCluster, status_of, wait_until
 from tests.reference import CHAT_MESSAGES
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -42,13 +42,6 @@ class OverloadCluster(TwoMastersCluster):
         return [fields for line in self.log(master).splitlines() if (fields := parse_text_line(line)) is not None]
 
 
-def _get(url: str) -> int:
-    try:
-        return httpx.get(url, timeout=5).status_code
-    except httpx.HTTPError:
-        return 0
-
-
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
     c = OverloadCluster(default_model_dir, tmp_path_factory.mktemp("overload-logs"))
@@ -59,7 +52,7 @@ def cluster(default_model_dir, tmp_path_factory):
         c.start_peer_node("prefill", "p1")
         c.start_peer_node("decode", "d0", "--max-running-requests", "1")
         for url in (c.url, c.url_b):
-            wait_until(lambda u=url: _get(u + "/health") == 200, 60, "both masters ready")
+            wait_until(lambda u=url: status_of(u + "/health") == 200, 60, "both masters ready")
         yield c
     finally:
         c.stop()
