@@ -36,6 +36,7 @@ from pd_cluster.bench.compare import model_words
 from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.report import format_table, results_document
 from pd_cluster.bench.serve.runner import SweepResult, run_serve_bench
+from pd_cluster.local_cluster import admin_token_path
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,20 @@ def placement_table(log: str) -> str:
             break
         block.append(line)
     return "\n".join(block)
+
+
+def node_capacities(url: str) -> list[dict[str, Any]]:
+    """Each node's role and capacity (batch limit, KV tokens) as the master reports them, read with
+    the admin token ``pd-cluster local`` keeps; empty when it cannot be read."""
+    try:
+        token = admin_token_path().read_text().strip()
+        answer = httpx.get(url + "/admin/nodes", headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        answer.raise_for_status()
+    except (OSError, httpx.HTTPError) as e:
+        logger.warning("node capacities not read: %s", type(e).__name__)
+        return []
+    return [{"id": n["id"], "role": n["role"], "capacity": n["capacity"], "kv_total_tokens": n["kv"]["total_tokens"]}
+            for n in answer.json()["data"]]
 
 
 def colocated_baseline(model: str, input_len: int, output_len: int, requests: int, seed: int = 7) -> dict[str, Any]:
@@ -375,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         doc["ready_s"] = cluster.start(args.ready_timeout)
         doc["placement"] = placement_table(cluster.wait_for_line("NODE  ", 60))
+        doc["nodes"] = node_capacities(cluster.url)
         if args.cold_requests:
             cold = _run(replace(base, num_requests=args.cold_requests, rates=[args.cold_rate], seed=1000,
                                 save_requests=True), "cold start", args.out)

@@ -106,3 +106,15 @@ def test_multi_turn_later_turns_reuse_the_cached_history(cluster, tmp_path, kv_b
     assert result["cached_prompt_tokens"] > 0
     # Prefix hits on D mean fewer bytes moved than one token's KV per prompt token.
     assert 0 < result["kv_bytes_per_prompt_token"] < kv_bytes_per_token
+
+
+def test_the_served_suite_records_each_nodes_batch_limit_and_kv_size(cluster, monkeypatch):
+    """The figures say what each node ran with: its batch limit (auto on decode) and KV tokens."""
+    from pd_cluster.bench.served import node_capacities
+
+    monkeypatch.setenv("PD_CLUSTER_HOME", str(cluster.log_path.parent))
+    nodes = node_capacities(cluster.url)
+    assert sorted(n["role"] for n in nodes) == ["decode", "prefill"]
+    for node in nodes:
+        assert node["capacity"]["max_running_requests"] > 0
+        assert node["kv_total_tokens"] == node["capacity"]["max_total_tokens"] > 0
