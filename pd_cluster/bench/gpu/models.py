@@ -86,7 +86,7 @@ def build_engine(config_file: Path, device: str, seed: int = 0, **options: Any) 
     if "max_num_batched_tokens" in options:
         options.setdefault("prefill_chunk_tokens", options["max_num_batched_tokens"])
     with random_model(config_file, seed) as path:
-        return LLMEngine(EngineConfig(model=path, device=device, dtype="bfloat16", **options),
+        return LLMEngine(EngineConfig(model=path, device=device, **{"dtype": "bfloat16", **options}),
                          tokenizer=BlankTokenizer())
 
 
