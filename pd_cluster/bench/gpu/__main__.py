@@ -105,7 +105,8 @@ def run(plan: Plan, out_dir: Path) -> dict:
     ceilings = results.part("ceilings", lambda: measure_ceilings(dev0)) or {}
     copy_bw = ceilings.get("copy_tb_per_s", 4.0)
     matmul = ceilings.get("matmul_tflops", 800.0)
-    run_big_model(results, plan, dev0, dev1, copy_bw, matmul, gen)
+    if set(plan.parts) - {"small_model", "tp"}:  # the parts on the TP 1 engine of the big shape
+        run_big_model(results, plan, dev0, dev1, copy_bw, matmul, gen)
     empty_cache()
     if "tp" in plan.parts:
         if dev1 is not None and dev1.type == "cuda":
