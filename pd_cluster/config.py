@@ -39,6 +39,22 @@ class EngineConfig(BaseModel):
                     "on CPU N processes), each holding its share of the attention heads, of the MLP and of the KV "
                     "heads (replicated when N exceeds them); one registration with the master (default 1)",
     )
+    # Picked where it measured faster: NCCL's ring costs tens of microseconds even for a decode
+    # step's few kilobytes, which one kernel reading the peers' memory sums in a few.
+    tp_allreduce: Annotated[Literal["auto", "nccl", "oneshot"], Flag()] = Field(
+        default="auto",
+        description="how a tensor-parallel node sums its ranks' partial outputs: auto (a one-shot all-reduce over "
+                    "the peers' memory for a decode step's small messages where the node's GPUs share one host with "
+                    "peer access, NCCL otherwise and for large ones), nccl (always NCCL; gloo on CPU) or oneshot "
+                    "(as auto, refusing to start where the one-shot cannot run) (default auto)",
+    )
+    load_format: Annotated[Literal["safetensors", "dummy"], Flag()] = Field(
+        default="safetensors",
+        description="where the weights come from: safetensors (the model directory's files) or dummy (seeded random "
+                    "values of the model's shape made on each device, the same on every node: for benchmarks of "
+                    "shapes too large to write out, from a directory with only config.json and a tokenizer) "
+                    "(default safetensors)",
+    )
     max_total_tokens: Annotated[int | None, Flag()] = Field(
         default=None, gt=0, description="KV slots in the pool (default: a fraction of the free GPU memory, or 16384 "
                                         "on CPU)"

@@ -17,6 +17,10 @@ the ids generated (the compute per token is unchanged). With tied embeddings the
 embedding are zero too.
 
     python -m pd_cluster.bench.random_model --shape llama3-8b --out /tmp/llama3-8b-random
+
+With ``--config-only`` the directory holds the config and tokenizer and no weights: engines load
+it with ``--load-format dummy`` (:mod:`pd_cluster.model.dummy_weights`), each rank making its own
+shards on its GPU, which is how a 70B shape is served without writing 140 GB first.
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.dummy_weights import hf_tensor_shapes
+
 logger = logging.getLogger(__name__)
 
 #: Shapes shipped as package data (pd_cluster/bench/configs/<name>.json).
-SHAPES = ("llama3-8b", "smollm2-135m", "tiny", "tiny-kv4")
+SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "tiny", "tiny-kv4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 SHARD_BYTES = 4 * 2**30
@@ -46,36 +53,12 @@ def shape_config(shape: str) -> dict:
     return json.loads(resources.files("pd_cluster.bench").joinpath(f"configs/{shape}.json").read_text())
 
 
-def _layer_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor names and shapes of one model of ``cfg``'s shape."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-    shapes["model.norm.weight"] = (h,)
-    if not cfg.get("tie_word_embeddings", False):
-        shapes["lm_head.weight"] = (cfg["vocab_size"], h)
-    return shapes
-
-
 def write_random_model(
     shape: str, out_dir: Path, tokenizer_dir: Path | None = None, *, dtype: str = "bfloat16", seed: int = 0,
-    device: str | None = None, vocab: str = "tokenizer", answers: str = "any",
+    device: str | None = None, vocab: str = "tokenizer", answers: str = "any", config_only: bool = False,
 ) -> Path:
-    """Write config, safetensors shards and tokenizer files into ``out_dir``; returns it."""
+    """Write config, safetensors shards and tokenizer files into ``out_dir``; returns it.
+    ``config_only``: no weights (served with ``--load-format dummy``; ``answers`` does not apply)."""
     cfg = shape_config(shape)
     if tokenizer_dir is None:
         from pd_cluster.default_model import default_model_path
@@ -113,12 +96,16 @@ def write_random_model(
         silent_rows[whole_word_ids(tokenizer)] = False
     cfg["_name_or_path"] = out_dir.name
     cfg["torch_dtype"] = dtype
+    if config_only:
+        _write_config_and_tokenizer(cfg, out_dir, tokenizer_dir)
+        logger.info("%s config (no weights: --load-format dummy) in %s", shape, out_dir)
+        return out_dir
 
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, tensor_shape in _layer_shapes(cfg).items():
+    for name, tensor_shape in hf_tensor_shapes(ModelConfig.from_dict(cfg, name=out_dir.name)).items():
         if name.endswith("norm.weight"):
             tensor = torch.ones(tensor_shape, dtype=torch_dtype)
         else:
@@ -142,12 +129,16 @@ def write_random_model(
     (out_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
     )
+    _write_config_and_tokenizer(cfg, out_dir, tokenizer_dir)
+    logger.info("random %s model (%.2f GB of %s weights) in %s", shape, total / 1e9, dtype, out_dir)
+    return out_dir
+
+
+def _write_config_and_tokenizer(cfg: dict, out_dir: Path, tokenizer_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out_dir / name)
-    logger.info("random %s model (%.2f GB of %s weights) in %s", shape, total / 1e9, dtype, out_dir)
-    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answers", default="any", choices=["any", "words"],
                         help="any: the head is all random; words: greedy answers are whole words that encode back "
                              "to the ids generated, as a real model's mostly do")
+    parser.add_argument("--config-only", action="store_true",
+                        help="write the config and tokenizer only, no weights: serve it with --load-format dummy")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     write_random_model(args.shape, args.out, args.tokenizer, dtype=args.dtype, seed=args.seed, vocab=args.vocab,
-                       answers=args.answers)
+                       answers=args.answers, config_only=args.config_only)
     return 0
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
+from pd_cluster.engine.tp_allreduce import AllReduceMode, make_one_shot
+
 logger = logging.getLogger(__name__)
 
 #: How long the ranks wait for one another to start (a rank loads its weights meanwhile).
@@ -39,7 +41,8 @@ class TPGroup:
     """Rank ``rank`` of ``size``: the control and model groups over the node's store."""
 
     def __init__(self, store: dist.TCPStore, rank: int, size: int, device: torch.device,
-                 step_timeout_s: float = STEP_TIMEOUT_S) -> None:
+                 step_timeout_s: float = STEP_TIMEOUT_S, all_reduce_mode: AllReduceMode = "auto") -> None:
+        """``all_reduce_mode``: whether small sums take the one-shot (:mod:`pd_cluster.engine.tp_allreduce`)."""
         self.rank = rank
         self.size = size
         self.device = device
@@ -57,9 +60,18 @@ class TPGroup:
             self.model = dist.ProcessGroupGloo(model_store, rank, size, self.step_timeout)
         self._reduce_options = dist.AllreduceOptions()
         self._reduce_options.timeout = self.step_timeout
+        self.one_shot = make_one_shot(all_reduce_mode, store, self.control, rank, size, device, startup)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` over the ranks, in place (the row-parallel projections' outputs)."""
+        """Sum ``tensor`` over the ranks, in place (the row-parallel projections' outputs): the
+        one-shot for a small message where the node has it, else the model group's."""
+        if self.one_shot is not None and self.one_shot.takes(tensor):
+            self.one_shot(tensor)
+            return
+        self.group_all_reduce(tensor)
+
+    def group_all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks in place through the model group (NCCL, or gloo on CPU)."""
         work = self.model.allreduce([tensor], self._reduce_options)
         if tensor.device.type == "cuda":
             work.wait()  # orders the current stream after the NCCL kernel; no host wait

@@ -58,10 +58,11 @@ class RankLoop:
         self.spec = spec
         self.device = torch.device(spec.device)
         store = make_store(spec.store_host, spec.store_port, spec.size, leader=False)
-        self.group = TPGroup(store, spec.rank, spec.size, self.device, spec.step_timeout_s)
+        self.group = TPGroup(store, spec.rank, spec.size, self.device, spec.step_timeout_s, spec.all_reduce_mode)
         config = ModelConfig.from_path(spec.model_path)
         shard = Shard(spec.rank, spec.size)
-        weights = load_weights(spec.model_path, config, torch_dtype(spec.dtype), self.device, shard)
+        weights = load_weights(spec.model_path, config, torch_dtype(spec.dtype), self.device, shard,
+                               spec.load_format)
         self.model = LlamaModel(config, weights, self.device, fused_rows=spec.fused_rows, shard=shard,
                                 all_reduce=self.group.all_reduce)
         num_slots = int(store.get("num_slots"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -12,6 +14,8 @@ class RankSpec(BaseModel):
     dtype: str = Field(pattern="^(float32|bfloat16|float16)$")
     device: str = Field(description="this rank's device: cpu, or cuda:N")
     fused_rows: int | None = None
+    load_format: Literal["safetensors", "dummy"] = "safetensors"
+    all_reduce_mode: Literal["auto", "nccl", "oneshot"] = "auto"
     rank: int = Field(ge=1)
     size: int = Field(ge=2)
     store_host: str

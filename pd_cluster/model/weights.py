@@ -11,9 +11,14 @@ import torch
 from safetensors import safe_open
 
 from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.dummy_weights import DummyTensors
 from pd_cluster.model.shard import HeadRange, Shard
 
 logger = logging.getLogger(__name__)
+
+#: Where the weights come from (``--load-format``): the model's safetensors files, or seeded
+#: random values of its shape made on the device (:mod:`pd_cluster.model.dummy_weights`).
+LOAD_FORMATS = ("safetensors", "dummy")
 
 
 @dataclass
@@ -93,15 +98,19 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def load_weights(
     path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-    shard: Shard | None = None,
+    shard: Shard | None = None, load_format: str = "safetensors",
 ) -> ModelWeights:
     """Read every tensor (or, for one rank of ``shard``, its slices) once, fuse q/k/v and gate/up,
     and place them on ``device`` in ``dtype``. A rank's q/k/v and gate/up are its rows
     (column-parallel), its o and down its columns (row-parallel: the ranks' outputs sum to the
-    whole); norms, the embedding and the head are whole on every rank."""
+    whole); norms, the embedding and the head are whole on every rank. ``load_format`` "dummy":
+    the same tensors made on ``device`` from a seed (see :data:`LOAD_FORMATS`)."""
     shard = shard or Shard()
     shard.check(config)
-    files = TensorFiles(Path(path))
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load format {load_format!r}; expected one of {LOAD_FORMATS}")
+    files: TensorFiles | DummyTensors = (DummyTensors(config, device) if load_format == "dummy"
+                                         else TensorFiles(Path(path)))
     taken: set[str] = set()
     head_dim = config.head_dim
     qh, kvh, inter = shard.q_heads(config), shard.kv_heads(config), shard.intermediate(config)

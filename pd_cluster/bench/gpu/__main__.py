@@ -28,6 +28,7 @@ from pd_cluster.bench.gpu.prefill import measure_prefill
 from pd_cluster.bench.gpu.report import TARGETS, markdown, short_table, summarize, verdicts
 from pd_cluster.bench.gpu.same_gpu import measure_same_gpu
 from pd_cluster.bench.gpu.timing import empty_cache
+from pd_cluster.bench.gpu.tp import measure_tp
 from pd_cluster.bench.gpu.transfer import measure_pd
 
 logger = logging.getLogger("pd_cluster.bench.gpu")
@@ -91,7 +92,8 @@ def device_kind() -> str:
     return f"{name}-x{torch.cuda.device_count()}"
 
 
-PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model", "local_prefill", "json_schema")
+PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model", "local_prefill", "json_schema",
+         "tp")
 
 
 def run(plan: Plan, out_dir: Path) -> dict:
@@ -103,8 +105,15 @@ def run(plan: Plan, out_dir: Path) -> dict:
     ceilings = results.part("ceilings", lambda: measure_ceilings(dev0)) or {}
     copy_bw = ceilings.get("copy_tb_per_s", 4.0)
     matmul = ceilings.get("matmul_tflops", 800.0)
-    run_big_model(results, plan, dev0, dev1, copy_bw, matmul, gen)
+    if set(plan.parts) - {"small_model", "tp"}:  # the parts on the TP 1 engine of the big shape
+        run_big_model(results, plan, dev0, dev1, copy_bw, matmul, gen)
     empty_cache()
+    if "tp" in plan.parts:
+        if dev1 is not None and dev1.type == "cuda":
+            results.part("tp", lambda: measure_tp(plan, copy_bw, gen))
+        else:
+            results.data["errors"]["tp"] = "needs two GPUs"
+        empty_cache()
     if "small_model" in plan.parts:
         results.part("small_model", lambda: measure_small_model(plan, dev0, copy_bw, matmul, gen))
     results.save()

@@ -26,9 +26,14 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95, "frequency_penalty": 0.5}
 
 
 def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: torch.Generator,
-                   eager_batches: tuple[int, ...] = ()) -> dict:
+                   eager_batches: tuple[int, ...] = (), kv_bytes_per_token: int | None = None,
+                   sampling: bool = True, graph_replay: bool = True) -> dict:
     """Decode steps of the whole engine (schedule, graph replay, sampling), largest batch first;
-    requests are aborted down to the next batch size, so contexts stay near ``decode_ctx``."""
+    requests are aborted down to the next batch size, so contexts stay near ``decode_ctx``.
+    ``kv_bytes_per_token``: the KV a step reads a token (default: the engine's spec; a
+    tensor-parallel rank reads only its heads'). ``sampling``: also the sampled-step overhead.
+    ``graph_replay``: also the graph replayed alone (not on a tensor-parallel engine, whose
+    other ranks replay only the steps rank 0 plans)."""
     batches = sorted(plan.decode_batches, reverse=True)
     reqs = start_decoding(engine, batches[0], plan.decode_ctx, gen)
     w_bytes = weight_bytes(engine)
@@ -40,11 +45,11 @@ def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: tor
         for _ in range(3):
             engine.step()
         row = time_decode_steps(engine, reqs, plan.decode_steps)
-        kv_bytes = row.pop("mean_ctx_sum") * engine.kv_spec.bytes_per_token
+        kv_bytes = row.pop("mean_ctx_sum") * (kv_bytes_per_token or engine.kv_spec.bytes_per_token)
         floor_ms = (w_bytes + kv_bytes) / copy_tb_per_s / 1e9
         row.update(kv_bytes=kv_bytes, floor_ms=floor_ms, floor_ratio=row["step_ms"] / floor_ms,
                    tokens_per_s=batch / row["step_ms"] * 1e3)
-        if engine.runner.graphs is not None:
+        if graph_replay and engine.runner.graphs is not None:
             row.update(time_graph_replay(engine, batch, floor_ms))
             if batch in eager_batches:
                 row["eager_step_ms"] = time_eager_steps(engine, reqs, plan.decode_steps)
@@ -53,7 +58,7 @@ def measure_decode(engine: LLMEngine, plan: Plan, copy_tb_per_s: float, gen: tor
                     row["floor_ratio"])
     for r in reqs:
         engine.abort(r.request_id)
-    if f"b{plan.key_batch}" in out:
+    if sampling and f"b{plan.key_batch}" in out:
         out["sampling"] = measure_sampling_overhead(engine, plan, gen)
     return out
 

@@ -18,7 +18,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine import llm_engine
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.model.weights import LayerWeights, ModelWeights
+from pd_cluster.model.weights import LayerWeights, ModelWeights, load_weights
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
@@ -57,9 +57,12 @@ def random_model(config_file: Path, seed: int = 0) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="pd-bench-") as tmp:
         shutil.copy(config_file, Path(tmp) / "config.json")
 
-        def load(path, config: ModelConfig, dtype: torch.dtype, device, shard=None) -> ModelWeights:
+        def load(path, config: ModelConfig, dtype: torch.dtype, device, shard=None,
+                 load_format: str = "safetensors") -> ModelWeights:
+            if load_format == "dummy":  # an engine of any TP (its other ranks make theirs alike)
+                return load_weights(path, config, dtype, device, shard, load_format)
             if shard is not None and not shard.whole:
-                raise NotImplementedError("random in-memory weights are whole: write a model directory for TP > 1")
+                raise NotImplementedError("random in-memory weights are whole: use load_format dummy for TP > 1")
             return random_weights(config, dtype, torch.device(device), seed)
 
         with mock.patch.object(llm_engine, "load_weights", load):
@@ -83,7 +86,7 @@ def build_engine(config_file: Path, device: str, seed: int = 0, **options: Any) 
     if "max_num_batched_tokens" in options:
         options.setdefault("prefill_chunk_tokens", options["max_num_batched_tokens"])
     with random_model(config_file, seed) as path:
-        return LLMEngine(EngineConfig(model=path, device=device, dtype="bfloat16", **options),
+        return LLMEngine(EngineConfig(model=path, device=device, **{"dtype": "bfloat16", **options}),
                          tokenizer=BlankTokenizer())
 
 

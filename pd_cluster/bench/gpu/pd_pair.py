@@ -95,14 +95,16 @@ class PDPair:
 
 @contextlib.asynccontextmanager
 async def pd_pair(p_engine: LLMEngine, plan: Plan, config_file: Path, d_dev: torch.device,
-                  share_across_gpus: bool = False, kv_ipc: bool = True) -> AsyncIterator[PDPair]:
+                  share_across_gpus: bool = False, kv_ipc: bool = True,
+                  d_engine_options: dict | None = None) -> AsyncIterator[PDPair]:
     """Start D (random weights of ``config_file``) on ``d_dev`` and P's service on ``p_engine``;
-    stop both on exit, D's counters left in ``d_counters``."""
+    stop both on exit, D's counters left in ``d_counters``. ``d_engine_options``: more of D's
+    engine settings (e.g. its ``tp``)."""
     from prefill_node.service import PrefillService
 
     d_options = {"max_total_tokens": plan.d_kv_tokens, "max_model_len": plan.max_model_len,
                  "max_num_batched_tokens": 4096, "block_size": plan.block_size, "cuda_graph_batch_sizes": [1, 2, 4],
-                 "max_running_requests": 8, "share_kv_across_gpus": share_across_gpus}
+                 "max_running_requests": 8, "share_kv_across_gpus": share_across_gpus, **(d_engine_options or {})}
     parent, child = mp.get_context("spawn").Pipe()
     d_proc = mp.get_context("spawn").Process(target=decode_node_main, args=(child, str(config_file), str(d_dev), d_options),
                                              daemon=True)

@@ -21,6 +21,13 @@ TARGETS = {  # key: (target, "<=" lower is better / ">=" higher is better)
     "same_gpu_transfer_visible_fraction_4k": (0.25, "<="),
     "peer_ipc_transfer_vs_p2p_copy_4k": (0.90, ">="),
     "peer_ipc_transfer_visible_fraction_4k": (0.25, "<="),
+    "tp2_decode_floor_ratio_b1": (1.35, "<="),
+    "tp2_decode_floor_ratio_b64": (1.30, "<="),
+    # Reported beside NCCL's own on the same group (no target).
+    "tp2_allreduce_us_b1": (None, ""),
+    "tp2_allreduce_nccl_us_b1": (None, ""),
+    "hetero_tp_transfer_vs_copy_4k": (0.70, ">="),
+    "hetero_tp_transfer_visible_fraction_4k": (0.25, "<="),
 }
 
 
@@ -52,6 +59,12 @@ def summarize(results: dict, plan: Plan) -> dict:
         "peer_ipc_transfer_vs_p2p_copy_4k": get("peer_ipc", "write", str(plan.key_len), "write_vs_copy"),
         "peer_ipc_transfer_visible_fraction_4k": get("peer_ipc", "handover", str(plan.key_len),
                                                      "layers_visible_fraction"),
+        "tp2_decode_floor_ratio_b1": get("tp", "decode", "b1", "floor_ratio"),
+        "tp2_decode_floor_ratio_b64": get("tp", "decode", big, "floor_ratio"),
+        "tp2_allreduce_us_b1": get("tp", "allreduce", "rows1", "ours_us"),
+        "tp2_allreduce_nccl_us_b1": get("tp", "allreduce", "rows1", "nccl_us"),
+        "hetero_tp_transfer_vs_copy_4k": get("tp", "hetero", "transfer_vs_copy"),
+        "hetero_tp_transfer_visible_fraction_4k": get("tp", "hetero", "visible_fraction"),
     }
 
 
@@ -61,6 +74,8 @@ def verdicts(keys: dict) -> dict:
         target, sense = TARGETS[key]
         if value is None:
             out[key] = "not run"
+        elif target is None:
+            out[key] = "reported"
         else:
             ok = value <= target if sense == "<=" else value >= target
             out[key] = "met" if ok else "missed"
@@ -80,6 +95,7 @@ def markdown(results: dict) -> str:
         *_same_gpu_section(results.get("same_gpu", {})),
         *_same_gpu_section(results.get("peer_ipc", {})),
         *_small_model_section(results.get("small_model")),
+        *_tp_section(results.get("tp")),
     ]
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {part}: {msg}" for part, msg in results["errors"].items()]
@@ -108,11 +124,12 @@ def _same_gpu_section(same: dict) -> list[str]:
 
 
 def short_table(results: dict) -> str:
-    rows = [f"{'key':34s} {'value':>9s}  target    verdict"]
+    rows = [f"{'key':38s} {'value':>9s}  target    verdict"]
     for key, value in results["keys"].items():
         target, sense = TARGETS[key]
         shown = "-" if value is None else f"{value:.3f}"
-        rows.append(f"{key:34s} {shown:>9s}  {sense}{target:<6}  {results['verdicts'][key]}")
+        goal = "-" if target is None else f"{sense}{target}"
+        rows.append(f"{key:38s} {shown:>9s}  {goal:<8}  {results['verdicts'][key]}")
     return "\n".join(rows)
 
 
@@ -136,7 +153,7 @@ def _headline(results: dict) -> list[str]:
     for key, value in keys.items():
         target, sense = TARGETS[key]
         shown = "—" if value is None else f"{value:.3f}"
-        lines.append(f"| {key} | {shown} | {sense} {target} | {verdict[key]} |")
+        lines.append(f"| {key} | {shown} | {'—' if target is None else f'{sense} {target}'} | {verdict[key]} |")
     return lines
 
 
@@ -226,6 +243,30 @@ def _small_model_section(small: dict | None) -> list[str]:
     for batch, row in _batch_rows(small["decode"]):
         lines.append(f"| {batch} | {row['step_ms']:.3f} | {row['floor_ms']:.3f} | {row['floor_ratio']:.2f} | "
                      f"{_fmt(row.get('eager_step_ms'))} |")
+    return lines
+
+
+def _tp_section(tp: dict | None) -> list[str]:
+    if not tp:
+        return []
+    lines = _table(f"## TP {tp.get('tp')}: decode step against one rank's floor (its shards, its KV heads)",
+                   ["batch", "step ms", "floor ms", "step / floor"])
+    for batch, row in _batch_rows(tp.get("decode", {})):
+        lines.append(f"| {batch} | {row['step_ms']:.3f} | {row['floor_ms']:.3f} | {row['floor_ratio']:.2f} |")
+    reduce = tp.get("allreduce", {})
+    lines += _table(f"## TP {tp.get('tp')}: all-reduce of a decode step's rows, a call in a CUDA graph "
+                    f"(one-shot: {reduce.get('one_shot')})", ["rows", "bytes", "ours us", "NCCL us", "NCCL / ours"])
+    for key, row in reduce.items():
+        if key.startswith("rows"):
+            lines.append(f"| {key[4:]} | {row['bytes']} | {row['ours_us']:.2f} | {row['nccl_us']:.2f} | "
+                         f"{row['nccl_vs_ours']:.2f} |")
+    het = tp.get("hetero")
+    if het:
+        lines += ["", f"P TP 1 -> D TP {tp.get('tp')} ({het['tokens']} tokens, {het.get('transport')}): transfer "
+                  f"{het['transfer_ms']:.2f} ms (whole handover {het['whole_handover_ms']:.2f} ms less the prefill "
+                  f"{het['prefill_ms']:.2f} ms) vs a copy into the D ranks' GPUs {het['copy_ms']:.2f} ms "
+                  f"({het['transfer_vs_copy']:.2f}); layer-wise handover {het['layers_handover_ms']:.2f} ms, "
+                  f"visible fraction {het['visible_fraction']:.2f}."]
     return lines
 
 
