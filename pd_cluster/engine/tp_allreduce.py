@@ -72,7 +72,8 @@ def local_reason(device: torch.device, rank: int, size: int) -> str | None:
 class OneShotAllReduce:
     """This rank's symmetric buffer and the one-shot sum over it (see the module's docstring)."""
 
-    def __init__(self, store: dist.TCPStore, rank: int, size: int, device: torch.device, limit: int) -> None:
+    def __init__(self, store: dist.TCPStore, rank: int, size: int, device: torch.device, limit: int,
+                 backend: dist.Backend) -> None:
         from torch._C._distributed_c10d import _SymmetricMemory
         from torch.distributed import _symmetric_memory as symm_mem
 
@@ -80,7 +81,11 @@ class OneShotAllReduce:
         self.device = device
         # The node's store is one per node, so its port names the node's ranks alike.
         self.group_name = f"pd-cluster-tp-{store.port}"
+        self.process_group = register_group(self.group_name, store, rank, size, device, backend)
         _SymmetricMemory.set_group_info(self.group_name, rank, size, dist.PrefixStore("symm-mem", store))
+        if symm_mem.get_backend(device) is None:
+            # Peer memory through CUDA's own IPC (NVSHMEM's bootstrap needs a world of its own).
+            symm_mem.set_backend("CUDA")
         self.buffer = symm_mem.empty(limit, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank exchanges its handle
 
@@ -96,6 +101,23 @@ class OneShotAllReduce:
                                                         tensor.view(-1))
 
 
+def register_group(name: str, store: dist.Store, rank: int, size: int, device: torch.device,
+                   backend: dist.Backend) -> dist.ProcessGroup:
+    """Register the node's model group under ``name`` in torch's process-group registry, where
+    symmetric memory looks a group up by name; the node's groups are made without
+    ``init_process_group``, so nothing else registers them. The registry holds it weakly: keep
+    the returned group alive as long as the name is used."""
+    from torch._C._distributed_c10d import _register_process_group
+
+    group = dist.ProcessGroup(dist.PrefixStore(f"{name}/", store), rank, size)
+    kind = dist.ProcessGroup.BackendType.NCCL if device.type == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    group._register_backend(torch.device(device.type), kind, backend)
+    group._set_default_backend(kind)
+    group._set_group_name(name)
+    _register_process_group(name, group)
+    return group
+
+
 def agree(control: dist.ProcessGroup, ok: bool, timeout: datetime.timedelta) -> bool:
     """Whether every rank of the node said ``ok`` (over the host-side control group)."""
     flag = torch.tensor([1 if ok else 0])
@@ -107,7 +129,7 @@ def agree(control: dist.ProcessGroup, ok: bool, timeout: datetime.timedelta) -> 
 
 
 def make_one_shot(mode: AllReduceMode, store: dist.TCPStore, control: dist.ProcessGroup, rank: int, size: int,
-                  device: torch.device, timeout: datetime.timedelta) -> OneShotAllReduce | None:
+                  device: torch.device, timeout: datetime.timedelta, model: dist.Backend) -> OneShotAllReduce | None:
     """The node's one-shot all-reduce, or None where it uses only its group's (NCCL, or gloo on
     CPU): with ``mode`` "nccl", or "auto" where some rank cannot. "oneshot" raises instead."""
     if mode == "nccl" or size < 2:
@@ -123,6 +145,6 @@ def make_one_shot(mode: AllReduceMode, store: dist.TCPStore, control: dist.Proce
         if device.type == "cuda":
             logger.info("tp all-reduce: NCCL only (%s)", reason or "another rank cannot use the one-shot")
         return None
-    one_shot = OneShotAllReduce(store, rank, size, device, one_shot_limit(size))
+    one_shot = OneShotAllReduce(store, rank, size, device, one_shot_limit(size), model)
     logger.info("tp all-reduce: one-shot over peer memory up to %d KiB, NCCL above", one_shot.limit >> 10)
     return one_shot

@@ -60,7 +60,7 @@ class TPGroup:
             self.model = dist.ProcessGroupGloo(model_store, rank, size, self.step_timeout)
         self._reduce_options = dist.AllreduceOptions()
         self._reduce_options.timeout = self.step_timeout
-        self.one_shot = make_one_shot(all_reduce_mode, store, self.control, rank, size, device, startup)
+        self.one_shot = make_one_shot(all_reduce_mode, store, self.control, rank, size, device, startup, self.model)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place (the row-parallel projections' outputs): the
