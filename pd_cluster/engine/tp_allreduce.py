@@ -145,6 +145,14 @@ def make_one_shot(mode: AllReduceMode, store: dist.TCPStore, control: dist.Proce
         if device.type == "cuda":
             logger.info("tp all-reduce: NCCL only (%s)", reason or "another rank cannot use the one-shot")
         return None
-    one_shot = OneShotAllReduce(store, rank, size, device, one_shot_limit(size), model)
+    try:
+        one_shot: OneShotAllReduce | None = OneShotAllReduce(store, rank, size, device, one_shot_limit(size), model)
+    except RuntimeError as e:
+        if mode == "oneshot":
+            raise
+        logger.warning("tp all-reduce: the one-shot could not be set up (%s); NCCL only", e)
+        one_shot = None
+    if not agree(control, one_shot is not None, timeout):
+        return None  # every rank uses the same all-reduce, or they would never meet
     logger.info("tp all-reduce: one-shot over peer memory up to %d KiB, NCCL above", one_shot.limit >> 10)
     return one_shot
