@@ -8,6 +8,12 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One compute thread a process under pytest-xdist: two workers (and the clusters they start) share
+    # the runner's cores, and torch's default (a thread per core in each process) oversubscribes them
+    # into spinning. Set before torch loads, so every child started from here inherits it too.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 #: Fixtures whose users are kept on one pytest-xdist worker: Ray (one local Ray at a time, each
 #: sized for the whole machine) and the session's shared cluster (started once, not once a worker).
 SHARED_BY_FILES = ("ray_address", "served_cluster")
