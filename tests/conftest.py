@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
+import os
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One compute thread a process under pytest-xdist: two workers (and the clusters they start) share
+    # the runner's cores, and torch's default (a thread per core in each process) oversubscribes them
+    # into spinning. Set before torch loads, so every child started from here inherits it too.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+#: Fixtures whose users are kept on one pytest-xdist worker: Ray (one local Ray at a time, each
+#: sized for the whole machine) and the session's shared cluster (started once, not once a worker).
+SHARED_BY_FILES = ("ray_address", "served_cluster")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``-n N --dist loadgroup`` a worker runs a whole file, so module-scoped clusters start once;
+    the files using a fixture of :data:`SHARED_BY_FILES` go to one worker together. Runs before
+    pytest-xdist reads the groups; without xdist the marks change nothing."""
+    files: dict[str, list[pytest.Item]] = defaultdict(list)
+    for item in items:
+        files[item.nodeid.split("::", 1)[0]].append(item)
+    for path, file_items in files.items():
+        shared = [name for name in SHARED_BY_FILES if any(name in item.fixturenames for item in file_items)]
+        group = shared[0] if shared else path
+        for item in file_items:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -41,11 +68,16 @@ def tokenizer(default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def hf_reference(default_model_dir):
-    """Greedy continuation by transformers (float32, CPU) with EOS neither stopping nor masked."""
+def hf_reference(default_model_dir, tmp_path_factory):
+    """Greedy continuation by transformers (float32, CPU) with EOS neither stopping nor masked,
+    computed once a test run: pytest-xdist's workers share their results through the run's
+    temporary folder (the parent of each worker's own)."""
     from tests.reference import GreedyReference
 
-    return GreedyReference(default_model_dir)
+    run_temp = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run_temp = run_temp.parent
+    return GreedyReference(default_model_dir, run_temp / "greedy-reference" / default_model_dir.name)
 
 
 @pytest.fixture(scope="session")

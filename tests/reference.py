@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -29,18 +32,52 @@ class GreedyReference:
     """Greedy continuations, each computed by one loop per prompt that is extended, never rerun: a
     request for fewer tokens than already computed is answered with a prefix (the first ``n`` tokens
     of a greedy loop do not depend on how far it runs), one for more continues the same loop from the
-    logits and KV cache it stopped at (the very forwards a fresh, longer loop would run)."""
+    logits and KV cache it stopped at (the very forwards a fresh, longer loop would run).
+
+    With a ``store`` folder, every continuation computed is also written there and one found there is
+    read instead of computed: the processes of one test run (pytest-xdist's workers) share what any of
+    them computed. transformers' model is loaded on the first continuation that is computed."""
 
     #: Prompts whose loop state (last logits, KV cache) is kept to be extended; others keep tokens only.
     KEEP_STATES = 24
 
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        self.model.eval()
+    def __init__(self, model_dir: Path, store: Path | None = None) -> None:
+        self.model_dir = model_dir
+        self.store = store
+        self._model = None
         self._tokens: dict[tuple[int, ...], list[int]] = {}
         self._states: OrderedDict[tuple[int, ...], tuple[torch.Tensor, object]] = OrderedDict()
+
+    @property
+    def model(self):
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            self._model.eval()
+        return self._model
+
+    def _stored_path(self, prompt: tuple[int, ...]) -> Path | None:
+        if self.store is None:
+            return None
+        return self.store / (hashlib.sha256(json.dumps(prompt).encode()).hexdigest() + ".json")
+
+    def _read_stored(self, prompt: tuple[int, ...]) -> list[int]:
+        path = self._stored_path(prompt)
+        if path is None or not path.exists():
+            return []
+        record = json.loads(path.read_text())
+        return record["tokens"] if tuple(record["prompt"]) == prompt else []
+
+    def _write_stored(self, prompt: tuple[int, ...], tokens: list[int]) -> None:
+        """Written whole under a private name, then renamed: a reader sees the old file or the new."""
+        path = self._stored_path(prompt)
+        if path is None or len(self._read_stored(prompt)) >= len(tokens):
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps({"prompt": list(prompt), "tokens": tokens}))
+        os.replace(partial, path)
 
     @torch.inference_mode()
     def _extend(self, prompt: tuple[int, ...], max_new_tokens: int) -> None:
@@ -63,8 +100,13 @@ class GreedyReference:
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         key = tuple(prompt)
+        if len(self._tokens.get(key, ())) < max_new_tokens and key not in self._states:
+            stored = self._read_stored(key)
+            if len(stored) > len(self._tokens.get(key, ())):
+                self._tokens[key] = stored
         if len(self._tokens.get(key, ())) < max_new_tokens:
             self._extend(key, max_new_tokens)
+            self._write_stored(key, self._tokens[key])
         elif key in self._states:
             self._states.move_to_end(key)
         return list(self._tokens[key][:max_new_tokens])

@@ -39,8 +39,11 @@ class ServedMaster:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     async def _start(self) -> None:
-        # Small bodies keep each case quick; the queue never waits long.
-        self.master = LiveMaster(make_settings(self.model_dir, queue_timeout_s=1.0, max_body_bytes=256 * 1024))
+        # Small bodies keep each case quick; the queue never waits long. The fake nodes' heartbeats
+        # share this process with schemathesis' generation: on a loaded machine they can lag past
+        # the usual 2 s, and a node evicted for it would turn valid cases into 503s.
+        self.master = LiveMaster(make_settings(self.model_dir, queue_timeout_s=1.0, max_body_bytes=256 * 1024,
+                                               heartbeat_timeout_s=120.0))
         await self.master.__aenter__()
         prefill, decode = FakeNode(self.master, "p0", "prefill"), FakeNode(self.master, "d0", "decode")
         assert isinstance(await prefill.join(), protocol.Registered)
