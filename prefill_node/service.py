@@ -233,7 +233,7 @@ class PrefillService:
             channel = await wait_for(self.channels.get(job.decode_address), left())
             lease = await reserve(channel, job, self.lease_s, left)
             times.query_s = lease.query_seconds
-            sender = choose_sender(channel, lease, job.request_id, len(job.token_ids), self.engine.pool,
+            sender = choose_sender(channel, lease, job.request_id, len(job.token_ids), self.engine.node_kv,
                                    self._side_stream, self.send_options())
             await sender.begin(left)
             if sender.layer_sink is not None:

@@ -18,7 +18,6 @@ from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.sampler import GraphDrawn
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.step_layout import StepLayout
-from pd_cluster.engine.tp_kv import KVShare
 from pd_cluster.engine.tp_leader import TPLeader
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.llama import LayerHook, LlamaModel
@@ -32,15 +31,11 @@ StepHook = Callable[[ScheduledStep], LayerHook | None]
 class ModelRunner:
     def __init__(
         self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, device: torch.device,
-        config: EngineConfig | None = None, tp: TPLeader | None = None, share: KVShare | None = None,
+        config: EngineConfig | None = None, tp: TPLeader | None = None,
     ) -> None:
         self.model = model
         #: The other ranks of a tensor-parallel node, sent each step's inputs before it runs here.
         self.tp = tp
-        self.share = share
-        #: Tensor parallel: the request each table row held at its last step (a new one's KV
-        #: written before its first step, e.g. received from a prefill node, goes to the ranks).
-        self._row_owner: dict[int, object] = {}
         self.pool = pool
         self.table = table
         self.device = device
@@ -147,25 +142,7 @@ class ModelRunner:
             batch = self.prepare(step, layout, starts)
             layout.take_device_ids(step, starts, batch.input_ids, device_tokens)
             if self.tp is not None:
-                return self._run_tp(step, batch, layer_hook)
+                # The plan to the other ranks, then the same forward here: each rank reads and
+                # writes its own heads at the slots the plan names.
+                self.tp.forward(batch)
             return self.model.forward(batch, self.pool, layer_hook)
-
-    def _run_tp(self, step: ScheduledStep, batch: ForwardBatch, layer_hook: LayerHook | None) -> torch.Tensor:
-        """A tensor-parallel step: KV the other ranks lack first, then the plan, then the forward
-        here, each layer's new KV gathered into this rank's pool before ``layer_hook`` sees it."""
-        assert self.tp is not None and self.share is not None
-        share = self.share
-        for req in step.requests:
-            if self._row_owner.get(req.row) is not req:
-                self._row_owner[req.row] = req
-                if req.num_computed:
-                    slots = self.table.table[req.row, : req.num_computed].to(self.device)
-                    self.tp.put_kv(slots, share.full_kv(slots))
-        self.tp.forward(batch)
-
-        def hook(layer: int) -> None:
-            share.layer_done(batch.out_slots, layer)
-            if layer_hook is not None:
-                layer_hook(layer)
-
-        return self.model.forward(batch, share.own, hook)

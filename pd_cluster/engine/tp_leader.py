@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from pd_cluster.engine.tp_group import STEP_TIMEOUT_S, TPGroup, make_store
-from pd_cluster.engine.tp_plan import Op, header, pack, put_header
+from pd_cluster.engine.tp_plan import Op, header, pack, slots_header
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.model.forward_batch import ForwardBatch
 
@@ -85,20 +85,29 @@ class TPLeader:
         self._send(header(Op.FORWARD, batch), payload)
 
     def put_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Send every head's KV at ``slots`` (``[layers, 2, n, heads, head_dim]``); each rank keeps its own."""
-        self._send(put_header(slots.numel()), slots.to(device="cpu", dtype=torch.int64), kv)
+        """Send every head's KV at ``slots`` (``[2, layers, n, heads, head_dim]`` on the device,
+        contiguous); each rank keeps its own. The caller then writes its own heads here."""
+        self._send(slots_header(Op.PUT_KV, slots.numel()), slots.to(device="cpu", dtype=torch.int64), model=kv)
 
-    def _send(self, head: torch.Tensor, *payloads: torch.Tensor) -> None:
-        with self._lock:
-            try:
+    def gather_kv(self, slots: torch.Tensor) -> None:
+        """Ask the ranks for their heads at ``slots``; the caller then joins their all-gather
+        (:meth:`pd_cluster.engine.tp_kv.KVHeads.gather`)."""
+        self._send(slots_header(Op.GATHER_KV, slots.numel()), slots.to(device="cpu", dtype=torch.int64))
+
+    def _send(self, head: torch.Tensor, *payloads: torch.Tensor, model: torch.Tensor | None = None) -> None:
+        """The plan (control group), then ``model`` broadcast over the model group if given."""
+        try:
+            with self._lock:
                 self.group.broadcast(head)
                 for payload in payloads:
                     self.group.broadcast(payload)
-            except Exception as e:
-                if not self._closing.is_set():
-                    self.on_lost(f"tensor parallel group failed: {e}")
-                raise
-            self._last_sent = time.monotonic()
+                self._last_sent = time.monotonic()
+            if model is not None:
+                self.group.broadcast_model(model)
+        except Exception as e:
+            if not self._closing.is_set():
+                self.on_lost(f"tensor parallel group failed: {e}")
+            raise
 
     def _keep_alive(self) -> None:
         while not self._closing.wait(self._keep_alive_s / 2):

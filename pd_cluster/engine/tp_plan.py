@@ -20,8 +20,12 @@ class Op(enum.IntEnum):
     STOP = 0
     FORWARD = 1
     KEEP_ALIVE = 2
-    #: KV written on rank 0 from outside (a handover): the slots, then every head's KV there.
+    #: KV written on rank 0 from outside (a handover): the slots, then (over the model group)
+    #: every head's KV there; each rank keeps its own heads.
     PUT_KV = 3
+    #: KV leaving the node (a handover): the slots; the ranks' heads there go to rank 0 (an
+    #: all-gather over the model group).
+    GATHER_KV = 4
 
 
 def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
@@ -34,8 +38,9 @@ def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
     return head
 
 
-def put_header(n_slots: int) -> torch.Tensor:
-    head = header(Op.PUT_KV)
+def slots_header(op: Op, n_slots: int) -> torch.Tensor:
+    """The header of a KV op (:attr:`Op.PUT_KV`, :attr:`Op.GATHER_KV`) on ``n_slots`` slots."""
+    head = header(op)
     head[1] = n_slots
     return head
 

@@ -20,10 +20,9 @@ import torch
 
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.tp_group import TPGroup, make_store
-from pd_cluster.engine.tp_kv import KVShare
+from pd_cluster.engine.tp_kv import KVHeads, rank_kv_spec
 from pd_cluster.engine.tp_plan import HEADER_LEN, Op, payload_size, unpack
 from pd_cluster.engine.tp_rank_spec import RankSpec
-from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
 from pd_cluster.model.shard import Shard
@@ -34,12 +33,6 @@ logger = logging.getLogger(__name__)
 #: Exit status of a rank that lost rank 0.
 LOST_LEADER_EXIT = 3
 PARENT_POLL_S = 0.5
-
-
-def rank_kv_spec(config: ModelConfig, shard: Shard, dtype: str, block_size: int = 1) -> KVSpec:
-    """The KV one rank stores: its own heads."""
-    return KVSpec(model=config.name, num_layers=config.num_layers, num_kv_heads=shard.kv_heads(config).count,
-                  head_dim=config.head_dim, dtype=dtype, block_size=block_size)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -66,7 +59,7 @@ class RankLoop:
                                 all_reduce=self.group.all_reduce)
         num_slots = int(store.get("num_slots"))
         self.pool = KVPool(rank_kv_spec(config, shard, spec.dtype), num_slots, self.device)
-        self.share = KVShare(self.group, config, self.pool, None)
+        self.heads = KVHeads(self.group, config, self.pool)
         self.config = config
         self.group.barrier()
         logger.info("tensor parallel rank %d of %d ready on %s: %d KV heads, %d slots", spec.rank, spec.size,
@@ -84,6 +77,8 @@ class RankLoop:
             with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_device():
                 if op is Op.PUT_KV:
                     self._put_kv(int(head[1]))
+                elif op is Op.GATHER_KV:
+                    self.heads.gather(self._slots(int(head[1])))
                 else:
                     self._forward(head)
 
@@ -91,15 +86,21 @@ class RankLoop:
         payload = torch.empty(payload_size(head), dtype=torch.int64)
         self.group.broadcast(payload)
         batch = unpack(head, payload, self.device)
-        self.model.forward(batch, self.pool, lambda layer: self.share.layer_done(batch.out_slots, layer))
+        self.model.forward(batch, self.pool)
 
-    def _put_kv(self, n: int) -> None:
+    def _slots(self, n: int) -> torch.Tensor:
+        """The slots of a KV op, from rank 0, on this rank's device."""
         slots = torch.empty(n, dtype=torch.int64)
         self.group.broadcast(slots)
+        return slots.to(self.device)
+
+    def _put_kv(self, n: int) -> None:
+        slots = self._slots(n)
         cfg = self.config
-        kv = torch.empty((cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype)
-        self.group.broadcast(kv)
-        self.share.take(slots, kv)
+        kv = torch.empty((2, cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype,
+                         device=self.device)
+        self.group.broadcast_model(kv)
+        self.heads.take(kv, slots)
 
 
 class _no_device:
