@@ -82,13 +82,13 @@ def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
 
 
 def tp_config(config: EngineConfig) -> EngineConfig:
-    """A tensor-parallel node's settings: its steps run eagerly, one at a time, so that each
-    rank runs exactly the forward rank 0 plans (no CUDA graphs, no overlapped or side steps)."""
-    eager = {"cuda_graphs": False, "overlap_schedule": False, "side_prefill_max_tokens": 0}
-    changed = [name for name, value in eager.items() if getattr(config, name) != value]
-    if changed:
-        logger.info("tp %d: %s off (tensor-parallel steps run eagerly)", config.tp, ", ".join(changed))
-    return config.model_copy(update=eager)
+    """A tensor-parallel node's settings: no side prefills (a second stream's steps beside the
+    main one would need every rank to run both in the same order). CUDA graphs and the overlap
+    schedule stay: every rank replays the graph rank 0 plans, and the plan goes out before the
+    forward (the ids a step reads on the device follow it over the model group)."""
+    if config.side_prefill_max_tokens:
+        logger.info("tp %d: side prefills off (a tensor-parallel node runs one stream of steps)", config.tp)
+    return config.model_copy(update={"side_prefill_max_tokens": 0})
 
 
 @dataclass

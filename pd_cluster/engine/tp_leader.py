@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from pd_cluster.engine.tp_group import STEP_TIMEOUT_S, TPGroup, make_store
-from pd_cluster.engine.tp_plan import Op, header, pack, slots_header
+from pd_cluster.engine.tp_plan import Op, graph_header, header, pack, slots_header, with_journal
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.model.forward_batch import ForwardBatch
 
@@ -79,10 +79,26 @@ class TPLeader:
         self.group.barrier()
         threading.Thread(target=self._keep_alive, name="tp-keep-alive", daemon=True).start()
 
-    def forward(self, batch: ForwardBatch) -> None:
-        """Send the step's plan; the caller then runs the same forward here."""
-        payload = pack(batch)
-        self._send(header(Op.FORWARD, batch), payload)
+    def forward(self, batch: ForwardBatch, journal: torch.Tensor) -> None:
+        """Send the step's plan (with ``journal``, the request table's writes since the last);
+        the caller then runs the same forward here."""
+        self._send(with_journal(header(Op.FORWARD, batch), journal), torch.cat((pack(batch), journal.reshape(-1))))
+
+    def forward_graph(self, decode: int, tokens: int, inputs: torch.Tensor, journal: torch.Tensor,
+                      prev_ids: torch.Tensor | None) -> None:
+        """Send a replayed step's plan: its graph's shape and packed static ``inputs`` (host int64),
+        the table's writes, and ``prev_ids`` (the graphs' buffer of the last step's sampled ids on
+        the device, broadcast in stream order: no wait for them here) where the step reads them;
+        the caller then replays the same graph here."""
+        head = with_journal(graph_header(decode, tokens, inputs.numel(), prev_ids is not None), journal)
+        self._send(head, torch.cat((inputs, journal.reshape(-1))), model=prev_ids)
+
+    def capture(self, settings: torch.Tensor) -> None:
+        """Have the ranks capture the CUDA graphs rank 0 captures next (the same shapes, in the
+        same order: their all-reduces meet); ``settings`` from :func:`~pd_cluster.engine.tp_plan.graph_settings`."""
+        head = header(Op.CAPTURE)
+        head[1] = settings.numel()
+        self._send(head, settings)
 
     def put_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Send every head's KV at ``slots`` (``[2, layers, n, heads, head_dim]`` on the device,

@@ -23,6 +23,7 @@ def kv4_model(tmp_path_factory, default_model_dir):
 def _generate(model: str, tp: int, prompts, **options) -> list[list[int]]:
     llm = LLM(model=model, device="cpu", dtype="float32", tp=tp, max_total_tokens=2048, **options)
     try:
+        assert llm.engine.pipelined == bool(options.get("overlap_schedule"))
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         return [list(out.token_ids) for out in llm.generate(prompts, params)]
     finally:
@@ -34,6 +35,13 @@ def test_tp2_equals_tp1_token_for_token(kv4_model):
     # shares the first one's prefix (a prefix-cache hit reads KV the ranks stored earlier).
     options = {"max_num_batched_tokens": 8}
     assert _generate(str(kv4_model), 2, PROMPTS, **options) == _generate(str(kv4_model), 1, PROMPTS, **options)
+
+
+def test_tp2_with_the_overlap_schedule_equals_tp1(kv4_model):
+    # Each step's plan goes out before the last step's ids are read back (they follow the plan).
+    options = {"max_num_batched_tokens": 8}
+    assert (_generate(str(kv4_model), 2, PROMPTS, overlap_schedule=True, **options)
+            == _generate(str(kv4_model), 1, PROMPTS, **options))
 
 
 def test_tp4_splits_kv_heads_one_each_and_equals_tp1(kv4_model):
