@@ -16,10 +16,8 @@ during the forward, so both layer-wise paths are off there.
 from __future__ import annotations
 
 import asyncio
-import functools
-import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,8 +28,6 @@ from pd_cluster.handover.push import PushSender
 from pd_cluster.handover.sender import KVSender
 from pd_cluster.handover.stream import LayerStream, StreamSender
 from pd_cluster.transfer import PeerChannel
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,26 +42,13 @@ class SendOptions:
     direct_layerwise_min_tokens: int | None
 
 
-@functools.cache
-def _say_whole_only() -> None:
-    logger.info("tensor parallel: KV goes to decode nodes whole after the prefill (no layer-wise sends)")
-
-
-def whole_only(options: SendOptions) -> SendOptions:
-    """``options`` for a tensor-parallel P: no layer-wise path (said once in the log)."""
-    if options.layerwise or options.direct_layerwise_min_tokens is not None:
-        _say_whole_only()
-    return SendOptions(layerwise=False, layerwise_min_tokens=options.layerwise_min_tokens,
-                       layers_per_send=options.layers_per_send, direct_layerwise_min_tokens=None)
-
-
 def choose_sender(
     channel: PeerChannel, lease: DecodeLease, request_id: str, n_tokens: int, kv: NodeKV,
     side_stream: torch.cuda.Stream | None, options: SendOptions,
 ) -> KVSender:
     """The sender of the missing KV of a prompt of ``n_tokens`` tokens, over ``channel``."""
-    if not kv.whole:
-        options = whole_only(options)
+    if not kv.whole:  # no layer-wise path (its node says so once, at start)
+        options = replace(options, layerwise=False, direct_layerwise_min_tokens=None)
     if channel.shared_pool is not None:
         return DirectSender(channel, lease, request_id, n_tokens, kv, side_stream, options.direct_layerwise_min_tokens)
     block_size = kv.spec.block_size

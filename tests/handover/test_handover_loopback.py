@@ -88,6 +88,9 @@ async def test_p_and_d_of_different_tp_hand_over_every_head_and_a_prefix_hit_on_
                                                                                   chat_prompts, engine_outputs):
     pair = await start_pair(default_model_dir, **TP_PAIRS[case])
     try:
+        # A TP 2 engine's pool holds only its own KV heads: the handover re-shards.
+        for engine in (pair.p.engine, pair.d.engine):
+            assert (engine.pool.spec.num_kv_heads < engine.kv_spec.num_kv_heads) == (engine.config.tp > 1)
         first = chat_prompts[0]
         tokens, result = await pair.run(first)
         assert tokens == engine_outputs[0]
