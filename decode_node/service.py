@@ -70,7 +70,8 @@ class DecodeService:
     The listener answers prefill nodes' channel warm-ups itself (:attr:`warmed_peers`); the
     :class:`KVReceiver` answers the handover messages. ``share_kv_pool`` hands the KV pool to
     prefill nodes on this GPU (``share_kv_across_gpus``: on any GPU of this host), which then
-    write KV in place instead of sending it. ``listen=False``: no listener; prefill services in
+    write KV in place instead of sending it (not at TP > 1: its ranks' pools are not one tensor,
+    so prefill nodes send through the channel). ``listen=False``: no listener; prefill services in
     this process reach :attr:`receiver` over loopback links (:mod:`pd_cluster.handover.loopback`)."""
 
     def __init__(
@@ -98,6 +99,10 @@ class DecodeService:
         self.counters = DecodeCounters()
         self.receiver = KVReceiver(self.engine, self.worker, self.reservations, self.counters, transfer_timeout_s)
         pool = self.engine.pool
+        if share_kv_pool and not self.engine.node_kv.whole:
+            logger.info("tp %d: the KV pool is not offered to prefill nodes on this host (each rank holds "
+                        "part of the heads); they send KV through the channel", self.engine.config.tp)
+            share_kv_pool = False
         self.server = DataPlaneServer(
             data_host, data_port, cluster_token, self.engine.kv_spec, node_id, self.engine.device, self._handle,
             kv_pool=(pool.k_cache, pool.v_cache) if share_kv_pool else None, share_across_gpus=share_kv_across_gpus,

@@ -155,6 +155,9 @@ class PrefillService:
         self.direct_layerwise_min_tokens = direct_layerwise_min_tokens
         # Layer-wise over the network, layers go in groups: a send per group, not per layer.
         self.layers_per_send = layers_per_send
+        if not self.engine.node_kv.whole and (self.layerwise or direct_layerwise_min_tokens is not None):
+            logger.info("tp %d: KV goes to decode nodes whole after the prefill (no layer-wise sends: each rank "
+                        "holds part of the heads)", self.engine.config.tp)
         self._compute_stream = torch.cuda.Stream(self.engine.device) if on_gpu else None
         # KV copies out of the pool run at high priority: queued behind a long prefill's kernels
         # at equal priority, they (and the sends that wait for them) would start only at its end.
@@ -233,7 +236,7 @@ class PrefillService:
             channel = await wait_for(self.channels.get(job.decode_address), left())
             lease = await reserve(channel, job, self.lease_s, left)
             times.query_s = lease.query_seconds
-            sender = choose_sender(channel, lease, job.request_id, len(job.token_ids), self.engine.pool,
+            sender = choose_sender(channel, lease, job.request_id, len(job.token_ids), self.engine.node_kv,
                                    self._side_stream, self.send_options())
             await sender.begin(left)
             if sender.layer_sink is not None:

@@ -27,9 +27,9 @@ NEW_TOKENS = 8
 LOOPBACK_ADDRESS = "loopback:d0"
 
 
-def engine_config(model_dir, block_size: int = 16) -> EngineConfig:
+def engine_config(model_dir, block_size: int = 16, tp: int = 1) -> EngineConfig:
     return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_total_tokens=4096,
-                        block_size=block_size)
+                        block_size=block_size, tp=tp)
 
 
 def single_engine_tokens(model_dir, prompts: list[list[int]]) -> list[list[int]]:
@@ -106,13 +106,16 @@ class ServicePair:
     async def stop(self) -> None:
         await self.p.stop()
         await self.d.stop()
+        self.p.engine.close()  # a tensor-parallel engine's ranks
+        self.d.engine.close()
 
 
 async def start_pair(model_dir, *, loopback: bool = True, share: bool = False, block_size: int = 16,
-                     **p_options) -> ServicePair:
-    """Both services started (no engine warm-up); ``p_options`` go to the PrefillService."""
+                     p_tp: int = 1, d_tp: int = 1, **p_options) -> ServicePair:
+    """Both services started (no engine warm-up), P's and D's engines of ``p_tp`` and ``d_tp``
+    ranks; ``p_options`` go to the PrefillService."""
     pair = ServicePair()
-    pair.d = DecodeService(engine_config(model_dir, block_size), node_id="d0", cluster_token=TOKEN,
+    pair.d = DecodeService(engine_config(model_dir, block_size, d_tp), node_id="d0", cluster_token=TOKEN,
                            on_tokens=pair.on_tokens, share_kv_pool=share, warm_up=False, listen=not loopback)
     await pair.d.start()
     if loopback:
@@ -121,7 +124,7 @@ async def start_pair(model_dir, *, loopback: bool = True, share: bool = False, b
         pair.address = LOOPBACK_ADDRESS
     else:
         pair.address = pair.d.data_address
-    pair.p = PrefillService(engine_config(model_dir, block_size), node_id="p0", cluster_token=TOKEN, warm_up=False,
+    pair.p = PrefillService(engine_config(model_dir, block_size, p_tp), node_id="p0", cluster_token=TOKEN, warm_up=False,
                             lease_s=30.0, channels=pair.loopback, **p_options)
     await pair.p.start()
     return pair

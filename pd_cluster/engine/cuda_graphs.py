@@ -37,7 +37,7 @@ import bisect
 import gc
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +70,11 @@ class GraphShape:
 
     decode: int
     tokens: int = 0
+
+
+#: Told a step's graph inputs just before its replay: (its shape, the packed inputs on the host as
+#: the static buffer takes them, whether the graph reads ids left on the device by the last step).
+BeforeReplay = Callable[["GraphShape", torch.Tensor, bool], None]
 
 
 def _bucket(sizes: list[int], n: int) -> int | None:
@@ -316,21 +321,26 @@ class StepGraphs:
     # ---- replay --------------------------------------------------------------------------------
 
     def replay(self, step: ScheduledStep, layout: StepLayout, shape: GraphShape,
-               device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+               device_tokens: torch.Tensor | None = None, before_replay: BeforeReplay | None = None) -> torch.Tensor:
         """Run ``step`` in the graph of ``shape``; float32 logits ``[K, vocab]`` of the requests that
         sample, in step order (for a pure-decode step in order, a view valid until the next replay).
-        ``device_tokens``: the previous step's sampled ids on the device, for inputs still there."""
+        ``device_tokens``: the previous step's sampled ids on the device, for inputs still there.
+        ``before_replay``: told the inputs first (a tensor-parallel node's other ranks replay the
+        same graph on them, :meth:`replay_packed`)."""
         if shape.tokens == 0:
             tokens, seqs, starts = self._decode_inputs(step, shape)
         else:
             tokens, seqs, starts = self._mixed_inputs(step, layout, shape)
         d = shape.decode
         n_tok = shape.decode + shape.tokens
-        if device_tokens is not None:
-            self._mark_device_ids(step, layout, starts, tokens, n_tok, device_tokens)
+        pending = device_tokens is not None and self._mark_device_ids(step, layout, starts, tokens, n_tok,
+                                                                      device_tokens)
         mapped = self.mapped_ids if shape.tokens == 0 else None
         host_row = mapped.take() if mapped is not None else None
         self._write(tokens, seqs, shape, host_row)
+        if before_replay is not None:
+            row = host_row if host_row is not None else (self.mapped_ids.spare if self.mapped_ids is not None else 0)
+            before_replay(shape, torch.tensor(tokens + seqs + [row], dtype=torch.int64), pending)
         # The graph's first kernel writes the new tokens' slots to the device's request table; the
         # host's mirror of it is kept here (decode part, then prefill part).
         for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
@@ -381,19 +391,34 @@ class StepGraphs:
         return write_graph_draw(states, self.model.config.vocab_size, self.draw_inputs)
 
     def _mark_device_ids(self, step: ScheduledStep, layout: StepLayout, starts: list[int], tokens: list[int],
-                         n_tok: int, device_tokens: torch.Tensor) -> None:
+                         n_tok: int, device_tokens: torch.Tensor) -> bool:
         """Mark in ``tokens`` the inputs still on the device (row ``r`` of ``device_tokens`` as
         ``-r - 1``), and put those rows where the graph reads them, unless they are there already (the
-        last step's ids came from a decode graph's argmax or its draw)."""
+        last step's ids came from a decode graph's argmax or its draw); whether there were any."""
         where, rows = layout.pending_inputs(step, starts)
         if not where:
-            return
+            return False
         for at, row in zip(where, rows):
             tokens[_IDS * n_tok + at] = -row - 1
         if device_tokens.data_ptr() != self._prev_tokens.data_ptr():
             if device_tokens.shape[0] > self._prev_tokens.shape[0]:
                 raise ValueError(f"{device_tokens.shape[0]} sampled ids for {self._prev_tokens.shape[0]} rows")
             self._prev_tokens[: device_tokens.shape[0]].copy_(device_tokens)
+        return True
+
+    @property
+    def prev_ids(self) -> torch.Tensor:
+        """Where the graphs read the last step's sampled ids left on the device (an input ``-r - 1``: row ``r``)."""
+        return self._prev_tokens
+
+    def replay_packed(self, shape: GraphShape, inputs: torch.Tensor) -> torch.Tensor:
+        """Replay the graph of ``shape`` on ``inputs`` packed as :meth:`replay` told them (another
+        rank's step: ids left on the device are read from :attr:`prev_ids`, filled first); its logits."""
+        n = inputs.numel()
+        array = self._staging.stage()
+        array[:n] = inputs.numpy()
+        self._staging.copy(self._inputs, n)
+        return self.run_graph(shape)
 
     def _decode_inputs(self, step: ScheduledStep, shape: GraphShape) -> tuple[list[int], list[int], list[int]]:
         """Host inputs of a pure-decode step (its rows in step order): (tokens, sequences, each

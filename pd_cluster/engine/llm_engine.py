@@ -44,7 +44,8 @@ from pd_cluster.engine.request import Request, RequestStatus
 from pd_cluster.engine.sampler import DeviceSample, GraphDrawn, SamplingState, sample_on_device
 from pd_cluster.engine.scheduler import ScheduledStep, Scheduler
 from pd_cluster.engine.side_prefill import SidePrefills
-from pd_cluster.engine.tp_kv import HeadView, KVShare
+from pd_cluster.engine.node_kv import NodeKV
+from pd_cluster.engine.tp_kv import KVHeads, rank_kv_spec
 from pd_cluster.engine.tp_leader import TPLeader
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
@@ -81,13 +82,13 @@ def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
 
 
 def tp_config(config: EngineConfig) -> EngineConfig:
-    """A tensor-parallel node's settings: its steps run eagerly, one at a time, so that each
-    rank runs exactly the forward rank 0 plans (no CUDA graphs, no overlapped or side steps)."""
-    eager = {"cuda_graphs": False, "overlap_schedule": False, "side_prefill_max_tokens": 0}
-    changed = [name for name, value in eager.items() if getattr(config, name) != value]
-    if changed:
-        logger.info("tp %d: %s off (tensor-parallel steps run eagerly)", config.tp, ", ".join(changed))
-    return config.model_copy(update=eager)
+    """A tensor-parallel node's settings: no side prefills (a second stream's steps beside the
+    main one would need every rank to run both in the same order). CUDA graphs and the overlap
+    schedule stay: every rank replays the graph rank 0 plans, and the plan goes out before the
+    forward (the ids a step reads on the device follow it over the model group)."""
+    if config.side_prefill_max_tokens:
+        logger.info("tp %d: side prefills off (a tensor-parallel node runs one stream of steps)", config.tp)
+    return config.model_copy(update={"side_prefill_max_tokens": 0})
 
 
 @dataclass
@@ -142,9 +143,9 @@ class LLMEngine:
             self.tp.start(int(self.pool.k_cache.shape[1]))
         self._make_loop()
         logger.info(
-            "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB), block size %d, prefix cache %s",
+            "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB a rank, of %d), block size %d, prefix cache %s",
             self.model_config.name, self.device, self.dtype_name, num_slots,
-            num_slots * self.kv_spec.bytes_per_token / 2**20, config.block_size,
+            num_slots * self.rank_kv_spec.bytes_per_token / 2**20, config.tp, config.block_size,
             "on" if config.enable_prefix_cache else "off",
         )
 
@@ -156,6 +157,7 @@ class LLMEngine:
     def _make_kv(self, kv_event_sink: KVEventSink | None) -> int:
         """The KV pool, the prefix cache over it and the request-to-slot table; the configured slots."""
         config = self.config
+        #: The node's KV, every head: what P and D agree on and hand over, whatever their TP.
         self.kv_spec = KVSpec(
             model=self.model_config.name,
             num_layers=self.model_config.num_layers,
@@ -164,10 +166,12 @@ class LLMEngine:
             dtype=self.dtype_name,
             block_size=config.block_size,
         )
+        #: What this rank's pool holds: its own heads (every head at TP 1), as each rank's does.
+        self.rank_kv_spec = rank_kv_spec(self.model_config, self.shard, self.dtype_name, config.block_size)
         num_slots = config.max_total_tokens or self._default_kv_tokens()
         # CUDA graphs take one extra slot for their padding rows; the configured count stays usable.
         extra = 1 if (config.cuda_graphs and self.device.type == "cuda") else 0
-        self.pool = KVPool(self.kv_spec, num_slots + extra, self.device)
+        self.pool = KVPool(self.rank_kv_spec, num_slots + extra, self.device)
         self.cache = RadixCache(
             self.pool, block_size=config.block_size, enabled=config.enable_prefix_cache, event_sink=kv_event_sink
         )
@@ -185,12 +189,10 @@ class LLMEngine:
         config = self.config
         self.predictor = OutputLengthPredictor()
         self.scheduler = Scheduler(config, self.pool, self.cache, self.table, self.predictor)
-        share = None
-        if self.tp is not None:
-            # Rank 0's pool keeps every head (see pd_cluster.engine.tp_kv); its model uses its own.
-            share = KVShare(self.tp.group, self.model_config, HeadView(self.pool, self.shard.kv_heads(self.model_config)),
-                            self.pool)
-        self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config, tp=self.tp, share=share)
+        heads = KVHeads(self.tp.group, self.model_config, self.pool) if self.tp is not None else None
+        #: Every head's KV at given slots, read or written for a handover (see pd_cluster.engine.node_kv).
+        self.node_kv = NodeKV(self.kv_spec, self.pool, self.tp, heads)
+        self.runner = ModelRunner(self.model, self.pool, self.table, self.device, config, tp=self.tp)
         if config.prefill_chunk_tokens is None and self.runner.graphs is not None and config.graph_prefill_tokens():
             # Prefill in chunks that replay the mixed graphs rather than in one eager step.
             self.scheduler.prefill_chunk_tokens = max(config.graph_prefill_tokens())
@@ -231,7 +233,8 @@ class LLMEngine:
             # Reserved, not just allocated: the allocator's cached blocks are this process's too.
             held = torch.cuda.memory_reserved(self.device)
             budget = min(int(fraction * total) - held, free) - headroom
-        return max(budget // self.kv_spec.bytes_per_token, 1024)
+        # Each rank sizes its pool for its own heads: the budget is one GPU's, like every rank's.
+        return max(budget // self.rank_kv_spec.bytes_per_token, 1024)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -587,8 +590,8 @@ class LLMEngine:
             return
         try:
             device_slots = slots.to(self.device)
-            buffer = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, device_slots)
-            kernels.scatter_kv(buffer, self.pool.k_cache, self.pool.v_cache, device_slots)
+            # Every head, as a handover reads and writes them (through the ranks at TP > 1).
+            self.node_kv.scatter(self.node_kv.gather(device_slots), device_slots)
             kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, device_slots,
                                   self.pool.k_cache, self.pool.v_cache, device_slots)
         finally:

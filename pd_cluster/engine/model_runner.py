@@ -10,7 +10,7 @@ import torch
 
 from kernels._triton import HAS_TRITON
 from pd_cluster.config import EngineConfig
-from pd_cluster.engine.cuda_graphs import StepGraphs
+from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
 from pd_cluster.engine.device_copy import tensor_on, to_device
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.mapped_ids import MappedIds
@@ -18,8 +18,8 @@ from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.sampler import GraphDrawn
 from pd_cluster.engine.scheduler import ScheduledStep
 from pd_cluster.engine.step_layout import StepLayout
-from pd_cluster.engine.tp_kv import KVShare
 from pd_cluster.engine.tp_leader import TPLeader
+from pd_cluster.engine.tp_plan import graph_settings
 from pd_cluster.model.forward_batch import ForwardBatch
 from pd_cluster.model.llama import LayerHook, LlamaModel
 
@@ -32,15 +32,11 @@ StepHook = Callable[[ScheduledStep], LayerHook | None]
 class ModelRunner:
     def __init__(
         self, model: LlamaModel, pool: KVPool, table: ReqSlotTable, device: torch.device,
-        config: EngineConfig | None = None, tp: TPLeader | None = None, share: KVShare | None = None,
+        config: EngineConfig | None = None, tp: TPLeader | None = None,
     ) -> None:
         self.model = model
         #: The other ranks of a tensor-parallel node, sent each step's inputs before it runs here.
         self.tp = tp
-        self.share = share
-        #: Tensor parallel: the request each table row held at its last step (a new one's KV
-        #: written before its first step, e.g. received from a prefill node, goes to the ranks).
-        self._row_owner: dict[int, object] = {}
         self.pool = pool
         self.table = table
         self.device = device
@@ -66,6 +62,14 @@ class ModelRunner:
                             draws=HAS_TRITON and config.draw_graphs)
         side_sizes = [t for t in config.graph_prefill_tokens() if t <= config.side_prefill_max_tokens]
         side = StepGraphs(self.model, self.pool, self.table, [], pad_slot, side_sizes, 1) if side_sizes else None
+        if self.tp is not None:
+            if side is not None:
+                raise ValueError("side prefill graphs are not captured on a tensor-parallel node")
+            # The ranks' tables follow this one (their graphs read them): each plan carries its
+            # writes. Every rank captures the same shapes in the same order now: their all-reduces meet.
+            self.table.journal = []
+            self.tp.capture(graph_settings(graphs.batch_sizes, graphs.prefill_sizes, graphs.max_prefills, pad_slot,
+                                           graphs.draws, tuple(self.table.table.shape)))
         with self._on_device():
             graphs.capture()
             if side is not None:
@@ -136,7 +140,8 @@ class ModelRunner:
             if layer_hook is None and graphs is not None:
                 shape = graphs.shape_for(layout)
                 if shape is not None:
-                    logits = graphs.replay(step, layout, shape, device_tokens)
+                    logits = graphs.replay(step, layout, shape, device_tokens,
+                                           self._plan_replay if self.tp is not None and not side else None)
                     self.last_argmax = graphs.last_argmax
                     self.last_mapped = graphs.last_mapped
                     graphs.last_mapped = None  # held here (and by the sampling's result) only
@@ -147,25 +152,14 @@ class ModelRunner:
             batch = self.prepare(step, layout, starts)
             layout.take_device_ids(step, starts, batch.input_ids, device_tokens)
             if self.tp is not None:
-                return self._run_tp(step, batch, layer_hook)
+                # The plan to the other ranks, then the same forward here: each rank reads and
+                # writes its own heads at the slots the plan names.
+                self.tp.forward(batch, self.table.take_journal())
             return self.model.forward(batch, self.pool, layer_hook)
 
-    def _run_tp(self, step: ScheduledStep, batch: ForwardBatch, layer_hook: LayerHook | None) -> torch.Tensor:
-        """A tensor-parallel step: KV the other ranks lack first, then the plan, then the forward
-        here, each layer's new KV gathered into this rank's pool before ``layer_hook`` sees it."""
-        assert self.tp is not None and self.share is not None
-        share = self.share
-        for req in step.requests:
-            if self._row_owner.get(req.row) is not req:
-                self._row_owner[req.row] = req
-                if req.num_computed:
-                    slots = self.table.table[req.row, : req.num_computed].to(self.device)
-                    self.tp.put_kv(slots, share.full_kv(slots))
-        self.tp.forward(batch)
-
-        def hook(layer: int) -> None:
-            share.layer_done(batch.out_slots, layer)
-            if layer_hook is not None:
-                layer_hook(layer)
-
-        return self.model.forward(batch, share.own, hook)
+    def _plan_replay(self, shape: GraphShape, inputs: torch.Tensor, pending: bool) -> None:
+        """A tensor-parallel step replayed as a graph: its plan to the other ranks, which replay the
+        same graph (the last step's sampled ids follow on the device where it reads them)."""
+        assert self.tp is not None and self.graphs is not None
+        self.tp.forward_graph(shape.decode, shape.tokens, inputs, self.table.take_journal(),
+                              self.graphs.prev_ids if pending else None)

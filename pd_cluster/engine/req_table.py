@@ -33,6 +33,10 @@ class ReqSlotTable:
         self.max_len = max_len
         #: Rows freed so far: an engine compares it across a step's launch.
         self.frees = 0
+        #: Writes since :meth:`take_journal`, each ``[3, n]`` (rows, positions, slots), kept where
+        #: another copy of the table follows this one (a tensor-parallel rank's, for its CUDA
+        #: graphs); None: not kept.
+        self.journal: list[np.ndarray] | None = None
 
     @property
     def num_free_rows(self) -> int:
@@ -52,6 +56,24 @@ class ReqSlotTable:
         self.table[row, start : start + slots.numel()] = to_device(slots, self.table.device)
         if self._host is not None:
             self._host[row, start : start + slots.numel()] = slots.cpu().numpy()
+        if self.journal is not None and slots.numel():
+            n = slots.numel()
+            self.journal.append(np.stack((np.full(n, row, dtype=np.int64), np.arange(start, start + n, dtype=np.int64),
+                                          slots.cpu().numpy().astype(np.int64, copy=False))))
+
+    def take_journal(self) -> torch.Tensor:
+        """The writes kept since the last call, ``[3, n]`` int64 on the host (rows, positions,
+        slots); the journal starts again empty."""
+        entries, self.journal = self.journal or [], [] if self.journal is not None else None
+        if not entries:
+            return torch.zeros((3, 0), dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(entries, axis=1))
+
+    def apply_journal(self, writes: torch.Tensor) -> None:
+        """Writes another table kept (:meth:`take_journal`), into the device table."""
+        if writes.shape[1]:
+            writes = writes.to(self.table.device)
+            self.table[writes[0], writes[1]] = writes[2]
 
     def record(self, rows: Sequence[int], positions: Sequence[int], slots: Sequence[int]) -> None:
         """Slots written to the device table elsewhere (a captured step's inputs scattered into it):

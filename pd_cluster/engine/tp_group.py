@@ -88,6 +88,18 @@ class TPGroup:
         else:
             work.wait(self.step_timeout)
 
+    def broadcast_model(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` (on the device) into every rank's, over the model group (KV a
+        handover brought, too large for the host's control group)."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.timeout = self.step_timeout
+        work = self.model.broadcast([tensor], options)
+        if tensor.device.type == "cuda":
+            work.wait()
+        else:
+            work.wait(self.step_timeout)
+
     def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
         """Rank 0's host ``tensor`` into every rank's ``tensor`` (the control group)."""
         timeout = _delta(timeout_s) if timeout_s is not None else self.step_timeout

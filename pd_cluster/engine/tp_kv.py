@@ -1,80 +1,68 @@
-"""Where a tensor-parallel node's KV lives, and how rank 0 keeps every head of it.
+"""Where a tensor-parallel node's KV lives: each rank's pool holds only its own KV heads.
 
-Each rank attends with its own KV heads in its own pool. Rank 0's pool holds every head (the
-node's :class:`~pd_cluster.kv_spec.KVSpec`, as at TP 1), its model reading and writing its own
-heads through :class:`HeadView`; so the prefix cache, the handover to and from other nodes
-(whatever their TP) and the KV events work on rank 0 alone, unchanged:
+Every rank's pool has the same slots, and rank 0 (its radix cache, request table and
+allocator) decides them for all, so the same slot holds the same token's KV on every rank and
+a prefix shared from the cache needs no traffic. KV crosses the ranks only when it crosses the
+node's boundary, once per handover, never per step:
 
-- after each layer of each step, every rank's new KV reaches rank 0 (:meth:`KVShare.layer_done`,
-  an all-gather of the step's new tokens: a layer streamed to a decode node has all its heads);
-- KV written into rank 0's pool from outside (a handover received, a prefix shared before) is
-  sent to the other ranks before the first step that reads it (:meth:`KVShare.put`).
+- sending (a prefill node): rank 0 asks the ranks for their heads at the request's slots
+  (:meth:`KVHeads.gather`, one all-gather over the model group) and sends every head;
+- receiving (a decode node): rank 0 gets every head and hands each rank the buffer
+  (:meth:`KVHeads.take`, after a broadcast over the model group), each keeping its own heads.
 
-Simple before fast: the gathers cost one all-gather of the new tokens' KV a layer, and rank 0's
-pool is a TP-1 pool.
+Buffers have the layout of :func:`kernels.gather_kv`: ``[2, layers, n, heads, head_dim]``.
 """
 
 from __future__ import annotations
 
 import torch
 
+import kernels
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.tp_group import TPGroup
+from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.shard import HeadRange, Shard
 
 
-class HeadView:
-    """Rank 0's own KV heads of a pool that holds every head (the model's ``KVLayers``)."""
-
-    def __init__(self, pool: KVPool, heads: HeadRange) -> None:
-        self.pool = pool
-        self.heads = heads
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.heads
-        return self.pool.k_cache[index][:, h.start:h.stop], self.pool.v_cache[index][:, h.start:h.stop]
+def rank_kv_spec(config: ModelConfig, shard: Shard, dtype: str, block_size: int = 1) -> KVSpec:
+    """The KV one rank stores: its own heads (every head at TP 1)."""
+    return KVSpec(model=config.name, num_layers=config.num_layers, num_kv_heads=shard.kv_heads(config).count,
+                  head_dim=config.head_dim, dtype=dtype, block_size=block_size)
 
 
-class KVShare:
-    """The KV traffic between the ranks of one node (see the module's docstring)."""
+class KVHeads:
+    """One rank's part in moving a node's KV between its ranks (every rank calls each method
+    together, in the order rank 0's plan gives)."""
 
-    def __init__(self, group: TPGroup, config: ModelConfig, own: HeadView | KVPool, full: KVPool | None) -> None:
+    def __init__(self, group: TPGroup, config: ModelConfig, pool: KVPool) -> None:
         self.group = group
-        self.own = own
-        #: Rank 0's pool of every head; None on the other ranks.
-        self.full = full
-        self.heads = [Shard(r, group.size).kv_heads(config) for r in range(group.size)]
+        self.pool = pool
+        self.num_heads = config.num_kv_heads
+        self.heads: list[HeadRange] = [Shard(r, group.size).kv_heads(config) for r in range(group.size)]
         self.mine = self.heads[group.rank]
         self.max_heads = max(h.count for h in self.heads)
 
-    def layer_done(self, out_slots: torch.Tensor, layer: int) -> None:
-        """Every rank's KV of layer ``layer`` at ``out_slots`` into rank 0's pool (all ranks call it)."""
-        k_cache, v_cache = self.own.layer(layer)
-        n = out_slots.numel()
-        mine = torch.zeros((2, n, self.max_heads, k_cache.shape[-1]), dtype=k_cache.dtype, device=k_cache.device)
-        mine[0, :, : self.mine.count] = k_cache[out_slots]
-        mine[1, :, : self.mine.count] = v_cache[out_slots]
-        gathered = [torch.empty_like(mine) for _ in range(self.group.size)]
-        self.group.all_gather(gathered, mine)
-        if self.full is None:
-            return
-        k_full, v_full = self.full.layer(layer)
-        for rank in range(1, self.group.size):
-            h = self.heads[rank]
-            k_full[out_slots, h.start:h.stop] = gathered[rank][0, :, : h.count]
-            v_full[out_slots, h.start:h.stop] = gathered[rank][1, :, : h.count]
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Every head's KV at ``slots`` (device int64), ``[2, L, n, heads, head_dim]``; the
+        result is rank 0's to use (the others take part in the all-gather)."""
+        own = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, slots)
+        if own.shape[3] < self.max_heads:
+            pad = list(own.shape)
+            pad[3] = self.max_heads - own.shape[3]
+            own = torch.cat((own, own.new_zeros(pad)), dim=3)
+        own = own.contiguous()
+        parts = [torch.empty_like(own) for _ in range(self.group.size)]
+        self.group.all_gather(parts, own)
+        shape = list(own.shape)
+        shape[3] = self.num_heads
+        whole = own.new_empty(shape)
+        for h, part in zip(self.heads, parts):
+            # Ranks that share a head (more ranks than KV heads) hold the same KV for it.
+            whole[:, :, :, h.start:h.stop] = part[:, :, :, : h.count]
+        return whole
 
-    def full_kv(self, slots: torch.Tensor) -> torch.Tensor:
-        """Rank 0: every head's KV at ``slots``, ``[layers, 2, n, heads, head_dim]`` on the host."""
-        assert self.full is not None
-        return torch.stack((self.full.k_cache[:, slots], self.full.v_cache[:, slots]), dim=1).cpu()
-
-    def take(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Another rank: its heads of ``kv`` (from :meth:`full_kv`) into its pool at ``slots``."""
-        assert isinstance(self.own, KVPool)
+    def take(self, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        """This rank's heads of ``buffer`` (every head) into its pool at ``slots``."""
         h = self.mine
-        part = kv[:, :, :, h.start:h.stop].to(self.own.device)
-        slots = slots.to(self.own.device)
-        self.own.k_cache[:, slots] = part[:, 0]
-        self.own.v_cache[:, slots] = part[:, 1]
+        kernels.scatter_kv(buffer[:, :, :, h.start:h.stop], self.pool.k_cache, self.pool.v_cache, slots)

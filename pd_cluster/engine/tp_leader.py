@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from pd_cluster.engine.tp_group import STEP_TIMEOUT_S, TPGroup, make_store
-from pd_cluster.engine.tp_plan import Op, header, pack, put_header
+from pd_cluster.engine.tp_plan import Op, graph_header, header, pack, slots_header, with_journal
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.model.forward_batch import ForwardBatch
 
@@ -81,26 +81,51 @@ class TPLeader:
         self.group.barrier()
         threading.Thread(target=self._keep_alive, name="tp-keep-alive", daemon=True).start()
 
-    def forward(self, batch: ForwardBatch) -> None:
-        """Send the step's plan; the caller then runs the same forward here."""
-        payload = pack(batch)
-        self._send(header(Op.FORWARD, batch), payload)
+    def forward(self, batch: ForwardBatch, journal: torch.Tensor) -> None:
+        """Send the step's plan (with ``journal``, the request table's writes since the last);
+        the caller then runs the same forward here."""
+        self._send(with_journal(header(Op.FORWARD, batch), journal), torch.cat((pack(batch), journal.reshape(-1))))
+
+    def forward_graph(self, decode: int, tokens: int, inputs: torch.Tensor, journal: torch.Tensor,
+                      prev_ids: torch.Tensor | None) -> None:
+        """Send a replayed step's plan: its graph's shape and packed static ``inputs`` (host int64),
+        the table's writes, and ``prev_ids`` (the graphs' buffer of the last step's sampled ids on
+        the device, broadcast in stream order: no wait for them here) where the step reads them;
+        the caller then replays the same graph here."""
+        head = with_journal(graph_header(decode, tokens, inputs.numel(), prev_ids is not None), journal)
+        self._send(head, torch.cat((inputs, journal.reshape(-1))), model=prev_ids)
+
+    def capture(self, settings: torch.Tensor) -> None:
+        """Have the ranks capture the CUDA graphs rank 0 captures next (the same shapes, in the
+        same order: their all-reduces meet); ``settings`` from :func:`~pd_cluster.engine.tp_plan.graph_settings`."""
+        head = header(Op.CAPTURE)
+        head[1] = settings.numel()
+        self._send(head, settings)
 
     def put_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Send every head's KV at ``slots`` (``[layers, 2, n, heads, head_dim]``); each rank keeps its own."""
-        self._send(put_header(slots.numel()), slots.to(device="cpu", dtype=torch.int64), kv)
+        """Send every head's KV at ``slots`` (``[2, layers, n, heads, head_dim]`` on the device,
+        contiguous); each rank keeps its own. The caller then writes its own heads here."""
+        self._send(slots_header(Op.PUT_KV, slots.numel()), slots.to(device="cpu", dtype=torch.int64), model=kv)
 
-    def _send(self, head: torch.Tensor, *payloads: torch.Tensor) -> None:
-        with self._lock:
-            try:
+    def gather_kv(self, slots: torch.Tensor) -> None:
+        """Ask the ranks for their heads at ``slots``; the caller then joins their all-gather
+        (:meth:`pd_cluster.engine.tp_kv.KVHeads.gather`)."""
+        self._send(slots_header(Op.GATHER_KV, slots.numel()), slots.to(device="cpu", dtype=torch.int64))
+
+    def _send(self, head: torch.Tensor, *payloads: torch.Tensor, model: torch.Tensor | None = None) -> None:
+        """The plan (control group), then ``model`` broadcast over the model group if given."""
+        try:
+            with self._lock:
                 self.group.broadcast(head)
                 for payload in payloads:
                     self.group.broadcast(payload)
-            except Exception as e:
-                if not self._closing.is_set():
-                    self.on_lost(f"tensor parallel group failed: {e}")
-                raise
-            self._last_sent = time.monotonic()
+                self._last_sent = time.monotonic()
+            if model is not None:
+                self.group.broadcast_model(model)
+        except Exception as e:
+            if not self._closing.is_set():
+                self.on_lost(f"tensor parallel group failed: {e}")
+            raise
 
     def _keep_alive(self) -> None:
         while not self._closing.wait(self._keep_alive_s / 2):

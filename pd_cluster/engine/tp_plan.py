@@ -1,8 +1,10 @@
 """A step's plan as rank 0 sends it to the other ranks: the model inputs, packed in two tensors.
 
 A fixed-size header says what follows (a step, a keep-alive or the end) and the sizes; one int64
-payload holds every input of :class:`~pd_cluster.model.forward_batch.ForwardBatch`. Two
-broadcasts a step, whatever its size.
+payload holds every input of :class:`~pd_cluster.model.forward_batch.ForwardBatch` (an eager
+step) or of a CUDA graph's static buffers (a replayed one), then the request table's writes since
+the last step (the ranks' tables follow rank 0's: their graphs read them). Two broadcasts a step,
+whatever its size.
 """
 
 from __future__ import annotations
@@ -20,8 +22,20 @@ class Op(enum.IntEnum):
     STOP = 0
     FORWARD = 1
     KEEP_ALIVE = 2
-    #: KV written on rank 0 from outside (a handover): the slots, then every head's KV there.
+    #: KV written on rank 0 from outside (a handover): the slots, then (over the model group)
+    #: every head's KV there; each rank keeps its own heads.
     PUT_KV = 3
+    #: KV leaving the node (a handover): the slots; the ranks' heads there go to rank 0 (an
+    #: all-gather over the model group).
+    GATHER_KV = 4
+    #: A step replayed as a CUDA graph: its shape, then its packed static inputs.
+    FORWARD_GRAPH = 5
+    #: Capture the CUDA graphs: their settings (:func:`graph_settings`).
+    CAPTURE = 6
+
+
+#: Header field of the request-table writes' count (FORWARD and FORWARD_GRAPH).
+JOURNAL = 7
 
 
 def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
@@ -34,9 +48,23 @@ def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
     return head
 
 
-def put_header(n_slots: int) -> torch.Tensor:
-    head = header(Op.PUT_KV)
+def slots_header(op: Op, n_slots: int) -> torch.Tensor:
+    """The header of a KV op (:attr:`Op.PUT_KV`, :attr:`Op.GATHER_KV`) on ``n_slots`` slots."""
+    head = header(op)
     head[1] = n_slots
+    return head
+
+
+def graph_header(decode: int, tokens: int, inputs: int, prev_ids: bool) -> torch.Tensor:
+    """A replayed step's header: its graph's shape (``decode`` rows, ``tokens`` prefill tokens),
+    its packed inputs' length, and whether the last step's sampled ids follow (over the model group)."""
+    head = header(Op.FORWARD_GRAPH)
+    head[1:5] = torch.tensor([decode, tokens, inputs, int(prev_ids)])
+    return head
+
+
+def with_journal(head: torch.Tensor, journal: torch.Tensor) -> torch.Tensor:
+    head[JOURNAL] = journal.shape[1]
     return head
 
 
@@ -48,8 +76,33 @@ def pack(batch: ForwardBatch) -> torch.Tensor:
 
 
 def payload_size(head: torch.Tensor) -> int:
+    """The payload's length: the step's inputs, then the journal's ``[3, n]``."""
+    journal = 3 * int(head[JOURNAL])
+    if Op(int(head[0])) is Op.FORWARD_GRAPH:
+        return int(head[3]) + journal
     t, b, max_ctx, k = (int(x) for x in head[1:5])
-    return 3 * t + b * max_ctx + 3 * b + k
+    return 3 * t + b * max_ctx + 3 * b + k + journal
+
+
+def split_journal(head: torch.Tensor, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the step's inputs, the journal ``[3, n]``) of a payload."""
+    n = int(head[JOURNAL])
+    cut = payload.numel() - 3 * n
+    return payload[:cut], payload[cut:].view(3, n)
+
+
+def graph_settings(batch_sizes: list[int], prefill_tokens: list[int], max_prefills: int, pad_slot: int,
+                   draws: bool, table_shape: tuple[int, int]) -> torch.Tensor:
+    """What every rank's CUDA graphs must share with rank 0's, in one int64 tensor."""
+    return torch.tensor([pad_slot, max_prefills, int(draws), *table_shape, len(batch_sizes), len(prefill_tokens),
+                         *batch_sizes, *prefill_tokens], dtype=torch.int64)
+
+
+def read_graph_settings(values: list[int]) -> tuple[list[int], list[int], int, int, bool, tuple[int, int]]:
+    """:func:`graph_settings` back: (batch sizes, prefill tokens, max prefills, pad slot, draws, table shape)."""
+    pad_slot, max_prefills, draws, rows, width, n_batch, n_prefill = values[:7]
+    sizes = values[7:]
+    return sizes[:n_batch], sizes[n_batch:n_batch + n_prefill], max_prefills, pad_slot, bool(draws), (rows, width)
 
 
 def unpack(head: torch.Tensor, payload: torch.Tensor, device: torch.device) -> ForwardBatch:

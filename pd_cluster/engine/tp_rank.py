@@ -1,9 +1,10 @@
 """A rank other than 0 of a tensor-parallel node: its shard of the model, its KV heads, and a
-loop that runs each step rank 0 plans.
+loop that runs each step rank 0 plans, eagerly or by replaying the same CUDA graph.
 
 Started by rank 0 (:class:`pd_cluster.engine.tp_leader.TPLeader`) as
 ``python -m pd_cluster.engine.tp_rank SPEC_JSON``. It schedules nothing: the slots in each plan
-are rank 0's, and its pool has as many, so the same slot holds the same token's KV on every rank.
+are rank 0's, and its pool has as many, so the same slot holds the same token's KV on every rank;
+with CUDA graphs it keeps a request table that follows rank 0's (the plans carry its writes).
 It stops, non-zero, when rank 0 is gone (its parent changed, or a collective failed) so that a
 node never keeps half its ranks.
 """
@@ -18,12 +19,13 @@ import time
 
 import torch
 
+from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
+from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.tp_group import TPGroup, make_store
-from pd_cluster.engine.tp_kv import KVShare
-from pd_cluster.engine.tp_plan import HEADER_LEN, Op, payload_size, unpack
+from pd_cluster.engine.tp_kv import KVHeads, rank_kv_spec
+from pd_cluster.engine.tp_plan import HEADER_LEN, Op, payload_size, read_graph_settings, split_journal, unpack
 from pd_cluster.engine.tp_rank_spec import RankSpec
-from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
 from pd_cluster.model.shard import Shard
@@ -34,12 +36,6 @@ logger = logging.getLogger(__name__)
 #: Exit status of a rank that lost rank 0.
 LOST_LEADER_EXIT = 3
 PARENT_POLL_S = 0.5
-
-
-def rank_kv_spec(config: ModelConfig, shard: Shard, dtype: str, block_size: int = 1) -> KVSpec:
-    """The KV one rank stores: its own heads."""
-    return KVSpec(model=config.name, num_layers=config.num_layers, num_kv_heads=shard.kv_heads(config).count,
-                  head_dim=config.head_dim, dtype=dtype, block_size=block_size)
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -67,8 +63,11 @@ class RankLoop:
                                 all_reduce=self.group.all_reduce)
         num_slots = int(store.get("num_slots"))
         self.pool = KVPool(rank_kv_spec(config, shard, spec.dtype), num_slots, self.device)
-        self.share = KVShare(self.group, config, self.pool, None)
+        self.heads = KVHeads(self.group, config, self.pool)
         self.config = config
+        #: With CUDA graphs (:attr:`Op.CAPTURE`): rank 0's request table, followed write by write.
+        self.table: ReqSlotTable | None = None
+        self.graphs: StepGraphs | None = None
         self.group.barrier()
         logger.info("tensor parallel rank %d of %d ready on %s: %d KV heads, %d slots", spec.rank, spec.size,
                     self.device, self.pool.spec.num_kv_heads, num_slots)
@@ -85,22 +84,52 @@ class RankLoop:
             with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_device():
                 if op is Op.PUT_KV:
                     self._put_kv(int(head[1]))
+                elif op is Op.GATHER_KV:
+                    self.heads.gather(self._slots(int(head[1])))
+                elif op is Op.CAPTURE:
+                    self._capture(int(head[1]))
                 else:
-                    self._forward(head)
+                    self._forward(head, op)
 
-    def _forward(self, head: torch.Tensor) -> None:
+    def _forward(self, head: torch.Tensor, op: Op) -> None:
         payload = torch.empty(payload_size(head), dtype=torch.int64)
         self.group.broadcast(payload)
-        batch = unpack(head, payload, self.device)
-        self.model.forward(batch, self.pool, lambda layer: self.share.layer_done(batch.out_slots, layer))
+        inputs, journal = split_journal(head, payload)
+        if self.table is not None:
+            self.table.apply_journal(journal)
+        if op is Op.FORWARD:
+            self.model.forward(unpack(head, inputs, self.device), self.pool)
+            return
+        assert self.graphs is not None, "a replayed step before the graphs were captured"
+        decode, tokens, _, prev_ids = (int(x) for x in head[1:5])
+        if prev_ids:
+            self.group.broadcast_model(self.graphs.prev_ids)
+        self.graphs.replay_packed(GraphShape(decode, tokens), inputs)
 
-    def _put_kv(self, n: int) -> None:
+    def _capture(self, n: int) -> None:
+        """Capture the graphs rank 0 captures now: the same shapes in the same order."""
+        settings = torch.empty(n, dtype=torch.int64)
+        self.group.broadcast(settings)
+        batch_sizes, prefill_tokens, max_prefills, pad_slot, draws, (rows, width) = read_graph_settings(
+            settings.tolist())
+        self.table = ReqSlotTable(rows, width, self.device, host_mirror=False)
+        self.graphs = StepGraphs(self.model, self.pool, self.table, batch_sizes, pad_slot, prefill_tokens,
+                                 max_prefills, draws=draws)
+        self.graphs.capture()
+
+    def _slots(self, n: int) -> torch.Tensor:
+        """The slots of a KV op, from rank 0, on this rank's device."""
         slots = torch.empty(n, dtype=torch.int64)
         self.group.broadcast(slots)
+        return slots.to(self.device)
+
+    def _put_kv(self, n: int) -> None:
+        slots = self._slots(n)
         cfg = self.config
-        kv = torch.empty((cfg.num_layers, 2, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype)
-        self.group.broadcast(kv)
-        self.share.take(slots, kv)
+        kv = torch.empty((2, cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype,
+                         device=self.device)
+        self.group.broadcast_model(kv)
+        self.heads.take(kv, slots)
 
 
 class _no_device:

@@ -7,17 +7,21 @@
   the first token (:mod:`.push`).
 
 The thresholds are measured (see ``prefill_node.service``): a path is taken only where it hides time.
+
+A tensor-parallel P sends whole after the prefill (its ranks' heads gathered once,
+:class:`~pd_cluster.engine.node_kv.NodeKV`): layer by layer would need a gather of every layer
+during the forward, so both layer-wise paths are off there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.engine.node_kv import NodeKV
 from pd_cluster.handover.direct import DirectSender
 from pd_cluster.handover.lease import DecodeLease
 from pd_cluster.handover.push import PushSender
@@ -39,16 +43,18 @@ class SendOptions:
 
 
 def choose_sender(
-    channel: PeerChannel, lease: DecodeLease, request_id: str, n_tokens: int, pool: KVPool,
+    channel: PeerChannel, lease: DecodeLease, request_id: str, n_tokens: int, kv: NodeKV,
     side_stream: torch.cuda.Stream | None, options: SendOptions,
 ) -> KVSender:
     """The sender of the missing KV of a prompt of ``n_tokens`` tokens, over ``channel``."""
+    if not kv.whole:  # no layer-wise path (its node says so once, at start)
+        options = replace(options, layerwise=False, direct_layerwise_min_tokens=None)
     if channel.shared_pool is not None:
-        return DirectSender(channel, lease, request_id, n_tokens, pool, side_stream, options.direct_layerwise_min_tokens)
-    block_size = pool.spec.block_size
+        return DirectSender(channel, lease, request_id, n_tokens, kv, side_stream, options.direct_layerwise_min_tokens)
+    block_size = kv.spec.block_size
     send_blocks = math.ceil(n_tokens / block_size) - lease.hit_blocks
     if options.layerwise and send_blocks > 0 and send_blocks * block_size >= options.layerwise_min_tokens:
-        stream = LayerStream(request_id, lease.hit_blocks * block_size, n_tokens, send_blocks * block_size, pool,
+        stream = LayerStream(request_id, lease.hit_blocks * block_size, n_tokens, send_blocks * block_size, kv.pool,
                              asyncio.get_running_loop(), side_stream, options.layers_per_send)
         return StreamSender(channel, lease, stream)
-    return PushSender(channel, lease, n_tokens, pool)
+    return PushSender(channel, lease, n_tokens, kv)

@@ -5,18 +5,24 @@ query with the slots it reserved (``MatchPrefix.direct``). P copies the missing 
 them, layer by layer during the prefill (from ``layerwise_min_tokens`` missing tokens on, on a
 GPU with its own compute stream) or in one launch after it, waits until the writes have landed,
 then sends ``CommitKV`` with ``written_tokens``: nothing goes through the tensor channel.
+
+A tensor-parallel P (its pools hold part of the heads each) writes in one launch after the
+prefill: its ranks' heads gathered to rank 0 (:class:`NodeKV`), then scattered into D's slots.
+A tensor-parallel D offers no pool (its ranks' pools are not one tensor), so P sends through the
+channel instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import torch
 
 import kernels
-from pd_cluster.engine.kv_pool import KVPool
+from pd_cluster.engine.node_kv import NodeKV
 from pd_cluster.handover.errors import HandoverFailed
 from pd_cluster.handover.lease import DecodeLease
 from pd_cluster.handover.messages import CommitKV
@@ -34,6 +40,10 @@ SETTLE_S = 10.0
 _POLL_S = 0.0002
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class DirectWrite:
     """KV of tokens [start, n_tokens) of one request written straight into the slots D reserved
     in its pool (shared on this host, :mod:`pd_cluster.transfer.ipc`): nothing is sent.
@@ -46,17 +56,19 @@ class DirectWrite:
     """
 
     def __init__(
-        self, request_id: str, start: int, n_tokens: int, pool: KVPool, target: SharedPool, target_slots: torch.Tensor,
+        self, request_id: str, start: int, n_tokens: int, kv: NodeKV, target: SharedPool, target_slots: torch.Tensor,
         side_stream: torch.cuda.Stream | None, write_until: float,
     ) -> None:
         if target_slots.numel() != n_tokens - start:
             raise ValueError(f"D reserved {target_slots.numel()} slots for {n_tokens - start} missing tokens")
         #: Tokens [start, n_tokens) of the request's prompt are the ones D lacks.
         self.request_id, self.start, self.n_tokens = request_id, start, n_tokens
-        self.pool = pool
+        self.kv = kv
+        #: P's pool (layer by layer reads it directly: only where it holds every head).
+        self.pool = kv.pool
         self.target = target
         self.target_slots = target_slots
-        self.num_layers = pool.spec.num_layers
+        self.num_layers = kv.spec.num_layers
         self._side = side_stream
         self.write_until = write_until
         self._slots: torch.Tensor | None = None
@@ -70,7 +82,7 @@ class DirectWrite:
 
     @property
     def nbytes(self) -> int:
-        return self.tokens * self.pool.spec.bytes_per_token
+        return self.tokens * self.kv.spec.bytes_per_token
 
     @property
     def complete(self) -> bool:
@@ -84,6 +96,7 @@ class DirectWrite:
     def capture(self, layer: int) -> None:
         """Layer ``layer``'s KV is stored (in stream order): queue its copy into D's slots."""
         assert self._slots is not None, "begin() first"
+        assert self.kv.whole, "layer by layer needs a pool of every head"
         if self.expired or time.monotonic() >= self.write_until:
             self.expired = True
             return
@@ -100,17 +113,22 @@ class DirectWrite:
         if time.monotonic() >= self.write_until:
             self.expired = True
             return
-        kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, slots, self.target.k_cache,
-                              self.target.v_cache, self.target_slots)
+        if self.kv.whole:
+            kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, slots, self.target.k_cache,
+                                  self.target.v_cache, self.target_slots)
+        else:
+            rows = self.kv.gather(slots).to(self.target.device, non_blocking=True)
+            with _on(self.target.device):
+                kernels.scatter_kv(rows, self.target.k_cache, self.target.v_cache, self.target_slots)
         self._last = self._record(None)
         self.layers_written = self.num_layers
 
     def _record(self, stream: torch.cuda.Stream | None) -> ReadyEvent:
-        if self.pool.device.type != "cuda":
+        if self.kv.device.type != "cuda":
             return None
         event = torch.cuda.Event()
         target = self.target.device
-        if target != self.pool.device:
+        if target != self.kv.device:
             # Across GPUs the last op of a write (the scatter) runs on the target GPU's stream.
             with torch.cuda.device(target):
                 event.record(torch.cuda.current_stream(target))
@@ -141,13 +159,13 @@ class DirectSender(KVSender):
     tokens on (None: always whole after it)."""
 
     def __init__(
-        self, channel: PeerChannel, lease: DecodeLease, request_id: str, n_tokens: int, pool: KVPool,
+        self, channel: PeerChannel, lease: DecodeLease, request_id: str, n_tokens: int, kv: NodeKV,
         side_stream: torch.cuda.Stream | None, layerwise_min_tokens: int | None,
     ) -> None:
         super().__init__(channel, lease)
         self.request_id = request_id
         self.n_tokens = n_tokens
-        self.pool = pool
+        self.kv = kv
         self.side_stream = side_stream
         self.layerwise_min_tokens = layerwise_min_tokens
         self.writer: DirectWrite | None = None
@@ -164,15 +182,16 @@ class DirectSender(KVSender):
         target = self.channel.shared_pool
         if self.lease.slots is None or target is None:
             raise HandoverFailed(f"decode node {node} reserved no slots for an in-place write")
-        start = self.lease.hit_blocks * self.pool.spec.block_size
+        start = self.lease.hit_blocks * self.kv.spec.block_size
         try:
-            self.writer = DirectWrite(self.request_id, start, self.n_tokens, self.pool, target,
+            self.writer = DirectWrite(self.request_id, start, self.n_tokens, self.kv, target,
                                       decode_slots(self.lease.slots).to(target.device), self.side_stream,
                                       self.lease.ends_at - LEASE_MARGIN_S)
         except ValueError as e:
             raise HandoverFailed(f"decode node {node}: {e}", retryable=False) from e
         tokens = self.writer.tokens
-        self._layerwise = self.layerwise_min_tokens is not None and tokens >= self.layerwise_min_tokens
+        self._layerwise = (self.kv.whole and self.layerwise_min_tokens is not None
+                           and tokens >= self.layerwise_min_tokens)
         if self._layerwise and tokens:
             self.layer_sink = self.writer
 
@@ -210,7 +229,7 @@ class DirectSender(KVSender):
         """Engine thread: the prompt's missing KV into D's slots in one launch."""
         writer = self.writer
         assert writer is not None
-        writer.write_all(held_slots[writer.start : writer.n_tokens].to(self.pool.device))
+        writer.write_all(held_slots[writer.start : writer.n_tokens].to(self.kv.device))
 
     async def close(self) -> None:
         if self.settled:

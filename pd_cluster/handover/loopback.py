@@ -245,6 +245,8 @@ class LoopbackChannels:
     def add(self, address: str, receiver: KVReceiver, decode_node_id: str, *, share_pool: bool = False) -> None:
         """Route ``address`` to ``receiver``; ``share_pool``: P writes into its engine's pool in place."""
         pool = receiver.engine.pool
+        if share_pool and not receiver.engine.node_kv.whole:
+            raise ValueError("a tensor-parallel decode engine's pool holds part of the heads: it cannot be shared")
         shared = SharedPool(pool.k_cache, pool.v_cache) if share_pool else None
 
         def link() -> LoopbackLink:

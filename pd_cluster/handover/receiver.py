@@ -188,8 +188,7 @@ class KVReceiver:
             if res is None:
                 raise KeyError(f"lease {msg.lease_id} expired")
             if held:
-                kernels.scatter_kv(buffer[:, :, :held], self.engine.pool.k_cache, self.engine.pool.v_cache,
-                                   res.new_slots.to(self.engine.device))
+                self.engine.node_kv.scatter(buffer[:, :, :held], res.new_slots.to(self.engine.device))
             self.reservations.commit(msg.lease_id, msg.first_token)
 
         try:
@@ -206,7 +205,9 @@ class KVReceiver:
         return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
     async def stream(self, conn: PeerConnection, msg: StreamKV) -> PushAck:
-        """Receive one tensor per group of layers and scatter each into the reserved slots as it lands."""
+        """Receive one tensor per group of layers and scatter each into the reserved slots as it
+        lands; a tensor-parallel node (whose pools hold part of the heads each) keeps them all
+        and scatters them to its ranks at once after the last, on the engine thread."""
         deadline = time.monotonic() + self.transfer_timeout_s
         spec = self.engine.kv_spec
         tokens = msg.layer_shape[1]
@@ -220,22 +221,26 @@ class KVReceiver:
         held = 0 if new_slots is None else new_slots.numel()
         scatter = new_slots is not None and 0 < held <= tokens
         pool = self.engine.pool
+        whole = self.engine.node_kv.whole
         group = min(msg.layers_per_send, spec.num_layers)
         try:
             # Receive even when the lease is gone: the tensors are on the wire and must be drained.
             with self._on_device():
-                buffer = torch.empty([group, *expected], dtype=pool.k_cache.dtype, device=pool.device)
+                buffer = torch.empty([group if whole else spec.num_layers, *expected], dtype=pool.k_cache.dtype,
+                                     device=pool.device)
                 slots = new_slots.to(pool.device) if scatter else None
             for first in range(0, spec.num_layers, group):
                 last = min(first + group, spec.num_layers)
-                part = buffer[: last - first]
+                part = buffer[: last - first] if whole else buffer[first:last]
                 # One buffer serves every group: the next receive is ordered after this scatter.
                 await conn.recv_into(part, max(deadline - time.monotonic(), 0.1))
                 self.counters.kv_bytes_received += part.numel() * part.element_size()
-                if slots is not None:
+                if slots is not None and whole:
                     with self._on_device():
                         kernels.scatter_kv(part[:, :, :held].transpose(0, 1), pool.k_cache[first:last],
                                            pool.v_cache[first:last], slots)
+            if slots is not None and not whole:
+                await self.worker.call(self._scatter_held, msg.lease_id, buffer[:, :, :held].transpose(0, 1), slots)
         finally:
             self._streaming.discard(msg.lease_id)
             if msg.lease_id in self._aborted_streams:
@@ -247,6 +252,11 @@ class KVReceiver:
             await self.worker.call(self.reservations.cancel, msg.lease_id)
             return PushAck(ok=False, error=f"KV for {tokens} tokens cannot fill {held} reserved slots")
         return PushAck(ok=True)
+
+    def _scatter_held(self, lease_id: str, buffer: torch.Tensor, slots: torch.Tensor) -> None:
+        """Engine thread: every head of ``buffer`` into the slots of a lease still held (on every rank)."""
+        if lease_id in self.reservations.pending and lease_id not in self._aborted_streams:
+            self.engine.node_kv.scatter(buffer, slots)
 
     async def commit(self, msg: CommitKV) -> PushAck:
         direct = msg.lease_id in self._direct

@@ -52,7 +52,7 @@ async def rehearse_handover(engine: LLMEngine, worker: EngineWorker, reservation
         lease = await reserve(link.channel, job, timeout_s, left)
         stream = LayerStream(REHEARSAL_ID, lease.hit_blocks * spec.block_size, spec.block_size,
                              (1 - lease.hit_blocks) * spec.block_size, engine.pool, asyncio.get_running_loop(), None,
-                             layers_per_send)
+                             layers_per_send, spec=spec)
         sender = StreamSender(link.channel, lease, stream)
         try:
             await sender.begin(left)

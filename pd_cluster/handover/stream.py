@@ -24,24 +24,28 @@ from pd_cluster.handover.lease import DecodeLease
 from pd_cluster.handover.messages import CommitKV, ReleaseLease, Released, StreamKV
 from pd_cluster.handover.sender import Deadline, Handed, KVSender, WithHeldSlots
 from pd_cluster.handover.side_stream import ReadyEvent, after_compute, on_side
+from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer import ChannelError, DataMessage, PeerChannel
 
 
 class LayerStream:
     """KV of tokens [start, n_tokens) of one request, zero-padded to ``padded_tokens``, sent in
     groups of ``layers_per_send`` layers (one send each: fewer, larger messages on the link,
-    while the copies of the next group run)."""
+    while the copies of the next group run). ``spec``: the KV D expects, every head (by default
+    the pool's; a stream filled by :meth:`fill_from` may stand for a pool of part of the heads)."""
 
     def __init__(
         self, request_id: str, start: int, n_tokens: int, padded_tokens: int, pool: KVPool,
         loop: asyncio.AbstractEventLoop, side_stream: torch.cuda.Stream | None, layers_per_send: int = 1,
+        spec: KVSpec | None = None,
     ) -> None:
         #: Tokens [start, n_tokens) of the request's prompt are the ones D lacks.
         self.request_id, self.start, self.n_tokens = request_id, start, n_tokens
         self.padded_tokens = padded_tokens
         self.pool = pool
-        self.num_layers = pool.spec.num_layers
-        self.layer_shape = [2, padded_tokens, pool.spec.num_kv_heads, pool.spec.head_dim]
+        self.spec = spec = spec or pool.spec
+        self.num_layers = spec.num_layers
+        self.layer_shape = [2, padded_tokens, spec.num_kv_heads, spec.head_dim]
         self.layers_per_send = max(1, min(layers_per_send, self.num_layers))
         self._loop = loop
         self._side = side_stream
@@ -52,12 +56,12 @@ class LayerStream:
 
     @property
     def dtype(self) -> str:
-        return self.pool.spec.dtype
+        return self.spec.dtype
 
     @property
     def nbytes(self) -> int:
         """Bytes on the wire: every layer's keys and values of ``padded_tokens`` tokens."""
-        return self.padded_tokens * self.pool.spec.bytes_per_token
+        return self.padded_tokens * self.spec.bytes_per_token
 
     # ---- engine thread -----------------------------------------------------------------------
 
@@ -73,6 +77,7 @@ class LayerStream:
     def capture(self, layer: int) -> None:
         """Layer ``layer``'s KV is stored (in stream order): queue its copy and announce it."""
         assert self.buffer is not None and self._slots is not None, "begin() first"
+        assert self.spec.num_kv_heads == self.pool.spec.num_kv_heads, "layer by layer needs a pool of every head"
         ready: ReadyEvent = None
         after_compute(self._side)
         with on_side(self._side):

@@ -19,6 +19,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine import llm_engine
 from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
 from pd_cluster.engine.llm_engine import LLMEngine
+from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.step_layout import StepLayout
 from pd_cluster.sampling_params import SamplingParams
 from tests.engine_flags import check_switch_reaches_every_node
@@ -32,12 +33,15 @@ def _engine(model_dir, pipelined: bool = False) -> LLMEngine:
                                   max_running_requests=8, overlap_schedule=pipelined))
 
 
-def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape], draws: list[GraphShape] | None = None) -> StepGraphs:
+def _eager_graphs(engine: LLMEngine, shapes: list[GraphShape], draws: list[GraphShape] | None = None,
+                  pad_slot: int | None = None, table: ReqSlotTable | None = None) -> StepGraphs:
     """Step graphs whose replay is the captured forward run eagerly on the static buffers; with
-    ``draws``, their decode shapes also drawing (replays recorded there), run eagerly the same way."""
-    pad_slot = int(engine.pool.reserve(1)[0])
+    ``draws``, their decode shapes also drawing (replays recorded there), run eagerly the same way.
+    ``pad_slot`` and ``table``: another rank's (by default the engine's, its padding slot reserved)."""
+    if pad_slot is None:
+        pad_slot = int(engine.pool.reserve(1)[0])
     sizes = [1, 2, 4, 8]
-    graphs = StepGraphs(engine.model, engine.pool, engine.table, sizes, pad_slot,
+    graphs = StepGraphs(engine.model, engine.pool, table or engine.table, sizes, pad_slot,
                         prefill_tokens=[32, 64], max_prefills=2, draws=draws is not None)
     assert (graphs.draw_inputs is not None) == (draws is not None)
 
@@ -227,3 +231,35 @@ def test_mapped_id_rows_held_until_read_and_the_spare_when_all_are_held():
     assert ring.free_rows == 2
     ring.give_back(ring.spare)  # a no-op
     assert ring.free_rows == 2
+
+
+def test_a_rank_that_follows_the_plans_replays_on_the_same_inputs(default_model_dir, prompts):
+    """A tensor-parallel rank replays each step's graph from rank 0's plan: the packed static
+    inputs, the request table's writes since the last step (eager steps and a prefix hit write it
+    outside any graph), and, where a pipelined step reads ids left on the device, those ids. A
+    follower with a table of its own, fed only that, computes the same logits at every step."""
+    expected = _staggered(_engine(default_model_dir), prompts)
+    engine = _engine(default_model_dir, pipelined=True)
+    shapes: list[GraphShape] = []
+    graphs = engine.runner.graphs = _eager_graphs(engine, shapes)
+    table = ReqSlotTable(*engine.table.table.shape, engine.device)
+    follower = _eager_graphs(engine, [], pad_slot=graphs.pad_slot, table=table)
+    engine.table.journal = []
+    theirs, ours, plans = [], [], {"pending": 0, "writes": 0}
+
+    def follow(shape: GraphShape, inputs: torch.Tensor, pending: bool) -> None:
+        journal = engine.table.take_journal()
+        plans["writes"] += journal.shape[1]
+        plans["pending"] += pending
+        table.apply_journal(journal)
+        if pending:  # the model group's broadcast of the last step's ids
+            follower.prev_ids.copy_(graphs.prev_ids)
+        theirs.append(follower.replay_packed(shape, inputs).clone())
+
+    replay, run_graph = graphs.replay, graphs.run_graph
+    graphs.replay = lambda step, layout, shape, tokens=None, before=None: replay(step, layout, shape, tokens, follow)
+    graphs.run_graph = lambda shape: ours.append(run_graph(shape).clone()) or ours[-1]
+    assert _staggered(engine, prompts) == expected
+    assert plans["pending"] and plans["writes"] and len(theirs) == len(ours) == len(shapes)
+    for a, b in zip(theirs, ours):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -23,6 +23,7 @@ def kv4_model(tmp_path_factory, default_model_dir):
 def _generate(model: str, tp: int, prompts, **options) -> list[list[int]]:
     llm = LLM(model=model, device="cpu", dtype="float32", tp=tp, max_total_tokens=2048, **options)
     try:
+        assert llm.engine.pipelined == bool(options.get("overlap_schedule"))
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         return [list(out.token_ids) for out in llm.generate(prompts, params)]
     finally:
@@ -34,6 +35,13 @@ def test_tp2_equals_tp1_token_for_token(kv4_model):
     # shares the first one's prefix (a prefix-cache hit reads KV the ranks stored earlier).
     options = {"max_num_batched_tokens": 8}
     assert _generate(str(kv4_model), 2, PROMPTS, **options) == _generate(str(kv4_model), 1, PROMPTS, **options)
+
+
+def test_tp2_with_the_overlap_schedule_equals_tp1(kv4_model):
+    # Each step's plan goes out before the last step's ids are read back (they follow the plan).
+    options = {"max_num_batched_tokens": 8}
+    assert (_generate(str(kv4_model), 2, PROMPTS, overlap_schedule=True, **options)
+            == _generate(str(kv4_model), 1, PROMPTS, **options))
 
 
 def test_tp4_splits_kv_heads_one_each_and_equals_tp1(kv4_model):
@@ -80,18 +88,46 @@ def test_default_model_at_tp2_matches_transformers(default_model_dir, tokenizer,
     assert ours == [hf_reference.greedy(p, 12) for p in prompts]
 
 
-def test_rank0_pool_holds_every_heads_kv_as_tp1(kv4_model):
-    # What a prefill node hands over is rank 0's pool: after the steps, every head of it (the
-    # other ranks' gathered layer by layer) equals a TP 1 engine's.
-    pools = []
-    for tp in (1, 2):
-        llm = LLM(model=str(kv4_model), device="cpu", dtype="float32", tp=tp, max_total_tokens=256)
-        try:
-            llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-            pools.append((llm.engine.pool.k_cache.clone(), llm.engine.pool.v_cache.clone()))
-        finally:
-            llm.close()
-    (k1, v1), (k2, v2) = pools
-    assert k1.abs().sum() > 0
-    torch.testing.assert_close(k2, k1, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(v2, v1, rtol=1e-4, atol=1e-5)
+def _held_kv(model: str, tp: int) -> tuple[torch.Tensor, int, int]:
+    """Every head's KV (as a handover reads it) of a request held after its prefill, and the
+    heads and slots of rank 0's pool."""
+    llm = LLM(model=model, device="cpu", dtype="float32", tp=tp, max_total_tokens=256)
+    try:
+        engine = llm.engine
+        req = engine.add_request("held", PROMPTS[2], SamplingParams(temperature=0, max_tokens=1), hold_kv=True)
+        while engine.has_unfinished():
+            engine.step()
+        slots = engine.held_slots(req)
+        kv = engine.node_kv.gather(slots)
+        pool = engine.pool
+        return kv, pool.k_cache.shape[2], pool.k_cache.shape[1]
+    finally:
+        llm.close()
+
+
+def test_each_rank_holds_only_its_heads_and_a_handover_reads_every_head_as_tp1(kv4_model):
+    kv1, heads1, slots1 = _held_kv(str(kv4_model), 1)
+    kv2, heads2, slots2 = _held_kv(str(kv4_model), 2)
+    # Rank 0's pool: its two of the four KV heads, as many slots (a TP 2 node holds twice the
+    # tokens of TP 1 in each GPU's KV budget).
+    config = ModelConfig.from_path(kv4_model)
+    assert (heads1, heads2) == (4, 2) and slots2 == slots1
+    assert kv1.shape == kv2.shape == (2, config.num_layers, len(PROMPTS[2]), 4, config.head_dim)
+    assert kv1.abs().sum() > 0
+    torch.testing.assert_close(kv2, kv1, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_written_from_outside_reaches_every_rank(kv4_model):
+    # A decode node's handover: every head written at reserved slots (each rank keeps its own),
+    # then read back through the ranks.
+    llm = LLM(model=str(kv4_model), device="cpu", dtype="float32", tp=2, max_total_tokens=256)
+    try:
+        engine = llm.engine
+        spec = engine.kv_spec
+        slots = engine.pool.alloc(5)
+        kv = torch.randn(2, spec.num_layers, 5, spec.num_kv_heads, spec.head_dim)
+        engine.node_kv.scatter(kv, slots)
+        torch.testing.assert_close(engine.node_kv.gather(slots), kv)
+        engine.pool.free(slots)
+    finally:
+        llm.close()

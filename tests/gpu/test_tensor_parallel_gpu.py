@@ -1,5 +1,7 @@
-"""Tensor parallelism on two GPUs (NCCL all-reduces, Triton kernels over head views): TP 2 gives
-a TP 1 engine's greedy tokens in float32, and rank 0's pool holds every head as TP 1's does.
+"""Tensor parallelism on two GPUs (NCCL all-reduces, Triton kernels on each rank's own KV heads):
+TP 2 gives a TP 1 engine's greedy tokens in float32, eagerly and replaying CUDA graphs with the
+overlap schedule (every rank replays the graph rank 0 plans, its all-reduces captured inside), and
+the KV a handover reads (every head, gathered from the ranks) is TP 1's.
 
     python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -s
 """
@@ -21,6 +23,9 @@ pytestmark = [
 ]
 
 PROMPTS = [[5, 17, 300, 42, 9], [7] * 3, list(range(100, 400)), [5, 17, 300, 42, 9, 11, 12]]
+#: Few graph shapes (decode batches up to 8, mixed chunks of 32 and 128 tokens): quick captures,
+#: and the 300-token prompt takes 128-token chunks replayed as mixed graphs.
+GRAPHS = {"max_running_requests": 8, "max_num_batched_tokens": 256, "mixed_graph_tokens": [32, 128]}
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +35,41 @@ def kv4_model(tmp_path_factory):
     return write_random_model("tiny-kv4", tmp_path_factory.mktemp("kv4"), tokenizer, dtype="float32", device="cuda")
 
 
-def _run(model, tp: int) -> tuple[list[list[int]], torch.Tensor]:
-    # Eager at both sizes (a TP step runs eager): with CUDA graphs TP 1 would take one slot out
-    # of service for the graphs' padding rows, and its pool would not line up with TP 2's.
+def _eager(model, tp: int) -> tuple[list[list[int]], torch.Tensor]:
+    # Eager at both sizes: with CUDA graphs TP 1 would take one slot out of service for the
+    # graphs' padding rows, and the pools would not line up slot for slot.
     llm = LLM(model=str(model), device="cuda:0", dtype="float32", tp=tp, max_total_tokens=4096,
               max_num_batched_tokens=64, cuda_graphs=False)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        return [list(o.token_ids) for o in outs], llm.engine.pool.k_cache.float().cpu()
+        engine = llm.engine
+        with torch.cuda.device(engine.device):
+            kv = engine.node_kv.gather(torch.arange(engine.pool.capacity, device=engine.device))
+        return [list(o.token_ids) for o in outs], kv.float().cpu()
     finally:
         llm.close()
 
 
 def test_tp2_on_two_gpus_equals_tp1(kv4_model):
-    tokens1, k1 = _run(kv4_model, 1)
-    tokens2, k2 = _run(kv4_model, 2)
+    tokens1, kv1 = _eager(kv4_model, 1)
+    tokens2, kv2 = _eager(kv4_model, 2)
     assert tokens2 == tokens1
-    torch.testing.assert_close(k2, k1, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(kv2, kv1, rtol=1e-3, atol=1e-4)
+
+
+def _graphs(model, tp: int, prompts) -> list[list[int]]:
+    llm = LLM(model=str(model), device="cuda:0", dtype="float32", tp=tp, max_total_tokens=8192, **GRAPHS)
+    try:
+        engine = llm.engine
+        assert engine.runner.graphs is not None and engine.pipelined
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        return [list(o.token_ids) for o in outs]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("which", ["model_8b", "small_model"])
+def test_tp2_replaying_cuda_graphs_equals_tp1(request, which):
+    # The 8B shape (8 KV heads, four a rank) and the default model's (3 KV heads: two and one).
+    model = request.getfixturevalue(which)
+    assert _graphs(model, 2, PROMPTS) == _graphs(model, 1, PROMPTS)

@@ -37,6 +37,16 @@ def expected_bytes(pair: ServicePair, n_tokens: int, hit_blocks: int) -> int:
     return (math.ceil(n_tokens / spec.block_size) - hit_blocks) * spec.bytes_per_block
 
 
+#: P and D of different TP, and the path each asks for: a tensor-parallel P sends whole (its
+#: layer-wise options are dropped); a tensor-parallel D receives every head and hands each rank its own.
+TP_PAIRS = {
+    "p2-d1-direct": {"p_tp": 2, **PATHS["direct"]},
+    "p2-d1-stream": {"p_tp": 2, **PATHS["stream"]},
+    "p1-d2-stream": {"d_tp": 2, **PATHS["stream"]},
+    "p2-d2-push": {"p_tp": 2, "d_tp": 2, **PATHS["push"]},
+}
+
+
 @pytest.fixture(params=list(PATHS))
 async def pair(request, default_model_dir):
     pair = await start_pair(default_model_dir, **PATHS[request.param])
@@ -71,6 +81,31 @@ async def test_each_path_moves_the_missing_blocks_and_continues_like_a_single_en
     assert channel.transport == ("ipc" if pair.label == "direct" else "loopback")
     stats = await pair.d_stats()
     assert stats["reservations"] == 0 and stats["external_held"] == 0 and stats["idle"] == idle
+
+
+@pytest.mark.parametrize("case", list(TP_PAIRS))
+async def test_p_and_d_of_different_tp_hand_over_every_head_and_a_prefix_hit_on_d(case, default_model_dir,
+                                                                                  chat_prompts, engine_outputs):
+    pair = await start_pair(default_model_dir, **TP_PAIRS[case])
+    try:
+        # A TP 2 engine's pool holds only its own KV heads: the handover re-shards.
+        for engine in (pair.p.engine, pair.d.engine):
+            assert (engine.pool.spec.num_kv_heads < engine.kv_spec.num_kv_heads) == (engine.config.tp > 1)
+        first = chat_prompts[0]
+        tokens, result = await pair.run(first)
+        assert tokens == engine_outputs[0]
+        # In place only into a TP 1 D's pool; a layer-wise stream only from a TP 1 P.
+        assert (pair.channel().transport == "ipc") == case.endswith("direct")
+        assert result.transfer_bytes == expected_bytes(pair, len(first), 0)
+        # D's prefix cache holds the first prompt on every rank: only the rest moves.
+        follow_up = first + chat_prompts[1][-40:]
+        want = single_engine_tokens(default_model_dir, [follow_up])[0]
+        tokens, result = await pair.run(follow_up)
+        assert tokens == want and result.hit_blocks == len(first) // pair.d.engine.kv_spec.block_size > 0
+        stats = await pair.d_stats()
+        assert stats["reservations"] == 0 and stats["external_held"] == 0
+    finally:
+        await pair.stop()
 
 
 async def test_a_prefix_hit_moves_only_the_missing_blocks(pair, chat_prompts, engine_outputs):
