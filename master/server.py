@@ -83,7 +83,7 @@ def run_master(settings: MasterSettings | None = None) -> None:
         return
     app = create_app(settings)
     prepare_process()
-    settle()
+    settle(app.state.ctx.metrics)
     # On uvloop and httptools (dependencies; uvicorn picks them up itself).
     uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, tls))
 
@@ -97,7 +97,7 @@ def run_worker(settings: MasterSettings) -> None:
     tls = tls_options(settings)
     app = create_app(settings)
     prepare_process()
-    settle()
+    settle(app.state.ctx.metrics)
     index = settings.worker_index or 0
     sockets = [reuse_port_socket(settings.host, settings.port), reuse_port_socket(settings.host,
                                                                                   settings.worker_port(index))]
