@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pd_cluster.bench.master_load import LoadOptions, markdown, run_master_load
+from pd_cluster.bench.master_cores import split_cores
 from pd_cluster.bench.master_scale import ScaleOptions, best_within_bounds, run_scale, within_bounds
 from pd_cluster.bench.master_scale import markdown as markdown_scale
 from pd_cluster.bench.scale_client import content_of
@@ -67,6 +68,11 @@ def test_concurrent_streams_through_two_masters_report_tokens_dispatch_and_the_m
     assert 0 < level["dispatch_p50_s"] <= level["dispatch_p99_s"] < 5.0, level
     assert 0 < level["added_itl_p50_s"] <= level["added_itl_p99_s"] < 5.0, level
     assert 0 < level["ttft_p50_s"] and level["master_cpu_cores"] > 0
+    # Each client process says how busy it was (one near a whole core would be the limit), and
+    # the nodes too; the level says where everything ran.
+    assert len(level["client_cpu_cores"]) == 2 and all(0 < c < 2 for c in level["client_cpu_cores"]), level
+    assert level["client_limited"] == (max(level["client_cpu_cores"]) > 0.8) and level["node_cpu_cores"] > 0
+    assert level["cores"]["note"]
     assert level["within_bounds"] == within_bounds(level)
     assert set(doc["scaling"]) == {"2"} and doc["master_tokens_per_s_dispatch_p99_10ms"] is None  # 1 not measured
     doc.update(device="cpu", date="2026-11-28")
@@ -102,6 +108,26 @@ def test_the_key_figure_is_the_most_tokens_served_within_both_bounds():
     assert [lv["within_bounds"] for lv in levels] == [True, True, False, False, False]
     assert best_within_bounds(levels) == 20_000
     assert best_within_bounds(levels[2:]) is None
+
+
+def test_each_master_gets_cores_of_its_own_apart_from_the_nodes_and_clients():
+    split = split_cores(list(range(16)), [4, 4], node_procs=2, client_procs=6)
+    assert split.masters == [[0, 1, 2, 3], [4, 5, 6, 7]] and split.nodes == [8, 9]
+    assert split.clients == list(range(10, 16)) and split.pinned
+    tight = split_cores(list(range(6)), [2, 2], node_procs=2, client_procs=4)  # masters first; the rest shared
+    assert tight.masters == [[0, 1], [2, 3]] and tight.nodes == tight.clients == [4, 5]
+    assert not split_cores(list(range(4)), [2, 2], node_procs=1, client_procs=1).pinned
+    assert not split_cores([], [1], node_procs=1, client_procs=1).pinned
+
+
+def test_per_master_concurrency_gives_each_master_the_same_streams(default_model_dir: Path, tmp_path: Path):
+    """``--per-master``: a level's streams are the given count times the masters (1, 2 and 4
+    masters then carry the same load each, and their rates show how masters scale)."""
+    options = ScaleOptions(model=str(default_model_dir), masters=[2], concurrency=[3], decode_nodes=1, step_ms=5.0,
+                           input_len=32, output_len=8, measure_s=1.0, client_procs=1, node_procs=1, port=free_port(),
+                           per_master=True)
+    (level,) = run_scale(options, tmp_path / "run")["levels"]
+    assert level["concurrency"] == 6 and level["failed"] == 0, level
 
 
 def test_a_chunk_line_gives_its_content_bytes():
