@@ -88,6 +88,10 @@ class ScaleOptions:
     pin: bool = True
     #: ``concurrency`` counts streams per master (the level's total is that times the masters).
     per_master: bool = False
+    #: Clusters of more master processes (masters x workers) than this are skipped (None: none).
+    max_master_procs: int | None = None
+    #: Levels of more streams in all than this are skipped (None: none).
+    max_streams: int | None = None
 
     @property
     def ramp_s(self) -> float:
@@ -304,20 +308,20 @@ def run_scale(options: ScaleOptions, work_dir: Path) -> dict[str, Any]:
     model_dir = resolve_model_path(options.model)
     prompts = make_prompts(model_dir, options.input_len)
     levels: list[dict[str, Any]] = []
-    for count in options.masters:
-        for workers in options.master_workers:
-            logs = work_dir / (f"masters{count}" + (f"-workers{workers}" if workers > 1 else ""))
-            cluster = _Cluster(options, model_dir, count, logs, workers)
-            logs.mkdir(parents=True, exist_ok=True)
-            cluster.start()
-            try:
-                levels += [_level(options, cluster, c * count if options.per_master else c, prompts)
-                           for c in options.concurrency]
-            finally:
-                cluster.stop()
+    clusters, skipped = plan_levels(options)
+    for count, workers, streams in clusters:
+        logs = work_dir / (f"masters{count}" + (f"-workers{workers}" if workers > 1 else ""))
+        cluster = _Cluster(options, model_dir, count, logs, workers)
+        logs.mkdir(parents=True, exist_ok=True)
+        cluster.start()
+        try:
+            levels += [_level(options, cluster, total, prompts) for total in streams]
+        finally:
+            cluster.stop()
     scaling = {str(count): best_within_bounds([lv for lv in levels if lv["masters"] == count])
                for count in options.masters}
-    most = {str(count): max(lv["tokens_per_s"] for lv in levels if lv["masters"] == count) for count in options.masters}
+    most = {str(count): max((lv["tokens_per_s"] for lv in levels if lv["masters"] == count), default=None)
+            for count in options.masters}
     return {
         "options": {k: v for k, v in options.__dict__.items() if k != "model"},
         "model": model_dir.name,
@@ -326,8 +330,43 @@ def run_scale(options: ScaleOptions, work_dir: Path) -> dict[str, Any]:
         "most_tokens_per_s": most,
         "by_workers": {str(w): best_within_bounds([lv for lv in levels if lv["masters"] == 1 and lv["workers"] == w])
                        for w in options.master_workers},
+        "scaling_by_load": scaling_by_load(levels),
+        "skipped": skipped,
         "levels": levels,
     }
+
+
+def plan_levels(options: ScaleOptions) -> tuple[list[tuple[int, int, list[int]]], list[str]]:
+    """The clusters to run, (masters, workers each, each level's streams in all), and a line for
+    each cluster or level skipped by ``max_master_procs`` or ``max_streams``."""
+    clusters, skipped = [], []
+    for count in options.masters:
+        for workers in options.master_workers:
+            if options.max_master_procs is not None and count * workers > options.max_master_procs:
+                skipped.append(f"{count} masters x {workers} workers: over {options.max_master_procs} master processes")
+                continue
+            streams = []
+            for c in options.concurrency:
+                total = c * count if options.per_master else c
+                if options.max_streams is not None and total > options.max_streams:
+                    skipped.append(f"{count} masters x {workers} workers at {total} streams: over {options.max_streams}")
+                else:
+                    streams.append(total)
+            if streams:
+                clusters.append((count, workers, streams))
+    return clusters, skipped
+
+
+def scaling_by_load(levels: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each load a master (its workers, its streams), the levels of each number of masters:
+    masters that scale linearly relay the same tokens/s each."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for lv in levels:
+        key = f"{lv['workers']} workers, {lv['concurrency'] // lv['masters']} streams a master"
+        out.setdefault(key, {})[str(lv["masters"])] = {
+            "tokens_per_s": lv["tokens_per_s"], "tokens_per_s_a_master": lv["tokens_per_s"] / lv["masters"],
+            "within_bounds": lv["within_bounds"]}
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -338,7 +377,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
     rows = [f"| {lv['masters']} | {lv['concurrency']} | {lv.get('workers', 1)} | {lv['tokens_per_s']:.0f} | {ms(lv['dispatch_p50_s'])} | "
             f"{ms(lv['dispatch_p99_s'])} | {ms(lv['added_itl_p50_s'])} | {ms(lv['added_itl_p99_s'])} | "
-            f"{ms(lv['ttft_p50_s'])} | {lv['master_cpu_cores']:.2f} | {max(lv['client_cpu_cores'], default=0):.2f} | {lv['failed']} | "
+            f"{ms(lv['ttft_p50_s'])} | {lv['master_cpu_cores']:.2f} | {max(lv.get('client_cpu_cores', []), default=0):.2f} | {lv['failed']} | "
             f"{'yes' if lv['within_bounds'] else 'no'} |" for lv in doc["levels"]]
     key = doc["master_tokens_per_s_dispatch_p99_10ms"]
     return "\n".join([
@@ -350,6 +389,11 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Tokens/s of one master at dispatch p99 <= 10 ms and added ITL p99 <= 1 ms: "
         f"{'-' if key is None else f'{key:.0f}'}; by masters: "
         + ", ".join(f"{k}: {'-' if v is None else f'{v:.0f}'}" for k, v in doc["scaling"].items()), "",
+        *[f"Same load a master ({load}): " + ", ".join(
+            f"{m} masters {v['tokens_per_s']:.0f} tokens/s ({v['tokens_per_s_a_master']:.0f} a master"
+            f"{'' if v['within_bounds'] else ', out of bounds'})" for m, v in by_masters.items()) + "  "
+          for load, by_masters in doc.get("scaling_by_load", {}).items() if len(by_masters) > 1],
+        *[f"Skipped: {line}.  " for line in doc.get("skipped", [])], "",
         "| masters | streams | workers each | tokens/s | dispatch p50 ms | dispatch p99 ms | added ITL p50 ms | added ITL p99 ms | "
         "TTFT p50 ms | master CPU (cores) | busiest client (cores) | failed | within bounds |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -379,6 +423,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node-procs", type=int, default=d.node_procs, help="processes the synthetic nodes run in")
     g.add_argument("--per-master", action="store_true",
                    help="--concurrency counts streams per master (a level's total is that times --masters)")
+    g.add_argument("--max-master-procs", type=int, default=None,
+                   help="skip the clusters of more master processes (masters x workers) than this")
+    g.add_argument("--max-streams", type=int, default=None, help="skip the levels of more streams in all than this")
     g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=d.pin,
                    help="run each master on cores of its own, apart from the nodes and clients (Linux)")
     g.add_argument("--master-pythonpath", default=None,
@@ -400,7 +447,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         output_len=args.output_len if args.output_len is not None else d.output_len, measure_s=args.measure_s,
         client_procs=args.client_procs, node_procs=args.node_procs, port=args.port,
         master_args=args.master_args.split(), master_pythonpath=args.master_pythonpath, pin=args.pin,
-        per_master=args.per_master)
+        per_master=args.per_master, max_master_procs=args.max_master_procs, max_streams=args.max_streams)
     date = dt.date.today().isoformat()
     stem = f"master-load-scale-{date}" + (f"-{args.tag}" if args.tag else "")
     doc = run_scale(replace(options), args.out / f"{stem}-logs")

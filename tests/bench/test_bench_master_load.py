@@ -10,7 +10,9 @@ import pytest
 
 from pd_cluster.bench.master_load import LoadOptions, markdown, run_master_load
 from pd_cluster.bench.master_cores import split_cores
-from pd_cluster.bench.master_scale import ScaleOptions, best_within_bounds, run_scale, within_bounds
+from pd_cluster.bench.master_scale import (
+    ScaleOptions, best_within_bounds, plan_levels, run_scale, scaling_by_load, within_bounds,
+)
 from pd_cluster.bench.master_scale import markdown as markdown_scale
 from pd_cluster.bench.scale_client import content_of
 from pd_cluster.cli import main as cli_main
@@ -118,6 +120,20 @@ def test_each_master_gets_cores_of_its_own_apart_from_the_nodes_and_clients():
     assert tight.masters == [[0, 1], [2, 3]] and tight.nodes == tight.clients == [4, 5]
     assert not split_cores(list(range(4)), [2, 2], node_procs=1, client_procs=1).pinned
     assert not split_cores([], [1], node_procs=1, client_procs=1).pinned
+
+
+def test_one_command_plans_the_key_level_and_the_scaling_within_the_hosts_limits():
+    """The 16-core run: one master of 8 workers at 1000 streams, and 1, 2 and 4 masters of 2
+    workers at 250 streams each; bigger clusters and levels are skipped, and said so."""
+    options = ScaleOptions(model="default", masters=[1, 2, 4], master_workers=[2, 8], concurrency=[250, 1000],
+                           per_master=True, max_master_procs=8, max_streams=1000)
+    clusters, skipped = plan_levels(options)
+    assert clusters == [(1, 2, [250, 1000]), (1, 8, [250, 1000]), (2, 2, [500]), (4, 2, [1000])]
+    assert len(skipped) == 4 and "2 masters x 8 workers: over 8 master processes" in skipped
+    levels = [{"masters": m, "workers": w, "concurrency": c, "tokens_per_s": 100.0 * c, "within_bounds": True}
+              for m, w, streams in clusters for c in streams]
+    by_load = scaling_by_load(levels)["2 workers, 250 streams a master"]
+    assert {m: v["tokens_per_s_a_master"] for m, v in by_load.items()} == {"1": 25_000, "2": 25_000, "4": 25_000}
 
 
 def test_per_master_concurrency_gives_each_master_the_same_streams(default_model_dir: Path, tmp_path: Path):
