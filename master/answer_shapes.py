@@ -19,14 +19,21 @@ CLIENT_CLOSED = 499
 PIECE = "\x00piece\x00"
 
 
+#: ``json.dumps(payload, separators=(",", ":"), ensure_ascii=False)`` without building an
+#: encoder a call (json.dumps does, for any argument but the defaults).
+_compact = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+#: ``json.dumps(text, ensure_ascii=False)`` of a string: the C escape json.dumps calls in the end.
+json_string: Callable[[str], str] = json.encoder.encode_basestring  # type: ignore[attr-defined]
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {_compact(payload)}\n\n"
 
 
 def text_template(event: str) -> tuple[str, str]:
     """An SSE event built around ``PIECE``, split where the piece's JSON string goes: a token's
-    event is then ``head + json.dumps(text) + tail``, the same bytes as serialising it whole."""
-    head, _, tail = event.rpartition(json.dumps(PIECE, ensure_ascii=False))  # the choices come last
+    event is then ``head + json_string(text) + tail``, the same bytes as serialising it whole."""
+    head, _, tail = event.rpartition(json_string(PIECE))  # the choices come last
     return head, tail
 
 

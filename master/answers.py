@@ -9,7 +9,6 @@ piece).
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from master import openai_schemas as oa
 from master import tool_calls
 from master.answer_shapes import (
-    CLIENT_CLOSED, PIECE, SHAPES, SSE_HEADERS, Shape, StreamHead, answer, choice, sse, text_template,
+    CLIENT_CLOSED, PIECE, SHAPES, SSE_HEADERS, Shape, StreamHead, answer, choice, json_string, sse, text_template,
 )
 from master.context import MasterContext
 from master.errors import APIError
@@ -176,7 +175,7 @@ class _StreamWriter:
         template = self.templates.get(index)
         if template is None:
             template = self.templates[index] = text_template(self._event(index, choice(self.shape.delta(PIECE))))
-        return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
+        return template[0] + json_string(text) + template[1]
 
 
 def _tool_call_deltas(calls: tool_calls.ToolCallStream, piece: TokenChunk, logprobs: Any) -> list[dict[str, Any]]:

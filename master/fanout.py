@@ -22,7 +22,7 @@ from master import openai_schemas as oa
 from master.errors import APIError, internal_error
 from master.metrics import status_of_http
 from master.relay import Relay
-from master.relay_request import ClientDisconnected, RelayRequest, StreamFailed, TokenChunk
+from master.relay_request import DONE, ClientDisconnected, RelayRequest, StreamFailed, TokenChunk
 from master.relay_state import RequestState
 from pd_cluster.sampling_params import SamplingParams
 
@@ -179,16 +179,21 @@ class FanOut:
         ends by its request's deadline, so this does too; raises ClientDisconnected once
         :meth:`hang_up` was called."""
         relays = self.relays
-        if len(relays) == 1:  # one choice: its own stream, no task between
-            try:
-                async for chunks in self.relay.batches(relays[0]):
+        if len(relays) == 1:  # one choice: read straight from its request (Relay.batches, inlined)
+            r = relays[0]
+            while True:
+                chunks, end = r.take()
+                if end is None or chunks:
                     if self.hung_up:
                         raise ClientDisconnected()
                     if chunks:
                         yield [(0, c) for c in chunks]
-            except StreamFailed as exc:
-                yield [(0, exc)]
-            return
+                if end is DONE:
+                    return
+                if end is not None:
+                    yield [(0, StreamFailed(end))]  # type: ignore[arg-type]
+                    return
+                await r.next_wakeup()
         async for batch in self._merged_batches():
             yield batch
 

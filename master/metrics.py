@@ -18,6 +18,7 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 ROLES = ("prefill", "decode", "mixed")
@@ -88,6 +89,14 @@ class MasterMetrics:
         self.warm_channels = Gauge(
             "pdc_warm_channels", "Pairs of an active prefill and decode node whose data-plane channel is warm",
             registry=r, multiprocess_mode="mostrecent",
+        )
+        self.gc_pause = Histogram(
+            "pdc_gc_pause_seconds", "Garbage collections of the master process by generation (each one stops "
+            "its event loop: every stream's next token waits)", ["generation"], buckets=_GC_BUCKETS, registry=r,
+        )
+        self.gc_frozen_objects = Gauge(
+            "pdc_gc_frozen_objects", "Objects of the start-up frozen out of garbage collection (a master process's)",
+            registry=r, multiprocess_mode="max",
         )
         #: Collectors that read live state (the registry's nodes): rendered by this process alone.
         self._live: list[Collector] = []

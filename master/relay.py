@@ -130,22 +130,16 @@ class Relay:
         (set in :meth:`create`, cancelled only by :meth:`release`) fails it and wakes this loop,
         so a token costs no timer here."""
         while True:
-            items, r.buffer = r.buffer, []
-            chunks: list[TokenChunk] = []
-            for item in items:
-                if item is DONE:
-                    if chunks:
-                        yield chunks
-                    return
-                if isinstance(item, APIError):
-                    if chunks:
-                        yield chunks
-                    raise StreamFailed(item)
-                chunks.append(item)  # type: ignore[arg-type]
-            yield chunks
-            if not r.buffer:
-                r.wakeup.clear()
-                await r.wakeup.wait()
+            chunks, end = r.take()
+            if end is None:
+                yield chunks
+                await r.next_wakeup()
+                continue
+            if chunks:
+                yield chunks
+            if end is DONE:
+                return
+            raise StreamFailed(end)  # type: ignore[arg-type]
 
     async def wait(self, r: RelayRequest, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
         """Wait until a non-streaming request is done; raises APIError or ClientDisconnected."""

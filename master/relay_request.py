@@ -213,6 +213,21 @@ class RelayRequest:
         self.first_token_at = None
         self.buffer = [item for item in self.buffer if not isinstance(item, TokenChunk)]
 
+    def take(self) -> tuple[list[TokenChunk], object | None]:
+        """The output chunks delivered since the last take, in order, and how the stream ended
+        (:data:`DONE` or the request's APIError; None while it goes on)."""
+        items, self.buffer = self.buffer, []
+        for i, item in enumerate(items):  # the end, when it came, is the last item
+            if not isinstance(item, TokenChunk):
+                return items[:i], item  # type: ignore[return-value]
+        return items, None  # type: ignore[return-value]
+
+    async def next_wakeup(self) -> None:
+        """Wait for more output or the end (at once when some is delivered already)."""
+        if not self.buffer:
+            self.wakeup.clear()
+            await self.wakeup.wait()
+
     def deliver(self, item: object) -> None:
         """Hand the handler its last item (:data:`DONE` or the error) and wake it."""
         self.buffer.append(item)

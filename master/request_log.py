@@ -15,7 +15,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +82,8 @@ class RequestRecord:
     wait_reason: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Every field is a plain value: a shallow copy is asdict's result without its deep copy.
+        return dict(vars(self))
 
     def text(self) -> str:
         """The ``key=value`` form of the text log."""

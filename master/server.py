@@ -7,6 +7,7 @@ from typing import Any
 
 from master.app import ConfigError, api_keys_from, check_secrets, create_app
 from master.config import MasterSettings
+from master.heap import settle
 from master.request_log import use_json_logs
 from master.workers import WorkerSupervisor, reuse_port_socket
 from pd_cluster import protocol
@@ -82,6 +83,7 @@ def run_master(settings: MasterSettings | None = None) -> None:
         return
     app = create_app(settings)
     prepare_process()
+    settle(app.state.ctx.metrics)
     # On uvloop and httptools (dependencies; uvicorn picks them up itself).
     uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, tls))
 
@@ -95,6 +97,7 @@ def run_worker(settings: MasterSettings) -> None:
     tls = tls_options(settings)
     app = create_app(settings)
     prepare_process()
+    settle(app.state.ctx.metrics)
     index = settings.worker_index or 0
     sockets = [reuse_port_socket(settings.host, settings.port), reuse_port_socket(settings.host,
                                                                                   settings.worker_port(index))]

@@ -207,10 +207,13 @@ def cpu_seconds(pid: int) -> float | None:
 class MasterProcess:
     """``pd-cluster master`` as a child process, its log in a file."""
 
-    def __init__(self, model: str, port: int, log_path: Path, extra: list[str], pythonpath: str | None = None) -> None:
+    def __init__(self, model: str, port: int, log_path: Path, extra: list[str], pythonpath: str | None = None,
+                 cpus: list[int] | None = None) -> None:
         self.port, self.log_path = port, log_path
         #: Where the master's code is imported from (another build's checkout); None: this one's.
         self.pythonpath = pythonpath
+        #: The cores it (and every process it starts) runs on; None: any.
+        self.cpus = cpus
         self.args = [sys.executable, "-m", "pd_cluster.cli", "master", "--host", "127.0.0.1", "--port", str(port),
                      "--model", model, "--served-model-name", SERVED_NAME, *extra]
         self.proc: subprocess.Popen | None = None
@@ -224,7 +227,9 @@ class MasterProcess:
         if self.pythonpath is not None:
             env["PYTHONPATH"] = self.pythonpath
         self._log = self.log_path.open("w")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        cpus = self.cpus
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None  # in the child, before it runs
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin)
 
     def wait_for_nodes(self, count: int, timeout: float, url: str | None = None) -> None:
         """Until ``count`` decode nodes are active (0: until the master answers) as seen at ``url``

@@ -13,7 +13,14 @@ spread over the masters send chat requests of ``--input-len`` prompt tokens for
   masters' own request log, ``dispatch_s``);
 * added ITL p50/p99: a token's frame leaving its node to its SSE chunk reaching the client (the
   master's share of every inter-token latency, wire included);
-* TTFT p50/p99 at the client, and the masters' CPU (cores, and microseconds a token).
+* TTFT p50/p99 at the client, and the masters' CPU (cores, and microseconds a token);
+* the CPU of each client process and of the synthetic nodes: a client process near a whole
+  core is itself the limit (its tokens wait for it, not for the master), and the run warns.
+
+Where Linux allows it, the masters run on cores of their own, apart from the nodes and the
+clients (:mod:`pd_cluster.bench.master_cores`; ``--no-pin`` turns it off); each level records the
+split. ``--per-master`` reads ``--concurrency`` per master, so 1, 2 and 4 masters carry the same
+load each and their sum shows how masters scale.
 
 The key ``master_tokens_per_s_dispatch_p99_10ms`` is the most tokens a second one master
 relayed with dispatch p99 <= 10 ms and added ITL p99 <= 1 ms; ``scaling`` holds the same figure
@@ -39,6 +46,7 @@ from typing import Any
 from pd_cluster import protocol
 from pd_cluster.bench.compare import log_seconds, percentile, server_lines
 from pd_cluster.bench import master_load
+from pd_cluster.bench.master_cores import CoreSplit, available_cores, split_cores
 from pd_cluster.bench.master_load import CLUSTER_TOKEN, SERVED_NAME, MasterProcess
 from pd_cluster.bench.scale_client import ClientPlan, ClientResult, client_main
 from pd_cluster.bench.stamped_nodes import nodes_main
@@ -52,6 +60,8 @@ ADDED_ITL_P99_BOUND_S = 0.001
 PROMPTS = 256
 #: After the ramp, before the window opens.
 SETTLE_S = 0.5
+#: A client process busier than this (cores) may be what limits the run.
+CLIENT_CPU_WARN = 0.8
 
 
 @dataclass
@@ -74,6 +84,14 @@ class ScaleOptions:
     master_pythonpath: str | None = None
     ready_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
+    #: Run the masters on cores of their own, apart from the nodes and clients (where Linux allows).
+    pin: bool = True
+    #: ``concurrency`` counts streams per master (the level's total is that times the masters).
+    per_master: bool = False
+    #: Clusters of more master processes (masters x workers) than this are skipped (None: none).
+    max_master_procs: int | None = None
+    #: Levels of more streams in all than this are skipped (None: none).
+    max_streams: int | None = None
 
     @property
     def ramp_s(self) -> float:
@@ -122,18 +140,23 @@ class _Cluster:
 
     def __init__(self, options: ScaleOptions, model_dir: Path, count: int, work_dir: Path, workers: int = 1) -> None:
         self.options, self.model_dir, self.workers = options, model_dir, workers
+        ids = [f"synthetic-decode-{i}" for i in range(options.decode_nodes)]
+        procs = max(1, min(options.node_procs, len(ids)))
+        self.cores = (split_cores(available_cores(), [workers] * count, procs, options.client_procs) if options.pin
+                      else CoreSplit(note="not pinned (--no-pin)"))
+        logger.info("cores: %s %s", self.cores.note, self.cores.as_dict() if self.cores.pinned else "")
         # A master of W workers takes its port and the W after it (the workers' private ports).
         step = workers + 1 if workers > 1 else 1
         extra = ["--workers", str(workers)] if workers > 1 else []
         self.masters = [MasterProcess(str(model_dir), options.port + i * step, work_dir / f"master{i}.log",
-                                      [*options.master_args, *extra], options.master_pythonpath)
+                                      [*options.master_args, *extra], options.master_pythonpath,
+                                      self.cores.masters[i] if self.cores.pinned else None)
                         for i in range(count)]
         urls = [f"ws://127.0.0.1:{m.port}{protocol.NODE_WS_PATH}" for m in self.masters]
-        ids = [f"synthetic-decode-{i}" for i in range(options.decode_nodes)]
         ctx = multiprocessing.get_context("spawn")
-        procs = max(1, min(options.node_procs, len(ids)))
         self.nodes = [ctx.Process(target=nodes_main, daemon=True,
-                                  args=(urls, str(model_dir), ids[k::procs], options.step_ms / 1000, CLUSTER_TOKEN))
+                                  args=(urls, str(model_dir), ids[k::procs], options.step_ms / 1000, CLUSTER_TOKEN,
+                                        self.cores.nodes))
                       for k in range(procs)]
 
     def start(self) -> None:
@@ -158,14 +181,16 @@ class _Cluster:
         for m in self.masters:
             m.stop()
 
-    def cpu_seconds(self) -> float:
-        return sum(tree_cpu_seconds(m.proc.pid) for m in self.masters if m.proc is not None)
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds so far of the masters (every process of each) and of the synthetic nodes."""
+        return (sum(tree_cpu_seconds(m.proc.pid) for m in self.masters if m.proc is not None),
+                sum(tree_cpu_seconds(p.pid) for p in self.nodes if p.pid is not None))
 
 
 def _run_clients(options: ScaleOptions, cluster: _Cluster, concurrency: int,
-                 prompts: list[str]) -> tuple[list[ClientResult], float]:
+                 prompts: list[str]) -> tuple[list[ClientResult], tuple[float, float]]:
     """The client processes for one concurrency: start them, then time the window; returns
-    their results and the masters' CPU seconds inside the window."""
+    their results and the masters' and the nodes' CPU seconds inside the window."""
     ctx = multiprocessing.get_context("spawn")
     procs = max(1, min(options.client_procs, concurrency))
     pipes, children = [], []
@@ -174,7 +199,7 @@ def _run_clients(options: ScaleOptions, cluster: _Cluster, concurrency: int,
         plan = ClientPlan(urls=urls, streams=list(range(k, concurrency, procs)), total_streams=concurrency,
                           prompts=prompts, model=SERVED_NAME, max_tokens=options.output_len, start=0.0,
                           ramp_s=options.ramp_s, window_start=0.0, end=0.0,
-                          request_timeout_s=options.request_timeout_s)
+                          request_timeout_s=options.request_timeout_s, cpus=cluster.cores.clients)
         ours, theirs = ctx.Pipe()
         child = ctx.Process(target=client_main, args=(plan, theirs), daemon=True)
         child.start()
@@ -191,9 +216,10 @@ def _run_clients(options: ScaleOptions, cluster: _Cluster, concurrency: int,
         for pipe in pipes:
             pipe.send((start, window_start, end))
         time.sleep(max(0.0, window_start - time.monotonic()))
-        cpu_before = cluster.cpu_seconds()
+        masters_before, nodes_before = cluster.cpu_seconds()
         time.sleep(max(0.0, end - time.monotonic()))
-        cpu = cluster.cpu_seconds() - cpu_before
+        masters_after, nodes_after = cluster.cpu_seconds()
+        cpu = (masters_after - masters_before, nodes_after - nodes_before)
         results = []
         for pipe in pipes:
             if not pipe.poll(options.request_timeout_s + 30):
@@ -221,7 +247,7 @@ def _dispatch_seconds(cluster: _Cluster, requests: list[tuple[int, str]], timeou
 
 
 def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: list[str]) -> dict[str, Any]:
-    results, cpu = _run_clients(options, cluster, concurrency, prompts)
+    results, (cpu, node_cpu) = _run_clients(options, cluster, concurrency, prompts)
     added = sorted(x for r in results for x in r.added_s)
     ttft = sorted(x for r in results for x in r.ttft_s)
     requests = [q for r in results for q in r.requests]
@@ -246,7 +272,15 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
         "ttft_p99_s": percentile(ttft, 0.99),
         "master_cpu_cores": cpu / options.measure_s,
         "master_cpu_us_per_token": 1e6 * cpu / tokens if tokens else None,
+        "node_cpu_cores": node_cpu / options.measure_s,
+        "client_cpu_cores": [r.cpu_s / options.measure_s for r in results],
+        "cores": cluster.cores.as_dict(),
     }
+    level["client_limited"] = max(level["client_cpu_cores"]) > CLIENT_CPU_WARN
+    if level["client_limited"]:
+        logger.warning("a client process used %.2f of a core (over %.1f): the clients may be what limits this level; "
+                       "give them more processes (--client-procs) or cores", max(level["client_cpu_cores"]),
+                       CLIENT_CPU_WARN)
     level["within_bounds"] = within_bounds(level)
     logger.info("%d master(s) of %d worker(s), %d streams: %.0f tokens/s, dispatch p99 %s s, added ITL p99 %s s, "
                 "%d failed", level["masters"], cluster.workers, concurrency, level["tokens_per_s"], level["dispatch_p99_s"],
@@ -274,19 +308,20 @@ def run_scale(options: ScaleOptions, work_dir: Path) -> dict[str, Any]:
     model_dir = resolve_model_path(options.model)
     prompts = make_prompts(model_dir, options.input_len)
     levels: list[dict[str, Any]] = []
-    for count in options.masters:
-        for workers in options.master_workers:
-            logs = work_dir / (f"masters{count}" + (f"-workers{workers}" if workers > 1 else ""))
-            cluster = _Cluster(options, model_dir, count, logs, workers)
-            logs.mkdir(parents=True, exist_ok=True)
-            cluster.start()
-            try:
-                levels += [_level(options, cluster, c, prompts) for c in options.concurrency]
-            finally:
-                cluster.stop()
+    clusters, skipped = plan_levels(options)
+    for count, workers, streams in clusters:
+        logs = work_dir / (f"masters{count}" + (f"-workers{workers}" if workers > 1 else ""))
+        cluster = _Cluster(options, model_dir, count, logs, workers)
+        logs.mkdir(parents=True, exist_ok=True)
+        cluster.start()
+        try:
+            levels += [_level(options, cluster, total, prompts) for total in streams]
+        finally:
+            cluster.stop()
     scaling = {str(count): best_within_bounds([lv for lv in levels if lv["masters"] == count])
                for count in options.masters}
-    most = {str(count): max(lv["tokens_per_s"] for lv in levels if lv["masters"] == count) for count in options.masters}
+    most = {str(count): max((lv["tokens_per_s"] for lv in levels if lv["masters"] == count), default=None)
+            for count in options.masters}
     return {
         "options": {k: v for k, v in options.__dict__.items() if k != "model"},
         "model": model_dir.name,
@@ -295,8 +330,43 @@ def run_scale(options: ScaleOptions, work_dir: Path) -> dict[str, Any]:
         "most_tokens_per_s": most,
         "by_workers": {str(w): best_within_bounds([lv for lv in levels if lv["masters"] == 1 and lv["workers"] == w])
                        for w in options.master_workers},
+        "scaling_by_load": scaling_by_load(levels),
+        "skipped": skipped,
         "levels": levels,
     }
+
+
+def plan_levels(options: ScaleOptions) -> tuple[list[tuple[int, int, list[int]]], list[str]]:
+    """The clusters to run, (masters, workers each, each level's streams in all), and a line for
+    each cluster or level skipped by ``max_master_procs`` or ``max_streams``."""
+    clusters, skipped = [], []
+    for count in options.masters:
+        for workers in options.master_workers:
+            if options.max_master_procs is not None and count * workers > options.max_master_procs:
+                skipped.append(f"{count} masters x {workers} workers: over {options.max_master_procs} master processes")
+                continue
+            streams = []
+            for c in options.concurrency:
+                total = c * count if options.per_master else c
+                if options.max_streams is not None and total > options.max_streams:
+                    skipped.append(f"{count} masters x {workers} workers at {total} streams: over {options.max_streams}")
+                else:
+                    streams.append(total)
+            if streams:
+                clusters.append((count, workers, streams))
+    return clusters, skipped
+
+
+def scaling_by_load(levels: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """For each load a master (its workers, its streams), the levels of each number of masters:
+    masters that scale linearly relay the same tokens/s each."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for lv in levels:
+        key = f"{lv['workers']} workers, {lv['concurrency'] // lv['masters']} streams a master"
+        out.setdefault(key, {})[str(lv["masters"])] = {
+            "tokens_per_s": lv["tokens_per_s"], "tokens_per_s_a_master": lv["tokens_per_s"] / lv["masters"],
+            "within_bounds": lv["within_bounds"]}
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -307,7 +377,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
     rows = [f"| {lv['masters']} | {lv['concurrency']} | {lv.get('workers', 1)} | {lv['tokens_per_s']:.0f} | {ms(lv['dispatch_p50_s'])} | "
             f"{ms(lv['dispatch_p99_s'])} | {ms(lv['added_itl_p50_s'])} | {ms(lv['added_itl_p99_s'])} | "
-            f"{ms(lv['ttft_p50_s'])} | {lv['master_cpu_cores']:.2f} | {lv['failed']} | "
+            f"{ms(lv['ttft_p50_s'])} | {lv['master_cpu_cores']:.2f} | {max(lv.get('client_cpu_cores', []), default=0):.2f} | {lv['failed']} | "
             f"{'yes' if lv['within_bounds'] else 'no'} |" for lv in doc["levels"]]
     key = doc["master_tokens_per_s_dispatch_p99_10ms"]
     return "\n".join([
@@ -319,9 +389,14 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Tokens/s of one master at dispatch p99 <= 10 ms and added ITL p99 <= 1 ms: "
         f"{'-' if key is None else f'{key:.0f}'}; by masters: "
         + ", ".join(f"{k}: {'-' if v is None else f'{v:.0f}'}" for k, v in doc["scaling"].items()), "",
+        *[f"Same load a master ({load}): " + ", ".join(
+            f"{m} masters {v['tokens_per_s']:.0f} tokens/s ({v['tokens_per_s_a_master']:.0f} a master"
+            f"{'' if v['within_bounds'] else ', out of bounds'})" for m, v in by_masters.items()) + "  "
+          for load, by_masters in doc.get("scaling_by_load", {}).items() if len(by_masters) > 1],
+        *[f"Skipped: {line}.  " for line in doc.get("skipped", [])], "",
         "| masters | streams | workers each | tokens/s | dispatch p50 ms | dispatch p99 ms | added ITL p50 ms | added ITL p99 ms | "
-        "TTFT p50 ms | master CPU (cores) | failed | within bounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 ms | master CPU (cores) | busiest client (cores) | failed | within bounds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
     ])
 
@@ -346,6 +421,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--measure-s", type=float, default=d.measure_s, help="seconds measured at each concurrency")
     g.add_argument("--client-procs", type=int, default=d.client_procs, help="load client processes")
     g.add_argument("--node-procs", type=int, default=d.node_procs, help="processes the synthetic nodes run in")
+    g.add_argument("--per-master", action="store_true",
+                   help="--concurrency counts streams per master (a level's total is that times --masters)")
+    g.add_argument("--max-master-procs", type=int, default=None,
+                   help="skip the clusters of more master processes (masters x workers) than this")
+    g.add_argument("--max-streams", type=int, default=None, help="skip the levels of more streams in all than this")
+    g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=d.pin,
+                   help="run each master on cores of its own, apart from the nodes and clients (Linux)")
     g.add_argument("--master-pythonpath", default=None,
                    help="run the masters from this checkout (PYTHONPATH), e.g. another build's, to compare it")
 
@@ -364,7 +446,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         step_ms=args.step_ms if args.step_ms is not None else d.step_ms, input_len=args.input_len,
         output_len=args.output_len if args.output_len is not None else d.output_len, measure_s=args.measure_s,
         client_procs=args.client_procs, node_procs=args.node_procs, port=args.port,
-        master_args=args.master_args.split(), master_pythonpath=args.master_pythonpath)
+        master_args=args.master_args.split(), master_pythonpath=args.master_pythonpath, pin=args.pin,
+        per_master=args.per_master, max_master_procs=args.max_master_procs, max_streams=args.max_streams)
     date = dt.date.today().isoformat()
     stem = f"master-load-scale-{date}" + (f"-{args.tag}" if args.tag else "")
     doc = run_scale(replace(options), args.out / f"{stem}-logs")

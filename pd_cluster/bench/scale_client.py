@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 import aiohttp
 
 from pd_cluster import aio
+from pd_cluster.bench.master_cores import pin
 
 _CONTENT = b'"content":"'
 _ERROR = b'{"error"'
@@ -45,6 +46,8 @@ class ClientPlan:
     window_start: float
     end: float
     request_timeout_s: float
+    #: The cores this process runs on (empty: any).
+    cpus: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -61,6 +64,9 @@ class ClientResult:
     completed: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
+    #: CPU seconds this process used inside the window: near the window's length, the client
+    #: (not the master) was the limit, and its tokens' added latency is its own.
+    cpu_s: float = 0.0
 
     def fail(self, message: str) -> None:
         self.failed += 1
@@ -132,7 +138,10 @@ async def _run(plan: ClientPlan) -> ClientResult:
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         streams = _Streams(plan, session)
         tasks = [asyncio.create_task(streams.stream(i)) for i in plan.streams]
+        await asyncio.sleep(max(0.0, plan.window_start - time.monotonic()))
+        cpu_before = time.process_time()
         await asyncio.sleep(max(0.0, plan.end - time.monotonic()))
+        streams.result.cpu_s = time.process_time() - cpu_before
         # Requests still open at the end are cut off: what they sent inside the window counted.
         for task in tasks:
             task.cancel()
@@ -144,6 +153,7 @@ async def _run(plan: ClientPlan) -> ClientResult:
 def client_main(plan: ClientPlan, conn: Connection) -> None:
     """A child process: say it is ready, take the run's (start, window start, end) from ``conn``,
     run ``plan`` and send back its :class:`ClientResult`."""
+    pin(plan.cpus)
     conn.send("ready")
     start, window_start, end = conn.recv()
     conn.send(aio.run(_run(replace(plan, start=start, window_start=window_start, end=end))))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_cluster import aio, protocol
+from pd_cluster.bench.master_cores import pin
 from pd_cluster.bench.master_load import PREFILL_TOKENS_PER_S, kv_spec_for
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.node.agent import node_ws_url
@@ -181,8 +182,11 @@ class StampedDecode:
             await asyncio.sleep(0.5)
 
 
-def nodes_main(urls: list[str], model_dir: str, node_ids: list[str], step_s: float, token: str) -> None:
-    """A child process that runs some of the synthetic nodes until it is terminated."""
+def nodes_main(urls: list[str], model_dir: str, node_ids: list[str], step_s: float, token: str,
+               cpus: list[int] | None = None) -> None:
+    """A child process that runs some of the synthetic nodes (on ``cpus``, when given) until it is
+    terminated."""
+    pin(cpus or [])
     spec, context = kv_spec_for(Path(model_dir))
 
     async def main() -> None:

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from pd_cluster.bench.master_load import LoadOptions, markdown, run_master_load
-from pd_cluster.bench.master_scale import ScaleOptions, best_within_bounds, run_scale, within_bounds
+from pd_cluster.bench.master_cores import split_cores
+from pd_cluster.bench.master_scale import (
+    ScaleOptions, best_within_bounds, plan_levels, run_scale, scaling_by_load, within_bounds,
+)
 from pd_cluster.bench.master_scale import markdown as markdown_scale
 from pd_cluster.bench.scale_client import content_of
 from pd_cluster.cli import main as cli_main
@@ -67,6 +70,11 @@ def test_concurrent_streams_through_two_masters_report_tokens_dispatch_and_the_m
     assert 0 < level["dispatch_p50_s"] <= level["dispatch_p99_s"] < 5.0, level
     assert 0 < level["added_itl_p50_s"] <= level["added_itl_p99_s"] < 5.0, level
     assert 0 < level["ttft_p50_s"] and level["master_cpu_cores"] > 0
+    # Each client process says how busy it was (one near a whole core would be the limit), and
+    # the nodes too; the level says where everything ran.
+    assert len(level["client_cpu_cores"]) == 2 and all(0 < c < 2 for c in level["client_cpu_cores"]), level
+    assert level["client_limited"] == (max(level["client_cpu_cores"]) > 0.8) and level["node_cpu_cores"] > 0
+    assert level["cores"]["note"]
     assert level["within_bounds"] == within_bounds(level)
     assert set(doc["scaling"]) == {"2"} and doc["master_tokens_per_s_dispatch_p99_10ms"] is None  # 1 not measured
     doc.update(device="cpu", date="2026-11-28")
@@ -104,8 +112,54 @@ def test_the_key_figure_is_the_most_tokens_served_within_both_bounds():
     assert best_within_bounds(levels[2:]) is None
 
 
+def test_each_master_gets_cores_of_its_own_apart_from_the_nodes_and_clients():
+    split = split_cores(list(range(16)), [4, 4], node_procs=2, client_procs=6)
+    assert split.masters == [[0, 1, 2, 3], [4, 5, 6, 7]] and split.nodes == [8, 9]
+    assert split.clients == list(range(10, 16)) and split.pinned
+    tight = split_cores(list(range(6)), [2, 2], node_procs=2, client_procs=4)  # masters first; the rest shared
+    assert tight.masters == [[0, 1], [2, 3]] and tight.nodes == tight.clients == [4, 5]
+    assert not split_cores(list(range(4)), [2, 2], node_procs=1, client_procs=1).pinned
+    assert not split_cores([], [1], node_procs=1, client_procs=1).pinned
+
+
+def test_one_command_plans_the_key_level_and_the_scaling_within_the_hosts_limits():
+    """The 16-core run: one master of 8 workers at 1000 streams, and 1, 2 and 4 masters of 2
+    workers at 250 streams each; bigger clusters and levels are skipped, and said so."""
+    options = ScaleOptions(model="default", masters=[1, 2, 4], master_workers=[2, 8], concurrency=[250, 1000],
+                           per_master=True, max_master_procs=8, max_streams=1000)
+    clusters, skipped = plan_levels(options)
+    assert clusters == [(1, 2, [250, 1000]), (1, 8, [250, 1000]), (2, 2, [500]), (4, 2, [1000])]
+    assert len(skipped) == 4 and "2 masters x 8 workers: over 8 master processes" in skipped
+    levels = [{"masters": m, "workers": w, "concurrency": c, "tokens_per_s": 100.0 * c, "within_bounds": True}
+              for m, w, streams in clusters for c in streams]
+    by_load = scaling_by_load(levels)["2 workers, 250 streams a master"]
+    assert {m: v["tokens_per_s_a_master"] for m, v in by_load.items()} == {"1": 25_000, "2": 25_000, "4": 25_000}
+
+
+def test_per_master_concurrency_gives_each_master_the_same_streams(default_model_dir: Path, tmp_path: Path):
+    """``--per-master``: a level's streams are the given count times the masters (1, 2 and 4
+    masters then carry the same load each, and their rates show how masters scale)."""
+    options = ScaleOptions(model=str(default_model_dir), masters=[2], concurrency=[3], decode_nodes=1, step_ms=5.0,
+                           input_len=32, output_len=8, measure_s=1.0, client_procs=1, node_procs=1, port=free_port(),
+                           per_master=True)
+    (level,) = run_scale(options, tmp_path / "run")["levels"]
+    assert level["concurrency"] == 6 and level["failed"] == 0, level
+
+
 def test_a_chunk_line_gives_its_content_bytes():
     line = b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"123.250000"},"finish_reason":null}]}\n'
     assert content_of(line) == b"123.250000"
     assert content_of(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n') == b""
     assert content_of(b"data: [DONE]\n") is None
+
+
+def test_the_relay_path_bench_sends_every_token_as_its_sse_event():
+    """Node frames in, SSE bytes out, in one process: the 3 streams of 5 tokens write at least an
+    event a token, and the CPU a token is counted."""
+    import asyncio
+
+    from pd_cluster.bench.master_relay_path import measure
+
+    result = asyncio.run(measure(streams=3, steps=5, nodes=2, settle_heap=False))
+    assert result["cpu_us_per_token"] > 0 and result["wall_us_per_token"] > 0
+    assert result["sse_bytes"] > 3 * 5 * len('data: {"choices":[{"delta":{"content":"0.000000"}}]}\n\n')
