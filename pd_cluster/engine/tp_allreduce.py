@@ -92,6 +92,16 @@ class OneShotAllReduce:
     def takes(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device and fits(tensor, self.limit)
 
+    def close(self) -> None:
+        """Take the node's name out of torch's registry (a later node of this process may reuse
+        the store's port, so the name)."""
+        from torch._C._distributed_c10d import _unregister_process_group
+
+        try:
+            _unregister_process_group(self.group_name)
+        except Exception as e:  # already gone
+            logger.debug("one-shot group %s: %s", self.group_name, e)
+
     def __call__(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks in place (every rank calls it with the same shape)."""
         staging = self.buffer[: tensor.numel() * tensor.element_size()].view(tensor.dtype)

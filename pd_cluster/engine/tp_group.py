@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,12 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 #: How long one collective of a step waits for the other ranks.
 STEP_TIMEOUT_S = 60.0
+#: How long closing waits for the groups' teardown before it leaves it to the process's exit.
+CLOSE_TIMEOUT_S = 10.0
+
+#: Closed groups, held until the process exits: a group destroyed later (by the collector, at
+#: an arbitrary point of another part's work) would wait out its abort there.
+_closed: list[object] = []
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -113,3 +120,26 @@ class TPGroup:
         self.control.allreduce([flag], options).wait(_delta(timeout_s))
         if int(flag.item()) != self.size:
             raise RuntimeError(f"tensor parallel barrier saw {int(flag.item())} of {self.size} ranks")
+
+    def close(self) -> None:
+        """Release the groups now that no rank will use them: the one-shot's name, then the
+        model and control groups, aborted (no collective: the other ranks may be gone). The
+        teardown runs with a deadline, so a node's close never hangs on a peer's state."""
+        groups: list[dist.ProcessGroup] = [self.model, self.control]
+        if self.one_shot is not None:
+            self.one_shot.close()
+        _closed.append((self, groups))
+        done = threading.Event()
+
+        def teardown() -> None:
+            for group in groups:
+                try:
+                    group.abort()
+                except Exception as e:  # already torn down, or a backend without abort
+                    logger.debug("tensor parallel group teardown: %s", e)
+            done.set()
+
+        threading.Thread(target=teardown, name="tp-group-close", daemon=True).start()
+        if not done.wait(CLOSE_TIMEOUT_S):
+            logger.warning("tensor parallel groups did not tear down within %.0f s; the process's exit will",
+                           CLOSE_TIMEOUT_S)

@@ -141,7 +141,8 @@ class TPLeader:
             self.on_lost(f"tensor parallel rank {rank} (pid {proc.pid}) exited with status {code}")
 
     def close(self) -> None:
-        """Stop the ranks (they exit 0), killing any that does not within a few seconds."""
+        """Stop the ranks (they exit 0), killing any that does not within a few seconds, then
+        release this rank's groups."""
         if self._closing.is_set():
             return
         self._closing.set()
@@ -156,3 +157,4 @@ class TPLeader:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(STOP_WAIT_S)
+        self.group.close()

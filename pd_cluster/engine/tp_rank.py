@@ -145,7 +145,9 @@ def main(argv: list[str]) -> int:
     spec = RankSpec.model_validate_json(argv[0])
     threading.Thread(target=_watch_parent, args=(spec.parent_pid,), name="parent-watch", daemon=True).start()
     try:
-        RankLoop(spec).run()
+        loop = RankLoop(spec)
+        loop.run()
+        loop.group.close()
     except Exception:
         logger.exception("tensor parallel rank %d failed: stopping", spec.rank)
         return LOST_LEADER_EXIT
