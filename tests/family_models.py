@@ -50,8 +50,10 @@ FAMILIES = {
 }
 
 
-def write_family_model(family: str, out: Path, default_model_dir: Path, seed: int = 0):
-    """Write ``family``'s tiny model into ``out`` (sharded); returns transformers' model (float32, eval)."""
+def write_family_model(family: str, out: Path, default_model_dir: Path, seed: int = 0, embed_scale: float = 1.0):
+    """Write ``family``'s tiny model into ``out`` (sharded); returns transformers' model (float32, eval).
+    ``embed_scale``: larger embeddings than a fresh init, for clear top-1 margins (no float32
+    rounding of another device's kernels flips them)."""
     import transformers
 
     spec = FAMILIES[family]
@@ -60,6 +62,7 @@ def write_family_model(family: str, out: Path, default_model_dir: Path, seed: in
     model = getattr(transformers, spec.model_class)(config).eval()
     head = model.get_output_embeddings().weight
     with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embed_scale)
         head[TOKENIZER_VOCAB:] = 0
     model.save_pretrained(out, safe_serialization=True, max_shard_size="4MB")
     for name in TOKENIZER_FILES:
