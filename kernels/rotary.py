@@ -21,30 +21,94 @@ from kernels._triton import (
 from kernels.store_kv import store_kv_ref
 
 
-def rotary_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3's frequency-dependent scaling when configured."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+#: ``rope_scaling`` types the tables follow (transformers' rope init functions of the same names).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+
+def rope_type(scaling: dict | None) -> str:
+    """The scaling's type (``rope_type``, or ``type`` in older configs); "default" without one."""
     if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind in ("default", None):
-        return inv_freq
+        return "default"
+    return scaling.get("rope_type", scaling.get("type")) or "default"
+
+
+def rotary_inv_freq(head_dim: int, theta: float, scaling: dict | None,
+                    max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the factor cos and sin are multiplied by (yarn's attention factor,
+    1 otherwise), as transformers computes them for each ``rope_scaling`` type."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = rope_type(scaling)
+    if kind == "default":
+        return inv_freq, 1.0
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
+        return inv_freq / float(scaling["factor"]), 1.0
+    if kind == "dynamic":
+        # Dynamic NTK changes the base only for sequences longer than max_position_embeddings,
+        # which the engine never runs (its context is capped there): the default frequencies.
+        return inv_freq, 1.0
     if kind == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-        old_context = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context / low_freq_factor
-        high_freq_wavelen = old_context / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported")
+        return _llama3_inv_freq(inv_freq, scaling), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling, max_positions)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by ``factor``, short ones
+    kept, a smooth blend between."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict,
+                   max_positions: int | None) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolated frequencies below a ramp of dimensions, extrapolated above it, and an
+    attention factor on cos and sin (transformers' ``_compute_yarn_parameters``)."""
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    if factor is None:
+        if max_positions is None:
+            raise ValueError("rope_scaling: yarn without a factor needs max_position_embeddings")
+        factor = max_positions / original
+    factor = float(factor)
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def rotary_cos_sin(
@@ -54,12 +118,16 @@ def rotary_cos_sin(
     scaling: dict | None = None,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tables ``cos, sin`` of shape ``[max_positions, head_dim]`` in float32."""
-    inv_freq = rotary_inv_freq(head_dim, theta, scaling)
+    """Tables ``cos, sin`` of shape ``[max_positions, head_dim]`` in float32 (scaled by yarn's
+    attention factor where configured, as transformers scales them)."""
+    inv_freq, attention_factor = rotary_inv_freq(head_dim, theta, scaling, max_positions)
     t = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(device), sin.to(device)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -115,9 +115,12 @@ class _GenerationRequest(BaseModel):
         return self.response_format.structured() if self.response_format is not None else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        structured: StructuredOutput | None = None) -> SamplingParams:
-        """Build validated SamplingParams; invalid values become 400 naming the field."""
+                        structured: StructuredOutput | None = None,
+                        defaults: dict[str, float | int] | None = None) -> SamplingParams:
+        """Build validated SamplingParams; invalid values become 400 naming the field.
+        ``defaults``: the model's sampling defaults, for the fields the request leaves unset."""
         values: dict[str, Any] = {
+            **(defaults or {}),
             "structured": structured,
             "max_tokens": max_tokens,
             "stop": self.stop,

@@ -70,7 +70,8 @@ async def prepare(ctx: MasterContext, body: Any, kind: Kind) -> Prepared:
     else:
         requested, logprobs = req.max_tokens, req.logprobs
     max_tokens = _max_tokens(kind, param, len(token_ids), requested, ctx.context_limit())
-    sampling = req.sampling_params(max_tokens, logprobs, structured)
+    defaults = ctx.model.sampling_defaults if ctx.model is not None else None
+    sampling = req.sampling_params(max_tokens, logprobs, structured, defaults)
     if sampling.logit_bias:
         vocab = ctx.tokenizer.vocab_size
         if any(t >= vocab for t in sampling.logit_bias):

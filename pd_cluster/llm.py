@@ -10,6 +10,7 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestOutput
 from pd_cluster.engine.request import Request
+from pd_cluster.generation_defaults import generation_defaults
 from pd_cluster.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = SamplingParams(**generation_defaults(self.engine.model_path))
         params_list = (
             [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         )

@@ -1,4 +1,4 @@
-"""Write a random-weight Llama-family model directory that any command takes as ``--model DIR``.
+"""Write a random-weight model directory that any command takes as ``--model DIR``.
 
 GPU benchmarks and GPU end-to-end tests need a model of a real shape (Llama-3-8B) on disk, as
 users give one, without downloading it: the weights are N(0, 0.02) like a fresh Hugging Face
@@ -17,6 +17,9 @@ the ids generated (the compute per token is unchanged). With tied embeddings the
 embedding are zero too.
 
     python -m pd_cluster.bench.random_model --shape llama3-8b --out /tmp/llama3-8b-random
+
+Shapes (:data:`SHAPES`) carry their published config.json as is: Llama-3 8B and 70B, Qwen3-8B,
+Qwen3-30B-A3B (128 experts, 8 a token) and Mixtral-8x7B (8 experts, 2 a token), and small ones.
 
 With ``--config-only`` the directory holds the config and tokenizer and no weights: engines load
 it with ``--load-format dummy`` (:mod:`pd_cluster.model.dummy_weights`), each rank making its own
@@ -41,7 +44,7 @@ from pd_cluster.model.dummy_weights import hf_tensor_shapes
 logger = logging.getLogger(__name__)
 
 #: Shapes shipped as package data (pd_cluster/bench/configs/<name>.json).
-SHAPES = ("llama3-8b", "llama3-70b", "smollm2-135m", "tiny", "tiny-kv4")
+SHAPES = ("llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "smollm2-135m", "tiny", "tiny-kv4")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 SHARD_BYTES = 4 * 2**30

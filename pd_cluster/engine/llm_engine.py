@@ -91,6 +91,14 @@ def tp_config(config: EngineConfig) -> EngineConfig:
     return config.model_copy(update={"side_prefill_max_tokens": 0})
 
 
+def sparse_config(config: EngineConfig) -> EngineConfig:
+    """A mixture-of-experts model's settings: no CUDA graphs (a sparse layer reads each expert's
+    token count on the host, which a captured step cannot)."""
+    if config.cuda_graphs:
+        logger.info("mixture-of-experts model: CUDA graphs off (steps run eagerly)")
+    return config.model_copy(update={"cuda_graphs": False})
+
+
 @dataclass
 class _Launched:
     """A step whose forward is queued: its logits, and what its CUDA graph already took of them
@@ -125,6 +133,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_config, tokenizer, self.model_path)
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
+        if self.model_config.moe is not None:
+            config = self.config = sparse_config(config)
         self.shard = Shard(0, config.tp)
         #: The other ranks of a tensor-parallel node (None at TP 1).
         self.tp: TPLeader | None = None

@@ -16,6 +16,7 @@ import zlib
 import torch
 
 from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.hf_names import dense_mlp_names, expert_names, layer_prefix, router_name
 from pd_cluster.model.shard import HeadRange
 
 #: The seed every node uses, so that a prefill node's KV and first token are the decode node's.
@@ -29,11 +30,11 @@ _CHUNK_VALUES = 1 << 26
 
 def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of a model of ``config``'s shape."""
-    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+    h, d = config.hidden_size, config.head_dim
     q, kv = config.num_heads * d, config.num_kv_heads * d
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_layers):
-        p = f"model.layers.{i}."
+        p = layer_prefix(i)
         shapes.update({
             p + "input_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h),
@@ -41,16 +42,31 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
             p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         })
+        shapes.update(_mlp_shapes(config, i))
         if config.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _mlp_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """The MLP's tensors of one layer: dense, or the router and every expert's."""
+    h = config.hidden_size
+    if not config.is_sparse(layer):
+        names, inter = [dense_mlp_names(layer)], config.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {}
+    else:
+        moe = config.moe
+        names, inter = [expert_names(config, layer, e) for e in range(moe.num_experts)], moe.intermediate_size
+        shapes = {router_name(config, layer): (moe.num_experts, h)}
+    for n in names:
+        shapes.update({n.gate: (inter, h), n.up: (inter, h), n.down: (h, inter)})
     return shapes
 
 

@@ -1,4 +1,5 @@
-"""Llama-family inference over the token-level KV pool (GQA, RoPE, RMSNorm, SwiGLU).
+"""Llama-family inference over the token-level KV pool (GQA, RoPE, RMSNorm, SwiGLU; Qwen3's
+per-head q/k norms and routed experts where the config has them).
 
 Layer inference only: weights come from :mod:`pd_cluster.model.weights`, the math of each op
 from :mod:`kernels` (Triton on CUDA, torch references elsewhere).
@@ -16,6 +17,7 @@ import kernels
 from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
+from pd_cluster.model.moe import routed_experts
 from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import LayerWeights, ModelWeights
 
@@ -64,6 +66,9 @@ class LlamaModel:
         self.config = config
         self.fused_rows = min(default_fused_rows(config) if fused_rows is None else fused_rows,
                               FUSED_ROWS_LIMIT)
+        if config.qk_norm or config.moe is not None:
+            # The fused kernels know no per-head norm and no experts: such models decode unfused.
+            self.fused_rows = 0
         self.weights = weights
         self.device = device
         self.cos, self.sin = kernels.rotary_cos_sin(
@@ -131,13 +136,23 @@ class LlamaModel:
         q = q.view(-1, self.num_heads, cfg.head_dim)
         k = k.view(-1, self.num_kv_heads, cfg.head_dim)
         v = v.view(-1, self.num_kv_heads, cfg.head_dim)
+        if w.q_norm is not None:
+            q, k = self._head_norm(q, w.q_norm), self._head_norm(k, w.k_norm)
         k_cache, v_cache = kv.layer(index)
         q = kernels.rotary_store_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots)
         attn = self._attention(q, k_cache, v_cache, batch, prefill)
         hidden = self._reduce(F.linear(attn.reshape(-1, self._q_size), w.o))
         x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
+        if w.experts is not None:
+            return routed_experts(x, w.experts, cfg.moe), residual
         hidden = self._reduce(F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down))
         return hidden, residual
+
+    def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each head ``[T, H, D]`` over its ``D`` values (Qwen3's q_norm and k_norm)."""
+        shape = heads.shape
+        normed, _ = kernels.rms_norm(heads.reshape(-1, shape[-1]).contiguous(), weight, self.config.rms_norm_eps)
+        return normed.view(shape)
 
     def _fused_layer(
         self,

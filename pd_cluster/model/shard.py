@@ -42,6 +42,9 @@ class Shard:
         n, kv, q = self.size, config.num_kv_heads, config.num_heads
         if n < 1 or not 0 <= self.rank < n:
             raise ValueError(f"tensor parallel rank {self.rank} of {n} is out of range")
+        if n > 1 and config.moe is not None:
+            raise ValueError(f"tp {n}: a mixture-of-experts model ({config.model_type}) is served at tp 1 "
+                             "(its experts are not split over ranks)")
         if n > kv:
             if n % kv:
                 raise ValueError(f"tp {n} exceeds the model's {kv} KV heads and is not a multiple of them")

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.dummy_weights import DummyTensors
+from pd_cluster.model.hf_names import dense_mlp_names, expert_names, layer_prefix, router_name
 from pd_cluster.model.shard import HeadRange, Shard
 
 logger = logging.getLogger(__name__)
@@ -22,14 +23,37 @@ LOAD_FORMATS = ("safetensors", "dummy")
 
 
 @dataclass
+class ExpertWeights:
+    """A sparse layer's routed experts, stacked: expert ``e``'s projections are row ``e``."""
+
+    router: torch.Tensor  # [experts, hidden]
+    gate_up: torch.Tensor  # [experts, 2 * moe_intermediate, hidden]: gate then up, fused
+    down: torch.Tensor  # [experts, hidden, moe_intermediate]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.router, self.gate_up, self.down]
+
+
+@dataclass
 class LayerWeights:
     input_norm: torch.Tensor
     qkv: torch.Tensor  # [ (Hq + 2*Hkv) * D, hidden ]: q, k and v projections fused
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate then up, fused
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]: gate then up, fused (None: routed experts)
+    down: torch.Tensor | None
+    #: Per-head RMSNorm weights ``[head_dim]`` of queries and keys before rotary (Qwen3).
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    #: The routed experts of a sparse layer (then ``gate_up`` and ``down`` are None).
+    experts: ExpertWeights | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the layer holds."""
+        out = [self.input_norm, self.qkv, self.o, self.post_norm]
+        out += [t for t in (self.qkv_bias, self.gate_up, self.down, self.q_norm, self.k_norm) if t is not None]
+        return out + (self.experts.tensors() if self.experts is not None else [])
 
 
 @dataclass
@@ -41,12 +65,11 @@ class ModelWeights:
 
     def decode_bytes(self) -> int:
         """Bytes a decode step reads from the weights: every matrix but the embedding table (a step
-        gathers only its rows), the vocabulary head once even when tied to the embedding."""
+        gathers only its rows), the vocabulary head once even when tied to the embedding (all of a
+        sparse layer's experts: the bound of a batch that routes to every one)."""
         tensors = [self.final_norm, self.lm_head]
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down]
-            if layer.qkv_bias is not None:
-                tensors.append(layer.qkv_bias)
+            tensors += layer.tensors()
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -103,58 +126,91 @@ def load_weights(
     """Read every tensor (or, for one rank of ``shard``, its slices) once, fuse q/k/v and gate/up,
     and place them on ``device`` in ``dtype``. A rank's q/k/v and gate/up are its rows
     (column-parallel), its o and down its columns (row-parallel: the ranks' outputs sum to the
-    whole); norms, the embedding and the head are whole on every rank. ``load_format`` "dummy":
-    the same tensors made on ``device`` from a seed (see :data:`LOAD_FORMATS`)."""
+    whole); norms (q/k norms too: they act within a head), the embedding and the head are whole
+    on every rank. ``load_format`` "dummy": the same tensors made on ``device`` from a seed (see
+    :data:`LOAD_FORMATS`)."""
     shard = shard or Shard()
     shard.check(config)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r}; expected one of {LOAD_FORMATS}")
     files: TensorFiles | DummyTensors = (DummyTensors(config, device) if load_format == "dummy"
                                          else TensorFiles(Path(path)))
-    taken: set[str] = set()
-    head_dim = config.head_dim
-    qh, kvh, inter = shard.q_heads(config), shard.kv_heads(config), shard.intermediate(config)
-    whole = shard.whole
-
-    def take(name: str, rows: HeadRange | None = None, cols: HeadRange | None = None, unit: int = 1) -> torch.Tensor:
-        taken.add(name)
-        if whole:
-            rows = cols = None
-        return files.read(name, rows, cols, unit).to(device=device, dtype=dtype).contiguous()
-
-    def maybe(name: str, rows: HeadRange | None = None) -> torch.Tensor | None:
-        return take(name, rows, unit=head_dim) if name in files else None
-
+    reader = _Reader(files, dtype, torch.device(device), shard.whole)
     from tqdm.auto import tqdm
 
-    layers = []
     # A bar only on a terminal (disable=None): node processes write to log files.
-    for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", disable=None, leave=False):
-        p = f"model.layers.{i}."
-        q = take(p + "self_attn.q_proj.weight", qh, unit=head_dim)
-        k = take(p + "self_attn.k_proj.weight", kvh, unit=head_dim)
-        v = take(p + "self_attn.v_proj.weight", kvh, unit=head_dim)
-        biases = [maybe(p + f"self_attn.{n}_proj.bias", h) for n, h in zip("qkv", (qh, kvh, kvh))]
-        qkv_bias = torch.cat(biases) if all(b is not None for b in biases) else None
-        gate, up = take(p + "mlp.gate_proj.weight", inter), take(p + "mlp.up_proj.weight", inter)
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=torch.cat((q, k, v)).contiguous(),
-                qkv_bias=qkv_bias,
-                o=take(p + "self_attn.o_proj.weight", cols=qh, unit=head_dim),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat((gate, up)).contiguous(),
-                down=take(p + "mlp.down_proj.weight", cols=inter),
-            )
-        )
-        del q, k, v, gate, up
-    embed = take("model.embed_tokens.weight")
+    layers = [_load_layer(reader, config, shard, i)
+              for i in tqdm(range(config.num_layers), desc="loading weights", unit="layer", disable=None, leave=False)]
+    embed = reader.take("model.embed_tokens.weight")
     tied = config.tie_word_embeddings or "lm_head.weight" not in files
-    lm_head = embed if tied else take("lm_head.weight")
-    weights = ModelWeights(embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head)
-    taken.add("lm_head.weight")
-    leftovers = [n for n in files.names() if n not in taken and "rotary_emb" not in n]
+    lm_head = embed if tied else reader.take("lm_head.weight")
+    weights = ModelWeights(embed=embed, layers=layers, final_norm=reader.take("model.norm.weight"), lm_head=lm_head)
+    reader.taken.add("lm_head.weight")
+    leftovers = [n for n in files.names() if n not in reader.taken and "rotary_emb" not in n]
     if leftovers:
         logger.warning("ignored %d unused tensors, e.g. %s", len(leftovers), leftovers[:3])
     return weights
+
+
+class _Reader:
+    """Tensors by name, or a rank's slices of them, in the model's dtype on its device; it keeps
+    the names it read (the rest are reported unused)."""
+
+    def __init__(self, files: TensorFiles | DummyTensors, dtype: torch.dtype, device: torch.device,
+                 whole: bool) -> None:
+        self.files, self.dtype, self.device, self.whole = files, dtype, device, whole
+        self.taken: set[str] = set()
+
+    def take(self, name: str, rows: HeadRange | None = None, cols: HeadRange | None = None,
+             unit: int = 1) -> torch.Tensor:
+        self.taken.add(name)
+        if self.whole:
+            rows = cols = None
+        return self.files.read(name, rows, cols, unit).to(device=self.device, dtype=self.dtype).contiguous()
+
+    def maybe(self, name: str, rows: HeadRange | None = None, unit: int = 1) -> torch.Tensor | None:
+        return self.take(name, rows, unit=unit) if name in self.files else None
+
+
+def _load_layer(reader: _Reader, config: ModelConfig, shard: Shard, i: int) -> LayerWeights:
+    head_dim = config.head_dim
+    qh, kvh, inter = shard.q_heads(config), shard.kv_heads(config), shard.intermediate(config)
+    p = layer_prefix(i)
+    take = reader.take
+    q = take(p + "self_attn.q_proj.weight", qh, unit=head_dim)
+    k = take(p + "self_attn.k_proj.weight", kvh, unit=head_dim)
+    v = take(p + "self_attn.v_proj.weight", kvh, unit=head_dim)
+    biases = [reader.maybe(p + f"self_attn.{n}_proj.bias", h, head_dim) for n, h in zip("qkv", (qh, kvh, kvh))]
+    layer = LayerWeights(
+        input_norm=take(p + "input_layernorm.weight"),
+        qkv=torch.cat((q, k, v)).contiguous(),
+        qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
+        o=take(p + "self_attn.o_proj.weight", cols=qh, unit=head_dim),
+        post_norm=take(p + "post_attention_layernorm.weight"),
+        gate_up=None,
+        down=None,
+    )
+    if config.qk_norm:
+        layer.q_norm = take(p + "self_attn.q_norm.weight")
+        layer.k_norm = take(p + "self_attn.k_norm.weight")
+    if config.is_sparse(i):
+        layer.experts = _load_experts(reader, config, i)
+    else:
+        names = dense_mlp_names(i)
+        layer.gate_up = torch.cat((take(names.gate, inter), take(names.up, inter))).contiguous()
+        layer.down = take(names.down, cols=inter)
+    return layer
+
+
+def _load_experts(reader: _Reader, config: ModelConfig, layer: int) -> ExpertWeights:
+    """A sparse layer's router and experts, stacked (whole: a sparse model runs at TP 1)."""
+    moe = config.moe
+    inter, hidden = moe.intermediate_size, config.hidden_size
+    gate_up = torch.empty((moe.num_experts, 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
+    down = torch.empty((moe.num_experts, hidden, inter), dtype=reader.dtype, device=reader.device)
+    for e in range(moe.num_experts):
+        names = expert_names(config, layer, e)
+        gate_up[e, :inter] = reader.take(names.gate)
+        gate_up[e, inter:] = reader.take(names.up)
+        down[e] = reader.take(names.down)
+    return ExpertWeights(router=reader.take(router_name(config, layer)), gate_up=gate_up, down=down)

@@ -88,6 +88,14 @@ def test_default_model_at_tp2_matches_transformers(default_model_dir, tokenizer,
     assert ours == [hf_reference.greedy(p, 12) for p in prompts]
 
 
+def test_qwen3_at_tp2_matches_transformers(tmp_path, default_model_dir):
+    # Per-head q/k norms act within a head: every rank holds them whole beside its heads.
+    from tests.family_models import greedy, write_family_model
+
+    hf = write_family_model("qwen3", tmp_path, default_model_dir)
+    assert _generate(str(tmp_path), 2, PROMPTS[:3]) == [greedy(hf, p, 12) for p in PROMPTS[:3]]
+
+
 def _held_kv(model: str, tp: int) -> tuple[torch.Tensor, int, int]:
     """Every head's KV (as a handover reads it) of a request held after its prefill, and the
     heads and slots of rank 0's pool."""

@@ -289,7 +289,20 @@ def test_rotary_matches_complex_rotation(scaling: dict | None) -> None:
     torch.testing.assert_close(q_out[near].double(), expected_near, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "default"}, LLAMA3], ids=["default", "llama3"])
+#: Every rope_scaling type a Llama-family config may carry (yarn with the fields Qwen3's long
+#: context setting writes, and with DeepSeek-style mscales).
+ROPE_SCALINGS = [
+    {"rope_type": "default"},
+    LLAMA3,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 256, "mscale": 1.0,
+     "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
+]
+
+
+@pytest.mark.parametrize("rope", ROPE_SCALINGS, ids=["default", "llama3", "linear", "dynamic", "yarn", "yarn-mscale"])
 def test_rotary_matches_transformers_llama_rotary_embedding(rope: dict) -> None:
     head_dim, theta, max_pos = 64, 500000.0, 2048
     config = LlamaConfig(

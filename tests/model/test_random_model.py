@@ -63,3 +63,28 @@ def test_a_model_written_to_answer_in_words_generates_ids_that_encode_back(tmp_p
 def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="shape"):
         shape_config("llama-9000")
+
+
+#: Parameter counts as the model cards give them (billions, rounded as there).
+PUBLISHED_PARAMETERS = {"qwen3-8b": 8.2, "qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7, "llama3-70b": 70.6}
+
+
+@pytest.mark.parametrize("shape", sorted(PUBLISHED_PARAMETERS))
+def test_published_shapes_are_what_transformers_builds_from_their_configs(shape, tmp_path):
+    """transformers reads each shape's config as its family's and builds a model of the card's size,
+    whose tensors are those a checkpoint of the shape holds (:func:`hf_tensor_shapes`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pd_cluster.model.config import ModelConfig
+    from pd_cluster.model.dummy_weights import hf_tensor_shapes
+
+    published = shape_config(shape)
+    (tmp_path / "config.json").write_text(json.dumps(published))
+    hf_config = AutoConfig.from_pretrained(tmp_path)
+    assert type(hf_config).__name__.removesuffix("Config") + "ForCausalLM" == published["architectures"][0]
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config)
+    count = sum(p.numel() for p in hf.parameters())
+    assert round(count / 1e9, 1) == PUBLISHED_PARAMETERS[shape]
+    config = ModelConfig.from_path(tmp_path)
+    assert sum(torch.Size(s).numel() for s in hf_tensor_shapes(config).values()) == count

@@ -32,6 +32,9 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)
 
+    if cfg.moe is not None:
+        raise ValueError(f"{cfg.model_type}: random bench weights are dense; load a mixture-of-experts shape "
+                         "with --load-format dummy")
     h, inter = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layers = [
@@ -43,6 +46,8 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
             post_norm=ones(h),
             gate_up=normal(2 * inter, h),
             down=normal(h, inter),
+            q_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
+            k_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
         )
         for _ in range(cfg.num_layers)
     ]

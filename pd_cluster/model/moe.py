@@ -1,0 +1,47 @@
+"""Routed experts of a mixture-of-experts MLP (Mixtral, Qwen3-MoE), in plain torch.
+
+Each token's router picks its ``top_k`` experts by softmax probability (over every expert, in
+float32, as transformers does), weighted by those probabilities, renormalized over the chosen
+ones where the config says so. The (token, expert) pairs are sorted by expert, so each expert
+runs one GEMM over all of its tokens and the outputs are added back to their tokens in expert
+order (transformers' order of summation). The per-expert loop reads each expert's token count
+on the host, so a sparse step is not captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from pd_cluster.model.config import MoEConfig
+from pd_cluster.model.weights import ExpertWeights
+
+
+def route(x: torch.Tensor, router: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's ``top_k`` experts ``[T, top_k]`` and their weights (in ``x``'s dtype)."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+    if moe.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights.to(x.dtype)
+
+
+def routed_experts(x: torch.Tensor, w: ExpertWeights, moe: MoEConfig) -> torch.Tensor:
+    """The sparse MLP's output ``[T, hidden]`` for normed hidden states ``x`` ``[T, hidden]``."""
+    experts, weights = route(x, w.router, moe)
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    token_of = order // moe.top_k
+    weight_of = weights.flatten()[order]
+    counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        tokens, gates = token_of[start:start + count], weight_of[start:start + count]
+        start += count
+        hidden = kernels.silu_mul(F.linear(x[tokens], w.gate_up[expert]))
+        out.index_add_(0, tokens, F.linear(hidden, w.down[expert]) * gates[:, None])
+    return out
