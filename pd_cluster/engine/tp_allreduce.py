@@ -55,11 +55,19 @@ def one_shot_available() -> bool:
     return True
 
 
+#: Whether this process set up a one-shot already: a second rendezvous of torch's symmetric
+#: memory in one process was seen to wait forever, so a later node of the process (tests and
+#: benches make several) keeps to NCCL; a serving node's process makes one.
+_set_up_in_process = False
+
+
 def local_reason(device: torch.device, rank: int, size: int) -> str | None:
     """Why this rank cannot take part in a one-shot all-reduce (None: it can). Rank ``r`` of a
     node runs on the ``r``-th GPU after rank 0's."""
     if device.type != "cuda":
         return f"device {device} is not a GPU"
+    if _set_up_in_process:
+        return "this process set up a one-shot for an earlier node"
     if not one_shot_available():
         return "this torch has no symmetric-memory all-reduce"
     index = device.index or 0
@@ -88,6 +96,8 @@ class OneShotAllReduce:
             symm_mem.set_backend("CUDA")
         self.buffer = symm_mem.empty(limit, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: every rank exchanges its handle
+        global _set_up_in_process
+        _set_up_in_process = True
 
     def takes(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device and fits(tensor, self.limit)

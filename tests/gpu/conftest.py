@@ -40,3 +40,15 @@ def small_model(tmp_path_factory) -> Path:
 
     return write_random_model("smollm2-135m", tmp_path_factory.mktemp("models") / "smollm2-random",
                               _random_model_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Path:
+    """A directory holding the default model's tokenizer files: ``PD_GPU_TOKENIZER`` when set
+    (a machine without the default model's package), else the default model's own."""
+    given = _random_model_tokenizer()
+    if given is not None:
+        return given
+    from pd_cluster.default_model import default_model_path
+
+    return default_model_path()

@@ -39,8 +39,8 @@ def _generate(model_dir, device: str) -> tuple[list[list[int]], LLMEngine]:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_float32_greedy_on_gpu_equals_the_cpu_path(family, tmp_path, default_model_dir):
-    write_family_model(family, tmp_path, default_model_dir, embed_scale=4.0)
+def test_float32_greedy_on_gpu_equals_the_cpu_path(family, tmp_path, tokenizer_dir):
+    write_family_model(family, tmp_path, tokenizer_dir, embed_scale=4.0)
     cpu, _ = _generate(tmp_path, "cpu")
     gpu, eng = _generate(tmp_path, "cuda")
     sparse = FAMILIES[family].config_class in ("Qwen3MoeConfig", "MixtralConfig")

@@ -99,15 +99,27 @@ def kv4_dir(tmp_path_factory):
     return out
 
 
+def _engine_tokens(model_dir: str, mode: str, prompts: list[list[int]], conn) -> None:
+    """A TP 2 engine of its own process (a process sets up one one-shot): its greedy tokens."""
+    llm = LLM(model=model_dir, device="cuda:0", dtype="float32", tp=2, max_total_tokens=4096,
+              load_format="dummy", tp_allreduce=mode)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        conn.send([list(o.token_ids) for o in outs])
+    finally:
+        llm.close()
+
+
 def test_tp2_engine_tokens_are_the_same_with_the_one_shot_and_with_nccl(kv4_dir):
     prompts = [[5, 17, 300, 42, 9], list(range(100, 400))]
     tokens = {}
+    ctx = mp.get_context("spawn")
     for mode in ("oneshot", "nccl"):
-        llm = LLM(model=str(kv4_dir), device="cuda:0", dtype="float32", tp=2, max_total_tokens=4096,
-                  load_format="dummy", tp_allreduce=mode)
-        try:
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-            tokens[mode] = [list(o.token_ids) for o in outs]
-        finally:
-            llm.close()
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_engine_tokens, args=(str(kv4_dir), mode, prompts, child))
+        proc.start()
+        assert parent.poll(300), f"the {mode} engine gave no tokens within 300 s"
+        tokens[mode] = parent.recv()
+        proc.join(60)
+        assert proc.exitcode == 0, f"the {mode} engine's process exited with {proc.exitcode}"
     assert tokens["oneshot"] == tokens["nccl"]

@@ -185,7 +185,8 @@ async def _handover_jobs(pair: PDPair, n: int, gen: torch.Generator) -> dict:
             runs = [await pair.job(random_prompt(pair.vocab, n, gen)) for _ in range(5)][1:]
             row[f"{mode}_handover_ms"] = statistics.median(r["handover_ms"] for r in runs)
             row[f"{mode}_first_token_ms"] = statistics.median(r["first_token_ms"] for r in runs)
-            row[f"{mode}_after_first_token_ms"] = statistics.median(r["visible_s"] * 1e3 for r in runs)
+            visible = [r["visible_s"] for r in runs if r["visible_s"] is not None]  # None: the path does not tell
+            row[f"{mode}_after_first_token_ms"] = statistics.median(visible) * 1e3 if visible else None
             row[f"{mode}_bytes"] = runs[0]["bytes"]
     finally:
         service.layerwise, service.direct_layerwise_min_tokens = saved
