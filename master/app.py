@@ -94,7 +94,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
 
     metrics = MasterMetrics()
     registry = Registry(metrics, model, settings.node_outbox_frames)
-    relay = Relay(registry, make_policy(settings.policy), metrics, settings)
+    relay = Relay(registry, make_policy(settings.policy, settings.slo), metrics, settings)
     metrics.add_live(NodeCollector(registry))
     request_log = RequestLog(registry, settings.policy)
     relay.on_end.append(request_log.record)

@@ -204,6 +204,7 @@ def cmd_master(args: argparse.Namespace) -> int:
         "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
         "max_concurrent_per_key": args.max_concurrent_per_key,
         "local_prefill_max_tokens": args.local_prefill_max_tokens,
+        "slo_tpot_ms": args.slo_tpot_ms, "slo_ttft_ms": args.slo_ttft_ms,
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "workers": args.workers,
         "worker_ports": args.worker_ports, "advertise_host": args.advertise_host,
     }.items() if v is not None}
@@ -294,10 +295,16 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                    help="generations one API key may run at once, each prompt x n (or best_of) of a request counting one "
                         "(a key's own limit in the file wins)")
     m.add_argument("--local-prefill-max-tokens", type=int, default=None,
-                   help="a request whose decode node misses at most this many prompt tokens (after its prefix hit) "
-                        "is prefilled on that node, not on a prefill node; 0: always through a prefill node while one "
-                        "is ready (default: 512, measured: up to it a prefill chunk costs the decode batch about one "
-                        "step, past it more)")
+                   help="the most prompt tokens a decode node may prefill itself (those its prefix cache lacks); "
+                        "within it cache_aware weighs the prefill node's queue and the transfer against the decode "
+                        "node's queue and its streams' slowdown (least_load, round_robin: up to 512); 0: always "
+                        "through a prefill node while one is ready (default: 4096)")
+    m.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time per output token to serve streams to: a decode node prefills a request itself only "
+                        "while its running streams stay under it (default: none, every second a local prefill "
+                        "takes from them counts)")
+    m.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time to the first token to serve requests to (the planner's prefill target; default: none)")
     m.add_argument("--workers", type=int, default=None,
                    help="master processes behind the one port, each relaying its share of the streams (about 25k "
                         "tokens/s each); nodes link to every worker (default: 1)")
@@ -342,8 +349,9 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                          help=f"tensor parallelism of each {role} node: N whole GPUs a node, none shared (on CPU: "
                               "N processes a node); default 1")
     loc.add_argument("--local-prefill-max-tokens", type=int, default=None,
-                     help="the master's threshold: a decode node prefills a request itself when it misses at most "
-                          "this many prompt tokens (default: 512; 0: always through a prefill node)")
+                     help="the master's cap: a decode node may prefill a request itself when it misses at most "
+                          "this many prompt tokens, the route cost decides (default: 4096; 0: always through a "
+                          "prefill node)")
     loc.add_argument("--master-workers", type=int, default=1,
                      help="the master's worker processes behind its one port (pd-cluster master --workers)")
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
