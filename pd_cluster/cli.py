@@ -170,22 +170,17 @@ def _node_settings(args: argparse.Namespace, role: str):
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    """A node of the role the command names, able to change role when the master asks."""
+    from decode_node.node import DecodeNode, MixedNode
+    from pd_cluster.aio import run
     from pd_cluster.node.agent import RegistrationRefused
+    from pd_cluster.node.role_switch import RoleSwitchingNode
+    from prefill_node.node import PrefillNode
 
     settings = _node_settings(args, args.command)
     try:
-        if args.command == "prefill":
-            from prefill_node.main import run_prefill_node
-
-            run_prefill_node(settings)
-        elif args.command == "mixed":
-            from decode_node.main import run_mixed_node
-
-            run_mixed_node(settings)
-        else:
-            from decode_node.main import run_decode_node
-
-            run_decode_node(settings)
+        run(RoleSwitchingNode(settings, args.command,
+                              {"prefill": PrefillNode, "decode": DecodeNode, "mixed": MixedNode}).run())
     except RegistrationRefused as e:
         logger.error("the master refused this node: %s", e)
         return 2

@@ -122,9 +122,9 @@ class Cluster:
         node = self.node(name)
         return None if node is None else node["data_plane"]["warm_peers"]
 
-    def admin(self, method: str, path: str) -> httpx.Response:
+    def admin(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
         return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10,
-                             verify=self.verify)
+                             verify=self.verify, json=body)
 
     def nodes(self) -> list[dict]:
         return self.admin("GET", "/admin/nodes").json()["data"]
