@@ -93,6 +93,19 @@ class MasterSettings(BaseSettings):
         default=None, gt=0, description="the time to the first token requests are served to (ms): the planner "
         "weighs prefill capacity against it; default: none",
     )
+    planner: Literal["off", "slo"] = Field(
+        default="off", description="slo: move nodes between prefill and decode roles as the load mix and the "
+        "nodes' measured rates call for (see docs/architecture.md); off: roles change only when an operator asks",
+    )
+    planner_interval_s: float = Field(default=5.0, gt=0, description="seconds between the planner's rounds")
+    planner_window_s: float = Field(default=30.0, gt=0, description="the load mix is the requests of this many "
+                                    "last seconds")
+    planner_dwell_s: float = Field(default=60.0, ge=0, description="a node keeps a role at least this long "
+                                   "before the planner moves it again")
+    planner_high: float = Field(default=0.8, gt=0, description="a side (prefill, decode) used more than this "
+                                "share of its capacity calls for a node")
+    planner_low: float = Field(default=0.3, ge=0, description="a prefill side used less than this gives a node "
+                               "to the decode side")
     first_token_via: Literal["prefill", "decode"] = Field(
         default="prefill",
         description="who delivers the first token: P as soon as its prefill samples it (lower TTFT, see "

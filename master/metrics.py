@@ -94,6 +94,10 @@ class MasterMetrics:
             "pdc_role_changes_total", "Nodes that changed role while serving, by old and new role and outcome "
             "(done, or failed: the node stayed what it was)", ["from_role", "to_role", "outcome"], registry=r,
         )
+        self.planner_decisions = Counter(
+            "pdc_planner_decisions_total", "Role changes the planner made, by old and new role and why",
+            ["from_role", "to_role", "reason"], registry=r,
+        )
         self.gc_pause = Histogram(
             "pdc_gc_pause_seconds", "Garbage collections of the master process by generation (each one stops "
             "its event loop: every stream's next token waits)", ["generation"], buckets=_GC_BUCKETS, registry=r,

@@ -73,6 +73,8 @@ class NodeRecord:
     malformed_frames: int = 0
     #: The role it is changing to (state ``switching``), until it answers ``RoleChanged``.
     pending_role: str | None = None
+    #: When it joined or last changed role (monotonic).
+    role_since: float = field(default_factory=time.monotonic)
 
     @property
     def node_id(self) -> str:
@@ -329,6 +331,7 @@ class Registry:
             raise ValueError("a decode node must announce its data_address")
         record.info = new
         record.pending_role = None
+        record.role_since = time.monotonic()
         if record.state == "switching":
             record.state = "active"
         if (old == "prefill") != (new.role == "prefill"):

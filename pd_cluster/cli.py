@@ -199,7 +199,7 @@ def cmd_master(args: argparse.Namespace) -> int:
         "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
         "max_concurrent_per_key": args.max_concurrent_per_key,
         "local_prefill_max_tokens": args.local_prefill_max_tokens,
-        "slo_tpot_ms": args.slo_tpot_ms, "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms, "slo_ttft_ms": args.slo_ttft_ms, "planner": args.planner,
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "workers": args.workers,
         "worker_ports": args.worker_ports, "advertise_host": args.advertise_host,
     }.items() if v is not None}
@@ -298,6 +298,9 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                    help="time per output token to serve streams to: a decode node prefills a request itself only "
                         "while its running streams stay under it (default: none, every second a local prefill "
                         "takes from them counts)")
+    m.add_argument("--planner", default=None, choices=["off", "slo"],
+                   help="slo: move nodes between the prefill and decode roles as the load mix and the nodes' "
+                        "measured rates call for, every few seconds, with hysteresis (default: off)")
     m.add_argument("--slo-ttft-ms", type=float, default=None,
                    help="time to the first token to serve requests to (the planner's prefill target; default: none)")
     m.add_argument("--workers", type=int, default=None,

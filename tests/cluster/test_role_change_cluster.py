@@ -2,11 +2,13 @@
 streaming: two mixed nodes become a prefill and a mixed node, then a prefill and a decode node (the
 switched prefill node hands its KV over), and back to two mixed nodes, each change under load.
 Every stream ends whole and token-identical to transformers, no node restarts, and no KV slot is
-held afterwards."""
+held afterwards. Then the planner, on the same nodes, moves one when the load mix changes."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
+import time
 
 import openai
 import pytest
@@ -16,12 +18,18 @@ from tests.cluster_harness import Cluster, wait_until
 MODEL = "SmolLM2-135M-Instruct"
 NEW_TOKENS = 16
 STREAMS = 4
+#: The planning master of the last test: rounds every half second over the last 4 s of requests.
+PLANNER_WINDOW_S = 4.0
+PLANNER_ARGS = ("--planner", "slo")
+PLANNER_ENV = {"PD_PLANNER_INTERVAL_S": "0.5", "PD_PLANNER_WINDOW_S": str(PLANNER_WINDOW_S),
+               "PD_PLANNER_DWELL_S": "1"}
 
 
 @pytest.fixture(scope="module")
 def cluster(default_model_dir, tmp_path_factory):
     # Local prefill capped at 0: once a prefill node serves, every request to a decode node goes through it.
-    c = Cluster(default_model_dir, tmp_path_factory.mktemp("role-change-logs"), local_prefill_max_tokens=0)
+    c = Cluster(default_model_dir, tmp_path_factory.mktemp("role-change-logs"), local_prefill_max_tokens=0,
+                extra_env=PLANNER_ENV)
     try:
         c.start_master()
         c.start_node("mixed", "a", "--data-port", "0")
@@ -101,3 +109,44 @@ def test_two_mixed_nodes_become_prefill_and_mixed_then_prefill_and_decode_and_ba
     assert all(cluster.procs[name].poll() is None for name in ("a", "b"))
     assert cluster.metric('pdc_requests_total{status="error"}') == failed_before
     wait_until(lambda: _kv_idle(cluster), 30, "every node's KV to be idle")
+
+
+def test_the_planner_gives_the_prefill_node_to_the_decode_side_when_prompts_get_short(
+        cluster, client, tokenizer):
+    """The same nodes under a master that plans (restarted on the same port: they register again):
+    long prompts with one-token answers keep 1P1D; short prompts with long answers turn P mixed."""
+    _change_role(cluster, "a", "prefill")
+    _change_role(cluster, "b", "decode")
+    cluster.procs["master"].send_signal(signal.SIGTERM)
+    cluster.procs["master"].wait(30)
+    cluster.start_master(*PLANNER_ARGS)
+    wait_until(lambda: {n["id"]: n["role"] for n in cluster.nodes()} == {"a": "prefill", "b": "decode"}, 60,
+               "the nodes to register with the planning master")
+    long_prompt = tokenizer.encode(" ".join(f"Item {i} weighs {i * 7 % 13} kg." for i in range(60)))
+    short_prompt = tokenizer.encode("Count to ten.")
+
+    def serve(prompt: list[int], max_tokens: int, until) -> None:
+        """Two clients back to back (the load the planner measures) until ``until()`` holds."""
+        def one(i: int) -> None:
+            client.completions.create(model=MODEL, prompt=prompt + tokenizer.encode(f" {i}"), temperature=0,
+                                      max_tokens=max_tokens, extra_body={"ignore_eos": True})
+
+        i = 0
+        with cf.ThreadPoolExecutor(2) as pool:
+            while not until():
+                list(pool.map(one, (i, i + 1)))
+                i += 2
+
+    deadline = time.monotonic() + PLANNER_WINDOW_S + 2  # the window full of long prompts, P kept busy
+    serve(long_prompt, 1, lambda: time.monotonic() > deadline)
+    assert cluster.metric("pdc_planner_decisions_total") == 0
+    assert {n["id"]: n["role"] for n in cluster.nodes()} == {"a": "prefill", "b": "decode"}
+    deadline = time.monotonic() + 120
+    serve(short_prompt, 24, lambda: cluster.metric("pdc_planner_decisions_total") > 0 or time.monotonic() > deadline)
+    # P idles next to D, or D is past its capacity (a CPU decodes slowly): either way P goes.
+    moved = {reason: cluster.metric(f'pdc_planner_decisions_total{{from_role="prefill",reason="{reason}",'
+                                    f'to_role="mixed"}}') for reason in ("prefill_idle", "decode_short")}
+    assert sum(moved.values()) == 1 == cluster.metric("pdc_planner_decisions_total"), moved
+    wait_until(lambda: (n := cluster.node("a")) is not None and n["role"] == "mixed" and n["state"] == "active", 60,
+               "a to serve as mixed")
+    assert "planner: node a prefill -> mixed (" in cluster.log("master")
