@@ -249,6 +249,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         **given_values(args, LOCAL_ENGINE_FLAGS), host=args.host, port=args.port, prefill=args.prefill,
         decode=args.decode, mixed=args.mixed, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
         mixed_tp=args.mixed_tp, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        planner=args.planner, slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms,
         master_workers=args.master_workers,
         device=args.device, gpus=args.gpus, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
@@ -350,6 +351,13 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                      help="the master's cap: a decode node may prefill a request itself when it misses at most "
                           "this many prompt tokens, the route cost decides (default: 4096; 0: always through a "
                           "prefill node)")
+    loc.add_argument("--planner", default=None, choices=["off", "slo"],
+                     help="the master's planner: slo moves nodes between prefill and decode roles as the load calls "
+                          "for (default: off)")
+    loc.add_argument("--slo-tpot-ms", type=float, default=None,
+                     help="the master's TPOT target: decode nodes prefill themselves only while their streams keep "
+                          "to it (default: none)")
+    loc.add_argument("--slo-ttft-ms", type=float, default=None, help="the master's TTFT target (default: none)")
     loc.add_argument("--master-workers", type=int, default=1,
                      help="the master's worker processes behind its one port (pd-cluster master --workers)")
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
