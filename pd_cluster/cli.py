@@ -187,6 +187,19 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_planning_arguments(p: argparse.ArgumentParser) -> None:
+    """The master's latency targets and planner (``pd-cluster master`` and ``pd-cluster local``)."""
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time per output token to serve streams to: a decode node prefills a request itself only "
+                        "while its running streams stay under it (default: none, every second a local prefill "
+                        "takes from them counts)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time to the first token to serve requests to (the planner's prefill target; default: none)")
+    p.add_argument("--planner", default=None, choices=["off", "slo"],
+                   help="slo: move nodes between the prefill and decode roles as the load mix and the nodes' "
+                        "measured rates call for, every few seconds, with hysteresis (default: off)")
+
+
 def cmd_master(args: argparse.Namespace) -> int:
     from master.app import ConfigError
     from master.config import MasterSettings
@@ -295,15 +308,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                         "within it cache_aware weighs the prefill node's queue and the transfer against the decode "
                         "node's queue and its streams' slowdown (least_load, round_robin: up to 512); 0: always "
                         "through a prefill node while one is ready (default: 4096)")
-    m.add_argument("--slo-tpot-ms", type=float, default=None,
-                   help="time per output token to serve streams to: a decode node prefills a request itself only "
-                        "while its running streams stay under it (default: none, every second a local prefill "
-                        "takes from them counts)")
-    m.add_argument("--planner", default=None, choices=["off", "slo"],
-                   help="slo: move nodes between the prefill and decode roles as the load mix and the nodes' "
-                        "measured rates call for, every few seconds, with hysteresis (default: off)")
-    m.add_argument("--slo-ttft-ms", type=float, default=None,
-                   help="time to the first token to serve requests to (the planner's prefill target; default: none)")
+    add_planning_arguments(m)
     m.add_argument("--workers", type=int, default=None,
                    help="master processes behind the one port, each relaying its share of the streams (about 25k "
                         "tokens/s each); nodes link to every worker (default: 1)")
@@ -351,13 +356,7 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                      help="the master's cap: a decode node may prefill a request itself when it misses at most "
                           "this many prompt tokens, the route cost decides (default: 4096; 0: always through a "
                           "prefill node)")
-    loc.add_argument("--planner", default=None, choices=["off", "slo"],
-                     help="the master's planner: slo moves nodes between prefill and decode roles as the load calls "
-                          "for (default: off)")
-    loc.add_argument("--slo-tpot-ms", type=float, default=None,
-                     help="the master's TPOT target: decode nodes prefill themselves only while their streams keep "
-                          "to it (default: none)")
-    loc.add_argument("--slo-ttft-ms", type=float, default=None, help="the master's TTFT target (default: none)")
+    add_planning_arguments(loc)
     loc.add_argument("--master-workers", type=int, default=1,
                      help="the master's worker processes behind its one port (pd-cluster master --workers)")
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")
