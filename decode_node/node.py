@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from decode_node.service import DecodeService
 from pd_cluster import protocol
+from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
 from pd_cluster.node.config import NodeSettings
 from pd_cluster.node.runtime import NodeRuntime
@@ -28,13 +29,18 @@ logger = logging.getLogger(__name__)
 class DecodeNode(NodeRuntime):
     role = "decode"
 
-    def __init__(self, settings: NodeSettings) -> None:
+    def __init__(self, settings: NodeSettings, engine: LLMEngine | None = None) -> None:
+        """``engine``: the engine of this process's previous role (a role change keeps its KV pool and
+        prefix cache); None: a new one."""
         super().__init__(settings)
         self._loop: asyncio.AbstractEventLoop | None = None
+        if engine is not None:  # it served another role: its cache reports here now, no layer hooks
+            engine.cache.event_sink = self._on_kv_events
+            engine.set_layer_hook_factory(None)
         self.service = DecodeService(
             settings.engine, node_id=settings.node_id, cluster_token=settings.cluster_token.get_secret_value(),
             data_host=settings.data_bind or settings.data_host, data_port=settings.data_port,
-            on_tokens=self._on_tokens, kv_event_sink=self._on_kv_events,
+            on_tokens=self._on_tokens, kv_event_sink=self._on_kv_events, engine=engine,
             share_kv_pool=settings.kv_ipc, share_kv_across_gpus=settings.kv_ipc_across_gpus,
             data_tls=settings.data_listener_tls(),
         )
@@ -125,7 +131,7 @@ class DecodeNode(NodeRuntime):
         await self.service.stop()
 
     def _busy(self) -> bool:
-        return bool(self.service.engine.scheduler.running or self.service.reservations.pending)
+        return bool(self.service.engine.has_unfinished() or self.service.reservations.pending)
 
     async def wait_idle(self, timeout: float) -> bool:
         deadline = asyncio.get_running_loop().time() + timeout

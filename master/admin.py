@@ -1,4 +1,4 @@
-"""Operator API: list nodes, drain one, remove one (its id stays refused until allowed). Every call needs ``Authorization: Bearer <PD_ADMIN_TOKEN>``.
+"""Operator API: list nodes, drain one, change one's role, remove one (its id stays refused until allowed). Every call needs ``Authorization: Bearer <PD_ADMIN_TOKEN>``.
 
 In a master of several workers a change is applied by every worker (:mod:`master.worker_fanout`)."""
 
@@ -8,12 +8,14 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict
 
 from master.auth import bearer_matches
 from master.context import MasterContext
 from master.errors import APIError, unauthorized
 from master.registry import CLOSE_NORMAL, NodeRecord
 from master.worker_fanout import FANOUT_HEADER, fan_out
+from pd_cluster import protocol
 
 router = APIRouter(prefix="/admin")
 
@@ -27,12 +29,14 @@ def _authorize(request: Request) -> MasterContext:
     return ctx
 
 
-async def _on_siblings(request: Request, ctx: MasterContext, answer: dict[str, Any]) -> dict[str, Any]:
+async def _on_siblings(
+    request: Request, ctx: MasterContext, answer: dict[str, Any], body: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Repeat an applied change on the sibling workers (unless it came from one); the answer then
     names the workers that did not apply it."""
     if ctx.settings.worker_index is None or request.headers.get(FANOUT_HEADER):
         return answer
-    failed = await fan_out(ctx.settings, request.method, request.url.path, request.headers["authorization"])
+    failed = await fan_out(ctx.settings, request.method, request.url.path, request.headers["authorization"], body)
     return {**answer, "workers_failed": failed} if failed else answer
 
 
@@ -47,6 +51,8 @@ def node_view(node: NodeRecord) -> dict[str, Any]:
         "id": node.node_id,
         "role": node.role,
         "state": node.state,
+        # The role it is changing to (state "switching"), else None.
+        "pending_role": node.pending_role,
         "model": node.info.model,
         "device": node.info.device,
         "data_address": node.info.data_address,
@@ -100,6 +106,28 @@ async def drain_node(node_id: str, request: Request) -> dict[str, Any]:
     if node is None:
         raise _unknown(node_id)
     return await _on_siblings(request, ctx, node_view(node))
+
+
+class RoleChange(BaseModel):
+    """Body of ``POST /admin/nodes/{id}/role``."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: protocol.Role
+
+
+@router.post("/nodes/{node_id}/role")
+async def set_node_role(node_id: str, change: RoleChange, request: Request) -> dict[str, Any]:
+    """Change a node's role while it serves: it takes no new work, finishes what its old role holds,
+    keeps its engine (KV pool, prefix cache) and comes back as ``role`` (``pending_role`` until then)."""
+    ctx = _authorize(request)
+    try:
+        node = ctx.registry.set_role(node_id, change.role)
+    except ValueError as e:
+        raise APIError(409, f"Cannot change the role of {node_id!r}: {e}.", "invalid_request_error", "node_id",
+                       "node_draining") from None
+    if node is None:
+        raise _unknown(node_id)
+    return await _on_siblings(request, ctx, node_view(node), change.model_dump())
 
 
 @router.delete("/nodes/{node_id}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -16,10 +17,12 @@ from master.body_limit import BodyLimitMiddleware
 from master.config import WORKERS_AND_KEY_LIMITS, MasterSettings
 from master.context import MasterContext
 from master.errors import install_error_handlers
+from master.load_mix import LoadMix
 from master.metrics import MasterMetrics, status_of_http
 from master.model_info import ModelInfo, read_model_info
 from master.node_metrics import NodeCollector
 from master.node_ws import node_socket
+from master.planner_loop import PlannerLoop
 from master.registry import CLOSE_GOING_AWAY, Registry
 from master.relay import Relay
 from master.request_log import RequestIdMiddleware, RequestLog
@@ -94,16 +97,25 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
 
     metrics = MasterMetrics()
     registry = Registry(metrics, model, settings.node_outbox_frames)
-    relay = Relay(registry, make_policy(settings.policy), metrics, settings)
+    relay = Relay(registry, make_policy(settings.policy, settings.slo), metrics, settings)
     metrics.add_live(NodeCollector(registry))
     request_log = RequestLog(registry, settings.policy)
     relay.on_end.append(request_log.record)
     ctx = MasterContext(settings=settings, metrics=metrics, registry=registry, relay=relay, tokenizer=tok, model=model,
                         request_log=request_log)
 
+    planner = None
+    if settings.planner == "slo" and not settings.worker_index:
+        mix = LoadMix(settings.planner_window_s, scale=settings.workers)
+        relay.on_end.append(mix.record)
+        planner = PlannerLoop(registry, metrics, settings, mix)
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        planning = asyncio.create_task(planner.run()) if planner is not None else None
         yield
+        if planning is not None:
+            planning.cancel()
         for node_id in list(registry.nodes):
             registry.remove(node_id, "master shutting down", CLOSE_GOING_AWAY)
         tok.close()

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from master.route_cost import Slo
 from pd_cluster import protocol
 from pd_cluster.tls import check_pair
 
@@ -76,12 +77,35 @@ class MasterSettings(BaseSettings):
     node_outbox_frames: int = Field(default=4096, gt=0, description="frames queued for a node before it is dropped")
 
     local_prefill_max_tokens: int = Field(
-        default=512, ge=0,
-        description="a request whose decode node lacks at most this many of its prompt tokens (after the node's "
-        "prefix hit) may be prefilled on that node instead of on a prefill node: no transfer or handover, and a "
-        "short prefill holds the node's running streams up little (see docs/architecture.md for how the default "
-        "was measured); 0: every request goes through a prefill node while one is ready",
+        default=4096, ge=0,
+        description="the most prompt tokens a decode node may prefill itself (those its prefix cache lacks), a "
+        "cap: within it the cache_aware policy weighs the prefill node's queue, the transfer and the handover "
+        "against the decode node's queue and the slowdown of its running streams (against --slo-tpot-ms); "
+        "least_load and round_robin prefill locally up to 512 of it; 0: every request goes through a prefill "
+        "node while one is ready",
     )
+    slo_tpot_ms: float | None = Field(
+        default=None, gt=0, description="the time per output token streams are served to (ms): a decode node "
+        "prefills a request itself only while its running streams stay under it, and the planner weighs "
+        "decode capacity against it; default: none (every second a local prefill takes from the streams counts)",
+    )
+    slo_ttft_ms: float | None = Field(
+        default=None, gt=0, description="the time to the first token requests are served to (ms): the planner "
+        "weighs prefill capacity against it; default: none",
+    )
+    planner: Literal["off", "slo"] = Field(
+        default="off", description="slo: move nodes between prefill and decode roles as the load mix and the "
+        "nodes' measured rates call for (see docs/architecture.md); off: roles change only when an operator asks",
+    )
+    planner_interval_s: float = Field(default=5.0, gt=0, description="seconds between the planner's rounds")
+    planner_window_s: float = Field(default=30.0, gt=0, description="the load mix is the requests of this many "
+                                    "last seconds")
+    planner_dwell_s: float = Field(default=60.0, ge=0, description="a node keeps a role at least this long "
+                                   "before the planner moves it again")
+    planner_high: float = Field(default=0.8, gt=0, description="a side (prefill, decode) used more than this "
+                                "share of its capacity calls for a node")
+    planner_low: float = Field(default=0.3, ge=0, description="a prefill side used less than this gives a node "
+                               "to the decode side")
     first_token_via: Literal["prefill", "decode"] = Field(
         default="prefill",
         description="who delivers the first token: P as soon as its prefill samples it (lower TTFT, see "
@@ -124,6 +148,12 @@ class MasterSettings(BaseSettings):
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 need a fixed port (port 0 picks one per process)")
         return self
+
+    @property
+    def slo(self) -> Slo:
+        """The latency targets in seconds."""
+        return Slo(ttft_s=None if self.slo_ttft_ms is None else self.slo_ttft_ms / 1000,
+                   tpot_s=None if self.slo_tpot_ms is None else self.slo_tpot_ms / 1000)
 
     def worker_port(self, index: int) -> int:
         """The private port of worker ``index`` (node links and sibling calls)."""

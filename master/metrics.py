@@ -22,7 +22,7 @@ _GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 ROLES = ("prefill", "decode", "mixed")
-NODE_STATES = ("active", "draining")
+NODE_STATES = ("active", "draining", "switching")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -89,6 +89,14 @@ class MasterMetrics:
         self.warm_channels = Gauge(
             "pdc_warm_channels", "Pairs of an active prefill and decode node whose data-plane channel is warm",
             registry=r, multiprocess_mode="mostrecent",
+        )
+        self.role_changes = Counter(
+            "pdc_role_changes_total", "Nodes that changed role while serving, by old and new role and outcome "
+            "(done, or failed: the node stayed what it was)", ["from_role", "to_role", "outcome"], registry=r,
+        )
+        self.planner_decisions = Counter(
+            "pdc_planner_decisions_total", "Role changes the planner made, by old and new role and why",
+            ["from_role", "to_role", "reason"], registry=r,
         )
         self.gc_pause = Histogram(
             "pdc_gc_pause_seconds", "Garbage collections of the master process by generation (each one stops "

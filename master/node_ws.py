@@ -183,6 +183,8 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
             ctx.relay.on_kv_transferred(record, msg)
         elif isinstance(msg, protocol.Drained):
             ctx.registry.discard(record, "drained", CLOSE_NORMAL)
+        elif isinstance(msg, protocol.RoleChanged):
+            ctx.registry.handle_role_changed(record, msg)
         else:
             logger.warning("dropped an unexpected %s frame from node %s", type(msg).__name__, record.node_id)
     except Exception as exc:

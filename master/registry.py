@@ -26,7 +26,8 @@ from pd_cluster.kv_spec import KVSpec
 
 logger = logging.getLogger(__name__)
 
-NodeState = Literal["active", "draining"]
+#: switching: changing role (no new work; what it holds runs to its end).
+NodeState = Literal["active", "draining", "switching"]
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
@@ -70,6 +71,10 @@ class NodeRecord:
     stale_aborts: dict[str, float] = field(default_factory=dict)
     #: Frames from this node that could not be parsed (logged sparingly).
     malformed_frames: int = 0
+    #: The role it is changing to (state ``switching``), until it answers ``RoleChanged``.
+    pending_role: str | None = None
+    #: When it joined or last changed role (monotonic).
+    role_since: float = field(default_factory=time.monotonic)
 
     @property
     def node_id(self) -> str:
@@ -293,6 +298,55 @@ class Registry:
             if record.role == "decode":
                 self._announce_decodes()
 
+    def set_role(self, node_id: str, role: str) -> NodeRecord | None:
+        """Ask a node to change role: no new work reaches it until it answers ``RoleChanged``. Raises
+        ValueError when it is draining (it is leaving)."""
+        record = self.nodes.get(node_id)
+        if record is None:
+            return None
+        if record.state == "draining":
+            raise ValueError(f"node {node_id!r} is draining")
+        if role != record.role or record.pending_role is not None:
+            self.mark_switching(record, role)
+            record.send(protocol.SetRole(role=role))
+        return record
+
+    def mark_switching(self, record: NodeRecord, role: str) -> None:
+        if record.state == "active":
+            record.state = "switching"
+            record.pending_role = role
+            logger.info("node %s is changing role %s -> %s", record.node_id, record.role, role)
+            self._update_gauge()
+            if record.role == "decode":
+                self._announce_decodes()
+
+    def handle_role_changed(self, record: NodeRecord, msg: protocol.RoleChanged) -> None:
+        """The node serves as ``msg.info.role`` now (or, ``failed``, still as before): take its new
+        registration and route to it again."""
+        old = record.role
+        new = msg.info
+        if new.node_id != record.node_id or new.kv_spec != record.info.kv_spec:
+            raise ValueError("a role change must keep the node's id and KV spec")
+        if new.role == "decode" and not new.data_address:
+            raise ValueError("a decode node must announce its data_address")
+        record.info = new
+        record.pending_role = None
+        record.role_since = time.monotonic()
+        if record.state == "switching":
+            record.state = "active"
+        if (old == "prefill") != (new.role == "prefill"):
+            record.prefix.apply([], [], cleared=True)  # a prefill node reports no KV events
+        outcome = "failed" if msg.failed else "done"
+        self.metrics.role_changes.labels(from_role=old, to_role=new.role, outcome=outcome).inc()
+        if msg.failed:
+            logger.warning("node %s could not change role, still %s: %s", record.node_id, new.role, msg.failed)
+        else:
+            logger.info("node %s changed role %s -> %s", record.node_id, old, new.role)
+        self._update_gauge()
+        if "decode" in (old, new.role):
+            self._announce_decodes()
+        self._notify_capacity()
+
     def get(self, node_id: str | None) -> NodeRecord | None:
         return self.nodes.get(node_id) if node_id is not None else None
 
@@ -338,6 +392,8 @@ class Registry:
         record.reported_kv.clear()
         if msg.draining:
             self.mark_draining(record)
+        elif msg.switching_to is not None:  # another master asked it
+            self.mark_switching(record, msg.switching_to)
         self._notify_capacity()
 
     def handle_kv_events(self, record: NodeRecord, msg: protocol.KVEvents) -> None:

@@ -52,7 +52,7 @@ class RequestRecord:
     attempts: int
     #: ``pd`` (a prefill node, then the decode node) or ``local`` (prefilled where it decodes).
     path: str | None
-    #: Why that path: mixed, no_prefill, short_miss, long_miss, pd_faster, local_disabled.
+    #: Why that path: mixed, no_prefill, short_miss, long_miss, pd_faster, tpot_slo, local_disabled.
     route_reason: str | None
     routing: str
     prompt_tokens: int

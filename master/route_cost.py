@@ -14,11 +14,16 @@ history to an idle twin). A prefix hit counts only as the prefill and the transf
 * P -> D: P's queued prompt tokens plus this request's, at P's rate; the missing tokens' KV bytes
   at the link rate; the handover (a commit and D's first step); a channel still to be formed;
 * on D, either way: the request's decode steps at the batch it joins
-  (base + per_request * (load + 1)), and, past D's batch limit, the wait for a place in it.
+  (base + per_request * (load + 1)), and, past D's batch limit, the wait for a place in it;
+* a local prefill on a decode node also slows the streams D is running (its prefill chunks share
+  their steps): :meth:`CostModel.local_slowdown_s` prices the seconds they lose against their TPOT
+  SLO, so D absorbs prefills while its streams have room under the SLO and P gets the work once
+  they have none, however long P's queue.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +44,14 @@ OUTPUT_TOKENS_CAP = 256
 LINK_RATE_WEIGHT = 0.1
 #: A node's measured rate within this fraction of the cluster's mean is priced at the mean.
 LIKE_NODES_BAND = 0.15
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The latency targets the master serves to (``--slo-ttft-ms``, ``--slo-tpot-ms``); None: no target."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 class LinkRate:
@@ -93,9 +106,10 @@ def like_nodes(own: float, mean: float) -> float:
 class CostModel:
     """Seconds a request would spend on each candidate, from one snapshot of the nodes."""
 
-    def __init__(self, rates: Rates, link: LinkRate) -> None:
+    def __init__(self, rates: Rates, link: LinkRate, slo: Slo = Slo()) -> None:
         self.rates = rates
         self.link = link
+        self.slo = slo
 
     def prefill_rate(self, node: NodeRecord) -> float:
         return like_nodes(node.status.prefill_tokens_per_s, self.rates.prefill_tokens_per_s)
@@ -122,6 +136,26 @@ class CostModel:
     def local_prefill_s(self, node: NodeRecord, miss_tokens: int) -> float:
         """Prefill on the node that decodes (D or mixed), behind its queued local prefills."""
         return (node.queued_prefill_tokens + miss_tokens) / self.prefill_rate(node)
+
+    def local_slowdown_s(self, node: NodeRecord, miss_tokens: int, max_tokens: int) -> float:
+        """What a local prefill of ``miss_tokens`` on ``node`` costs the streams it runs, in seconds:
+        each of them loses the prefill's time. Without a TPOT SLO all those seconds count; with one,
+        they count by how much of the streams' headroom under the SLO the node's prefills use (the
+        streams' remaining output priced like this request's), and past the headroom the prefill
+        would break the SLO: infinite, P takes it."""
+        streams = max(node.load, 0)
+        if streams == 0:
+            return 0.0
+        rate = self.prefill_rate(node)
+        lost = streams * miss_tokens / rate
+        if self.slo.tpot_s is None:
+            return lost
+        out = max(min(max_tokens, OUTPUT_TOKENS_CAP), 1)
+        headroom_s = (self.slo.tpot_s - self.step_s(node, streams + 1)) * out
+        stall_s = (node.queued_prefill_tokens + miss_tokens) / rate
+        if headroom_s <= 0 or stall_s > headroom_s:
+            return math.inf
+        return lost * stall_s / headroom_s
 
     def remote_prefill_s(
         self, prefill: NodeRecord, decode: NodeRecord, prompt_tokens: int, miss_tokens: int, warm: bool

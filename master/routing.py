@@ -9,10 +9,14 @@ waits in the admission queue: a full decode node is backpressure, never a failur
 
 Then the path (:meth:`RoutingPolicy.plan`). A mixed node always serves the request whole. On a
 decode node, a request whose missing prompt tokens (the prompt less D's prefix hit) are at most
-``local_prefill_max_tokens`` may be prefilled on D itself: it saves P's queue, the transfer and
-the handover, and a short miss costs D's running streams little. A longer miss goes to a P, so
-D's streams are not held up by long prefills. With no P ready, every request is prefilled where
-it decodes. Each decision is counted with its reason (``pdc_route_decisions_total``).
+``local_prefill_max_tokens`` (a cap) may be prefilled on D itself: it saves P's queue, the transfer
+and the handover, but holds up D's running streams. ``cache_aware`` decides it from the route cost:
+P's queued work, the transfer and the handover against D's own queue and the slowdown its streams
+would take against their TPOT SLO (:meth:`master.route_cost.CostModel.local_slowdown_s`); a P whose
+queue outgrows what D can absorb without breaking the SLO still gets the work. The policies that do
+not price (``least_load``, ``round_robin``) prefill locally only the misses of at most
+:data:`SHORT_MISS_TOKENS` (and the cap). With no P ready, every request is prefilled where it
+decodes. Each decision is counted with its reason (``pdc_route_decisions_total``).
 
 The policies choose among the candidates:
 
@@ -41,7 +45,7 @@ from typing import ClassVar, Literal
 
 from master.decode_room import Refusals, has_room
 from master.registry import NodeRecord
-from master.route_cost import DEFAULT_CHANNEL_SETUP_S, CostModel, LinkRate, Rates
+from master.route_cost import DEFAULT_CHANNEL_SETUP_S, CostModel, LinkRate, Rates, Slo
 
 #: least_load: what a D no P holds a warm channel to costs, as extra load (a fraction of its max
 #: running requests): a whole batch, so a cold D wins only over warm ones that queue requests.
@@ -49,6 +53,9 @@ COLD_PAIR_LOAD = 1.0
 #: Choosing P for a D (least_load, round_robin): a P without a warm channel to that D counts as
 #: this many more queued prompt tokens (about what a GPU prefills in the seconds a channel takes).
 COLD_PAIR_PREFILL_TOKENS = 32768
+#: least_load, round_robin: the longest miss they let a decode node prefill itself (they do not
+#: price D's streams' slowdown, so they keep to misses too short to hold those streams up much).
+SHORT_MISS_TOKENS = 512
 
 @dataclass
 class RouteRequest:
@@ -106,7 +113,10 @@ def hit_tokens(request: RouteRequest, node: NodeRecord) -> int:
 
 Path = Literal["pd", "local"]
 #: Why a path was taken (the label of ``pdc_route_decisions_total``).
-Reason = Literal["mixed", "no_prefill", "short_miss", "long_miss", "pd_faster", "local_disabled"]
+#: short_miss: D prefills it (within the cap, and for cache_aware priced cheaper than P -> D);
+#: long_miss: over the cap; pd_faster: priced cheaper through P; tpot_slo: D's streams would break
+#: their TPOT SLO; local_disabled: a cap of 0.
+Reason = Literal["mixed", "no_prefill", "short_miss", "long_miss", "pd_faster", "tpot_slo", "local_disabled"]
 
 
 @dataclass(frozen=True)
@@ -136,9 +146,14 @@ def local_reason(node: NodeRecord, miss: int, prefills: Sequence[NodeRecord], lo
 class RoutingPolicy(ABC):
     name: ClassVar[str]
 
-    def __init__(self) -> None:
+    def __init__(self, slo: Slo = Slo()) -> None:
         #: KV transfer rate the master saw (the relay feeds it P's reports).
         self.link = LinkRate()
+        self.slo = slo
+
+    def local_cap(self, local_max: int) -> int:
+        """The longest miss a decode node may prefill itself under this policy."""
+        return min(local_max, SHORT_MISS_TOKENS)
 
     def plan(
         self, request: RouteRequest, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord],
@@ -149,7 +164,7 @@ class RoutingPolicy(ABC):
         if decode is None:
             decode = self.pick_decode(request, decodes, cold=cold_decodes(prefills, decodes))
         hit = hit_tokens(request, decode)
-        reason = local_reason(decode, request.prompt_tokens - hit, prefills, local_max)
+        reason = local_reason(decode, request.prompt_tokens - hit, prefills, self.local_cap(local_max))
         if reason is not None:
             return Plan("local", decode, None, reason, hit)
         warm = [p for p in prefills if p.warm_with(decode.node_id)]
@@ -189,8 +204,8 @@ class RoutingPolicy(ABC):
 class RoundRobinPolicy(RoutingPolicy):
     name = "round_robin"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, slo: Slo = Slo()) -> None:
+        super().__init__(slo)
         self._last: dict[str, str] = {}
 
     def _next(self, role: str, nodes: Sequence[NodeRecord]) -> NodeRecord:
@@ -232,8 +247,11 @@ class CacheAwarePolicy(RoutingPolicy):
     def hit_tokens(self, request: RouteRequest, decode: NodeRecord) -> int:
         return hit_tokens(request, decode)
 
+    def local_cap(self, local_max: int) -> int:
+        return local_max
+
     def _costs(self, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord]) -> CostModel:
-        return CostModel(Rates.of([*prefills, *decodes]), self.link)
+        return CostModel(Rates.of([*prefills, *decodes]), self.link, self.slo)
 
     def _best_prefill(
         self, costs: CostModel, request: RouteRequest, prefills: Sequence[NodeRecord], decode: NodeRecord, miss: int
@@ -244,6 +262,32 @@ class CacheAwarePolicy(RoutingPolicy):
         ]
         return min(priced, key=lambda item: (item[0], len(item[1].inflight), item[1].node_id))
 
+    def _options(
+        self, costs: CostModel, request: RouteRequest, prefills: Sequence[NodeRecord], d: NodeRecord, local_max: int
+    ) -> list[tuple[float, Plan]]:
+        """Every way ``d`` can serve the request, priced: its own prefill (a mixed node, no P ready,
+        or a decode node within the cap whose streams keep to their TPOT SLO) and each P -> D."""
+        hit = hit_tokens(request, d)
+        miss = request.prompt_tokens - hit
+        decode_s = costs.decode_s(d, request.max_tokens)
+        options: list[tuple[float, Plan]] = []
+        reason = local_reason(d, miss, prefills, local_max)
+        why: Reason = "long_miss" if local_max > 0 else "local_disabled"
+        if reason is not None:
+            local_s = costs.local_prefill_s(d, miss) + decode_s
+            if reason == "short_miss":
+                local_s += costs.local_slowdown_s(d, miss, request.max_tokens)
+            if local_s < float("inf"):
+                options.append((local_s, Plan("local", d, None, reason, hit, local_s)))
+                why = "pd_faster"
+            else:
+                why = "tpot_slo"
+        if d.role == "decode" and prefills:
+            remote_s, p = self._best_prefill(costs, request, prefills, d, miss)
+            remote_s += decode_s
+            options.append((remote_s, Plan("pd", d, p, why, hit, remote_s)))
+        return options
+
     def plan(
         self, request: RouteRequest, prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord],
         local_max: int, decode: NodeRecord | None = None,
@@ -251,20 +295,7 @@ class CacheAwarePolicy(RoutingPolicy):
         costs = self._costs(prefills, decodes)
         best: tuple[float, float, str, Plan] | None = None
         for d in [decode] if decode is not None else decodes:
-            hit = hit_tokens(request, d)
-            miss = request.prompt_tokens - hit
-            decode_s = costs.decode_s(d, request.max_tokens)
-            options: list[tuple[float, Plan]] = []
-            reason = local_reason(d, miss, prefills, local_max)
-            if reason is not None:
-                local_s = costs.local_prefill_s(d, miss) + decode_s
-                options.append((local_s, Plan("local", d, None, reason, hit, local_s)))
-            if d.role == "decode" and prefills:
-                remote_s, p = self._best_prefill(costs, request, prefills, d, miss)
-                remote_s += decode_s
-                why: Reason = "pd_faster" if reason is not None else ("long_miss" if local_max > 0 else "local_disabled")
-                options.append((remote_s, Plan("pd", d, p, why, hit, remote_s)))
-            for cost, option in options:
+            for cost, option in self._options(costs, request, prefills, d, local_max):
                 key = (cost, d.load_ratio, d.node_id, option)
                 if best is None or key[:3] < best[:3]:
                     best = key
@@ -302,8 +333,8 @@ POLICIES: dict[str, type[RoutingPolicy]] = {
 }
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str, slo: Slo = Slo()) -> RoutingPolicy:
     try:
-        return POLICIES[name]()
+        return POLICIES[name](slo)
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None

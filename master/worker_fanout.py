@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+from typing import Any
 
 import httpx
 
@@ -50,8 +51,11 @@ def _verify(settings: MasterSettings) -> ssl.SSLContext | bool:
     return context
 
 
-async def fan_out(settings: MasterSettings, method: str, path: str, authorization: str) -> list[str]:
-    """Repeat ``method path`` on every sibling worker; the URLs of those that did not apply it."""
+async def fan_out(
+    settings: MasterSettings, method: str, path: str, authorization: str, body: dict[str, Any] | None = None
+) -> list[str]:
+    """Repeat ``method path`` (with its JSON ``body``) on every sibling worker; the URLs of those
+    that did not apply it."""
     urls = sibling_urls(settings) if settings.worker_index is not None else []
     if not urls:
         return []
@@ -59,7 +63,7 @@ async def fan_out(settings: MasterSettings, method: str, path: str, authorizatio
     async with httpx.AsyncClient(timeout=SIBLING_TIMEOUT_S, verify=_verify(settings)) as client:
         async def one(url: str) -> str | None:
             try:
-                answer = await client.request(method, url + path, headers=headers)
+                answer = await client.request(method, url + path, headers=headers, json=body)
             except httpx.HTTPError as exc:
                 logger.warning("worker %s did not take %s %s: %s", url, method, path, exc or type(exc).__name__)
                 return url

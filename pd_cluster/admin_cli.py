@@ -63,11 +63,11 @@ class AdminClient:
     token: str
     timeout: float = 10.0
 
-    def _call(self, method: str, path: str, auth: bool = True) -> httpx.Response:
+    def _call(self, method: str, path: str, auth: bool = True, body: dict[str, Any] | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}"} if auth else {}
         url = self.base_url.rstrip("/") + path
         try:
-            response = httpx.request(method, url, headers=headers, timeout=self.timeout)
+            response = httpx.request(method, url, headers=headers, timeout=self.timeout, json=body)
         except httpx.HTTPError as e:
             raise AdminError(f"cannot reach the master at {self.base_url} ({e})") from None
         if response.status_code == 401:
@@ -84,6 +84,11 @@ class AdminClient:
 
     def drain(self, node_id: str) -> dict[str, Any]:
         response = self._call("POST", f"/admin/nodes/{node_id}/drain")
+        _check(response)
+        return response.json()
+
+    def set_role(self, node_id: str, role: str) -> dict[str, Any]:
+        response = self._call("POST", f"/admin/nodes/{node_id}/role", body={"role": role})
         _check(response)
         return response.json()
 
@@ -168,9 +173,12 @@ def node_row(node: Mapping[str, Any], now: float) -> tuple[str, ...]:
     if kv.get("total_tokens"):
         kv_text += f" of {kv['total_tokens']}"
     warm = node.get("data_plane", {}).get("warm_peers", [])
+    role = str(node.get("role", "?"))
+    if node.get("pending_role"):
+        role += f" -> {node['pending_role']}"
     return (
         str(node.get("id", "?")),
-        str(node.get("role", "?")),
+        role,
         str(node.get("state", "?")),
         str(node.get("device") or "-"),
         load_text,
@@ -182,7 +190,7 @@ def node_row(node: Mapping[str, Any], now: float) -> tuple[str, ...]:
     )
 
 
-_STATE_STYLE = {"active": "green", "draining": "yellow"}
+_STATE_STYLE = {"active": "green", "draining": "yellow", "switching": "cyan"}
 
 
 def nodes_table(nodes: Sequence[Mapping[str, Any]], now: float | None = None) -> Table:
@@ -355,6 +363,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
             else:
                 left = " and left the cluster" if args.wait else ""
                 sys.stdout.write(f"node {args.node_id} is draining: no new work reaches it{left}\n")
+        elif action == "set-role":
+            _set_role(client, args)
         elif action == "remove":
             doc = client.remove(args.node_id)
             if args.json:
@@ -374,6 +384,34 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         sys.stderr.write(f"pd-cluster nodes: {e}\n")
         return 1
     return 0
+
+
+def _set_role(client: AdminClient, args: argparse.Namespace) -> None:
+    view = client.set_role(args.node_id, args.role)
+    if args.wait:
+        view = _wait_role(client, args.node_id, args.role, args.wait_timeout)
+    if args.json:
+        _print_json(view)
+    elif view.get("pending_role"):
+        sys.stdout.write(f"node {args.node_id} is changing role {view['role']} -> {view['pending_role']}: it "
+                         "finishes what it holds, then serves as the new role\n")
+    else:
+        sys.stdout.write(f"node {args.node_id} serves as {view['role']}\n")
+
+
+def _wait_role(client: AdminClient, node_id: str, role: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        view = next((n for n in client.nodes()["data"] if n["id"] == node_id), None)
+        if view is None:
+            raise AdminError(f"node {node_id} left the cluster while changing role")
+        if not view.get("pending_role"):
+            if view["role"] != role:
+                raise AdminError(f"node {node_id} could not change role: it is still {view['role']} (its log says why)")
+            return view
+        if time.monotonic() > deadline:
+            raise AdminError(f"node {node_id} is still changing role after {timeout:.0f}s")
+        time.sleep(0.2)
 
 
 def _wait_gone(client: AdminClient, node_id: str, timeout: float) -> None:
@@ -418,7 +456,8 @@ def _add_watch_args(p: argparse.ArgumentParser) -> None:
 
 def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     """``nodes`` and ``status``, added to the ``pd-cluster`` parser."""
-    nodes = sub.add_parser("nodes", help="list, watch, drain, remove or allow the nodes of a running cluster",
+    nodes = sub.add_parser("nodes", help="list, watch, drain, change the role of, remove or allow the nodes of a running "
+                           "cluster",
                            description="The nodes a master knows, through its admin API.")
     actions = nodes.add_subparsers(dest="action")
     for name, text in (("list", "print the nodes table once (the default)"),
@@ -432,6 +471,14 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:
     drain.add_argument("--wait", action="store_true", help="return only once the node has left the cluster")
     drain.add_argument("--wait-timeout", type=float, default=600.0, help="seconds --wait waits before failing")
     _add_connection_args(drain)
+    set_role = actions.add_parser(
+        "set-role", help="change a node's role while it serves: it finishes what it holds, keeps its KV and "
+        "prefix cache, and serves as ROLE (no restart, no request lost)")
+    set_role.add_argument("node_id", help="the node's id, as the ID column shows it")
+    set_role.add_argument("role", choices=["prefill", "decode", "mixed"], help="the role it serves as next")
+    set_role.add_argument("--wait", action="store_true", help="return only once the node serves as ROLE")
+    set_role.add_argument("--wait-timeout", type=float, default=600.0, help="seconds --wait waits before failing")
+    _add_connection_args(set_role)
     remove = actions.add_parser(
         "remove", help="drop a node now: its in-flight requests are retried elsewhere (drain is the gentle way)")
     remove.add_argument("node_id", help="the node's id, as the ID column shows it")

@@ -170,26 +170,34 @@ def _node_settings(args: argparse.Namespace, role: str):
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    """A node of the role the command names, able to change role when the master asks."""
+    from decode_node.node import DecodeNode, MixedNode
+    from pd_cluster.aio import run
     from pd_cluster.node.agent import RegistrationRefused
+    from pd_cluster.node.role_switch import RoleSwitchingNode
+    from prefill_node.node import PrefillNode
 
     settings = _node_settings(args, args.command)
     try:
-        if args.command == "prefill":
-            from prefill_node.main import run_prefill_node
-
-            run_prefill_node(settings)
-        elif args.command == "mixed":
-            from decode_node.main import run_mixed_node
-
-            run_mixed_node(settings)
-        else:
-            from decode_node.main import run_decode_node
-
-            run_decode_node(settings)
+        run(RoleSwitchingNode(settings, args.command,
+                              {"prefill": PrefillNode, "decode": DecodeNode, "mixed": MixedNode}).run())
     except RegistrationRefused as e:
         logger.error("the master refused this node: %s", e)
         return 2
     return 0
+
+
+def add_planning_arguments(p: argparse.ArgumentParser) -> None:
+    """The master's latency targets and planner (``pd-cluster master`` and ``pd-cluster local``)."""
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="time per output token to serve streams to: a decode node prefills a request itself only "
+                        "while its running streams stay under it (default: none, every second a local prefill "
+                        "takes from them counts)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="time to the first token to serve requests to (the planner's prefill target; default: none)")
+    p.add_argument("--planner", default=None, choices=["off", "slo"],
+                   help="slo: move nodes between the prefill and decode roles as the load mix and the nodes' "
+                        "measured rates call for, every few seconds, with hysteresis (default: off)")
 
 
 def cmd_master(args: argparse.Namespace) -> int:
@@ -204,6 +212,7 @@ def cmd_master(args: argparse.Namespace) -> int:
         "api_keys": args.api_key, "api_keys_file": args.api_keys_file,
         "max_concurrent_per_key": args.max_concurrent_per_key,
         "local_prefill_max_tokens": args.local_prefill_max_tokens,
+        "slo_tpot_ms": args.slo_tpot_ms, "slo_ttft_ms": args.slo_ttft_ms, "planner": args.planner,
         "tls_cert": args.tls_cert, "tls_key": args.tls_key, "workers": args.workers,
         "worker_ports": args.worker_ports, "advertise_host": args.advertise_host,
     }.items() if v is not None}
@@ -253,6 +262,7 @@ def cmd_local(args: argparse.Namespace) -> int:
         **given_values(args, LOCAL_ENGINE_FLAGS), host=args.host, port=args.port, prefill=args.prefill,
         decode=args.decode, mixed=args.mixed, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
         mixed_tp=args.mixed_tp, local_prefill_max_tokens=args.local_prefill_max_tokens,
+        planner=args.planner, slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms,
         master_workers=args.master_workers,
         device=args.device, gpus=args.gpus, policy=args.policy, ready_timeout_s=args.ready_timeout,
         stop_timeout_s=args.stop_timeout, log_dir=Path(args.log_dir) if args.log_dir else None,
@@ -294,10 +304,11 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                    help="generations one API key may run at once, each prompt x n (or best_of) of a request counting one "
                         "(a key's own limit in the file wins)")
     m.add_argument("--local-prefill-max-tokens", type=int, default=None,
-                   help="a request whose decode node misses at most this many prompt tokens (after its prefix hit) "
-                        "is prefilled on that node, not on a prefill node; 0: always through a prefill node while one "
-                        "is ready (default: 512, measured: up to it a prefill chunk costs the decode batch about one "
-                        "step, past it more)")
+                   help="the most prompt tokens a decode node may prefill itself (those its prefix cache lacks); "
+                        "within it cache_aware weighs the prefill node's queue and the transfer against the decode "
+                        "node's queue and its streams' slowdown (least_load, round_robin: up to 512); 0: always "
+                        "through a prefill node while one is ready (default: 4096)")
+    add_planning_arguments(m)
     m.add_argument("--workers", type=int, default=None,
                    help="master processes behind the one port, each relaying its share of the streams (about 25k "
                         "tokens/s each); nodes link to every worker (default: 1)")
@@ -342,8 +353,10 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
                          help=f"tensor parallelism of each {role} node: N whole GPUs a node, none shared (on CPU: "
                               "N processes a node); default 1")
     loc.add_argument("--local-prefill-max-tokens", type=int, default=None,
-                     help="the master's threshold: a decode node prefills a request itself when it misses at most "
-                          "this many prompt tokens (default: 512; 0: always through a prefill node)")
+                     help="the master's cap: a decode node may prefill a request itself when it misses at most "
+                          "this many prompt tokens, the route cost decides (default: 4096; 0: always through a "
+                          "prefill node)")
+    add_planning_arguments(loc)
     loc.add_argument("--master-workers", type=int, default=1,
                      help="the master's worker processes behind its one port (pd-cluster master --workers)")
     loc.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (N: the one GPU every node shares)")

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pd_cluster.flag import Flag
 
-#: Prefill chunks a decode node's local prefill (up to ``local_prefill_max_tokens``, 512 by
-#: default) falls in: a chunk pads to the next size, and from about 256 tokens an 8B-shape step
+#: Prefill chunks a decode node's local prefill (cut to its step budget, 512 tokens by default)
+#: falls in: a chunk pads to the next size, and from about 256 tokens an 8B-shape step
 #: is bound by its compute, so the sizes there are close together.
 DEFAULT_MIXED_GRAPH_TOKENS = (32, 64, 128, 192, 256, 320, 384, 512)
 

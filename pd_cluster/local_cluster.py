@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -474,6 +474,10 @@ class LocalOptions(NodeEngineOptions):
     mixed: int = 0
     #: The master's local_prefill_max_tokens (None: its default).
     local_prefill_max_tokens: int | None = None
+    #: The master's planner (None: its default, off) and latency targets (None: none).
+    planner: Literal["off", "slo"] | None = None
+    slo_tpot_ms: float | None = None
+    slo_ttft_ms: float | None = None
     #: The master's worker processes behind its one port (1: one process).
     master_workers: int = Field(default=1, ge=1)
     #: The master's and every node's model.
@@ -615,6 +619,9 @@ class LocalCluster:
                                            "--policy", o.policy, "--log-format", o.log_format]
         if o.local_prefill_max_tokens is not None:
             master_argv += ["--local-prefill-max-tokens", str(o.local_prefill_max_tokens)]
+        for flag, value in (("--planner", o.planner), ("--slo-tpot-ms", o.slo_tpot_ms), ("--slo-ttft-ms", o.slo_ttft_ms)):
+            if value is not None:
+                master_argv += [flag, str(value)]
         if o.master_workers > 1:
             master_argv += ["--workers", str(o.master_workers)]
         master_argv += o.tls_argv("master")

@@ -118,6 +118,9 @@ class NodeStatus(_Message):
     prefix_hit_tokens: int = Field(default=0, description="cumulative prompt tokens served from cache")
     prompt_tokens: int = Field(default=0, description="cumulative prompt tokens seen")
     draining: bool = False
+    switching_to: Role | None = Field(
+        default=None, description="the role the node is changing to (it takes no new work until it has)"
+    )
     warm_peers: list[str] = Field(
         default_factory=list,
         description="P: ids of the decode nodes it holds a live, warmed data-plane channel to (the master "
@@ -228,6 +231,16 @@ class Drained(_Message):
 # ---- master -> node ---------------------------------------------------------------------
 
 
+class RoleChanged(_Message):
+    """Node -> master: the node now serves as ``info.role``, with that role's registration (its data
+    address, capacity); its engine, KV pool and prefix cache are the ones it had. Answers
+    ``SetRole``; a switch that failed answers with the old role and ``failed`` saying why."""
+
+    type: Literal["role_changed"] = "role_changed"
+    info: Register
+    failed: str | None = None
+
+
 class Registered(_Message):
     type: Literal["registered"] = "registered"
     node_id: str
@@ -293,6 +306,15 @@ class Drain(_Message):
     type: Literal["drain"] = "drain"
 
 
+class SetRole(_Message):
+    """Master -> node: serve as ``role`` from now on. The node takes no new work meanwhile, finishes
+    what its old role holds (prefills end, streams decode to their end), keeps its engine and
+    answers ``RoleChanged``."""
+
+    type: Literal["set_role"] = "set_role"
+    role: Role
+
+
 class DecodePeer(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -314,12 +336,13 @@ class DecodePeers(_Message):
 
 NodeMessage = Annotated[
     Union[
-        Register, NodeStatus, KVEvents, FirstToken, TokenDelta, TokenDeltas, RequestFailed, KVTransferred, Drained
+        Register, NodeStatus, KVEvents, FirstToken, TokenDelta, TokenDeltas, RequestFailed, KVTransferred, Drained,
+        RoleChanged,
     ],
     Field(discriminator="type"),
 ]
 MasterMessage = Annotated[
-    Union[Registered, Refused, PrefillJob, GenerateJob, Abort, Drain, DecodePeers],
+    Union[Registered, Refused, PrefillJob, GenerateJob, Abort, Drain, DecodePeers, SetRole],
     Field(discriminator="type"),
 ]
 

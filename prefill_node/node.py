@@ -8,6 +8,7 @@ import logging
 from pydantic import BaseModel
 
 from pd_cluster import protocol
+from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.node.config import NodeSettings
 from pd_cluster.node.runtime import NodeRuntime
 from pd_cluster.node.status import StatusReporter
@@ -19,12 +20,16 @@ logger = logging.getLogger(__name__)
 class PrefillNode(NodeRuntime):
     role = "prefill"
 
-    def __init__(self, settings: NodeSettings) -> None:
+    def __init__(self, settings: NodeSettings, engine: LLMEngine | None = None) -> None:
+        """``engine``: the engine of this process's previous role (a role change keeps its KV pool and
+        prefix cache); None: a new one."""
         super().__init__(settings)
+        if engine is not None:  # a prefill node's cache reports no KV events (the master indexes D's)
+            engine.cache.event_sink = None
         self.service = PrefillService(
             settings.engine, node_id=settings.node_id, cluster_token=settings.cluster_token.get_secret_value(),
             lease_s=settings.lease_s, max_channels=settings.max_channels, on_warm_change=self._on_warm_change,
-            kv_ipc=settings.kv_ipc, data_tls=settings.data_dialer_tls(),
+            kv_ipc=settings.kv_ipc, data_tls=settings.data_dialer_tls(), engine=engine,
         )
         self.reporter = StatusReporter(self.service.engine, self.service.worker.rates)
         self.jobs: dict[str, asyncio.Task] = {}

@@ -53,6 +53,8 @@ class Cluster:
     local_prefill_max_tokens: int = 0
     #: The master serves HTTPS with these, the nodes check it (and decode nodes' data planes) with their CA.
     tls: TLSFiles | None = None
+    #: More environment for every process (``PD_*`` settings of the master or the nodes).
+    extra_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -73,7 +75,8 @@ class Cluster:
         # One compute thread a process: the nodes share the runner's cores, and torch's default (a
         # thread per core in each of them) oversubscribes two cores into spinning (a third slower).
         return {**os.environ, "PD_CLUSTER_TOKEN": token, "PD_ADMIN_TOKEN": ADMIN_TOKEN, "PYTHONUNBUFFERED": "1",
-                "PD_LOCAL_PREFILL_MAX_TOKENS": str(self.local_prefill_max_tokens), "OMP_NUM_THREADS": "1"}
+                "PD_LOCAL_PREFILL_MAX_TOKENS": str(self.local_prefill_max_tokens), "OMP_NUM_THREADS": "1",
+                **self.extra_env}
 
     def _spawn(self, name: str, args: list[str], token: str = CLUSTER_TOKEN) -> subprocess.Popen | ForkedProcess:
         """``python -m pd_cluster.cli *args``, forked from the process server (tests/process_server.py:
@@ -88,9 +91,9 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start_master(self, policy: str = "cache_aware") -> None:
+    def start_master(self, *extra: str, policy: str = "cache_aware") -> None:
         self._spawn("master", ["master", "--host", "127.0.0.1", "--port", str(self.port), "--model",
-                               str(self.model_dir), "--policy", policy, *self.tls_args("master")])
+                               str(self.model_dir), "--policy", policy, *self.tls_args("master"), *extra])
         wait_until(lambda: self._get("/livez") == 200, 60, "the master to serve")
 
     def start_node(self, role: str, name: str, *extra: str, token: str = CLUSTER_TOKEN,
@@ -122,9 +125,9 @@ class Cluster:
         node = self.node(name)
         return None if node is None else node["data_plane"]["warm_peers"]
 
-    def admin(self, method: str, path: str) -> httpx.Response:
+    def admin(self, method: str, path: str, body: dict | None = None) -> httpx.Response:
         return httpx.request(method, self.url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=10,
-                             verify=self.verify)
+                             verify=self.verify, json=body)
 
     def nodes(self) -> list[dict]:
         return self.admin("GET", "/admin/nodes").json()["data"]

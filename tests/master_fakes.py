@@ -184,6 +184,8 @@ class FakeNode:
         self.jobs: asyncio.Queue[protocol.PrefillJob] = asyncio.Queue()
         self.aborts: list[str] = []
         self.drains = 0
+        #: Roles the master asked this node to take (SetRole), in order.
+        self.set_roles: list[str] = []
         self.auto_warm = auto_warm and role == "prefill"
         #: The last DecodePeers the master sent (decode node id -> data address).
         self.decode_peers: dict[str, str] | None = None
@@ -244,6 +246,8 @@ class FakeNode:
                     self.aborts.append(msg.request_id)
                 elif isinstance(msg, protocol.Drain):
                     self.drains += 1
+                elif isinstance(msg, protocol.SetRole):
+                    self.set_roles.append(msg.role)
                 elif isinstance(msg, protocol.DecodePeers):
                     self.decode_peers = {p.node_id: p.data_address for p in msg.peers}
                     if self.auto_warm:

@@ -47,7 +47,7 @@ function nodeRow(n, now) {
   tr.dataset.nodeId = n.id;
   tr.dataset.state = n.state;
   cell(tr, n.id);
-  cell(tr, n.role);
+  cell(tr, n.pending_role ? n.role + " \u2192 " + n.pending_role : n.role);
   cell(tr, n.state, "state state-" + n.state);
   cell(tr, n.device || "-");
   let load = n.load.running + " run / " + n.load.waiting + " wait";

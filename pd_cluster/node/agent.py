@@ -368,6 +368,12 @@ class MasterLinks:
         #: Public link URL -> when one of its workers' links was last seen registered.
         self._workers_seen: dict[str, float] = {}
 
+    def set_registration(self, register: protocol.Register) -> None:
+        """What the node registers as from now on (a role change): every link re-registers with it."""
+        self.register_msg = register
+        for agent in self.agents.values():
+            agent.register_msg = register
+
     def send_nowait(self, message: BaseModel) -> None:
         """To the request's master when known, else to every master the node is registered with.
         A master whose link is down gets nothing: it has settled this node's requests already.

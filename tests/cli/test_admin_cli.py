@@ -159,6 +159,23 @@ def test_wrong_token_and_unknown_node_are_explained(local):
     assert nowhere.returncode == 1 and "cannot reach the master" in nowhere.stderr
 
 
+def test_set_role_changes_a_node_in_place_and_back(local):
+    pid_before = local.nodes_json()["prefill-1"]["registered_at"]
+    done = local.cli("nodes", "set-role", "prefill-1", "mixed", "--wait", "--wait-timeout", "120",
+                     "--master", local.url)
+    assert done.returncode == 0, done.stderr
+    assert "prefill-1 serves as mixed" in done.stdout
+    node = local.nodes_json()["prefill-1"]
+    assert (node["role"], node["state"], node["pending_role"], node["registered_at"]) == (
+        "mixed", "active", None, pid_before)
+    assert local.healthy()
+    back = local.cli("nodes", "set-role", "prefill-1", "prefill", "--wait", "--master", local.url, "--json")
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout)["role"] == "prefill"
+    unknown = local.cli("nodes", "set-role", "nope", "mixed", "--master", local.url)
+    assert unknown.returncode == 1 and "nope" in unknown.stderr
+
+
 def test_drain_takes_a_node_out_and_it_leaves(local):
     done = local.cli("nodes", "drain", "prefill-1", "--wait", "--wait-timeout", "60", "--master", local.url)
     assert done.returncode == 0, done.stderr
@@ -204,3 +221,5 @@ def test_formatting_helpers():
     limited = node_row({"id": "d", "load": {"running": 3, "waiting": 0}, "capacity": {"max_running_requests": 256}},
                        now=0)
     assert limited[4] == "3/256 run / 0 wait"
+    switching = node_row({"id": "p", "role": "prefill", "pending_role": "mixed", "state": "switching"}, now=0)
+    assert switching[1:3] == ("prefill -> mixed", "switching")
