@@ -43,7 +43,7 @@ async def reserve(channel: PeerChannel, job: PrefillJob, lease_s: float, left: C
     asked = time.monotonic()
     match = await channel.request(
         MatchPrefix(request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling, lease_s=lease_s,
-                    direct=channel.shared_pool is not None),
+                    direct=bool(channel.shared_pools)),
         left(),
     )
     query_seconds = time.monotonic() - asked

@@ -32,7 +32,7 @@ PATHS = {
 def expected_bytes(pair: ServicePair, n_tokens: int, hit_blocks: int) -> int:
     """In place: the missing tokens; through the channel: the missing blocks, the last padded."""
     spec = pair.d.engine.kv_spec
-    if pair.channel().shared_pool is not None:
+    if pair.channel().shared_pools:
         return (n_tokens - hit_blocks * spec.block_size) * spec.bytes_per_token
     return (math.ceil(n_tokens / spec.block_size) - hit_blocks) * spec.bytes_per_block
 
