@@ -166,7 +166,7 @@ class DirectWrite:
     # ---- event loop --------------------------------------------------------------------------
 
     async def settle(self, timeout: float) -> bool:
-        """Wait until every queued write has landed in D's pool; False if not within ``timeout``.
+        """Wait until every queued write has landed in D's pools; False if not within ``timeout``.
         Before a commit (D reads what it commits), and before a lease is given back on failure
         (D may reuse the slots at once)."""
         give_up = time.monotonic() + timeout
@@ -178,7 +178,7 @@ class DirectWrite:
 
 
 class DirectSender(KVSender):
-    """Writes blocks [hit_blocks, ...) of a prompt of ``n_tokens`` tokens into D's shared pool.
+    """Writes blocks [hit_blocks, ...) of a prompt of ``n_tokens`` tokens into D's shared pools (one a rank).
 
     ``layerwise_min_tokens``: write layer by layer during the prefill from this many missing
     tokens on (None: always whole after it)."""

@@ -87,7 +87,7 @@ class PeerChannel(ChannelCounters):
         #: D's key and value caches opened in place (same host), one pool a rank with the KV
         #: heads it holds; empty: the KV goes through the tensor channel.
         self.shared_pools: list[SharedPool] = list(shared_pools or [])
-        #: KV bytes written straight into D's pool.
+        #: KV bytes written straight into D's pools.
         self.bytes_written = 0
 
     @property
