@@ -19,6 +19,7 @@ from pd_cluster.engine.worker import EngineWorker
 from pd_cluster.handover import DecodeCounters, HandoverFailed, KVReceiver, Reservations, rehearse_handover
 from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.transfer import DataMessage, DataPlaneServer, PeerConnection, TransferError
+from pd_cluster.transfer.ipc import PoolOffer, openable_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +69,10 @@ class DecodeService:
     """A decode engine on its own thread plus the data-plane listener prefill nodes dial.
 
     The listener answers prefill nodes' channel warm-ups itself (:attr:`warmed_peers`); the
-    :class:`KVReceiver` answers the handover messages. ``share_kv_pool`` hands the KV pool to
+    :class:`KVReceiver` answers the handover messages. ``share_kv_pool`` hands the KV pools to
     prefill nodes on this GPU (``share_kv_across_gpus``: on any GPU of this host), which then
-    write KV in place instead of sending it (not at TP > 1: its ranks' pools are not one tensor,
-    so prefill nodes send through the channel). ``listen=False``: no listener; prefill services in
+    write KV in place instead of sending it; at TP > 1 one pool a rank, each holding its own KV
+    heads (the GPU compared is rank 0's). ``listen=False``: no listener; prefill services in
     this process reach :attr:`receiver` over loopback links (:mod:`pd_cluster.handover.loopback`)."""
 
     def __init__(
@@ -98,14 +99,9 @@ class DecodeService:
         self.worker.after_step.append(self._expire_leases)
         self.counters = DecodeCounters()
         self.receiver = KVReceiver(self.engine, self.worker, self.reservations, self.counters, transfer_timeout_s)
-        pool = self.engine.pool
-        if share_kv_pool and not self.engine.node_kv.whole:
-            logger.info("tp %d: the KV pool is not offered to prefill nodes on this host (each rank holds "
-                        "part of the heads); they send KV through the channel", self.engine.config.tp)
-            share_kv_pool = False
         self.server = DataPlaneServer(
             data_host, data_port, cluster_token, self.engine.kv_spec, node_id, self.engine.device, self._handle,
-            kv_pool=(pool.k_cache, pool.v_cache) if share_kv_pool else None, share_across_gpus=share_kv_across_gpus,
+            kv_pools=self._pool_offer() if share_kv_pool else None, share_across_gpus=share_kv_across_gpus,
             on_disconnect=self.receiver.peer_gone, tls=data_tls,
         )
         self._listen = listen
@@ -115,6 +111,19 @@ class DecodeService:
         #: Requests this node prefills itself (GenerateJob), until their first token is out.
         self.local_prefills: dict[str, LocalPrefill] = {}
         self.local_timings = LocalPrefillTimings()
+
+    def _pool_offer(self) -> PoolOffer | None:
+        """The KV pools offered to prefill nodes on this host: at TP > 1 each rank exports its own
+        now, once (None, and P sends through the channel, when a rank cannot)."""
+        kinds = openable_kinds(self.engine.device)
+        if not kinds:
+            return None
+        try:
+            return self.engine.node_kv.pool_offer(kinds)
+        except (TimeoutError, RuntimeError) as e:
+            logger.warning("tp %d: the KV pools are not offered to prefill nodes on this host (%s); they send KV "
+                           "through the channel", self.engine.config.tp, e)
+            return None
 
     @property
     def data_address(self) -> str:

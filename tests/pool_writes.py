@@ -63,3 +63,49 @@ class PoolWrites:
         if graphs is not None:
             changed[graphs.pad_slot] = False
         return int(changed.sum())
+
+
+class RankWrites:
+    """The KV a P wrote into each rank's pool of a tensor-parallel decode service, measured in
+    the pools themselves (``pools``: every rank's pool opened in this process, rank order): at
+    each commit, per rank, the bytes of the ``(layer, slot, head)`` rows of keys and values that
+    changed since :meth:`arm`, and the slots they are in."""
+
+    def __init__(self, service, pools) -> None:
+        self.service = service
+        self.pools = pools
+        self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: At each commit since the last arm: per rank, (bytes changed, slots changed).
+        self.at_commit: list[list[tuple[int, frozenset[int]]]] = []
+        receiver = service.receiver
+        commit = receiver.commit
+
+        async def measured_commit(msg):
+            if self._before:
+                self.at_commit.append(await service.worker.call(self._changed))
+            return await commit(msg)
+
+        receiver.commit = measured_commit
+
+    async def arm(self) -> None:
+        await self.service.worker.call(self._arm)
+        self.at_commit.clear()
+
+    def _arm(self) -> None:
+        free = torch.from_numpy(self.service.engine.pool._is_free.copy())
+        self._before = []
+        for pool in self.pools:
+            pool.k_cache[:, free] = SENTINEL
+            pool.v_cache[:, free] = SENTINEL
+            self._before.append((pool.k_cache.clone(), pool.v_cache.clone()))
+
+    def _changed(self) -> list[tuple[int, frozenset[int]]]:
+        out = []
+        for pool, before in zip(self.pools, self._before):
+            nbytes, slots = 0, torch.zeros(pool.k_cache.shape[1], dtype=torch.bool)
+            for now, was in zip((pool.k_cache, pool.v_cache), before):
+                rows = (now != was).any(-1)  # [layers, slots, heads]
+                nbytes += int(rows.sum()) * now.shape[-1] * now.element_size()
+                slots |= rows.any(-1).any(0)
+            out.append((nbytes, frozenset(slots.nonzero().flatten().tolist())))
+        return out

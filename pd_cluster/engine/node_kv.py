@@ -5,6 +5,9 @@ tensor-parallel node's pools hold one part of the heads each (:mod:`pd_cluster.e
 so reading every head is one plan op that gathers the ranks' heads to rank 0, and writing is one
 that hands the ranks theirs: KV crosses the ranks per handover, never per step. Call both on
 the engine thread (between steps), so that the ranks' collectives run in the plan's order.
+
+A P on the node's host skips both: :meth:`NodeKV.pool_offer` offers it every rank's pool, each
+with the heads it holds (:mod:`pd_cluster.engine.tp_pools`), and P writes each rank's heads there.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import kernels
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.tp_kv import KVHeads
 from pd_cluster.engine.tp_leader import TPLeader
+from pd_cluster.engine.tp_pools import NodePools, RankPools
 from pd_cluster.kv_spec import KVSpec
+from pd_cluster.transfer.ipc import PoolOffer, one_pool
 
 
 class NodeKV:
@@ -28,6 +33,8 @@ class NodeKV:
         self.pool = pool
         self._tp = tp
         self._heads = heads
+        #: The other ranks' exported pools, by the kinds asked for (exported once).
+        self._rank_pools: dict[tuple[str, ...], list[RankPools]] = {}
 
     @property
     def device(self) -> torch.device:
@@ -60,3 +67,19 @@ class NodeKV:
         buffer = buffer.to(self.device).contiguous()
         self._tp.put_kv(slots, buffer)
         self._heads.take(buffer, slots)
+
+    def pool_offer(self, kinds: list[str]) -> PoolOffer:
+        """The pools this node offers a P on its host, one a rank; at TP > 1 the other ranks export
+        theirs in ``kinds`` on the first call (a plan op: call it before the engine thread runs
+        steps, or on it). Raises TimeoutError when a rank does not answer, RuntimeError when the
+        ranks cannot offer their pools in a common kind."""
+        if self._tp is None or self._heads is None:
+            return one_pool(self.pool.k_cache, self.pool.v_cache)
+        key = tuple(kinds)
+        if key not in self._rank_pools:
+            self._rank_pools[key] = self._tp.export_pools(kinds)
+        offer = NodePools(self.pool, self._heads.mine.start, self._rank_pools[key])
+        missing = offer.missing()
+        if missing is not None:
+            raise RuntimeError(missing)
+        return offer

@@ -9,6 +9,7 @@ launcher restarts it, while the master moves its requests as for any lost node).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import subprocess
@@ -21,6 +22,7 @@ import torch
 
 from pd_cluster.engine.tp_group import STEP_TIMEOUT_S, TPGroup, make_store
 from pd_cluster.engine.tp_plan import Op, graph_header, header, pack, slots_header, with_journal
+from pd_cluster.engine.tp_pools import RankPools, kinds_key, rank_key
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.model.forward_batch import ForwardBatch
 
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 RANK_LOST_EXIT = 3
 KEEP_ALIVE_S = 5.0
 STOP_WAIT_S = 10.0
+#: Longest wait for the ranks' KV pool handles (an export takes milliseconds).
+EXPORT_WAIT_S = 30.0
 
 
 def rank_device(device: torch.device, rank: int) -> str:
@@ -56,6 +60,7 @@ class TPLeader:
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._last_sent = time.monotonic()
+        self._exports = 0
         store = make_store("127.0.0.1", 0, size, leader=True)
         self._procs: list[subprocess.Popen] = []
         for rank in range(1, size):
@@ -111,6 +116,23 @@ class TPLeader:
         """Ask the ranks for their heads at ``slots``; the caller then joins their all-gather
         (:meth:`pd_cluster.engine.tp_kv.KVHeads.gather`)."""
         self._send(slots_header(Op.GATHER_KV, slots.numel()), slots.to(device="cpu", dtype=torch.int64))
+
+    def export_pools(self, kinds: list[str], timeout_s: float = EXPORT_WAIT_S) -> list[RankPools]:
+        """Ranks 1 .. N-1 export their KV pools in ``kinds`` (each those it can); their answers.
+        Raises TimeoutError when a rank does not answer within ``timeout_s``."""
+        seq = self._exports
+        self._exports += 1
+        store = self.group.store
+        store.set(kinds_key(seq), ",".join(kinds))
+        head = header(Op.EXPORT_POOLS)
+        head[1] = seq
+        self._send(head)
+        keys = [rank_key(seq, rank) for rank in range(1, self.size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # the store raises its own error on a timeout
+            raise TimeoutError(f"the ranks did not export their KV pools within {timeout_s:.0f} s: {e}") from e
+        return [RankPools.model_validate_json(store.get(key)) for key in keys]
 
     def _send(self, head: torch.Tensor, *payloads: torch.Tensor, model: torch.Tensor | None = None) -> None:
         """The plan (control group), then ``model`` broadcast over the model group if given."""

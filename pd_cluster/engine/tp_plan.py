@@ -32,6 +32,9 @@ class Op(enum.IntEnum):
     FORWARD_GRAPH = 5
     #: Capture the CUDA graphs: their settings (:func:`graph_settings`).
     CAPTURE = 6
+    #: Export each rank's KV pool for a P on the host: the request's number (the kinds and the
+    #: answers go through the node's store, :mod:`pd_cluster.engine.tp_pools`).
+    EXPORT_POOLS = 7
 
 
 #: Header field of the request-table writes' count (FORWARD and FORWARD_GRAPH).

@@ -25,6 +25,7 @@ from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.tp_group import TPGroup, make_store
 from pd_cluster.engine.tp_kv import KVHeads, rank_kv_spec
 from pd_cluster.engine.tp_plan import HEADER_LEN, Op, payload_size, read_graph_settings, split_journal, unpack
+from pd_cluster.engine.tp_pools import answer_export
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
@@ -88,6 +89,8 @@ class RankLoop:
                     self.heads.gather(self._slots(int(head[1])))
                 elif op is Op.CAPTURE:
                     self._capture(int(head[1]))
+                elif op is Op.EXPORT_POOLS:
+                    answer_export(self.group.store, int(head[1]), self.spec.rank, self.pool, self.heads.mine.start)
                 else:
                     self._forward(head, op)
 

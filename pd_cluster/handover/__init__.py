@@ -4,7 +4,7 @@
 - P's side: :mod:`.lease` (the prefix query and D's lease), :mod:`.sender` (the
   :class:`KVSender` interface every path implements), one module per path: :mod:`.push` (whole,
   after the first token), :mod:`.stream` (layer by layer during the prefill), :mod:`.direct`
-  (written in place into D's pool on this host); :mod:`.choose` picks one per request, and
+  (written in place into D's pools on this host); :mod:`.choose` picks one per request, and
   :mod:`.layer_capture` feeds the layer-wise ones from the forward.
 - D's side: :mod:`.reservations` (pinned hits, leased slots, commit into the batch) and
   :mod:`.receiver` (answers the messages, scatters what arrives).

@@ -49,7 +49,7 @@ def choose_sender(
     """The sender of the missing KV of a prompt of ``n_tokens`` tokens, over ``channel``."""
     if not kv.whole:  # no layer-wise path (its node says so once, at start)
         options = replace(options, layerwise=False, direct_layerwise_min_tokens=None)
-    if channel.shared_pool is not None:
+    if channel.shared_pools:
         return DirectSender(channel, lease, request_id, n_tokens, kv, side_stream, options.direct_layerwise_min_tokens)
     block_size = kv.spec.block_size
     send_blocks = math.ceil(n_tokens / block_size) - lease.hit_blocks

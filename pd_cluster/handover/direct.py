@@ -1,15 +1,18 @@
 """The in-place write: P on D's host writes a prompt's missing KV straight into D's reserved slots.
 
-D shared its KV pool in the handshake (:mod:`pd_cluster.transfer.ipc`) and answered the prefix
-query with the slots it reserved (``MatchPrefix.direct``). P copies the missing tokens' KV into
-them, layer by layer during the prefill (from ``layerwise_min_tokens`` missing tokens on, on a
-GPU with its own compute stream) or in one launch after it, waits until the writes have landed,
-then sends ``CommitKV`` with ``written_tokens``: nothing goes through the tensor channel.
+D shared its KV pools in the handshake (:mod:`pd_cluster.transfer.ipc`: one a rank, each with
+the KV heads it holds) and answered the prefix query with the slots it reserved
+(``MatchPrefix.direct``; rank 0 reserves them for every rank, so they are the same in each
+pool). P copies the missing tokens' KV into them, each pool getting exactly its own heads,
+layer by layer during the prefill (from ``layerwise_min_tokens`` missing tokens on, on a GPU
+with its own compute stream) or in one launch a pool after it, waits until the writes have
+landed, then sends ``CommitKV`` with ``written_tokens``: nothing goes through the tensor channel,
+and a tensor-parallel D's rank 0 broadcasts no KV to its ranks (each already holds its heads).
+Where ranks share a KV head (more ranks than KV heads), each of their pools gets it.
 
 A tensor-parallel P (its pools hold part of the heads each) writes in one launch after the
-prefill: its ranks' heads gathered to rank 0 (:class:`NodeKV`), then scattered into D's slots.
-A tensor-parallel D offers no pool (its ranks' pools are not one tensor), so P sends through the
-channel instead.
+prefill: its ranks' heads gathered to rank 0 (:class:`NodeKV`), then each D rank's heads
+scattered into that rank's pool.
 """
 
 from __future__ import annotations
@@ -46,33 +49,37 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager:
 
 class DirectWrite:
     """KV of tokens [start, n_tokens) of one request written straight into the slots D reserved
-    in its pool (shared on this host, :mod:`pd_cluster.transfer.ipc`): nothing is sent.
+    in its pools (shared on this host, :mod:`pd_cluster.transfer.ipc`, one a rank): each pool
+    gets exactly the KV heads it holds; nothing is sent.
 
     Layer by layer during the prefill (:meth:`begin`/:meth:`capture`, the same hook as
-    :class:`LayerStream`: each layer's copy is queued on a side stream behind the compute
-    stream's store of that layer, so it runs while later layers compute), or whole after it
+    :class:`LayerStream`: each layer's copies are queued on a side stream behind the compute
+    stream's store of that layer, so they run while later layers compute), or whole after it
     (:meth:`write_all`). Nothing is queued once the lease's safe end has passed: D may hand
     those slots to another request after it.
     """
 
     def __init__(
-        self, request_id: str, start: int, n_tokens: int, kv: NodeKV, target: SharedPool, target_slots: torch.Tensor,
-        side_stream: torch.cuda.Stream | None, write_until: float,
+        self, request_id: str, start: int, n_tokens: int, kv: NodeKV, targets: list[SharedPool],
+        target_slots: torch.Tensor, side_stream: torch.cuda.Stream | None, write_until: float,
     ) -> None:
         if target_slots.numel() != n_tokens - start:
             raise ValueError(f"D reserved {target_slots.numel()} slots for {n_tokens - start} missing tokens")
+        if not targets:
+            raise ValueError("no pool to write into")
         #: Tokens [start, n_tokens) of the request's prompt are the ones D lacks.
         self.request_id, self.start, self.n_tokens = request_id, start, n_tokens
         self.kv = kv
         #: P's pool (layer by layer reads it directly: only where it holds every head).
         self.pool = kv.pool
-        self.target = target
-        self.target_slots = target_slots
+        #: D's pools, one a rank, each with the heads it holds; the slots are the same in each.
+        self.targets = targets
+        self._target_slots = {t.device: target_slots.to(t.device) for t in targets}
         self.num_layers = kv.spec.num_layers
         self._side = side_stream
         self.write_until = write_until
         self._slots: torch.Tensor | None = None
-        self._last: ReadyEvent = None
+        self._last: list[ReadyEvent] = []
         self.layers_written = 0
         self.expired = False
 
@@ -82,7 +89,9 @@ class DirectWrite:
 
     @property
     def nbytes(self) -> int:
-        return self.tokens * self.kv.spec.bytes_per_token
+        """Bytes written into D's pools: each pool's heads (a head two ranks hold, written twice)."""
+        spec = self.kv.spec
+        return sum(self.tokens * spec.bytes_per_token * t.num_heads // spec.num_kv_heads for t in self.targets)
 
     @property
     def complete(self) -> bool:
@@ -94,7 +103,7 @@ class DirectWrite:
         self._slots = slots
 
     def capture(self, layer: int) -> None:
-        """Layer ``layer``'s KV is stored (in stream order): queue its copy into D's slots."""
+        """Layer ``layer``'s KV is stored (in stream order): queue its copies into D's slots."""
         assert self._slots is not None, "begin() first"
         assert self.kv.whole, "layer by layer needs a pool of every head"
         if self.expired or time.monotonic() >= self.write_until:
@@ -102,50 +111,66 @@ class DirectWrite:
             return
         after_compute(self._side)
         with on_side(self._side):
-            k_cache, v_cache = self.pool.k_cache[layer : layer + 1], self.pool.v_cache[layer : layer + 1]
-            kernels.copy_kv_slots(k_cache, v_cache, self._slots, self.target.k_cache[layer : layer + 1],
-                                  self.target.v_cache[layer : layer + 1], self.target_slots)
+            self._copy(self._slots, slice(layer, layer + 1))
             self._last = self._record(self._side)
         self.layers_written += 1
 
     def write_all(self, slots: torch.Tensor) -> None:
-        """Every layer at once, after the prefill (one launch), on the current stream."""
+        """Every layer at once, after the prefill (one launch a pool), on the current stream."""
         if time.monotonic() >= self.write_until:
             self.expired = True
             return
         if self.kv.whole:
-            kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, slots, self.target.k_cache,
-                                  self.target.v_cache, self.target_slots)
+            self._copy(slots, slice(None))
         else:
-            rows = self.kv.gather(slots).to(self.target.device, non_blocking=True)
-            with _on(self.target.device):
-                kernels.scatter_kv(rows, self.target.k_cache, self.target.v_cache, self.target_slots)
+            rows = self.kv.gather(slots)  # every head, on P's rank 0
+            for target in self.targets:
+                part = rows[:, :, :, target.heads].to(target.device, non_blocking=True)
+                with _on(target.device):
+                    kernels.scatter_kv(part, target.k_cache, target.v_cache, self._target_slots[target.device])
         self._last = self._record(None)
         self.layers_written = self.num_layers
 
-    def _record(self, stream: torch.cuda.Stream | None) -> ReadyEvent:
+    def _copy(self, slots: torch.Tensor, layers: slice) -> None:
+        """Layers ``layers`` of P's pool (every head) at ``slots`` into each of D's pools, its heads only."""
+        pool = self.pool
+        for target in self.targets:
+            src_k, src_v = pool.k_cache[layers, :, target.heads], pool.v_cache[layers, :, target.heads]
+            dst_k, dst_v = target.k_cache[layers], target.v_cache[layers]
+            dst_slots = self._target_slots[target.device]
+            if target.device == pool.device:
+                kernels.copy_kv_slots(src_k, src_v, slots, dst_k, dst_v, dst_slots)
+                continue
+            rows = kernels.gather_kv(src_k, src_v, slots).to(target.device, non_blocking=True)
+            with _on(target.device):
+                kernels.scatter_kv(rows, dst_k, dst_v, dst_slots)
+
+    def _record(self, stream: torch.cuda.Stream | None) -> list[ReadyEvent]:
+        """One event a GPU written on, after the last op queued there."""
         if self.kv.device.type != "cuda":
-            return None
-        event = torch.cuda.Event()
-        target = self.target.device
-        if target != self.kv.device:
-            # Across GPUs the last op of a write (the scatter) runs on the target GPU's stream.
-            with torch.cuda.device(target):
-                event.record(torch.cuda.current_stream(target))
-        elif stream is not None:
-            event.record(stream)
-        else:
-            event.record()
-        return event
+            return []
+        events: list[ReadyEvent] = []
+        for target in dict.fromkeys(t.device for t in self.targets):
+            event = torch.cuda.Event()
+            if target != self.kv.device:
+                # Across GPUs the last op of a write (the scatter) runs on the target GPU's stream.
+                with torch.cuda.device(target):
+                    event.record(torch.cuda.current_stream(target))
+            elif stream is not None:
+                event.record(stream)
+            else:
+                event.record()
+            events.append(event)
+        return events
 
     # ---- event loop --------------------------------------------------------------------------
 
     async def settle(self, timeout: float) -> bool:
-        """Wait until every queued write has landed in D's pool; False if not within ``timeout``.
+        """Wait until every queued write has landed in D's pools; False if not within ``timeout``.
         Before a commit (D reads what it commits), and before a lease is given back on failure
         (D may reuse the slots at once)."""
         give_up = time.monotonic() + timeout
-        while self._last is not None and not self._last.query():
+        while any(event is not None and not event.query() for event in self._last):
             if time.monotonic() >= give_up:
                 return False
             await asyncio.sleep(_POLL_S)
@@ -153,7 +178,7 @@ class DirectWrite:
 
 
 class DirectSender(KVSender):
-    """Writes blocks [hit_blocks, ...) of a prompt of ``n_tokens`` tokens into D's shared pool.
+    """Writes blocks [hit_blocks, ...) of a prompt of ``n_tokens`` tokens into D's shared pools (one a rank).
 
     ``layerwise_min_tokens``: write layer by layer during the prefill from this many missing
     tokens on (None: always whole after it)."""
@@ -179,13 +204,13 @@ class DirectSender(KVSender):
     async def begin(self, left: Deadline) -> None:
         """Open the write into the slots D reserved (a layer sink when it goes layer by layer)."""
         node = self.lease.decode_node_id
-        target = self.channel.shared_pool
-        if self.lease.slots is None or target is None:
+        targets = self.channel.shared_pools
+        if self.lease.slots is None or not targets:
             raise HandoverFailed(f"decode node {node} reserved no slots for an in-place write")
         start = self.lease.hit_blocks * self.kv.spec.block_size
         try:
-            self.writer = DirectWrite(self.request_id, start, self.n_tokens, self.kv, target,
-                                      decode_slots(self.lease.slots).to(target.device), self.side_stream,
+            self.writer = DirectWrite(self.request_id, start, self.n_tokens, self.kv, targets,
+                                      decode_slots(self.lease.slots), self.side_stream,
                                       self.lease.ends_at - LEASE_MARGIN_S)
         except ValueError as e:
             raise HandoverFailed(f"decode node {node}: {e}", retryable=False) from e

@@ -39,11 +39,11 @@ class DecodeLease:
 async def reserve(channel: PeerChannel, job: PrefillJob, lease_s: float, left: Callable[[], float]) -> DecodeLease:
     """Send ``MatchPrefix`` for ``job`` and return D's lease; :class:`HandoverFailed` when D
     refuses (``busy`` when for want of room). ``direct`` (D's reserved slots in the answer) when
-    the channel writes into D's pool."""
+    the channel writes into D's pools."""
     asked = time.monotonic()
     match = await channel.request(
         MatchPrefix(request_id=job.request_id, token_ids=job.token_ids, sampling=job.sampling, lease_s=lease_s,
-                    direct=channel.shared_pool is not None),
+                    direct=bool(channel.shared_pools)),
         left(),
     )
     query_seconds = time.monotonic() - asked

@@ -10,8 +10,8 @@ group returns once it is matched). D's side serves the frames to a handler, norm
 its channel, D hears of it (``on_disconnect``). Every wait keeps its deadline.
 
 Tests run every sender and the receiver through it, and a node can rehearse a handover on its
-own engine before it serves (:mod:`.rehearsal`). A decode node's pool handed to the link
-(``shared_pool``) makes P write in place, as a pool shared over CUDA IPC does.
+own engine before it serves (:mod:`.rehearsal`). A decode node's pools handed to the link
+(``shared_pools``, one a rank) make P write in place, as pools shared over CUDA IPC do.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 
 from pd_cluster.aio import wait_for
+from pd_cluster.engine.node_kv import NodeKV
 from pd_cluster.handover.receiver import KVReceiver
 from pd_cluster.transfer import (
     ChannelError,
@@ -38,6 +39,7 @@ from pd_cluster.transfer import (
     SharedPool,
 )
 from pd_cluster.transfer.channel import TensorSpec, as_dtype
+from pd_cluster.transfer.ipc import open_pool, openable_kinds
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -182,7 +184,7 @@ class LoopbackLink:
 
     def __init__(
         self, handler: Handler, *, address: str, decode_node_id: str, prefill_node_id: str,
-        p_device: torch.device | str, d_device: torch.device | str, shared_pool: SharedPool | None = None,
+        p_device: torch.device | str, d_device: torch.device | str, shared_pools: list[SharedPool] | None = None,
         on_disconnect: Callable[[PeerConnection], None] | None = None,
     ) -> None:
         p_frames, d_frames = LoopbackFrames(decode_node_id), LoopbackFrames(prefill_node_id)
@@ -191,9 +193,9 @@ class LoopbackLink:
         p_tensors.other, d_tensors.other = d_tensors, p_tensors
         # The in-memory ends have the methods of a framed socket and of a pair group.
         self.channel = PeerChannel(address, p_frames, p_tensors, decode_node_id,  # type: ignore[arg-type]
-                                   shared_pool=shared_pool)
+                                   shared_pools=shared_pools)
         self.connection = PeerConnection(d_frames, d_tensors, prefill_node_id,  # type: ignore[arg-type]
-                                         shares_kv=shared_pool is not None)
+                                         shares_kv=bool(shared_pools))
         self._handler = handler
         self._on_disconnect = on_disconnect
         self._serving = asyncio.create_task(self._serve(), name=f"loopback-{decode_node_id}")
@@ -231,6 +233,21 @@ class LoopbackLink:
         await asyncio.wait([self._serving], timeout=timeout)
 
 
+def shared_pools(node_kv: NodeKV, device: torch.device) -> list[SharedPool]:
+    """A decode node's pools as a P in this process writes into them: rank 0's tensors as they
+    are, the other ranks' opened from their handles."""
+    pool = node_kv.pool
+    if node_kv.whole:
+        return [SharedPool(pool.k_cache, pool.v_cache)]
+    try:
+        handles = node_kv.pool_offer(openable_kinds(device))(openable_kinds(device))
+    except (TimeoutError, RuntimeError) as e:
+        raise ValueError(f"a tensor-parallel decode engine's pools cannot be shared: {e}") from e
+    if not handles:
+        raise ValueError("a tensor-parallel decode engine's pools cannot be shared: no kind offered here")
+    return [SharedPool(pool.k_cache, pool.v_cache, handles[0].first_head), *(open_pool(h) for h in handles[1:])]
+
+
 class LoopbackChannels:
     """Decode nodes' receivers reached over loopback links, by address: where a prefill service
     finds its channel to D instead of dialing one (``PrefillService(channels=...)``). A link
@@ -243,16 +260,16 @@ class LoopbackChannels:
         self._links: dict[str, LoopbackLink] = {}
 
     def add(self, address: str, receiver: KVReceiver, decode_node_id: str, *, share_pool: bool = False) -> None:
-        """Route ``address`` to ``receiver``; ``share_pool``: P writes into its engine's pool in place."""
+        """Route ``address`` to ``receiver``; ``share_pool``: P writes into its engine's pools in
+        place (at TP > 1 the other ranks' pools, in their own processes, opened from the handles
+        they export in a kind offered here: ValueError when there is none)."""
         pool = receiver.engine.pool
-        if share_pool and not receiver.engine.node_kv.whole:
-            raise ValueError("a tensor-parallel decode engine's pool holds part of the heads: it cannot be shared")
-        shared = SharedPool(pool.k_cache, pool.v_cache) if share_pool else None
+        shared = shared_pools(receiver.engine.node_kv, self.device) if share_pool else None
 
         def link() -> LoopbackLink:
             return LoopbackLink(receiver.handle, address=address, decode_node_id=decode_node_id,
                                 prefill_node_id=self.prefill_node_id, p_device=self.device, d_device=pool.device,
-                                shared_pool=shared, on_disconnect=receiver.peer_gone)
+                                shared_pools=shared, on_disconnect=receiver.peer_gone)
 
         self._routes[address] = link
 

@@ -2,7 +2,7 @@
 
 A :class:`PeerChannel` is one authenticated control connection plus its tensor channel to one
 decode node, and, when D shares its KV pool with this host (:mod:`.ipc`), the opened pool
-(:attr:`PeerChannel.shared_pool`) that P writes KV into directly. :class:`ChannelPool` dials on
+(:attr:`PeerChannel.shared_pools`) that P writes KV into directly. :class:`ChannelPool` dials on
 :meth:`~ChannelPool.get` (a request) or :meth:`~ChannelPool.warm` (ahead of any request, see
 :mod:`.keeper`), reuses, forgets channels that failed, and closes the least recently used one beyond ``max_channels`` (each pair group
 holds memory, about 100 MB of GPU memory for NCCL, so open channels must stay bounded).
@@ -45,7 +45,7 @@ from pd_cluster.transfer.handshake import (
     transcript,
     warm_up_shape,
 )
-from pd_cluster.transfer.ipc import SharedPool, host_identity, open_pool, openable_kinds
+from pd_cluster.transfer.ipc import KVPoolHandle, SharedPool, host_identity, missing_heads, open_pool, openable_kinds
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PeerChannel(ChannelCounters):
 
     def __init__(
         self, address: str, stream: FramedStream, channel: TensorChannel, peer_node_id: str,
-        on_close: Callable[["PeerChannel"], None] | None = None, shared_pool: SharedPool | None = None,
+        on_close: Callable[["PeerChannel"], None] | None = None, shared_pools: list[SharedPool] | None = None,
     ) -> None:
         self.address = address
         self.peer_node_id = peer_node_id
@@ -84,15 +84,16 @@ class PeerChannel(ChannelCounters):
         self._closed = False
         #: True once a warm-up moved a tensor through the pair and the peer acknowledged it.
         self.warmed = False
-        #: D's key and value caches, opened in place (same host), or None.
-        self.shared_pool = shared_pool
-        #: KV bytes written straight into D's pool.
+        #: D's key and value caches opened in place (same host), one pool a rank with the KV
+        #: heads it holds; empty: the KV goes through the tensor channel.
+        self.shared_pools: list[SharedPool] = list(shared_pools or [])
+        #: KV bytes written straight into D's pools.
         self.bytes_written = 0
 
     @property
     def transport(self) -> str:
         """How KV reaches D: ``ipc`` (written into its pool in place) or the tensor channel's backend."""
-        return "ipc" if self.shared_pool is not None else self.channel.backend
+        return "ipc" if self.shared_pools else self.channel.backend
 
     @property
     def bytes_sent(self) -> int:
@@ -322,16 +323,32 @@ async def dial(
         if isinstance(e, (OSError, asyncio.TimeoutError, ConnectionClosed, FrameError)):
             raise ChannelError(f"handshake with {address} failed: {e or type(e).__name__}") from e
         raise
-    shared_pool = None
-    if answer.kv_pool is not None:
-        try:
-            shared_pool = open_pool(answer.kv_pool)
-        except Exception as e:  # the tensor channel still carries the KV
-            logger.warning("could not open the KV pool of %s (%s): %s", answer.node_id, answer.kv_pool.kind, e)
+    shared_pools = open_pools(answer.kv_pools, kv_spec.num_kv_heads, answer.node_id)
     logger.info("data-plane channel to %s (%s) open over %s%s%s", answer.node_id, address, channel.backend,
                 " (control over TLS)" if tls is not None else "",
-                f", writing into its KV pool ({answer.kv_pool.kind})" if shared_pool is not None else "")
-    return PeerChannel(address, stream, channel, answer.node_id, on_close, shared_pool)
+                f", writing into its {len(shared_pools)} KV pool(s) ({answer.kv_pools[0].kind})" if shared_pools else "")
+    return PeerChannel(address, stream, channel, answer.node_id, on_close, shared_pools)
+
+
+def open_pools(handles: list[KVPoolHandle], num_kv_heads: int, node_id: str) -> list[SharedPool]:
+    """D's pools opened, one a rank; none (the tensor channel carries the KV) when one of them
+    cannot be opened or they do not hold every KV head between them."""
+    if not handles:
+        return []
+    reason = missing_heads([(h.first_head, h.num_heads) for h in handles], num_kv_heads)
+    pools: list[SharedPool] = []
+    for rank, handle in enumerate(handles):
+        if reason is not None:
+            break
+        try:
+            pools.append(open_pool(handle))
+        except Exception as e:
+            reason = f"rank {rank}'s ({handle.kind}): {e}"
+    if reason is not None:
+        logger.warning("not writing into the KV pools of %s in place (%s); the KV goes through the channel",
+                       node_id, reason)
+        return []
+    return pools
 
 
 async def _prove_both_ways(stream: FramedStream, address: str, token: str, node_id: str, timeout: float) -> str:

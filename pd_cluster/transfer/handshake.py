@@ -28,8 +28,11 @@ from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer.framing import DataMessage
 from pd_cluster.transfer.ipc import KVPoolHandle
 
-#: Bumped when the handshake or the frame layout changes incompatibly (2: mutual proof, no token).
-PROTOCOL_VERSION = 2
+#: Bumped when the handshake or the frame layout changes incompatibly (2: mutual proof, no token;
+#: 3: one KV pool handle a rank of D).
+PROTOCOL_VERSION = 3
+#: Most KV pools D offers (one a rank).
+MAX_POOLS = 64
 #: Largest warm-up tensor D accepts (one block of a large model's KV is a few MiB).
 MAX_WARM_UP_BYTES = 64 * 2**20
 #: Why either side refuses a peer that could not prove it holds the cluster token.
@@ -83,7 +86,9 @@ class Welcome(DataMessage):
     backend: Backend
     store_port: int = Field(gt=0, lt=65536)
     group_timeout_s: float = Field(gt=0)
-    kv_pool: KVPoolHandle | None = Field(default=None, description="D's caches, for a P on its host to write into")
+    kv_pools: list[KVPoolHandle] = Field(default_factory=list, max_length=MAX_POOLS,
+                                         description="D's caches, one pool a rank with the KV heads it holds, "
+                                                     "for a P on its host to write into (empty: none offered)")
 
 
 class Refused(DataMessage):

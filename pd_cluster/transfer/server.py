@@ -7,8 +7,8 @@ message, awaits ``handler(conn, message)`` and writes the reply it returns (None
 The handler moves tensors with ``conn.recv_tensor(...)``. A bad frame, a failed handler or a dead channel closes
 that one connection, logged; the server keeps serving the others.
 
-On one host the Welcome can also carry handles to D's KV pool (:mod:`.ipc`), so P writes the
-KV straight into the slots D reserved; ``PeerConnection.shares_kv`` says it was offered. When a
+On one host the Welcome can also carry handles to D's KV pools (:mod:`.ipc`, one a rank), so P
+writes the KV straight into the slots D reserved; ``PeerConnection.shares_kv`` says they were offered. When a
 connection ends, ``on_disconnect`` hears of it (D then frees what that peer left reserved).
 
 The transport's own warm-up (:class:`~.handshake.WarmUp`) is answered here, never reaching the
@@ -48,7 +48,7 @@ from pd_cluster.transfer.handshake import (
     share_pool_with,
     transcript,
 )
-from pd_cluster.transfer.ipc import export_pool, host_identity
+from pd_cluster.transfer.ipc import KVPoolHandle, PoolOffer, host_identity
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class DataPlaneServer:
         reply_timeout: float = 10.0,
         idle_timeout: float = 600.0,
         max_frame_bytes: int = MAX_FRAME_BYTES,
-        kv_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+        kv_pools: PoolOffer | None = None,
         share_across_gpus: bool = False,
         on_disconnect: Callable[[PeerConnection], None] | None = None,
         tls: ssl.SSLContext | None = None,
@@ -135,8 +135,8 @@ class DataPlaneServer:
         self.reply_timeout = reply_timeout
         self.idle_timeout = idle_timeout
         self.max_frame_bytes = max_frame_bytes
-        #: Key and value caches offered to prefill nodes on this host (None: never offered).
-        self.kv_pool = kv_pool
+        #: The KV pools offered to prefill nodes on this host (None: never offered).
+        self.kv_pools = kv_pools
         self.share_across_gpus = share_across_gpus
         self.on_disconnect = on_disconnect
         #: Server-side TLS of the control connections (None: plain TCP).
@@ -225,16 +225,17 @@ class DataPlaneServer:
         backend = choose_backend(self.device, self._device_uuid, join.device_uuid)
         channel = TensorChannel(self.device, backend, HOST_RANK, self.group_timeout)
         channel.peer_gone = stream.peer_gone
-        pool_handle = None
-        if self.kv_pool is not None and share_pool_with(join, host_identity(), self._device_uuid, self.share_across_gpus):
+        pools: list[KVPoolHandle] = []
+        if self.kv_pools is not None and share_pool_with(join, host_identity(), self._device_uuid,
+                                                         self.share_across_gpus):
             try:
-                pool_handle = export_pool(*self.kv_pool, join.kv_ipc_kinds)
+                pools = self.kv_pools(join.kv_ipc_kinds)
             except Exception as e:  # the tensor channel still works: share nothing
-                logger.warning("could not export the KV pool to %r: %s", peer_id, e)
+                logger.warning("could not export the KV pools to %r: %s", peer_id, e)
         try:
             port = await channel.host_store(stream.local_host, self.handshake_timeout)
             welcome = Welcome(node_id=self.node_id, backend=backend, store_port=port, group_timeout_s=self.group_timeout,
-                              kv_pool=pool_handle)
+                              kv_pools=pools)
             await stream.send(welcome, self.handshake_timeout)
             await channel.form_group(stream.local_host, self.group_timeout)
         except (ChannelError, OSError, asyncio.TimeoutError) as e:
@@ -245,8 +246,8 @@ class DataPlaneServer:
             channel.close()
             raise
         logger.info("prefill node %r connected from %s over %s%s", peer_id, stream.peer, backend,
-                    f", sharing the KV pool ({pool_handle.kind})" if pool_handle is not None else "")
-        return PeerConnection(stream, channel, peer_id, shares_kv=pool_handle is not None)
+                    f", sharing {len(pools)} KV pool(s) ({pools[0].kind})" if pools else "")
+        return PeerConnection(stream, channel, peer_id, shares_kv=bool(pools))
 
     async def _authenticate(self, stream: FramedStream) -> tuple[Hello, Join] | None:
         """Hello -> Challenge (this node's proof) -> Join (the dialer's proof), checked; the

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pd_cluster.handover import DISCONNECT_GRACE_S, LoopbackLink, rehearse_handover
-from pd_cluster.transfer import ChannelError, DataMessage, PeerConnection, RemoteError
+from pd_cluster.transfer import ChannelError, DataMessage, PeerConnection, RemoteError, ipc
 from tests.handover_pairs import ServicePair, single_engine_tokens, start_pair
 
 #: How each path is chosen: D shares its pool (in place), else layer-wise or whole over the channel.
@@ -32,19 +32,31 @@ PATHS = {
 def expected_bytes(pair: ServicePair, n_tokens: int, hit_blocks: int) -> int:
     """In place: the missing tokens; through the channel: the missing blocks, the last padded."""
     spec = pair.d.engine.kv_spec
-    if pair.channel().shared_pool is not None:
+    if pair.channel().shared_pools:
         return (n_tokens - hit_blocks * spec.block_size) * spec.bytes_per_token
     return (math.ceil(n_tokens / spec.block_size) - hit_blocks) * spec.bytes_per_block
 
 
 #: P and D of different TP, and the path each asks for: a tensor-parallel P sends whole (its
-#: layer-wise options are dropped); a tensor-parallel D receives every head and hands each rank its own.
+#: layer-wise options are dropped); through the channel a tensor-parallel D receives every head and
+#: hands each rank its own, in place P writes each D rank's heads into that rank's pool.
 TP_PAIRS = {
     "p2-d1-direct": {"p_tp": 2, **PATHS["direct"]},
     "p2-d1-stream": {"p_tp": 2, **PATHS["stream"]},
     "p1-d2-stream": {"d_tp": 2, **PATHS["stream"]},
     "p2-d2-push": {"p_tp": 2, "d_tp": 2, **PATHS["push"]},
+    "p1-d2-direct": {"d_tp": 2, **PATHS["direct"]},
+    "p2-d2-direct": {"p_tp": 2, "d_tp": 2, **PATHS["direct"]},
 }
+
+
+@pytest.fixture
+def shm_offered():
+    """CPU pools in the host's shared memory offered: how a D rank's pool, in its own process,
+    reaches P here (CUDA IPC on a GPU)."""
+    ipc.offer_kind("shm")
+    yield
+    ipc.offer_kind("shm", False)
 
 
 @pytest.fixture(params=list(PATHS))
@@ -85,18 +97,25 @@ async def test_each_path_moves_the_missing_blocks_and_continues_like_a_single_en
 
 @pytest.mark.parametrize("case", list(TP_PAIRS))
 async def test_p_and_d_of_different_tp_hand_over_every_head_and_a_prefix_hit_on_d(case, default_model_dir,
-                                                                                  chat_prompts, engine_outputs):
+                                                                                  chat_prompts, engine_outputs,
+                                                                                  shm_offered):
     pair = await start_pair(default_model_dir, **TP_PAIRS[case])
     try:
         # A TP 2 engine's pool holds only its own KV heads: the handover re-shards.
         for engine in (pair.p.engine, pair.d.engine):
             assert (engine.pool.spec.num_kv_heads < engine.kv_spec.num_kv_heads) == (engine.config.tp > 1)
+        broadcasts = count_kv_broadcasts(pair)
         first = chat_prompts[0]
         tokens, result = await pair.run(first)
         assert tokens == engine_outputs[0]
-        # In place only into a TP 1 D's pool; a layer-wise stream only from a TP 1 P.
+        # In place into every D rank's pool; a layer-wise stream only from a TP 1 P.
         assert (pair.channel().transport == "ipc") == case.endswith("direct")
+        assert len(pair.channel().shared_pools) == (pair.d.engine.config.tp if case.endswith("direct") else 0)
         assert result.transfer_bytes == expected_bytes(pair, len(first), 0)
+        assert pair.channel().channel.bytes_sent == (0 if case.endswith("direct") else result.transfer_bytes)
+        # In place, each D rank already holds its heads: rank 0 broadcasts no KV to the others.
+        if pair.d.engine.tp is not None:
+            assert (broadcasts == []) == case.endswith("direct")
         # D's prefix cache holds the first prompt on every rank: only the rest moves.
         follow_up = first + chat_prompts[1][-40:]
         want = single_engine_tokens(default_model_dir, [follow_up])[0]
@@ -106,6 +125,21 @@ async def test_p_and_d_of_different_tp_hand_over_every_head_and_a_prefix_hit_on_
         assert stats["reservations"] == 0 and stats["external_held"] == 0
     finally:
         await pair.stop()
+
+
+def count_kv_broadcasts(pair: ServicePair) -> list[int]:
+    """The slots of each KV broadcast from D's rank 0 to its other ranks, as they happen."""
+    counts: list[int] = []
+    tp = pair.d.engine.tp
+    if tp is not None:
+        put_kv = tp.put_kv
+
+        def counted(slots, kv) -> None:
+            counts.append(slots.numel())
+            put_kv(slots, kv)
+
+        tp.put_kv = counted
+    return counts
 
 
 async def test_a_prefix_hit_moves_only_the_missing_blocks(pair, chat_prompts, engine_outputs):

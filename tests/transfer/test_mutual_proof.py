@@ -159,7 +159,7 @@ async def test_an_old_hello_with_the_token_in_it_is_refused_by_version(decode_no
     old = b'{"type": "dp.hello", "version": 1, "token": "%s", "node_id": "old-p"}' % TOKEN.encode()
     stream.writer.write(len(old).to_bytes(4, "big") + old)
     answer = await stream.receive(5)
-    assert isinstance(answer, Refused) and "protocol version 2 expected" in answer.reason
+    assert isinstance(answer, Refused) and "protocol version 3 expected" in answer.reason
     assert TOKEN not in answer.reason
     assert await closed_by_peer(reader)
     await stream.aclose()

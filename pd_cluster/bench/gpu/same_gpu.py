@@ -31,7 +31,7 @@ async def measure_same_gpu(p_engine: LLMEngine, plan: Plan, config_file, device:
     out: dict[str, Any] = {"device": str(device), "d_device": str(d_device)}
     async with pd_pair(p_engine, plan, config_file, d_device, share_across_gpus=d_device != device) as pair:
         out["transport"] = pair.channel.transport
-        if pair.channel.shared_pool is None:
+        if len(pair.channel.shared_pools) != 1:
             raise RuntimeError(f"D did not share its pool (transport {pair.channel.transport})")
         out["write"] = {str(n): await write_row(pair, n, gen) for n in plan.transfer_lens}
         out["handover"] = {str(n): await handover_row(pair, n, out["write"], gen) for n in plan.output_path_lens}
@@ -43,7 +43,7 @@ async def write_row(pair: PDPair, n: int, gen: torch.Generator) -> dict:
     spec = pair.p_engine.kv_spec
     pool = pair.p_engine.pool
     device = pool.device
-    shared = pair.channel.shared_pool
+    shared = pair.channel.shared_pools[0]  # D at TP 1: one pool of every head
     match, _ = await pair.match(n, gen, direct=True)
     try:
         dst = decode_slots(match.slots).to(device)

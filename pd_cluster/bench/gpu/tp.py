@@ -152,7 +152,8 @@ def graph_us(all_reduce, x: torch.Tensor, group) -> float:
 
 async def measure_hetero(plan: Plan, config_file: Path, gen: torch.Generator) -> dict:
     """P at TP 1 on cuda:0 (this process), D at TP 2 on cuda:0 and cuda:1 (a child): whole jobs
-    of ``plan.key_len`` tokens, the KV sent whole after the prefill and layer by layer during it."""
+    of ``plan.key_len`` tokens, the KV written whole after the prefill and layer by layer during
+    it, each D rank's heads into that rank's pool in place (CUDA IPC; ``transport`` says "ipc")."""
     n = plan.key_len
     p_engine = build_engine(config_file, "cuda:0", load_format="dummy", max_total_tokens=4 * n,
                             max_model_len=plan.max_model_len, max_num_batched_tokens=n, max_running_requests=4,
