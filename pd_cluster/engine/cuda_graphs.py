@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -73,8 +74,9 @@ class GraphShape:
 
 
 #: Told a step's graph inputs just before its replay: (its shape, the packed inputs on the host as
-#: the static buffer takes them, whether the graph reads ids left on the device by the last step).
-BeforeReplay = Callable[["GraphShape", torch.Tensor, bool], None]
+#: the static buffer takes them, valid only during the call, whether the graph reads ids left on
+#: the device by the last step).
+BeforeReplay = Callable[["GraphShape", np.ndarray, bool], None]
 
 
 def _bucket(sizes: list[int], n: int) -> int | None:
@@ -305,10 +307,12 @@ class StepGraphs:
                                          host_row=self._host_row(shape) if mapped is not None else None)
         return logits, argmax
 
-    def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape, host_row: int | None = None) -> None:
+    def _write(self, tokens: list[int], seqs: list[int], shape: GraphShape,
+               host_row: int | None = None) -> np.ndarray:
         """One host-to-device copy of a step's inputs (``shape``'s token rows, then its sequence
         rows, flattened, then ``host_row``: the :attr:`mapped_ids` row for its ids, by default the
-        spare) into the front of the static input buffer."""
+        spare) into the front of the static input buffer; the staged words (a view, rewritten a
+        few steps later)."""
         array = self._staging.stage()
         n_tok, n_in = len(tokens), len(tokens) + len(seqs)
         array[:n_tok] = tokens
@@ -317,6 +321,7 @@ class StepGraphs:
             host_row = self.mapped_ids.spare if self.mapped_ids is not None else 0
         array[n_in] = host_row
         self._staging.copy(self._inputs, n_in + 1)
+        return array[:n_in + 1]
 
     # ---- replay --------------------------------------------------------------------------------
 
@@ -337,10 +342,9 @@ class StepGraphs:
                                                                       device_tokens)
         mapped = self.mapped_ids if shape.tokens == 0 else None
         host_row = mapped.take() if mapped is not None else None
-        self._write(tokens, seqs, shape, host_row)
+        staged = self._write(tokens, seqs, shape, host_row)
         if before_replay is not None:
-            row = host_row if host_row is not None else (self.mapped_ids.spare if self.mapped_ids is not None else 0)
-            before_replay(shape, torch.tensor(tokens + seqs + [row], dtype=torch.int64), pending)
+            before_replay(shape, staged, pending)
         # The graph's first kernel writes the new tokens' slots to the device's request table; the
         # host's mirror of it is kept here (decode part, then prefill part).
         for lo, hi in ((0, layout.num_decode), (d, d + layout.prefill_tokens)):
@@ -411,12 +415,13 @@ class StepGraphs:
         """Where the graphs read the last step's sampled ids left on the device (an input ``-r - 1``: row ``r``)."""
         return self._prev_tokens
 
-    def replay_packed(self, shape: GraphShape, inputs: torch.Tensor) -> torch.Tensor:
-        """Replay the graph of ``shape`` on ``inputs`` packed as :meth:`replay` told them (another
-        rank's step: ids left on the device are read from :attr:`prev_ids`, filled first); its logits."""
-        n = inputs.numel()
+    def replay_packed(self, shape: GraphShape, inputs: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Replay the graph of ``shape`` on ``inputs`` (host int64) packed as :meth:`replay` told
+        them (another rank's step: ids left on the device are read from :attr:`prev_ids`, filled
+        first); its logits."""
+        n = inputs.shape[0]
         array = self._staging.stage()
-        array[:n] = inputs.numpy()
+        array[:n] = np.asarray(inputs)
         self._staging.copy(self._inputs, n)
         return self.run_graph(shape)
 

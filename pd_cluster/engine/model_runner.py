@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kernels._triton import HAS_TRITON
@@ -157,7 +158,7 @@ class ModelRunner:
                 self.tp.forward(batch, self.table.take_journal())
             return self.model.forward(batch, self.pool, layer_hook)
 
-    def _plan_replay(self, shape: GraphShape, inputs: torch.Tensor, pending: bool) -> None:
+    def _plan_replay(self, shape: GraphShape, inputs: np.ndarray, pending: bool) -> None:
         """A tensor-parallel step replayed as a graph: its plan to the other ranks, which replay the
         same graph (the last step's sampled ids follow on the device where it reads them)."""
         assert self.tp is not None and self.graphs is not None

@@ -1,12 +1,14 @@
-"""The collectives of one tensor-parallel node: a private store and two process groups.
+"""The collectives of one tensor-parallel node: a private store, two process groups and the
+plans' channel.
 
 Each node makes its own ``TCPStore`` (rank 0 listens on a free port) and its groups from it,
 without ``torch.distributed.init_process_group``, so several nodes share a host (and a process
 never joins a group that is not its node's). Two groups, so that their operations never
-interleave: ``control`` (gloo, host tensors) carries each step's plan and the keep-alives from
-rank 0; ``model`` (NCCL on CUDA devices, gloo on CPU) carries the forward's all-reduces.
-Every operation has a deadline: a rank that died makes the others' next operation fail, never
-hang.
+interleave: ``control`` (gloo, host tensors) carries the start's agreements and a plan too large
+for the channel; ``model`` (NCCL on CUDA devices, gloo on CPU) carries the forward's all-reduces.
+Each step's plan and the keep-alives from rank 0 go through :attr:`TPGroup.plans`, a ring in
+shared memory. Every operation has a deadline: a rank that died makes the others' next
+operation fail, never hang.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from pd_cluster.engine.tp_allreduce import AllReduceMode, make_one_shot
+from pd_cluster.engine.tp_channel import PlanChannel
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class TPGroup:
         self.step_timeout = _delta(step_timeout_s)
         startup = _delta(STARTUP_TIMEOUT_S)
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, startup)
+        self.plans = PlanChannel.open(store, self.control, rank, size)
         model_store = dist.PrefixStore("model", store)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -107,11 +111,6 @@ class TPGroup:
         else:
             work.wait(self.step_timeout)
 
-    def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
-        """Rank 0's host ``tensor`` into every rank's ``tensor`` (the control group)."""
-        timeout = _delta(timeout_s) if timeout_s is not None else self.step_timeout
-        self.control.broadcast(tensor, 0, timeout).wait(timeout)
-
     def barrier(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Wait until every rank is here (e.g. has loaded its weights)."""
         flag = torch.ones(1)
@@ -122,10 +121,12 @@ class TPGroup:
             raise RuntimeError(f"tensor parallel barrier saw {int(flag.item())} of {self.size} ranks")
 
     def close(self) -> None:
-        """Release the groups now that no rank will use them: the one-shot's name, then the
-        model and control groups, aborted (no collective: the other ranks may be gone). The
-        teardown runs with a deadline, so a node's close never hangs on a peer's state."""
+        """Release the groups now that no rank will use them: the plans' ring (rank 0 unlinks
+        it), the one-shot's name, then the model and control groups, aborted (no collective: the
+        other ranks may be gone). The teardown runs with a deadline, so a node's close never
+        hangs on a peer's state."""
         groups: list[dist.ProcessGroup] = [self.model, self.control]
+        self.plans.close()
         if self.one_shot is not None:
             self.one_shot.close()
         _closed.append((self, groups))

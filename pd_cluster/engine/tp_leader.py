@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pd_cluster.engine.tp_group import STEP_TIMEOUT_S, TPGroup, make_store
@@ -49,6 +50,11 @@ def exit_node(reason: str) -> None:
     os._exit(RANK_LOST_EXIT)
 
 
+def _host(slots: torch.Tensor) -> np.ndarray:
+    """A KV op's slots as host int64 words."""
+    return slots.to(device="cpu", dtype=torch.int64).numpy()
+
+
 class TPLeader:
     def __init__(self, size: int, model_path: str, dtype: str, device: torch.device, fused_rows: int | None,
                  on_lost: Callable[[str], None] = exit_node, step_timeout_s: float = STEP_TIMEOUT_S,
@@ -57,6 +63,7 @@ class TPLeader:
         self.size = size
         self.on_lost = on_lost
         self._keep_alive_s = keep_alive_s
+        self._step_timeout_s = step_timeout_s
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._last_sent = time.monotonic()
@@ -89,33 +96,33 @@ class TPLeader:
     def forward(self, batch: ForwardBatch, journal: torch.Tensor) -> None:
         """Send the step's plan (with ``journal``, the request table's writes since the last);
         the caller then runs the same forward here."""
-        self._send(with_journal(header(Op.FORWARD, batch), journal), torch.cat((pack(batch), journal.reshape(-1))))
+        self._send(with_journal(header(Op.FORWARD, batch), journal), pack(batch).numpy(), journal.numpy())
 
-    def forward_graph(self, decode: int, tokens: int, inputs: torch.Tensor, journal: torch.Tensor,
+    def forward_graph(self, decode: int, tokens: int, inputs: np.ndarray, journal: torch.Tensor,
                       prev_ids: torch.Tensor | None) -> None:
-        """Send a replayed step's plan: its graph's shape and packed static ``inputs`` (host int64),
-        the table's writes, and ``prev_ids`` (the graphs' buffer of the last step's sampled ids on
-        the device, broadcast in stream order: no wait for them here) where the step reads them;
-        the caller then replays the same graph here."""
-        head = with_journal(graph_header(decode, tokens, inputs.numel(), prev_ids is not None), journal)
-        self._send(head, torch.cat((inputs, journal.reshape(-1))), model=prev_ids)
+        """Send a replayed step's plan: its graph's shape and packed static ``inputs`` (host int64,
+        copied before this returns), the table's writes, and ``prev_ids`` (the graphs' buffer of
+        the last step's sampled ids on the device, broadcast in stream order: no wait for them
+        here) where the step reads them; the caller then replays the same graph here."""
+        head = graph_header(decode, tokens, inputs.size, prev_ids is not None, journal.shape[1])
+        self._send(head, inputs, journal.numpy(), model=prev_ids)
 
     def capture(self, settings: torch.Tensor) -> None:
         """Have the ranks capture the CUDA graphs rank 0 captures next (the same shapes, in the
         same order: their all-reduces meet); ``settings`` from :func:`~pd_cluster.engine.tp_plan.graph_settings`."""
         head = header(Op.CAPTURE)
         head[1] = settings.numel()
-        self._send(head, settings)
+        self._send(head, settings.numpy())
 
     def put_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
         """Send every head's KV at ``slots`` (``[2, layers, n, heads, head_dim]`` on the device,
         contiguous); each rank keeps its own. The caller then writes its own heads here."""
-        self._send(slots_header(Op.PUT_KV, slots.numel()), slots.to(device="cpu", dtype=torch.int64), model=kv)
+        self._send(slots_header(Op.PUT_KV, slots.numel()), _host(slots), model=kv)
 
     def gather_kv(self, slots: torch.Tensor) -> None:
         """Ask the ranks for their heads at ``slots``; the caller then joins their all-gather
         (:meth:`pd_cluster.engine.tp_kv.KVHeads.gather`)."""
-        self._send(slots_header(Op.GATHER_KV, slots.numel()), slots.to(device="cpu", dtype=torch.int64))
+        self._send(slots_header(Op.GATHER_KV, slots.numel()), _host(slots))
 
     def export_pools(self, kinds: list[str], timeout_s: float = EXPORT_WAIT_S) -> list[RankPools]:
         """Ranks 1 .. N-1 export their KV pools in ``kinds`` (each those it can); their answers.
@@ -134,13 +141,15 @@ class TPLeader:
             raise TimeoutError(f"the ranks did not export their KV pools within {timeout_s:.0f} s: {e}") from e
         return [RankPools.model_validate_json(store.get(key)) for key in keys]
 
-    def _send(self, head: torch.Tensor, *payloads: torch.Tensor, model: torch.Tensor | None = None) -> None:
-        """The plan (control group), then ``model`` broadcast over the model group if given."""
+    def _ranks_alive(self) -> bool:
+        return all(proc.poll() is None for proc in self._procs)
+
+    def _send(self, head: list[int], *payload: np.ndarray, model: torch.Tensor | None = None) -> None:
+        """The plan (``head`` and the concatenation of ``payload``, one message of the node's
+        channel), then ``model`` broadcast over the model group if given."""
         try:
             with self._lock:
-                self.group.broadcast(head)
-                for payload in payloads:
-                    self.group.broadcast(payload)
+                self.group.plans.send(head, payload, self._step_timeout_s, self._ranks_alive)
                 self._last_sent = time.monotonic()
             if model is not None:
                 self.group.broadcast_model(model)
@@ -170,7 +179,7 @@ class TPLeader:
         self._closing.set()
         try:
             with self._lock:
-                self.group.broadcast(header(Op.STOP), timeout_s=STOP_WAIT_S)
+                self.group.plans.send(header(Op.STOP), (), STOP_WAIT_S, self._ranks_alive)
         except Exception:
             logger.warning("tensor parallel ranks did not take the stop; killing them")
         for proc in self._procs:

@@ -1,15 +1,16 @@
-"""A step's plan as rank 0 sends it to the other ranks: the model inputs, packed in two tensors.
+"""A step's plan as rank 0 sends it to the other ranks: a header and one payload of model inputs.
 
 A fixed-size header says what follows (a step, a keep-alive or the end) and the sizes; one int64
 payload holds every input of :class:`~pd_cluster.model.forward_batch.ForwardBatch` (an eager
 step) or of a CUDA graph's static buffers (a replayed one), then the request table's writes since
-the last step (the ranks' tables follow rank 0's: their graphs read them). Two broadcasts a step,
-whatever its size.
+the last step (the ranks' tables follow rank 0's: their graphs read them). Header and payload go
+together, in one message of :class:`~pd_cluster.engine.tp_channel.PlanChannel`.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import torch
 
@@ -41,32 +42,32 @@ class Op(enum.IntEnum):
 JOURNAL = 7
 
 
-def header(op: Op, batch: ForwardBatch | None = None) -> torch.Tensor:
-    head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    head[0] = int(op)
+def header(op: Op, batch: ForwardBatch | None = None) -> list[int]:
+    """A message's header: ``op``, then the sizes of what follows (a plain list: it goes into the
+    ring as it is, with no tensor made per step)."""
+    head = [int(op)] + [0] * (HEADER_LEN - 1)
     if batch is not None:
         b, max_ctx = batch.slot_table.shape
-        head[1:7] = torch.tensor([batch.num_tokens, b, max_ctx, batch.logits_indices.numel(), int(batch.is_decode),
-                                  batch.num_decode])
+        head[1:7] = [batch.num_tokens, b, max_ctx, batch.logits_indices.numel(), int(batch.is_decode),
+                     batch.num_decode]
     return head
 
 
-def slots_header(op: Op, n_slots: int) -> torch.Tensor:
+def slots_header(op: Op, n_slots: int) -> list[int]:
     """The header of a KV op (:attr:`Op.PUT_KV`, :attr:`Op.GATHER_KV`) on ``n_slots`` slots."""
     head = header(op)
     head[1] = n_slots
     return head
 
 
-def graph_header(decode: int, tokens: int, inputs: int, prev_ids: bool) -> torch.Tensor:
+def graph_header(decode: int, tokens: int, inputs: int, prev_ids: bool, journal: int = 0) -> list[int]:
     """A replayed step's header: its graph's shape (``decode`` rows, ``tokens`` prefill tokens),
-    its packed inputs' length, and whether the last step's sampled ids follow (over the model group)."""
-    head = header(Op.FORWARD_GRAPH)
-    head[1:5] = torch.tensor([decode, tokens, inputs, int(prev_ids)])
-    return head
+    its packed inputs' length, whether the last step's sampled ids follow (over the model group),
+    and the request table's writes that follow its inputs."""
+    return [int(Op.FORWARD_GRAPH), decode, tokens, inputs, int(prev_ids), 0, 0, journal]
 
 
-def with_journal(head: torch.Tensor, journal: torch.Tensor) -> torch.Tensor:
+def with_journal(head: list[int], journal: torch.Tensor) -> list[int]:
     head[JOURNAL] = journal.shape[1]
     return head
 
@@ -78,16 +79,7 @@ def pack(batch: ForwardBatch) -> torch.Tensor:
     return torch.cat([p.to(device="cpu", dtype=torch.int64) for p in parts])
 
 
-def payload_size(head: torch.Tensor) -> int:
-    """The payload's length: the step's inputs, then the journal's ``[3, n]``."""
-    journal = 3 * int(head[JOURNAL])
-    if Op(int(head[0])) is Op.FORWARD_GRAPH:
-        return int(head[3]) + journal
-    t, b, max_ctx, k = (int(x) for x in head[1:5])
-    return 3 * t + b * max_ctx + 3 * b + k + journal
-
-
-def split_journal(head: torch.Tensor, payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_journal(head: Sequence[int], payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the step's inputs, the journal ``[3, n]``) of a payload."""
     n = int(head[JOURNAL])
     cut = payload.numel() - 3 * n
@@ -108,7 +100,7 @@ def read_graph_settings(values: list[int]) -> tuple[list[int], list[int], int, i
     return sizes[:n_batch], sizes[n_batch:n_batch + n_prefill], max_prefills, pad_slot, bool(draws), (rows, width)
 
 
-def unpack(head: torch.Tensor, payload: torch.Tensor, device: torch.device) -> ForwardBatch:
+def unpack(head: Sequence[int], payload: torch.Tensor, device: torch.device) -> ForwardBatch:
     t, b, max_ctx, k, is_decode, num_decode = (int(x) for x in head[1:7])
     sizes = (t, t, t, b * max_ctx, b, b, b, k)
     ids, positions, slots, table, ctx_lens, q_lens, q_start, logits = payload.to(device).split(sizes)

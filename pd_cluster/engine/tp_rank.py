@@ -24,7 +24,7 @@ from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.tp_group import TPGroup, make_store
 from pd_cluster.engine.tp_kv import KVHeads, rank_kv_spec
-from pd_cluster.engine.tp_plan import HEADER_LEN, Op, payload_size, read_graph_settings, split_journal, unpack
+from pd_cluster.engine.tp_plan import Op, read_graph_settings, split_journal, unpack
 from pd_cluster.engine.tp_pools import answer_export
 from pd_cluster.engine.tp_rank_spec import RankSpec
 from pd_cluster.model.config import ModelConfig
@@ -73,30 +73,31 @@ class RankLoop:
         logger.info("tensor parallel rank %d of %d ready on %s: %d KV heads, %d slots", spec.rank, spec.size,
                     self.device, self.pool.spec.num_kv_heads, num_slots)
 
-    def run(self) -> None:
-        head = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        while True:
-            self.group.broadcast(head, self.spec.idle_timeout_s)
-            op = Op(int(head[0]))
-            if op is Op.STOP:
-                return
-            if op is Op.KEEP_ALIVE:
-                continue
-            with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_device():
-                if op is Op.PUT_KV:
-                    self._put_kv(int(head[1]))
-                elif op is Op.GATHER_KV:
-                    self.heads.gather(self._slots(int(head[1])))
-                elif op is Op.CAPTURE:
-                    self._capture(int(head[1]))
-                elif op is Op.EXPORT_POOLS:
-                    answer_export(self.group.store, int(head[1]), self.spec.rank, self.pool, self.heads.mine.start)
-                else:
-                    self._forward(head, op)
+    def _leader_alive(self) -> bool:
+        return os.getppid() == self.spec.parent_pid
 
-    def _forward(self, head: torch.Tensor, op: Op) -> None:
-        payload = torch.empty(payload_size(head), dtype=torch.int64)
-        self.group.broadcast(payload)
+    def run(self) -> None:
+        """Run rank 0's messages until its stop (on this rank's device throughout)."""
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else _no_device():
+            while True:
+                head, payload = self.group.plans.receive(self.spec.idle_timeout_s, self._leader_alive)
+                op = Op(head[0])
+                if op is Op.STOP:
+                    return
+                if op is Op.KEEP_ALIVE:
+                    continue
+                if op is Op.PUT_KV:
+                    self._put_kv(payload.to(self.device))
+                elif op is Op.GATHER_KV:
+                    self.heads.gather(payload.to(self.device))
+                elif op is Op.CAPTURE:
+                    self._capture(payload.tolist())
+                elif op is Op.EXPORT_POOLS:
+                    answer_export(self.group.store, head[1], self.spec.rank, self.pool, self.heads.mine.start)
+                else:
+                    self._forward(head, op, payload)
+
+    def _forward(self, head: list[int], op: Op, payload: torch.Tensor) -> None:
         inputs, journal = split_journal(head, payload)
         if self.table is not None:
             self.table.apply_journal(journal)
@@ -104,30 +105,21 @@ class RankLoop:
             self.model.forward(unpack(head, inputs, self.device), self.pool)
             return
         assert self.graphs is not None, "a replayed step before the graphs were captured"
-        decode, tokens, _, prev_ids = (int(x) for x in head[1:5])
+        decode, tokens, _, prev_ids = head[1:5]
         if prev_ids:
             self.group.broadcast_model(self.graphs.prev_ids)
         self.graphs.replay_packed(GraphShape(decode, tokens), inputs)
 
-    def _capture(self, n: int) -> None:
+    def _capture(self, settings: list[int]) -> None:
         """Capture the graphs rank 0 captures now: the same shapes in the same order."""
-        settings = torch.empty(n, dtype=torch.int64)
-        self.group.broadcast(settings)
-        batch_sizes, prefill_tokens, max_prefills, pad_slot, draws, (rows, width) = read_graph_settings(
-            settings.tolist())
+        batch_sizes, prefill_tokens, max_prefills, pad_slot, draws, (rows, width) = read_graph_settings(settings)
         self.table = ReqSlotTable(rows, width, self.device, host_mirror=False)
         self.graphs = StepGraphs(self.model, self.pool, self.table, batch_sizes, pad_slot, prefill_tokens,
                                  max_prefills, draws=draws)
         self.graphs.capture()
 
-    def _slots(self, n: int) -> torch.Tensor:
-        """The slots of a KV op, from rank 0, on this rank's device."""
-        slots = torch.empty(n, dtype=torch.int64)
-        self.group.broadcast(slots)
-        return slots.to(self.device)
-
-    def _put_kv(self, n: int) -> None:
-        slots = self._slots(n)
+    def _put_kv(self, slots: torch.Tensor) -> None:
+        n = slots.numel()
         cfg = self.config
         kv = torch.empty((2, cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype,
                          device=self.device)
