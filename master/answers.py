@@ -25,6 +25,7 @@ from master.errors import APIError
 from master.event_stream import EventStreamResponse
 from master.fanout import FanOut, PromptChoices, create_choices
 from master.prepare import Kind, Prepared
+from master.rejections import KEY_NAME_STATE, RELAYED_STATE
 from master.relay_request import ClientDisconnected, StreamFailed, TokenChunk
 
 
@@ -32,6 +33,7 @@ def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Pr
     """One relay request per prompt x choice, the client's slot on the first."""
     req = prepared[0].req
     client_request_id: str | None = getattr(request.state, "client_request_id", None)
+    key_name: str | None = getattr(request.state, KEY_NAME_STATE, None)
     prompts: list[PromptChoices] = []
     for p in prepared:
         request_id = ctx.relay.new_request_id(SHAPES[kind].id_prefix)
@@ -39,9 +41,11 @@ def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Pr
                                  req.choice_count, req.choices_returned)
         for r in choices.relays:
             r.client_request_id = client_request_id
+            r.key_name = key_name
             p.route(r)
         prompts.append(choices)
     fan = FanOut(ctx.relay, prompts, request.is_disconnected)
+    setattr(request.state, RELAYED_STATE, True)  # each relay request logs its own line when it ends
     slot = request.state.client_slot
     prompts[0].first.client_slot = slot
     slot.handed = True

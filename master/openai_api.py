@@ -19,6 +19,7 @@ from master.context import MasterContext
 from master.errors import APIError, bad_request
 from master.metrics import CONTENT_TYPE, status_of_http
 from master.prepare import Kind, model_not_found, prepare_counted
+from master.rejections import KEY_NAME_STATE
 from master.request_log import REQUEST_ID_HEADER, client_request_id
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
         request.state.client_request_id = request.state.request_id = client_request_id(
             request.headers.get(REQUEST_ID_HEADER))
         key = _client_key(request)
+        setattr(request.state, KEY_NAME_STATE, keys.name_of(key))
         body = await _read_json(request)
         slot = keys.acquire(key, generations_of(body, kind))
     except APIError as exc:

@@ -80,6 +80,8 @@ class RelayRequest:
     #: Which choice of its HTTP request this is (n > 1): only choice 0 counts the request and its prompt.
     choice_index: int = 0
     client_request_id: str | None = None
+    #: The client's API key by name (never the key itself), for the request log.
+    key_name: str | None = None
     #: The client's place under its API key's concurrency limit, given back on release.
     client_slot: ClientSlot | None = None
     # where it stands
