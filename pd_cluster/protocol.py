@@ -47,6 +47,8 @@ class PromptLogprobs(BaseModel):
     (``SamplingParams.prompt_logprobs``). Parallel lists: a long prompt's entries stay compact."""
 
     logprobs: list[float]
+    #: Each token's rank among the vocabulary at its position (1: the most likely).
+    ranks: list[int] = Field(default_factory=list)
     top_ids: list[list[int]] = Field(default_factory=list)
     top_logprobs: list[list[float]] = Field(default_factory=list)
 

@@ -34,6 +34,7 @@ class PromptLogprobsState:
     token_ids: list[int]
     top: int
     logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
 
@@ -56,7 +57,7 @@ class PromptLogprobsState:
         return range(max(start, self.done), min(start + q_len, self.needed))
 
     def result(self) -> PromptLogprobs:
-        return PromptLogprobs(logprobs=self.logprobs, top_ids=self.top_ids if self.top else [],
+        return PromptLogprobs(logprobs=self.logprobs, ranks=self.ranks, top_ids=self.top_ids if self.top else [],
                               top_logprobs=self.top_logprobs if self.top else [])
 
 
@@ -97,22 +98,26 @@ def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: PromptRowsPlan
     """Apply the LM head to ``hidden`` (the plan's rows, normed, in order) a block at a time and
     append each request's entries to its state."""
     targets = torch.tensor(plan.targets, dtype=torch.int64, device=hidden.device)
-    chosen_parts, top_values, top_ids = [], [], []
+    chosen_parts, rank_parts, top_values, top_ids = [], [], [], []
     for begin in range(0, hidden.shape[0], ROWS_PER_BLOCK):
         end = min(begin + ROWS_PER_BLOCK, hidden.shape[0])
         logprobs = F.linear(hidden[begin:end], lm_head).float().log_softmax(dim=-1)
-        chosen_parts.append(logprobs.gather(1, targets[begin:end].unsqueeze(1)).squeeze(1))
+        chosen = logprobs.gather(1, targets[begin:end].unsqueeze(1))
+        chosen_parts.append(chosen.squeeze(1))
+        rank_parts.append((logprobs > chosen).sum(dim=1) + 1)
         if plan.top:
             top = logprobs.topk(min(plan.top, logprobs.shape[1]), dim=-1)
             top_values.append(top.values)
             top_ids.append(top.indices)
         del logprobs
-    chosen = torch.cat(chosen_parts).cpu().tolist()
+    chosen_list = torch.cat(chosen_parts).cpu().tolist()
+    ranks = torch.cat(rank_parts).cpu().tolist()
     values = torch.cat(top_values).cpu().tolist() if plan.top else None
     ids = torch.cat(top_ids).cpu().tolist() if plan.top else None
     row = 0
     for state, count in plan.owners:
-        state.logprobs.extend(chosen[row:row + count])
+        state.logprobs.extend(chosen_list[row:row + count])
+        state.ranks.extend(ranks[row:row + count])
         if state.top and values is not None and ids is not None:
             state.top_logprobs.extend(v[:state.top] for v in values[row:row + count])
             state.top_ids.extend(i[:state.top] for i in ids[row:row + count])
