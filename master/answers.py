@@ -55,12 +55,10 @@ def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Pr
     return fan
 
 
-async def serve(
-    request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float,
-    echo: Echo | None = None,
-) -> Response:
-    """Answer ``prepared`` (one per prompt, alike but for the prompt); ``echo``: each prompt's
-    text (and logprobs), put before its choices'."""
+async def admitted(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared],
+                   arrival: float) -> FanOut | Response:
+    """The relay requests of ``prepared``, admitted (the caller then owns the fan-out and releases
+    it), or the answer when they could not be (the client left, or an error)."""
     fan = _fan_out(request, ctx, kind, prepared, arrival)
     try:
         await fan.admit()
@@ -73,6 +71,18 @@ async def serve(
     except BaseException:
         fan.release()
         raise
+    return fan
+
+
+async def serve(
+    request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float,
+    echo: Echo | None = None,
+) -> Response:
+    """Answer ``prepared`` (one per prompt, alike but for the prompt); ``echo``: each prompt's
+    text (and logprobs), put before its choices'."""
+    fan = await admitted(request, ctx, kind, prepared, arrival)
+    if isinstance(fan, Response):
+        return fan
     req, shape = prepared[0].req, SHAPES[kind]
     created = oa.now()
     model = ctx.model_name or req.model
