@@ -74,6 +74,18 @@ async def admitted(request: Request, ctx: MasterContext, kind: Kind, prepared: l
     return fan
 
 
+async def waited(fan: FanOut) -> Response | None:
+    """Wait for every choice, then release the fan-out; the answer to a client that left meanwhile
+    (None: every choice ended; an error raises its APIError)."""
+    try:
+        await fan.wait()
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        fan.release()
+    return None
+
+
 async def serve(
     request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float,
     echo: Echo | None = None,
@@ -90,12 +102,9 @@ async def serve(
         head = StreamHead(fan.request_id, shape, created, model, req.include_usage)
         writer = _StreamWriter(ctx, fan, req, head, echo)
         return EventStreamResponse(_stream(fan, writer), fan.hang_up, headers=SSE_HEADERS)
-    try:
-        await fan.wait()
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        fan.release()
+    left = await waited(fan)
+    if left is not None:
+        return left
     doc = {"id": fan.request_id, "object": shape.object, "created": created, "model": model,
            "choices": _choices(ctx, fan, req, shape, echo), "usage": _usage(fan, echo)}
     if kind == "chat" and req.prompt_logprobs is not None:  # vLLM puts a chat prompt's at the top

@@ -23,13 +23,13 @@ from fastapi.responses import JSONResponse, Response
 
 from master import answers, tool_calls
 from master import openai_schemas as oa
-from master.answer_shapes import CLIENT_CLOSED, SSE_HEADERS
+from master.answer_shapes import SSE_HEADERS
 from master.context import MasterContext
 from master.errors import APIError
 from master.event_stream import EventStreamResponse
 from master.fanout import FanOut
 from master.prepare import Prepared
-from master.relay_request import ClientDisconnected, StreamFailed
+from master.relay_request import StreamFailed
 from master.responses_request import ResponsesRequest
 
 
@@ -225,12 +225,9 @@ async def serve(request: Request, ctx: MasterContext, req: ResponsesRequest, pre
     doc = ResponseDoc(req, "resp_" + fan.request_id.split("-", 1)[-1], oa.now(), ctx.model_name or req.model)
     if req.stream:
         return EventStreamResponse(stream(fan, ResponseEvents(doc, prepared.req)), fan.hang_up, headers=SSE_HEADERS)
-    try:
-        await fan.wait()
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        fan.release()
+    left = await answers.waited(fan)
+    if left is not None:
+        return left
     r = fan.prompts[0].answer_choices()[0]
     doc.output = output_items(req, prepared.req, r.text, r.finish_reason)
     doc.end(r.finish_reason, fan.usage())

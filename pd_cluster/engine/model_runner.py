@@ -140,8 +140,10 @@ class ModelRunner:
             self.last_argmax = None
             self.last_mapped = None
             self.last_drawn = None
-            starts = layout.token_starts(step)
-            scored = self._prompt_rows(step, starts) if self.scoring else None
+            starts = scored = None
+            if self.scoring:  # a request is scoring its prompt: only then its rows are looked for
+                starts = layout.token_starts(step)
+                scored = self._prompt_rows(step, starts)
             if layer_hook is None and graphs is not None and scored is None:
                 shape = graphs.shape_for(layout)
                 if shape is not None:
@@ -153,6 +155,7 @@ class ModelRunner:
                     self.last_drawn = graphs.last_drawn
                     graphs.last_drawn = None
                     return logits
+            starts = starts if starts is not None else layout.token_starts(step)
             batch = self.prepare(step, layout, starts)
             layout.take_device_ids(step, starts, batch.input_ids, device_tokens)
             if self.tp is not None:

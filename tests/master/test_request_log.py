@@ -37,16 +37,17 @@ def client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def request_line(cluster: Cluster, request_id: str) -> dict:
-    """The master's JSON log line for ``request_id`` (waits for it: it is written as the request ends)."""
+def request_line(cluster: Cluster, request_id: str, event: str = "request") -> dict:
+    """The master's JSON log line of ``event`` naming ``request_id`` (waits for it: it is written
+    as the request ends)."""
 
     def find() -> dict | None:
         for line in cluster.log("master").splitlines():
-            if request_id in line and '"event": "request"' in line:
+            if request_id in line and f'"event": "{event}"' in line:
                 return json.loads(line)
         return None
 
-    return wait_until(find, 30, f"the request line of {request_id}")
+    return wait_until(find, 30, f"the {event} line of {request_id}")
 
 
 def test_every_request_ends_in_one_json_line_with_its_route_tokens_and_latency(cluster, client):
@@ -115,14 +116,7 @@ def test_json_log_format_makes_every_master_line_json(cluster, client):
 
 def rejected_line(cluster: Cluster, client_request_id: str) -> dict:
     """The master's JSON line of the rejected request sent with ``client_request_id``."""
-
-    def find() -> dict | None:
-        for line in cluster.log("master").splitlines():
-            if client_request_id in line and '"event": "rejected"' in line:
-                return json.loads(line)
-        return None
-
-    return wait_until(find, 30, f"the rejected line of {client_request_id}")
+    return request_line(cluster, client_request_id, "rejected")
 
 
 def rejected_counts(cluster: Cluster) -> dict[tuple[str, str], float]:
