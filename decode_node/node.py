@@ -81,6 +81,7 @@ class DecodeNode(NodeRuntime):
                     token_ids=[u.token_id for u in items],
                     text="".join(u.text_delta for u in items),
                     logprobs=logprobs or None,
+                    prompt_logprobs=items[0].prompt_logprobs,
                     finish_reason=items[-1].finish_reason,
                     cached_tokens=first.cached_tokens if first is not None else None,
                     node_ttft_s=first.node_ttft_s if first is not None else None,

@@ -16,7 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from master import openai_schemas as oa
-from master import tool_calls
+from master import prompt_logprobs, tool_calls
 from master.answer_shapes import (
     CLIENT_CLOSED, PIECE, SHAPES, SSE_HEADERS, Shape, StreamHead, answer, choice, json_string, sse, text_template,
 )
@@ -25,13 +25,16 @@ from master.errors import APIError
 from master.event_stream import EventStreamResponse
 from master.fanout import FanOut, PromptChoices, create_choices
 from master.prepare import Kind, Prepared
-from master.relay_request import ClientDisconnected, StreamFailed, TokenChunk
+from master.rejections import KEY_NAME_STATE, RELAYED_STATE
+from master.prompt_logprobs import Echo
+from master.relay_request import ClientDisconnected, RelayRequest, StreamFailed, TokenChunk
 
 
 def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float) -> FanOut:
     """One relay request per prompt x choice, the client's slot on the first."""
     req = prepared[0].req
     client_request_id: str | None = getattr(request.state, "client_request_id", None)
+    key_name: str | None = getattr(request.state, KEY_NAME_STATE, None)
     prompts: list[PromptChoices] = []
     for p in prepared:
         request_id = ctx.relay.new_request_id(SHAPES[kind].id_prefix)
@@ -39,9 +42,11 @@ def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Pr
                                  req.choice_count, req.choices_returned)
         for r in choices.relays:
             r.client_request_id = client_request_id
+            r.key_name = key_name
             p.route(r)
         prompts.append(choices)
     fan = FanOut(ctx.relay, prompts, request.is_disconnected)
+    setattr(request.state, RELAYED_STATE, True)  # each relay request logs its own line when it ends
     slot = request.state.client_slot
     prompts[0].first.client_slot = slot
     slot.handed = True
@@ -50,12 +55,10 @@ def _fan_out(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Pr
     return fan
 
 
-async def serve(
-    request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float,
-    echo: list[str] | None = None,
-) -> Response:
-    """Answer ``prepared`` (one per prompt, alike but for the prompt); ``echo``: each prompt's
-    text, put before its choices' text."""
+async def admitted(request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared],
+                   arrival: float) -> FanOut | Response:
+    """The relay requests of ``prepared``, admitted (the caller then owns the fan-out and releases
+    it), or the answer when they could not be (the client left, or an error)."""
     fan = _fan_out(request, ctx, kind, prepared, arrival)
     try:
         await fan.admit()
@@ -68,6 +71,30 @@ async def serve(
     except BaseException:
         fan.release()
         raise
+    return fan
+
+
+async def waited(fan: FanOut) -> Response | None:
+    """Wait for every choice, then release the fan-out; the answer to a client that left meanwhile
+    (None: every choice ended; an error raises its APIError)."""
+    try:
+        await fan.wait()
+    except ClientDisconnected:
+        return Response(status_code=CLIENT_CLOSED)
+    finally:
+        fan.release()
+    return None
+
+
+async def serve(
+    request: Request, ctx: MasterContext, kind: Kind, prepared: list[Prepared], arrival: float,
+    echo: Echo | None = None,
+) -> Response:
+    """Answer ``prepared`` (one per prompt, alike but for the prompt); ``echo``: each prompt's
+    text (and logprobs), put before its choices'."""
+    fan = await admitted(request, ctx, kind, prepared, arrival)
+    if isinstance(fan, Response):
+        return fan
     req, shape = prepared[0].req, SHAPES[kind]
     created = oa.now()
     model = ctx.model_name or req.model
@@ -75,24 +102,49 @@ async def serve(
         head = StreamHead(fan.request_id, shape, created, model, req.include_usage)
         writer = _StreamWriter(ctx, fan, req, head, echo)
         return EventStreamResponse(_stream(fan, writer), fan.hang_up, headers=SSE_HEADERS)
-    try:
-        await fan.wait()
-    except ClientDisconnected:
-        return Response(status_code=CLIENT_CLOSED)
-    finally:
-        fan.release()
-    return JSONResponse({"id": fan.request_id, "object": shape.object, "created": created, "model": model,
-                         "choices": _choices(ctx, fan, req, shape, echo), "usage": fan.usage()})
+    left = await waited(fan)
+    if left is not None:
+        return left
+    doc = {"id": fan.request_id, "object": shape.object, "created": created, "model": model,
+           "choices": _choices(ctx, fan, req, shape, echo), "usage": _usage(fan, echo)}
+    if kind == "chat" and req.prompt_logprobs is not None:  # vLLM puts a chat prompt's at the top
+        first = fan.prompts[0].first
+        doc["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, first)
+    return JSONResponse(doc)
 
 
-def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: list[str] | None) -> list[dict[str, Any]]:
+def _usage(fan: FanOut, echo: Echo | None) -> dict[str, Any]:
+    usage = fan.usage()
+    if echo is not None and echo.prompt_only:  # the token drawn was dropped
+        usage = {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+    return usage
+
+
+def _vllm_prompt_logprobs(ctx: MasterContext, r: RelayRequest) -> list[dict[str, Any] | None] | None:
+    if r.prompt_logprobs is None:
+        return None
+    return prompt_logprobs.vllm(r.token_ids, r.prompt_logprobs, ctx.tokenizer.token_text)
+
+
+def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: Echo | None) -> list[dict[str, Any]]:
     choices = []
+    token_text = ctx.tokenizer.token_text
     for p_index, prompt in enumerate(fan.prompts):
-        before = echo[p_index] if echo else ""
+        before = echo.texts[p_index] if echo else ""
         for c_index, r in enumerate(prompt.answer_choices()):
-            logprobs = shape.logprobs(r.logprobs, ctx.tokenizer.token_text, 0) if shape.wants_logprobs(req) else None
-            body, finish_reason = answer(shape, req, before + r.text, r.finish_reason)
-            choices.append({**choice(body, finish_reason, logprobs), "index": p_index * prompt.returned + c_index})
+            text, finish_reason, entries = before + r.text, r.finish_reason, r.logprobs
+            if echo is not None and echo.prompt_only:
+                text, finish_reason, entries = before, "length", []
+            logprobs = shape.logprobs(entries, token_text, len(before)) if shape.wants_logprobs(req) else None
+            if echo is not None and echo.logprobs and r.prompt_logprobs is not None:
+                top = req.logprobs or 0
+                logprobs = prompt_logprobs.joined(prompt_logprobs.legacy(r.token_ids, r.prompt_logprobs, token_text, top),
+                                                  logprobs)
+            body, finish_reason = answer(shape, req, text, finish_reason)
+            item = {**choice(body, finish_reason, logprobs), "index": p_index * prompt.returned + c_index}
+            if shape.object == "text_completion" and req.prompt_logprobs is not None:
+                item["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, r)
+            choices.append(item)
     return choices
 
 
@@ -110,7 +162,7 @@ async def _stream(fan: FanOut, writer: _StreamWriter) -> AsyncIterator[str]:
                     events += writer.failed(index, item.error) if isinstance(item, StreamFailed) else writer.piece(index, item)
                 if events:
                     yield "".join(events)
-        tail = sse(writer.head.chunk([], usage=fan.usage())) if writer.head.include_usage else ""
+        tail = sse(writer.head.chunk([], usage=_usage(fan, writer.echo))) if writer.head.include_usage else ""
         yield tail + "data: [DONE]\n\n"
     finally:
         fan.release()
@@ -121,14 +173,20 @@ class _StreamWriter:
     logprobs count from it), its echo (put before its first piece), its tool-call parser (a chat
     answer that may be a call), and the template its plain pieces are written from."""
 
-    def __init__(self, ctx: MasterContext, fan: FanOut, req: Any, head: StreamHead, echo: list[str] | None) -> None:
+    def __init__(self, ctx: MasterContext, fan: FanOut, req: Any, head: StreamHead, echo: Echo | None) -> None:
         self.head = head
         self.shape = head.shape
         self.token_text = ctx.tokenizer.token_text
         self.wants_logprobs = self.shape.wants_logprobs(req)
         count = len(fan.relays)
-        self.offsets = [0] * count
-        self.before = [echo[p] for p, prompt in enumerate(fan.prompts) for _ in prompt.relays] if echo else None
+        self.before = [echo.texts[p] for p, prompt in enumerate(fan.prompts) for _ in prompt.relays] if echo else None
+        # Completion logprobs count their text offsets from the start of the answer's text.
+        self.offsets = [len(text) for text in self.before] if self.before else [0] * count
+        self.echo = echo
+        #: Answered with the prompt's logprobs (echo, or vLLM's field): each choice's prompt ids.
+        self.prompt_ids = [r.token_ids for r in fan.relays]
+        self.top = req.logprobs or 0 if self.shape.object == "text_completion" else 0
+        self.vllm_field = self.shape.object == "text_completion" and req.prompt_logprobs is not None
         self.calls = None
         if self.shape.object == "chat.completion" and req.parses_tool_calls:
             self.calls = [tool_calls.ToolCallStream(req.tool_names) for _ in range(count)]
@@ -141,6 +199,8 @@ class _StreamWriter:
         return [self._event(index, choice(self.shape.opening)) for index in range(len(self.offsets))]
 
     def piece(self, index: int, piece: TokenChunk) -> list[str]:
+        if self.echo is not None and (self.echo.logprobs or self.echo.prompt_only) or self.vllm_field:
+            return [self._event(index, self._scored(index, piece))]
         logprobs = None
         if self.wants_logprobs and piece.logprobs:
             logprobs = self.shape.logprobs(piece.logprobs, self.token_text, self.offsets[index])
@@ -155,6 +215,27 @@ class _StreamWriter:
         self.offsets[index] += len(text)
         body = choice(self.shape.delta(self._echoed(index, text)), piece.finish_reason, logprobs)
         return [self._event(index, body)]
+
+    def _scored(self, index: int, piece: TokenChunk) -> dict[str, Any]:
+        """A completion's piece with its prompt's logprobs (on its first piece: echoed before its
+        own, or in vLLM's field); the prompt alone with ``max_tokens: 0``."""
+        echo = self.echo
+        prompt_only = echo is not None and echo.prompt_only
+        text, finish, entries = piece.text, piece.finish_reason, piece.logprobs
+        if prompt_only:
+            text, finish, entries = "", "length", None
+        logprobs = None
+        if self.wants_logprobs and entries:
+            logprobs = self.shape.logprobs(entries, self.token_text, self.offsets[index])
+        scored = piece.prompt_logprobs
+        if scored is not None and echo is not None and echo.logprobs:
+            prompt = prompt_logprobs.legacy(self.prompt_ids[index], scored, self.token_text, self.top)
+            logprobs = prompt_logprobs.joined(prompt, logprobs)
+        self.offsets[index] += len(text)
+        body = choice(self.shape.delta(self._echoed(index, text)), finish, logprobs)
+        if self.vllm_field and scored is not None:
+            body["prompt_logprobs"] = prompt_logprobs.vllm(self.prompt_ids[index], scored, self.token_text)
+        return body
 
     def failed(self, index: int, error: APIError) -> list[str]:
         """The choice's last event, then the error's."""

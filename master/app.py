@@ -24,6 +24,7 @@ from master.node_metrics import NodeCollector
 from master.node_ws import node_socket
 from master.planner_loop import PlannerLoop
 from master.registry import CLOSE_GOING_AWAY, Registry
+from master.rejections import RejectionLogMiddleware
 from master.relay import Relay
 from master.request_log import RequestIdMiddleware, RequestLog
 from master.routing import make_policy
@@ -141,4 +142,5 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s,
                        on_refused=count_refused)
+    app.add_middleware(RejectionLogMiddleware, metrics=metrics)  # outermost: sees every answer
     return app

@@ -4,6 +4,7 @@ on a client's concurrent generations. Nodes prove the cluster token without send
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from dataclasses import dataclass, field
@@ -95,6 +96,14 @@ class ApiKeys:
             if hmac.compare_digest(given.encode(), key.encode()):
                 return key
         raise unauthorized("Incorrect API key provided.")
+
+    @staticmethod
+    def name_of(key: str | None) -> str | None:
+        """A key as logs and metrics name it: ``key-`` and the first 8 hex digits of its SHA-256
+        (``printf %s KEY | sha256sum`` finds which), never the key itself."""
+        if key is None:
+            return None
+        return "key-" + hashlib.sha256(key.encode()).hexdigest()[:8]
 
     def limit_of(self, key: str | None) -> int | None:
         if key is None:

@@ -4,7 +4,9 @@ vLLM and OpenAI answer them (:mod:`master.answers`).
 
 Choice ``index`` is ``prompt_index * n + choice_index``; usage adds up every prompt's. ``echo``
 puts each prompt's text before its choices' text (streamed: as each choice's first piece).
-Prompt logprobs are not computed, so ``echo`` with ``logprobs`` is refused. The answer's id (and
+``echo`` with ``logprobs`` puts each prompt's logprobs before its choices' (the prompt is scored
+where it is prefilled), and ``max_tokens: 0`` with ``echo`` answers the prompt alone
+(:mod:`master.prompt_logprobs`). The answer's id (and
 ``X-Request-Id``) is the first prompt's request id; each prompt has its own line in the request
 log and counts as a request of its own. An error on any prompt before its answer starts is the
 answer to the whole request.
@@ -24,6 +26,7 @@ from master.context import MasterContext
 from master.errors import APIError, bad_request
 from master.metrics import status_of_http
 from master.prepare import Prepared, prepare_counted
+from master.prompt_logprobs import Echo
 
 #: Prompts one request may carry; each becomes a request of its own.
 MAX_PROMPTS = 64
@@ -56,8 +59,8 @@ def prompts_of(body: Any, vocab_size: int) -> list[Prompt] | None:
         return None
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", "prompt")
-    if echo and body.get("logprobs") is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed).", "echo")
+    if body.get("max_tokens") == 0 and not echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone).", "max_tokens")
     for p in prompts:  # decoded for echo: only token ids of the vocabulary
         if not isinstance(p, str) and not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in p
@@ -76,11 +79,20 @@ async def serve(request: Request, ctx: MasterContext, body: Any) -> Response | N
     if prompts is None:
         return None
     echo = None
+    one: dict[str, Any] = {"echo": False}
+    prompt_logprobs = None
     if body.get("echo") is True:
-        echo = [p if isinstance(p, str) else await ctx.tokenizer.run(ctx.tokenizer.decode, p) for p in prompts]
+        texts = [p if isinstance(p, str) else await ctx.tokenizer.run(ctx.tokenizer.decode, p) for p in prompts]
+        logprobs = body.get("logprobs")
+        scored = isinstance(logprobs, int) and not isinstance(logprobs, bool)
+        echo = Echo(texts, logprobs=scored, prompt_only=body.get("max_tokens") == 0)
+        if echo.prompt_only:
+            one["max_tokens"] = 1  # one token drawn and dropped: the answer is the prompt
+        if scored:
+            prompt_logprobs = logprobs
     arrival = time.monotonic()
     # Each prompt is validated as a request of its own (and counted so when it is refused).
-    prepared = await asyncio.gather(*(prepare_counted(ctx, {**body, "prompt": p, "echo": False}, "completion")
+    prepared = await asyncio.gather(*(prepare_counted(ctx, {**body, "prompt": p, **one}, "completion", prompt_logprobs)
                                       for p in prompts))
     refused = next((p for p in prepared if isinstance(p, APIError)), None)
     if refused is not None:

@@ -48,6 +48,11 @@ class MasterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests_total = Counter("pdc_requests_total", "Requests by outcome", ["status"], registry=r)
+        self.rejected_requests = Counter(
+            "pdc_rejected_requests_total", "Requests answered with an error without being served, by HTTP status "
+            "and reason (the error's code, else its type: model_not_found, not_found, invalid_api_key, "
+            "context_length_exceeded, invalid_request_error...)", ["status", "reason"], registry=r,
+        )
         self.time_to_first_token = Histogram(
             "pdc_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )

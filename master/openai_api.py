@@ -7,18 +7,20 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from master import answers, completion_batch
+from master import answers, completion_batch, responses_answer, responses_request
 from master import openai_schemas as oa
 from master.auth import ApiKeys
 from master.context import MasterContext
 from master.errors import APIError, bad_request
 from master.metrics import CONTENT_TYPE, status_of_http
 from master.prepare import Kind, model_not_found, prepare_counted
+from master.rejections import KEY_NAME_STATE
 from master.request_log import REQUEST_ID_HEADER, client_request_id
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 router = APIRouter()
 
 #: Routes whose every request counts once in ``pdc_requests_total``.
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 def _ctx(request: Request) -> MasterContext:
@@ -110,7 +112,8 @@ def openapi_document(app: Any) -> dict[str, Any]:
 
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     _, schemas = models_json_schema(
-        [(oa.ChatCompletionRequest, "validation"), (oa.CompletionRequest, "validation")],
+        [(oa.ChatCompletionRequest, "validation"), (oa.CompletionRequest, "validation"),
+         (responses_request.ResponsesRequest, "validation")],
         ref_template="#/components/schemas/{model}",
     )
     doc.setdefault("components", {}).setdefault("schemas", {}).update(schemas.get("$defs", {}))
@@ -126,6 +129,11 @@ async def chat_completions(request: Request) -> Response:
 @router.post("/v1/completions", openapi_extra=_json_body(oa.CompletionRequest))
 async def completions(request: Request) -> Response:
     return await _generate(request, "completion")
+
+
+@router.post("/v1/responses", openapi_extra=_json_body(responses_request.ResponsesRequest))
+async def responses(request: Request) -> Response:
+    return await _generate(request, "chat", _serve_responses)
 
 
 #: Deepest nesting of arrays and objects a request body may have (OpenAI's bodies need < 10).
@@ -198,7 +206,8 @@ def _choice_count(value: Any) -> int:
     return value if valid else 1
 
 
-async def _generate(request: Request, kind: Kind) -> Response:
+async def _generate(request: Request, kind: Kind,
+                    serve: Callable[[Request, Kind], Awaitable[Response]] | None = None) -> Response:
     """Take the client's X-Request-Id (answered back from here on), authenticate it, read its body
     (what no route may see, too deep or not text, is refused first) and hold its generations
     under its key's limit, then serve."""
@@ -208,6 +217,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
         request.state.client_request_id = request.state.request_id = client_request_id(
             request.headers.get(REQUEST_ID_HEADER))
         key = _client_key(request)
+        setattr(request.state, KEY_NAME_STATE, keys.name_of(key))
         body = await _read_json(request)
         slot = keys.acquire(key, generations_of(body, kind))
     except APIError as exc:
@@ -215,7 +225,7 @@ async def _generate(request: Request, kind: Kind) -> Response:
         return exc.response()
     request.state.client_slot = slot
     try:
-        return await _serve(request, kind)
+        return await (serve or _serve)(request, kind)
     finally:
         if not slot.handed:
             slot.release()
@@ -231,3 +241,18 @@ async def _serve(request: Request, kind: Kind) -> Response:
     if isinstance(prepared, APIError):
         return prepared.response()
     return await answers.serve(request, ctx, kind, [prepared], arrival)
+
+
+async def _serve_responses(request: Request, _: Kind) -> Response:
+    """A Responses API request, served as the chat completion it asks for (:mod:`master.responses_request`)."""
+    ctx = _ctx(request)
+    try:
+        req = responses_request.parse(await _read_json(request))
+    except APIError as exc:
+        ctx.metrics.requests_total.labels(status=status_of_http(exc.status)).inc()
+        return exc.response()
+    arrival = time.monotonic()
+    prepared = await prepare_counted(ctx, req.chat_body(), "chat")
+    if isinstance(prepared, APIError):
+        return responses_answer.in_responses_terms(prepared).response()
+    return await responses_answer.serve(request, ctx, req, prepared, arrival)

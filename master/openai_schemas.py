@@ -89,6 +89,8 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
+    #: vLLM's extra: the logprob of each prompt token after the first, with the top k.
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def include_usage(self) -> bool:
@@ -127,6 +129,7 @@ class _GenerationRequest(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "skip_special_tokens": self.skip_special_tokens,
         }
         if self.logit_bias:

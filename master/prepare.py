@@ -42,9 +42,10 @@ class Prepared:
             r.route.remember_hashes(self.block_size, self.block_hashes)
 
 
-async def prepare(ctx: MasterContext, body: Any, kind: Kind) -> Prepared:
+async def prepare(ctx: MasterContext, body: Any, kind: Kind, prompt_logprobs: int | None = None) -> Prepared:
     """Validate and tokenize (hashing the prompt's blocks in the same trip to the tokenizer
-    thread when routing will look them up)."""
+    thread when routing will look them up). ``prompt_logprobs``: score the prompt with at least
+    this many alternatives (an echo with logprobs), whatever the body asks."""
     req = oa.parse_request(oa.ChatCompletionRequest if kind == "chat" else oa.CompletionRequest, body)
     req.check_supported()
     if ctx.model_name is None:
@@ -76,6 +77,8 @@ async def prepare(ctx: MasterContext, body: Any, kind: Kind) -> Prepared:
         vocab = ctx.tokenizer.vocab_size
         if any(t >= vocab for t in sampling.logit_bias):
             raise bad_request(f"logit_bias: token ids must be in [0, {vocab}).", "logit_bias")
+    if prompt_logprobs is not None:
+        sampling = sampling.model_copy(update={"prompt_logprobs": max(prompt_logprobs, sampling.prompt_logprobs or 0)})
     if sampling.seed is None:
         # Chosen once here, so a retry on another node draws the same stream.
         sampling = sampling.model_copy(update={"seed": secrets.randbits(63)})
@@ -135,12 +138,13 @@ def prefix_block_size(ctx: MasterContext) -> int | None:
     return None
 
 
-async def prepare_counted(ctx: MasterContext, body: Any, kind: Kind) -> Prepared | APIError:
+async def prepare_counted(ctx: MasterContext, body: Any, kind: Kind,
+                          prompt_logprobs: int | None = None) -> Prepared | APIError:
     """:func:`prepare`, or the error that answers the request, counted in ``pdc_requests_total``.
     An unexpected one is logged and answered as a 500 here, not by the app's handler: the
     connection stays usable and the error is counted."""
     try:
-        return await prepare(ctx, body, kind)
+        return await prepare(ctx, body, kind, prompt_logprobs)
     except APIError as exc:
         ctx.metrics.requests_total.labels(status=status_of_http(exc.status)).inc()
         return exc

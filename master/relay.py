@@ -238,7 +238,8 @@ class Relay:
 
     def _emit_first(self, r: RelayRequest, msg: protocol.FirstToken) -> None:
         logprobs = [msg.logprob] if msg.logprob is not None else None
-        r.add_output(TokenChunk([msg.token_id], msg.text, logprobs, msg.finish_reason), time.monotonic())
+        r.add_output(TokenChunk([msg.token_id], msg.text, logprobs, msg.finish_reason, msg.prompt_logprobs),
+                     time.monotonic())
 
     def on_kv_transferred(self, node: NodeRecord, msg: protocol.KVTransferred) -> None:
         """P finished moving a request's KV (the bytes were counted with its FirstToken)."""
@@ -445,7 +446,8 @@ class Relay:
         asyncio.get_running_loop().call_soon(run)
 
     def _apply_delta(self, r: RelayRequest, msg: protocol.TokenDelta) -> None:
-        r.add_output(TokenChunk(list(msg.token_ids), msg.text, msg.logprobs, msg.finish_reason), time.monotonic())
+        r.add_output(TokenChunk(list(msg.token_ids), msg.text, msg.logprobs, msg.finish_reason, msg.prompt_logprobs),
+                     time.monotonic())
         if msg.finish_reason is not None:
             self._finish(r, msg.finish_reason)
 

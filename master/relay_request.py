@@ -32,6 +32,8 @@ class TokenChunk:
     text: str
     logprobs: list[protocol.TokenLogprob] | None
     finish_reason: str | None
+    #: With a request's first token, when it asked for them: its prompt's logprobs.
+    prompt_logprobs: protocol.PromptLogprobs | None = None
 
 
 class StreamFailed(Exception):
@@ -80,6 +82,8 @@ class RelayRequest:
     #: Which choice of its HTTP request this is (n > 1): only choice 0 counts the request and its prompt.
     choice_index: int = 0
     client_request_id: str | None = None
+    #: The client's API key by name (never the key itself), for the request log.
+    key_name: str | None = None
     #: The client's place under its API key's concurrency limit, given back on release.
     client_slot: ClientSlot | None = None
     # where it stands
@@ -105,6 +109,7 @@ class RelayRequest:
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[protocol.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: protocol.PromptLogprobs | None = None
     finish_reason: str | None = None
     #: Of the client's prompt, found in the prefix cache by the attempt that produced the output.
     cached_tokens: int = 0
@@ -187,8 +192,11 @@ class RelayRequest:
         if not self.output_ids:
             return self.token_ids, self.sampling
         done = len(self.output_ids)
+        # The prompt's logprobs came with the first attempt's first token: a moved stream's prompt
+        # holds its own output, which is not scored.
         sampling = self.sampling.model_copy(update={"max_tokens": self.sampling.max_tokens - done,
-                                                    "output_offset": self.sampling.output_offset + done})
+                                                    "output_offset": self.sampling.output_offset + done,
+                                                    "prompt_logprobs": None})
         return self.token_ids + self.output_ids, sampling
 
     def add_output(self, chunk: TokenChunk, now: float) -> None:
@@ -199,6 +207,8 @@ class RelayRequest:
         self.text_parts.append(chunk.text)
         if chunk.logprobs:
             self.logprobs.extend(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         if self.stream:
             self.buffer.append(chunk)
             self.sent = True
@@ -209,6 +219,7 @@ class RelayRequest:
         self.output_ids.clear()
         self.text_parts.clear()
         self.logprobs.clear()
+        self.prompt_logprobs = None
         self.cached_tokens = 0
         self.first_token_at = None
         self.buffer = [item for item in self.buffer if not isinstance(item, TokenChunk)]

@@ -36,6 +36,9 @@ REQUEST_ID_HEADER = "X-Request-Id"
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 #: The LogRecord attribute that carries a request's fields to :class:`JSONFormatter`.
 FIELDS_ATTR = "request_fields"
+#: The LogRecord attribute naming the line's event (``request`` when absent; ``rejected`` for
+#: requests answered with an error before being served, see :mod:`master.rejections`).
+EVENT_ATTR = "request_event"
 
 
 @dataclass
@@ -80,6 +83,8 @@ class RequestRecord:
     #: waited), and why it waited last: decode_full, kv_full, decode_refused, rerun, behind_queue.
     queue_wait_s: float | None = None
     wait_reason: str | None = None
+    #: The client's API key by name (:meth:`master.auth.ApiKeys.name_of`), never the key itself.
+    key: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         # Every field is a plain value: a shallow copy is asdict's result without its deep copy.
@@ -87,16 +92,22 @@ class RequestRecord:
 
     def text(self) -> str:
         """The ``key=value`` form of the text log."""
-        parts = []
-        for key, value in self.as_dict().items():
-            if key == "ended_at" or value is None:
-                continue
-            if isinstance(value, float):
-                value = f"{value:.4f}"
-            elif isinstance(value, str) and (" " in value or not value):
-                value = json.dumps(value)
-            parts.append(f"{key}={value}")
-        return "request " + " ".join(parts)
+        return "request " + key_value_text(self.as_dict(), skip=("ended_at",))
+
+
+def key_value_text(fields: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """``key=value`` pairs of a line's fields (None left out, floats to 0.1 ms, strings with spaces
+    or quotes quoted as JSON), readable back by :func:`parse_text_line`."""
+    parts = []
+    for key, value in fields.items():
+        if key in skip or value is None:
+            continue
+        if isinstance(value, float):
+            value = f"{value:.4f}"
+        elif isinstance(value, str) and (not value or any(c in value for c in ' "=')):
+            value = json.dumps(value)
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
 
 
 _TEXT_LINE = re.compile(r"\brequest (request_id=.*)$")
@@ -198,6 +209,7 @@ class RequestLog:
             e2e_s=_seconds(e2e),
             stream=r.stream,
             ended_at=time.time(),
+            key=r.key_name,
         )
 
     def _block_size(self, decode_id: str | None) -> int:
@@ -245,7 +257,7 @@ class JSONFormatter(logging.Formatter):
         }
         fields = getattr(record, FIELDS_ATTR, None)
         if fields:
-            doc["event"] = "request"
+            doc["event"] = getattr(record, EVENT_ATTR, "request")
             doc.update(fields)
         else:
             doc["message"] = record.getMessage()

@@ -92,6 +92,7 @@ class LLM:
                 num_cached_tokens=req.num_cached_tokens,
                 logprobs=req.logprobs if req.sampling.params.logprobs is not None else None,
                 num_preemptions=req.num_preemptions,
+                prompt_logprobs=req.prompt_logprobs.result() if req.prompt_logprobs is not None else None,
             )
             for (text, _), req in zip(texts_and_ids, requests)
         ]

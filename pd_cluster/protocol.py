@@ -41,6 +41,18 @@ class TokenLogprob(BaseModel):
     top: dict[int, float] = Field(default_factory=dict)
 
 
+class PromptLogprobs(BaseModel):
+    """Logprobs of a prompt's tokens after its first, each given the tokens before it (entry ``i``
+    is token ``i + 1``'s), from the raw logits; with the top ``k`` alternatives when asked
+    (``SamplingParams.prompt_logprobs``). Parallel lists: a long prompt's entries stay compact."""
+
+    logprobs: list[float]
+    #: Each token's rank among the vocabulary at its position (1: the most likely).
+    ranks: list[int] = Field(default_factory=list)
+    top_ids: list[list[int]] = Field(default_factory=list)
+    top_logprobs: list[list[float]] = Field(default_factory=list)
+
+
 # ---- proof of the cluster token, both ways, before Register ----------------------------
 
 
@@ -153,6 +165,8 @@ class FirstToken(_Message):
     token_id: int
     text: str = ""
     logprob: TokenLogprob | None = None
+    #: The prompt's logprobs, when the job asked for them (``SamplingParams.prompt_logprobs``).
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: FinishReason | None = None
     cached_tokens_prefill: int = 0
     hit_blocks_decode: int = 0
@@ -176,6 +190,8 @@ class TokenDelta(_Message):
     token_ids: list[int]
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    #: First delta of a request the node prefilled itself, when it asked: the prompt's logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
     finish_reason: FinishReason | None = None
     cached_tokens: int | None = Field(
         default=None, ge=0, description="first delta of a request the node prefilled itself (GenerateJob): "

@@ -80,6 +80,11 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS,
+        description="the logprob of each prompt token after the first (and the top k alternatives): computed "
+                    "as the prompt is prefilled, never read from the prefix cache",
+    )
     skip_special_tokens: bool = True
     logit_bias: dict[int, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS

@@ -350,6 +350,7 @@ class PrefillService:
             token_id=first.token_id,
             text=first.text_delta,
             logprob=first.logprob,
+            prompt_logprobs=first.prompt_logprobs,
             finish_reason=first.finish_reason,
             cached_tokens_prefill=req.num_cached_tokens,
             hit_blocks_decode=hit_blocks,

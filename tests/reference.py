@@ -110,3 +110,16 @@ class GreedyReference:
         elif key in self._states:
             self._states.move_to_end(key)
         return list(self._tokens[key][:max_new_tokens])
+
+
+def prompt_logprobs(model, prompt: list[int], top: int = 0) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """transformers' log-softmax (float32) of each prompt token after the first given the ones
+    before it, and the top ``top`` (ids, logprobs) at each of those positions."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1).tolist()
+    if not top:
+        return chosen, [], []
+    best = logprobs.topk(top, dim=-1)
+    return chosen, best.indices.tolist(), best.values.tolist()

@@ -38,6 +38,7 @@ from pd_cluster.engine.output_processor import OutputProcessor
 from pd_cluster.engine.outputs import EngineStats, TokenUpdate
 from pd_cluster.engine.penalties import PenaltyBook
 from pd_cluster.engine.postprocess import InFlight, Postprocessor
+from pd_cluster.engine.prompt_logprobs import PromptLogprobsState
 from pd_cluster.engine.radix_cache import RadixCache
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.request import Request, RequestStatus
@@ -277,8 +278,11 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         state = SamplingState.create(params, list(prompt_token_ids))
         output = OutputProcessor(self.tokenizer, params, self.eos_token_ids, list(prompt_token_ids))
-        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=state, output=output,
-                       grammar=self.grammars.state(params, prompt_token_ids))
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling=state, output=output,
+                      grammar=self.grammars.state(params, prompt_token_ids))
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = PromptLogprobsState(req.prompt_token_ids, params.prompt_logprobs)
+        return req
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -290,6 +294,8 @@ class LLMEngine:
         pipelined step in flight, instead of in the step after that one (see :meth:`_prefill_aside`).
         ``whole_prefill``: not in graph-sized chunks (:attr:`Request.whole_prefill`)."""
         req = self.make_request(request_id, prompt_token_ids, params)
+        if req.prompt_logprobs is not None and not req.prompt_logprobs.complete:
+            self.runner.scoring.add(req.prompt_logprobs)
         req.hold_kv = hold_kv
         req.prefill_only = prefill_only
         req.whole_prefill = whole_prefill
@@ -337,6 +343,8 @@ class LLMEngine:
             return False
         req.finish_reason = "abort"
         req.hold_kv = False
+        if req.prompt_logprobs is not None:
+            self.runner.scoring.discard(req.prompt_logprobs)
         # Prefilled on the side stream, it may still write its KV slots: freed once read back.
         if not self.side_prefills.holds(req):
             self.scheduler.remove(req)

@@ -15,6 +15,7 @@ from pd_cluster.engine.cuda_graphs import GraphShape, StepGraphs
 from pd_cluster.engine.device_copy import tensor_on, to_device
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.mapped_ids import MappedIds
+from pd_cluster.engine.prompt_logprobs import PromptLogprobsState, PromptRowsPlan, plan_rows, score_rows
 from pd_cluster.engine.req_table import ReqSlotTable
 from pd_cluster.engine.sampler import GraphDrawn
 from pd_cluster.engine.scheduler import ScheduledStep
@@ -52,6 +53,8 @@ class ModelRunner:
         #: Prefill-only graphs with buffers of their own, for prefills on the engine's side stream
         #: beside a replay of :attr:`graphs` (see ``LLMEngine._prefill_aside``).
         self.side_graphs: StepGraphs | None = None
+        #: Requests whose prompt logprobs are still being scored (empty: no step looks further).
+        self.scoring: set[PromptLogprobsState] = set()
         if config is not None and config.cuda_graphs and device.type == "cuda":
             self.graphs, self.side_graphs = self._capture(config)
 
@@ -138,7 +141,11 @@ class ModelRunner:
             self.last_argmax = None
             self.last_mapped = None
             self.last_drawn = None
-            if layer_hook is None and graphs is not None:
+            starts = scored = None
+            if self.scoring:  # a request is scoring its prompt: only then its rows are looked for
+                starts = layout.token_starts(step)
+                scored = self._prompt_rows(step, starts)
+            if layer_hook is None and graphs is not None and scored is None:
                 shape = graphs.shape_for(layout)
                 if shape is not None:
                     logits = graphs.replay(step, layout, shape, device_tokens,
@@ -149,14 +156,29 @@ class ModelRunner:
                     self.last_drawn = graphs.last_drawn
                     graphs.last_drawn = None
                     return logits
-            starts = layout.token_starts(step)
+            starts = starts if starts is not None else layout.token_starts(step)
             batch = self.prepare(step, layout, starts)
             layout.take_device_ids(step, starts, batch.input_ids, device_tokens)
             if self.tp is not None:
                 # The plan to the other ranks, then the same forward here: each rank reads and
                 # writes its own heads at the slots the plan names.
                 self.tp.forward(batch, self.table.take_journal())
-            return self.model.forward(batch, self.pool, layer_hook)
+            if scored is None:
+                return self.model.forward(batch, self.pool, layer_hook)
+            batch.hidden_rows = tensor_on(scored.rows, torch.int64, self.device)
+            logits = self.model.forward(batch, self.pool, layer_hook)
+            assert batch.hidden_out is not None
+            score_rows(batch.hidden_out, self.model.weights.lm_head, scored)
+            self.scoring = {state for state in self.scoring if not state.complete}
+            return logits
+
+    def _prompt_rows(self, step: ScheduledStep, starts: list[int]) -> PromptRowsPlan | None:
+        """The rows of this step whose logits score a prompt token of a request that asked
+        (:mod:`pd_cluster.engine.prompt_logprobs`); such a step runs eagerly, not as a graph."""
+        asking = [(req.prompt_logprobs, req.num_computed, q_len, starts[i])
+                  for i, (req, q_len) in enumerate(zip(step.requests, step.q_lens))
+                  if req.prompt_logprobs is not None and req.prompt_logprobs in self.scoring]
+        return plan_rows(asking) if asking else None
 
     def _plan_replay(self, shape: GraphShape, inputs: np.ndarray, pending: bool) -> None:
         """A tensor-parallel step replayed as a graph: its plan to the other ranks, which replay the

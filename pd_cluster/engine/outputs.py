@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pd_cluster.protocol import TokenLogprob
+from pd_cluster.protocol import PromptLogprobs, TokenLogprob
 
 
 @dataclass
@@ -18,6 +18,8 @@ class TokenUpdate:
     finish_reason: str | None
     #: Set on the step that ran the request's last prefill chunk.
     first_token: bool = False
+    #: With the first token of a request that asked: its prompt's logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
@@ -34,6 +36,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     num_preemptions: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass

@@ -145,6 +145,7 @@ class Postprocessor:
             updates.append(TokenUpdate(
                 request_id=req.request_id, token_id=tok.token_id, text_delta=update.text_delta,
                 logprob=tok.logprob, finish_reason=update.finish_reason, first_token=item.first,
+                prompt_logprobs=req.prompt_logprobs.result() if item.first and req.prompt_logprobs else None,
             ))
         return updates
 

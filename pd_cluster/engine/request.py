@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pd_cluster.engine.grammar import GrammarState
 from pd_cluster.engine.output_processor import OutputProcessor
+from pd_cluster.engine.prompt_logprobs import PromptLogprobsState
 from pd_cluster.engine.radix_cache import RadixNode
 from pd_cluster.engine.sampler import SamplingState
 from pd_cluster.protocol import TokenLogprob
@@ -45,6 +46,8 @@ class Request:
     num_preemptions: int = 0
     admitted_once: bool = False
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: The prompt's logprobs as its chunks compute them (None: not asked for).
+    prompt_logprobs: PromptLogprobsState | None = None
     finish_reason: str | None = None
     #: When the scheduler first took it into a step (``time.monotonic()``).
     admitted_time: float | None = None

@@ -242,6 +242,8 @@ class Scheduler:
         match = self.cache.match_prefix(req.token_ids(0, req.num_tokens))
         block = self.cache.block_size
         usable = min(match.num_tokens, ((req.num_tokens - 1) // block) * block)
+        if req.prompt_logprobs is not None:  # cached positions have no logits: recompute those not scored
+            usable = min(usable, (req.prompt_logprobs.done // block) * block)
         row = self.table.alloc_row()
         if row is None:
             return False

@@ -143,7 +143,10 @@ class Reservations:
             engine.cache.dec_ref(res.node)
             node = match.node
 
-        req = engine.make_request(res.request_id, res.prompt_token_ids, res.params)
+        # The prompt's logprobs went out with P's first token: D has no prompt of its own to score.
+        params = res.params.model_copy(update={"prompt_logprobs": None}) if res.params.prompt_logprobs is not None \
+            else res.params
+        req = engine.make_request(res.request_id, res.prompt_token_ids, params)
         req.sampling.output_token_ids.append(first_token)
         req.output.append(first_token)  # P already reported this token's text
         req.row = row

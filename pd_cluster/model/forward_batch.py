@@ -33,6 +33,10 @@ class ForwardBatch:
     #: When set, ``slot_table`` is the engine's request table, read in place: sequence ``b``'s
     #: slots are its row ``table_rows[b]`` (CUDA graphs: no per-step copy of the rows).
     table_rows: torch.Tensor | None = None  # [B] int64
+    #: Rows (of the flattened tokens) whose final hidden states, normed, the step hands back in
+    #: ``hidden_out`` beside the logits (a prompt's logprobs are scored from them a block at a time).
+    hidden_rows: torch.Tensor | None = None  # [R] int64
+    hidden_out: torch.Tensor | None = None  # [R, hidden], set by the forward
 
     def prefill_part(self) -> PrefillPart:
         """The sequences after the first ``num_decode``, their token offsets rebased to that part."""

@@ -113,9 +113,15 @@ class LlamaModel:
                                             self.weights.lm_head, rows=batch.logits_indices,
                                             out_dtype=torch.float32 if float_logits else None)
         else:
-            hidden = hidden[batch.logits_indices]
-            residual = residual[batch.logits_indices] if residual is not None else None
+            rows = batch.logits_indices
+            if batch.hidden_rows is not None:
+                rows = torch.cat((rows, batch.hidden_rows))
+            hidden = hidden[rows]
+            residual = residual[rows] if residual is not None else None
             normed, _ = kernels.rms_norm(hidden, self.weights.final_norm, self.config.rms_norm_eps, residual)
+            if batch.hidden_rows is not None:
+                sampled = batch.logits_indices.shape[0]
+                normed, batch.hidden_out = normed[:sampled], normed[sampled:]
             logits = F.linear(normed, self.weights.lm_head)
         return logits.float() if float_logits else logits
 

@@ -103,8 +103,10 @@ def test_completion_prompt_forms(client):
 
 def test_unsupported_options_are_400(client):
     _assert_error(client.post("/v1/chat/completions", json={**CHAT, "n": 17}), 400, param="n")
-    echo_logprobs = {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}
-    _assert_error(client.post("/v1/completions", json=echo_logprobs), 400, param="echo")
+    no_tokens = {"model": MODEL, "prompt": "x", "max_tokens": 0}  # 0 only with echo: the prompt alone
+    _assert_error(client.post("/v1/completions", json=no_tokens), 400, param="max_tokens")
+    _assert_error(client.post("/v1/completions", json={**no_tokens, "max_tokens": 1, "prompt_logprobs": 21}), 400,
+                  param="prompt_logprobs")
     image = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     _assert_error(client.post("/v1/chat/completions", json=image), 400, param="messages")
 

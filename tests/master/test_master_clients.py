@@ -4,6 +4,7 @@ generations and a bounded admission queue (429 with Retry-After), every answer c
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from master.app import ConfigError
+from master.auth import ApiKeys
 from master.server import create_app
 from pd_cluster import protocol
 from tests.master_fakes import (
@@ -176,3 +178,24 @@ def test_an_unreadable_keys_file_stops_the_master(tmp_path: Path):
         create_app(make_settings(api_keys_file=bad), tokenizer=tiny_tokenizer())
     with pytest.raises(ConfigError):
         create_app(make_settings(api_keys_file=tmp_path / "missing"), tokenizer=tiny_tokenizer())
+
+
+async def test_a_rejected_request_is_logged_by_its_key_name_never_the_key(keyed, caplog):
+    master, _, _ = keyed
+    client = openai.AsyncOpenAI(base_url=f"{master.base_url}/v1", api_key="sk-pair", max_retries=0)
+    with caplog.at_level(logging.INFO, logger="master.requests"):
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=f"{master.base_url}/v1", api_key="sk-wrong", max_retries=0
+                                     ).completions.create(model=MODEL, prompt="a", max_tokens=2)
+    await client.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rejected ")]
+    assert len(lines) == 2, lines
+    name = ApiKeys.name_of("sk-pair")
+    assert re.fullmatch(r"key-[0-9a-f]{8}", name)
+    assert "status=400 reason=generations_over_key_limit" in lines[0] and f"key={name}" in lines[0]
+    assert "status=401 reason=invalid_api_key" in lines[1] and "key=" not in lines[1]
+    assert not any("sk-pair" in line or "sk-wrong" in line for line in caplog.messages)
+    counts = (await master.http.get("/metrics")).text
+    assert 'pdc_rejected_requests_total{reason="generations_over_key_limit",status="400"} 1.0' in counts

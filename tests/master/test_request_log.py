@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 
 import httpx
@@ -36,16 +37,17 @@ def client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def request_line(cluster: Cluster, request_id: str) -> dict:
-    """The master's JSON log line for ``request_id`` (waits for it: it is written as the request ends)."""
+def request_line(cluster: Cluster, request_id: str, event: str = "request") -> dict:
+    """The master's JSON log line of ``event`` naming ``request_id`` (waits for it: it is written
+    as the request ends)."""
 
     def find() -> dict | None:
         for line in cluster.log("master").splitlines():
-            if request_id in line and '"event": "request"' in line:
+            if request_id in line and f'"event": "{event}"' in line:
                 return json.loads(line)
         return None
 
-    return wait_until(find, 30, f"the request line of {request_id}")
+    return wait_until(find, 30, f"the {event} line of {request_id}")
 
 
 def test_every_request_ends_in_one_json_line_with_its_route_tokens_and_latency(cluster, client):
@@ -112,10 +114,52 @@ def test_json_log_format_makes_every_master_line_json(cluster, client):
     assert any(doc.get("message", "").startswith("node d0 joined") for doc in docs)
 
 
-def test_rejected_requests_carry_no_id_and_get_no_line(cluster):
-    response = httpx.post(cluster.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
+def rejected_line(cluster: Cluster, client_request_id: str) -> dict:
+    """The master's JSON line of the rejected request sent with ``client_request_id``."""
+    return request_line(cluster, client_request_id, "rejected")
+
+
+def rejected_counts(cluster: Cluster) -> dict[tuple[str, str], float]:
+    text = httpx.get(cluster.url + "/metrics", timeout=10).text
+    found = re.findall(r'pdc_rejected_requests_total\{reason="(\w+)",status="(\d+)"\} (\S+)', text)
+    return {(reason, status): float(count) for reason, status, count in found}
+
+
+def test_rejected_requests_leave_a_line_naming_the_reason_and_a_count(cluster, client):
+    before = rejected_counts(cluster)
+    # A 400: a field of the wrong type, refused before anything is served.
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-3,
+                                  extra_headers={"X-Request-Id": "client-bad-400"})
+    line = rejected_line(cluster, "client-bad-400")
+    assert line["logger"] == "master.requests" and line["level"] == "info"
+    assert (line["status"], line["error_type"], line["param"]) == (400, "invalid_request_error", "temperature")
+    assert line["reason"] == "invalid_request_error" and "temperature" in line["message"]
+    assert (line["method"], line["path"]) == ("POST", "/v1/completions")
+    assert line["key"] is None  # the cluster needs no key
+
+    # A 404: a model the cluster does not serve.
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2,
+                                  extra_headers={"X-Request-Id": "client-model-404"})
+    line = rejected_line(cluster, "client-model-404")
+    assert (line["status"], line["reason"], line["param"]) == (404, "model_not_found", "model")
+
+    # A 404 of a route that does not exist, without an X-Request-Id: still a line, and no id answered.
+    response = httpx.post(cluster.url + "/v1/no-such-route", json={}, timeout=10,
+                          headers={"X-Request-Id": "client-route-404"})
     assert response.status_code == 404
-    assert "x-request-id" not in response.headers
+    line = rejected_line(cluster, "client-route-404")
+    assert (line["status"], line["reason"], line["path"]) == (404, "not_found", "/v1/no-such-route")
+    response = httpx.post(cluster.url + "/v1/completions", json={"model": "nope", "prompt": "x"}, timeout=10)
+    assert response.status_code == 404 and "x-request-id" not in response.headers
+
+    after = rejected_counts(cluster)
+    for reason, count in {("model_not_found", "404"): 2, ("not_found", "404"): 1, ("invalid_request_error", "400"): 1}.items():
+        assert after[reason] - before.get(reason, 0) == count, reason
+    # A served request is the request log's, not a rejection.
+    assert not any('"event": "rejected"' in line and '"status": 200' in line
+                   for line in cluster.log("master").splitlines())
 
 
 # ---- the line's content, without a cluster ---------------------------------------------------------

@@ -16,6 +16,7 @@ from master import openai_schemas as oa
 from master.answer_shapes import SHAPES, StreamHead, choice, sse
 from master.answers import _StreamWriter
 from master.errors import APIError
+from master.prompt_logprobs import Echo
 from master.relay_request import TokenChunk
 from pd_cluster import protocol
 
@@ -35,11 +36,12 @@ def writer(kind: str, choices: int = 1, logprobs: Any = None, tools: set[str] | 
            include_usage: bool = False, echo: list[str] | None = None) -> _StreamWriter:
     shape = SHAPES[kind]  # type: ignore[index]
     req = SimpleNamespace(logprobs=logprobs, parses_tool_calls=tools is not None, tool_names=tools or set(),
-                          include_usage=include_usage)
-    fan = SimpleNamespace(relays=[object()] * choices, prompts=[SimpleNamespace(relays=[object()] * choices)])
+                          include_usage=include_usage, prompt_logprobs=None)
+    relays = [SimpleNamespace(token_ids=[1, 2])] * choices
+    fan = SimpleNamespace(relays=relays, prompts=[SimpleNamespace(relays=relays)])
     ctx = SimpleNamespace(tokenizer=SimpleNamespace(token_text=lambda token_id: f"t\"{token_id}\u00e9"))
     head = StreamHead("chatcmpl-x1", shape, 1_764_000_000, "smol \"model\"", include_usage)
-    return _StreamWriter(ctx, fan, req, head, echo)  # type: ignore[arg-type]
+    return _StreamWriter(ctx, fan, req, head, Echo(echo) if echo else None)  # type: ignore[arg-type]
 
 
 def read_text(kind: str, payload: dict[str, Any]) -> list[str | None]:
