@@ -30,6 +30,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free ports, below the kernel's ephemeral range: a port
+    after one the kernel handed out is likely to be handed to someone's outgoing connection next,
+    which would take a master worker's private port before it binds it."""
+    import random
+
+    low, _ = _ephemeral_range()
+    top = low - count if low > 20000 + count else 65536 - count
+    for _ in range(200):
+        base = random.randrange(20000, top)
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise RuntimeError(f"no run of {count} free ports")
+
+
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while True:

@@ -109,7 +109,7 @@ class StampedDecode:
                 tasks += [self._read(link), self._heartbeat(link)]
             await asyncio.gather(*tasks)
 
-    async def _join(self, url: str, timeout_s: float = 30.0) -> tuple[Any, list[str]]:
+    async def _join(self, url: str, timeout_s: float = 120.0) -> tuple[Any, list[str]]:
         """A registered socket to ``url`` and the worker URLs its master named; a refusal that may
         pass (the id still held by a link just closed) is retried until ``timeout_s``."""
         from websockets.asyncio.client import connect

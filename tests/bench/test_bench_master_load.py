@@ -16,7 +16,7 @@ from pd_cluster.bench.master_scale import (
 from pd_cluster.bench.master_scale import markdown as markdown_scale
 from pd_cluster.bench.scale_client import content_of
 from pd_cluster.cli import main as cli_main
-from tests.cluster_harness import free_port
+from tests.cluster_harness import free_port, free_port_run
 
 
 def test_a_small_load_is_served_and_the_report_holds_the_masters_share(default_model_dir: Path, tmp_path: Path):
@@ -60,7 +60,8 @@ def test_concurrent_streams_through_two_masters_report_tokens_dispatch_and_the_m
     dispatch is found in its master's log, and every token's time from its node to the client is
     measured."""
     options = ScaleOptions(model=str(default_model_dir), masters=[2], concurrency=[8], decode_nodes=2, step_ms=5.0,
-                           input_len=64, output_len=16, measure_s=2.0, client_procs=2, node_procs=1, port=free_port())
+                           input_len=64, output_len=16, measure_s=2.0, client_procs=2, node_procs=1,
+                           port=free_port_run(2))
     doc = run_scale(options, tmp_path / "run")
     (level,) = doc["levels"]
     assert level["masters"] == 2 and level["concurrency"] == 8
@@ -87,7 +88,7 @@ def test_streams_through_one_master_of_two_workers_are_served_by_the_synthetic_n
     each worker, and every stream (the kernel spreads the clients' connections) is served."""
     options = ScaleOptions(model=str(default_model_dir), masters=[1], master_workers=[2], concurrency=[8],
                            decode_nodes=2, step_ms=5.0, input_len=64, output_len=16, measure_s=2.0, client_procs=2,
-                           node_procs=1, port=free_port())
+                           node_procs=1, port=free_port_run(3))  # the public port and the workers' two
     doc = run_scale(options, tmp_path / "run")
     (level,) = doc["levels"]
     assert level["masters"] == 1 and level["workers"] == 2
@@ -140,8 +141,8 @@ def test_per_master_concurrency_gives_each_master_the_same_streams(default_model
     """``--per-master``: a level's streams are the given count times the masters (1, 2 and 4
     masters then carry the same load each, and their rates show how masters scale)."""
     options = ScaleOptions(model=str(default_model_dir), masters=[2], concurrency=[3], decode_nodes=1, step_ms=5.0,
-                           input_len=32, output_len=8, measure_s=1.0, client_procs=1, node_procs=1, port=free_port(),
-                           per_master=True)
+                           input_len=32, output_len=8, measure_s=1.0, client_procs=1, node_procs=1,
+                           port=free_port_run(2), per_master=True)
     (level,) = run_scale(options, tmp_path / "run")["levels"]
     assert level["concurrency"] == 6 and level["failed"] == 0, level
 

@@ -9,41 +9,17 @@ import concurrent.futures as cf
 import os
 import re
 import signal
-import socket
 
 import httpx
 import openai
 import pytest
 
-from tests.cluster_harness import ADMIN_TOKEN, Cluster, status_of, wait_until
+from tests.cluster_harness import ADMIN_TOKEN, Cluster, free_port_run, status_of, wait_until
 from tests.reference import CHAT_MESSAGES
 
 MODEL = "SmolLM2-135M-Instruct"
 NEW_TOKENS = 8
 WORKERS = 2
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive free ports."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65536:
-            continue
-        held: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError("no run of free ports")
 
 
 class WorkersCluster(Cluster):
