@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,10 @@ from fastapi import FastAPI, WebSocket
 from master import admin, openai_api, status_page
 from master.auth import ApiKeys, blank, read_keys_file
 from master.body_limit import BodyLimitMiddleware
-from master.config import WORKERS_AND_KEY_LIMITS, MasterSettings
+from master.config import MasterSettings
 from master.context import MasterContext
 from master.errors import install_error_handlers
+from master.key_counts import KEY_COUNTS_ENV, KeyCounts, LocalKeyCounts, SharedKeyCounts
 from master.load_mix import LoadMix
 from master.metrics import MasterMetrics, status_of_http
 from master.model_info import ModelInfo, read_model_info
@@ -67,13 +69,20 @@ def api_keys_from(settings: MasterSettings) -> ApiKeys:
             limits.update(read_keys_file(settings.api_keys_file))
         except (OSError, ValueError) as exc:
             raise ConfigError(f"cannot read the API keys file: {exc}") from exc
-    if settings.workers > 1 and any(limit is not None for limit in limits.values()):
-        raise ConfigError(WORKERS_AND_KEY_LIMITS)
     if any(not key.strip() for key in limits):
         raise ConfigError("an API key must not be empty")
     if limits:
         logger.info("clients must send one of %d API keys", len(limits))
-    return ApiKeys(limits, settings.max_concurrent_per_key, settings.retry_after_s)
+    return ApiKeys(limits, settings.max_concurrent_per_key, settings.retry_after_s, counts=key_counts_for(settings))
+
+
+def key_counts_for(settings: MasterSettings) -> KeyCounts:
+    """A worker of a master of several counts in the table its supervisor made, so a key's limit
+    holds across the workers; a master of one process counts in its own."""
+    table = os.environ.get(KEY_COUNTS_ENV)
+    if settings.worker_index is None or not table:
+        return LocalKeyCounts()
+    return SharedKeyCounts(Path(table), settings.workers, settings.worker_index)
 
 
 def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:

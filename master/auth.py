@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import SecretStr
 
 from master.errors import APIError, unauthorized
+from master.key_counts import KeyCounts, LocalKeyCounts
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,15 @@ class ApiKeys:
     limits: dict[str, int | None] = field(default_factory=dict)
     default_limit: int | None = None
     retry_after_s: float = 1.0
-    open_generations: dict[str | None, int] = field(default_factory=dict)
+    #: Where the running generations are counted: this process, or the table every worker of
+    #: the master shares (:mod:`master.key_counts`).
+    counts: KeyCounts = field(default_factory=LocalKeyCounts)
+
+    @property
+    def open_generations(self) -> dict[str, int]:
+        """The keys with generations running, and how many."""
+        running = {key: self.counts.running(key) for key in self.limits}
+        return {key: n for key, n in running.items() if n}
 
     @property
     def required(self) -> bool:
@@ -116,21 +125,19 @@ class ApiKeys:
         limit can never pass: 400, saying so (no client should retry it). One that fits the limit but
         not what is free of it now: 429 with Retry-After."""
         limit = self.limit_of(key)
-        running = self.open_generations.get(key, 0)
         if limit is not None and generations > limit:
             raise APIError(400, f"This request runs {generations} generations at once (prompts x n or best_of), "
                            f"more than this API key may run concurrently ({limit}). Send fewer prompts or choices "
                            "per request.", "invalid_request_error", None, "generations_over_key_limit")
-        if limit is not None and running + generations > limit:
-            raise APIError(429, f"Too many concurrent generations for this API key: {running} running, this request "
-                           f"needs {generations}, the limit is {limit}.", "rate_limit_error", None,
-                           "rate_limit_exceeded", self.retry_after_s)
-        self.open_generations[key] = running + generations
+        if key is None:  # an open API: nothing to bound
+            return ClientSlot(self, key, generations)
+        running = self.counts.try_add(key, generations, limit)
+        if running is None:
+            raise APIError(429, f"Too many concurrent generations for this API key: {self.counts.running(key)} "
+                           f"running, this request needs {generations}, the limit is {limit}.", "rate_limit_error",
+                           None, "rate_limit_exceeded", self.retry_after_s)
         return ClientSlot(self, key, generations)
 
     def release(self, key: str | None, generations: int = 1) -> None:
-        count = self.open_generations.get(key, 0) - generations
-        if count > 0:
-            self.open_generations[key] = count
-        else:
-            self.open_generations.pop(key, None)
+        if key is not None:
+            self.counts.sub(key, generations)

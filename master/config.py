@@ -12,11 +12,6 @@ from master.route_cost import Slo
 from pd_cluster import protocol
 from pd_cluster.tls import check_pair
 
-#: Why a master of several workers refuses per-key concurrency limits.
-WORKERS_AND_KEY_LIMITS = ("workers > 1 cannot enforce per-key concurrency limits (each worker would count its own, "
-                          "so a key could run W times its limit): run one worker, or drop --max-concurrent-per-key "
-                          "and the limits in --api-keys-file")
-
 PolicyName = Literal["round_robin", "least_load", "cache_aware"]
 
 
@@ -141,10 +136,7 @@ class MasterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _worker_limits(self) -> "MasterSettings":
-        """Per-key limits are counted in each process: with several workers a key could run W times its
-        limit, so the two are refused together."""
-        if self.workers > 1 and self.max_concurrent_per_key is not None:
-            raise ValueError(WORKERS_AND_KEY_LIMITS)
+        """Several workers share one public port, so it must be a fixed one."""
         if self.workers > 1 and self.port == 0:
             raise ValueError("workers > 1 need a fixed port (port 0 picks one per process)")
         return self

@@ -21,9 +21,11 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from types import FrameType
 
 from master.config import MasterSettings
+from master.key_counts import KEY_COUNTS_ENV, SharedKeyCounts
 from master.metrics import MULTIPROC_DIR_ENV
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class WorkerSupervisor:
         self._delay: dict[int, float] = {}
         self._due: dict[int, float] = {}
         self._stopping = False
+        self._key_counts: SharedKeyCounts | None = None
 
     def _start(self, index: int) -> None:
         settings = self.settings.model_copy(update={"worker_index": index})
@@ -80,6 +83,9 @@ class WorkerSupervisor:
         """Supervise until a stop signal, then stop every worker (each within its grace)."""
         metrics_dir = tempfile.mkdtemp(prefix="pd-master-metrics-")
         os.environ[MULTIPROC_DIR_ENV] = metrics_dir  # the spawned workers inherit it
+        # Per-key limits hold across the workers: they count in one table (master.key_counts).
+        self._key_counts = SharedKeyCounts.create(Path(metrics_dir) / "key-counts", self.settings.workers)
+        os.environ[KEY_COUNTS_ENV] = str(self._key_counts.path)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             for index in range(self.settings.workers):
@@ -91,6 +97,9 @@ class WorkerSupervisor:
                 signal.signal(sig, handler)
             self._stop_all()
             os.environ.pop(MULTIPROC_DIR_ENV, None)
+            os.environ.pop(KEY_COUNTS_ENV, None)
+            if self._key_counts is not None:
+                self._key_counts.close()
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
     def _watch(self) -> None:
@@ -113,6 +122,8 @@ class WorkerSupervisor:
         process.join(0)
         if process.pid is not None:
             multiprocess.mark_process_dead(process.pid)
+        if self._key_counts is not None:  # what it ran died with it
+            self._key_counts.forget_row(index)
         lived = time.monotonic() - self._started_at[index]
         delay = RESTART_DELAY_S if lived >= STABLE_AFTER_S else min(self._delay.get(index, 0.0) * 2 or
                                                                      RESTART_DELAY_S, MAX_RESTART_DELAY_S)

@@ -1,7 +1,8 @@
 """A master of two worker processes on one public port (``pd-cluster master --workers 2``): clients
 reach both workers through the one port, a node that dials the public address links to each worker,
-an operator's change on one worker is applied by the other, and a worker killed with -9 is restarted
-and linked again while the other keeps serving."""
+an operator's change on one worker is applied by the other, a key's concurrency limit holds across
+the workers (and a killed worker's share of it is given back), and a worker killed with -9 is
+restarted and linked again while the other keeps serving."""
 
 from __future__ import annotations
 
@@ -22,12 +23,18 @@ NEW_TOKENS = 8
 WORKERS = 2
 
 
+#: The clients' keys: the tests' usual one without a limit, and one that may run one generation.
+KEYS = "unused\nsk-one 1\n"
+
+
 class WorkersCluster(Cluster):
     def start_master(self, policy: str = "cache_aware") -> None:
         self.worker_base = free_port_run(WORKERS)
+        keys = self.log_dir / "api-keys"
+        keys.write_text(KEYS)
         self._spawn("master", ["master", "--host", "127.0.0.1", "--port", str(self.port), "--model",
                                str(self.model_dir), "--policy", policy, "--workers", str(WORKERS),
-                               "--worker-ports", str(self.worker_base)])
+                               "--worker-ports", str(self.worker_base), "--api-keys-file", str(keys)])
         for url in self.worker_urls:
             wait_until(lambda u=url: status_of(u + "/livez") == 200, 90, f"worker {url} to serve")
 
@@ -64,9 +71,9 @@ def cluster(default_model_dir, tmp_path_factory):
         c.stop()
 
 
-def _client(base_url: str) -> openai.OpenAI:
+def _client(base_url: str, key: str = "unused") -> openai.OpenAI:
     """A client of its own: a connection of its own, which the kernel gives to some worker."""
-    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def _expected(tokenizer, hf_reference, prompt_ids: list[int]) -> str:
@@ -125,6 +132,33 @@ def test_a_killed_worker_is_restarted_and_linked_again_while_the_other_serves(cl
     assert _stream(survivor, message) == want
 
 
+def test_a_keys_limit_holds_across_the_workers_and_a_killed_workers_share_is_given_back(cluster):
+    """``sk-one`` may run one generation: while it streams on one worker, the other refuses it
+    (429); once the streaming worker is killed, what it ran is no longer counted."""
+    first, second = cluster.worker_urls
+    holder_pid = cluster.worker_pid(0)
+    with _client(first, "sk-one") as holder, _client(second, "sk-one") as other:
+        stream = holder.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count on."}],
+                                                stream=True, max_tokens=300, extra_body={"ignore_eos": True})
+        next(iter(stream))  # the stream runs on the first worker
+        with pytest.raises(openai.RateLimitError) as limited:
+            other.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert "1 running, this request needs 1, the limit is 1" in limited.value.message
+        os.kill(holder_pid, signal.SIGKILL)
+        stream.close()
+
+        def admitted() -> bool:
+            try:
+                other.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+            except openai.RateLimitError:
+                return False
+            return True
+
+        wait_until(admitted, 30, "the killed worker's generation to be given back")
+    wait_until(lambda: cluster.worker_pid(0) != holder_pid, 30, "the worker to be restarted")
+    wait_until(lambda: status_of(first + "/livez") == 200, 90, "the restarted worker to serve")
+
+
 def test_an_operator_change_on_one_worker_is_applied_by_every_worker(cluster):
     first, second = cluster.worker_urls
     auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -139,3 +173,4 @@ def test_an_operator_change_on_one_worker_is_applied_by_every_worker(cluster):
     drained = httpx.post(second + "/admin/nodes/d0/drain", headers=auth, timeout=20)
     assert drained.status_code == 200, drained.text
     assert cluster.nodes_at(first).get("d0", {"state": "draining"})["state"] == "draining"
+

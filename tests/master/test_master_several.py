@@ -155,17 +155,37 @@ async def test_a_node_that_loses_a_master_is_told_which_one_and_its_request_ids_
             assert lost == [b.ctx.relay.instance_id]
 
 
-def test_a_master_of_several_workers_refuses_per_key_limits_it_cannot_hold(tmp_path: Path):
-    """Each worker would count a key's generations alone: W workers would let it run W times its limit."""
-    from master.app import ConfigError, api_keys_from
+def test_the_workers_count_a_keys_generations_in_one_table(tmp_path: Path):
+    """Each worker adds to its own row and checks the column's sum, so a key's limit holds across
+    the workers; a dead worker's row is forgotten, and a worker restarted after the keys file
+    changed finds the columns by the keys' hashes."""
+    from master.key_counts import SharedKeyCounts
+
+    supervisor = SharedKeyCounts.create(tmp_path / "table", workers=2)
+    first, second = (SharedKeyCounts(tmp_path / "table", 2, row) for row in (0, 1))
+    assert first.try_add("key-a", 2, limit=3) == 0
+    assert second.try_add("key-a", 2, limit=3) is None  # 2 + 2 > 3, though the second worker runs none
+    assert second.try_add("key-a", 1, limit=3) == 2 and first.running("key-a") == 3
+    assert second.try_add("key-b", 5, limit=None) == 0 and first.running("key-b") == 5  # a column of its own
+    supervisor.forget_row(0)  # the first worker died: its two generations died with it
+    assert second.running("key-a") == 1
+    restarted = SharedKeyCounts(tmp_path / "table", 2, 0)
+    assert restarted.running("key-b") == 5 and restarted.try_add("key-a", 2, limit=3) == 1
+    restarted.sub("key-a", 2)
+    second.sub("key-a", 1)
+    assert first.running("key-a") == 0
+    for table in (supervisor, first, second, restarted):
+        table.close()
+    with pytest.raises(ValueError, match="not a key-count table for 3 workers"):
+        SharedKeyCounts(tmp_path / "table", 3, 0)
+
+
+def test_several_workers_take_per_key_limits(tmp_path: Path):
+    from master.app import api_keys_from
     from master.config import MasterSettings
 
-    with pytest.raises(ValueError, match="per-key concurrency limits"):
-        MasterSettings(cluster_token="t", workers=2, max_concurrent_per_key=2)
     keys = tmp_path / "keys"
     keys.write_text("key-a 3\n")
-    with pytest.raises(ConfigError, match="per-key concurrency limits"):
-        api_keys_from(MasterSettings(cluster_token="t", workers=2, api_keys_file=keys))
-    keys.write_text("key-a\n")  # keys without limits are fine
-    assert api_keys_from(MasterSettings(cluster_token="t", workers=2, api_keys_file=keys)) is not None
+    assert api_keys_from(MasterSettings(cluster_token="t", workers=2, api_keys_file=keys)).limit_of("key-a") == 3
+    assert MasterSettings(cluster_token="t", workers=2, max_concurrent_per_key=2).max_concurrent_per_key == 2
     assert MasterSettings(cluster_token="t", port=9000, workers=3).worker_port(2) == 9003
