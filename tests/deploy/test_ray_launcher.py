@@ -31,6 +31,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray  # noqa: E402
 import yaml
 
+from pd_cluster.cli import _node_settings
+from pd_cluster.cli import build_parser as node_cli_parser
 from pd_cluster.ray_launcher import cli as ray_cli_module
 from pd_cluster.ray_launcher.actors import ClusterState
 from pd_cluster.ray_launcher.cli import build_parser
@@ -38,6 +40,7 @@ from pd_cluster.ray_launcher.cli import main as ray_cli
 from pd_cluster.ray_launcher.launcher import LaunchError, RayLauncher, ScaleResult, node_role
 from pd_cluster.ray_launcher.spec import ClusterSpec
 from pd_cluster.ray_launcher.supervisor import ProcessSupervisor
+from tests.tls_files import TLSFiles, make_tls_files
 
 NAMESPACE = "pd-cluster-test"
 pytestmark = pytest.mark.timeout(300)
@@ -330,6 +333,63 @@ def test_cli_passes_each_role_tp_to_the_spec(monkeypatch):
     assert (spec.prefill_tp, spec.decode_tp, spec.mixed_tp) == (1, 2, 4)
     defaults = build_parser().parse_args(["ray", "start"])
     assert (defaults.prefill_tp, defaults.decode_tp, defaults.mixed_tp) == (1, 1, 1)
+
+
+def _tls_spec(files: TLSFiles, **more) -> ClusterSpec:
+    return ClusterSpec(tls_cert=str(files.cert), tls_key=str(files.key), tls_ca=str(files.ca), **more)
+
+
+def test_spec_passes_the_tls_files_to_the_master_and_every_node(tmp_path, monkeypatch):
+    files = make_tls_files(tmp_path)
+    spec = _tls_spec(files, tls_name="pd-data", gpus_per_node=0)
+    assert spec.master_url("10.0.0.1") == "https://10.0.0.1:8000"
+    master = spec.master_argv()
+    assert master[master.index("--tls-cert") + 1] == str(files.cert)
+    assert master[master.index("--tls-key") + 1] == str(files.key)
+    assert "--tls-ca" not in master
+    # Each node's command as the node's own CLI reads it, files included.
+    monkeypatch.setenv("PD_CLUSTER_TOKEN", "cluster-token-0123456789")
+    for role in ("prefill", "decode", "mixed"):
+        argv = spec.node_argv(role, f"{role}-0", spec.master_url("10.0.0.1"), "10.0.0.7")
+        assert argv[argv.index("--master") + 1] == "https://10.0.0.1:8000"
+        node_argv = argv[argv.index("pd_cluster.cli") + 3:]  # python -m pd_cluster.cli --log-level L <role> ...
+        settings = _node_settings(node_cli_parser().parse_args(node_argv), role)
+        assert settings.tls_ca == files.ca and settings.data_plane_tls
+        if role == "prefill":
+            assert settings.data_tls_name == "pd-data" and settings.tls_cert is None
+        else:
+            assert (settings.tls_cert, settings.tls_key) == (files.cert, files.key)
+            assert settings.data_listener_tls() is not None
+
+
+def test_spec_without_tls_passes_no_tls_flag():
+    spec = ClusterSpec()
+    assert spec.master_url("10.0.0.1", 1) == "http://10.0.0.1:8001" and spec.client_tls() is True
+    argvs = [spec.master_argv()] + [spec.node_argv(r, f"{r}-0", "http://10.0.0.1:8000", "10.0.0.7")
+                                    for r in ("prefill", "decode", "mixed")]
+    for argv in argvs:
+        assert not {"--tls-cert", "--tls-key", "--tls-ca", "--data-tls", "--data-tls-name"} & set(argv)
+
+
+@pytest.mark.parametrize(("values", "error"), [
+    ({"tls_cert": "/etc/pd/cert.pem"}, "--tls-cert and --tls-key go together"),
+    ({"tls_key": "/etc/pd/key.pem"}, "--tls-cert and --tls-key go together"),
+    ({"tls_ca": "/etc/pd/ca.pem"}, "go with --tls-cert and --tls-key"),
+    ({"tls_name": "pd-data"}, "go with --tls-cert and --tls-key"),
+])
+def test_spec_refuses_half_a_tls_setup(values, error):
+    with pytest.raises(ValueError, match=error):
+        ClusterSpec(**values)
+
+
+def test_cli_hands_the_tls_files_to_the_spec(monkeypatch):
+    recorder = RecordingLauncher()
+    monkeypatch.setattr(ray_cli_module, "_launcher", lambda args: recorder)
+    assert ray_cli(["ray", "start", "--tls-cert", "/etc/pd/tls/tls.crt", "--tls-key", "/etc/pd/tls/tls.key",
+                    "--tls-ca", "/etc/pd/tls/ca.crt", "--tls-name", "pd-data"]) == 0
+    (_, (spec, _, _), _), = recorder.calls
+    assert (spec.tls_cert, spec.tls_key, spec.tls_ca, spec.tls_name) == (
+        "/etc/pd/tls/tls.crt", "/etc/pd/tls/tls.key", "/etc/pd/tls/ca.crt", "pd-data")
 
 
 REPO = Path(__file__).resolve().parents[2]
