@@ -471,7 +471,7 @@ BAD_COMBINATIONS = {
                                          "auth.clusterToken is not used with auth.existingSecret"),
     "node port of a ClusterIP service": ({"master": {"service": {"nodePort": 30080}}}, "master.service.nodePort needs"),
     "model mounted on the cache": ({"model": {"source": "pvc", "pvc": {"claimName": "llama"},
-                                              "mountPath": "/var/cache/pd-cluster/"}}, "model.cache.mountPath and model.mountPath"),
+                                              "mountPath": "/var/cache/pd-cluster/"}}, "model.cache.mountPath, model.mountPath"),
     "cache mounted on the scratch space": ({"model": {"cache": {"mountPath": "/tmp"}}}, "must differ from each other, /tmp"),
     "tls mounted on the cache": ({"tls": {"enabled": True, "secretName": "pd-tls", "mountPath": "/var/cache/pd-cluster"}},
                                  "tls.mountPath (with tls.enabled) must differ"),
