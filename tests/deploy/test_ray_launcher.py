@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import socket
+import ssl
 import sys
 import tempfile
 import threading
@@ -667,3 +668,31 @@ def test_a_tensor_parallel_node_group_is_reserved_whole_and_released_with_the_no
     assert release_nodes("pd-cluster-test-other") == []
     assert release_nodes(namespace, ["decode-0"]) == [f"{namespace}/decode-0"]
     assert placement_group_table(strategy.placement_group)["state"] == "REMOVED"
+
+
+def test_start_with_tls_serves_https_and_puts_the_data_plane_on_tls(ray_address, default_model_dir, tmp_path):
+    files = make_tls_files(tmp_path)  # names 127.0.0.1 (the master's and every node's address here) and localhost
+    namespace, port = "pd-cluster-test-tls", _free_port()
+    launcher = RayLauncher(namespace=namespace, address=ray_address)
+    try:
+        rc = ray_cli(["ray", "start", "--address", ray_address, "--namespace", namespace, "--model",
+                      str(default_model_dir), "--port", str(port), "--gpus-per-node", "0", "--device", "cpu",
+                      "--max-total-tokens", "4096", "--ready-timeout", "150", "--tls-cert", str(files.cert),
+                      "--tls-key", str(files.key), "--tls-ca", str(files.ca), "--tls-name", "localhost"])
+        assert rc == 0  # the launcher checked the master's /health and node list over HTTPS with the CA
+        status = launcher.status()
+        assert status.master_url == f"https://127.0.0.1:{port}" and status.healthy
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(files.ca))) as http:
+            client = openai.OpenAI(base_url=f"{status.master_url}/v1", api_key="unused", max_retries=0,
+                                   timeout=120, http_client=http)
+            reply = client.chat.completions.create(
+                model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Hi!"}],
+                max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 8
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP beside it
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        # The prefill node checked the decode node's certificate against --tls-name, not its address.
+        wait_until(lambda: any("control over TLS" in line for line in launcher.logs("prefill-0", 400)), 30,
+                   "the prefill node's TLS data-plane channel")
+    finally:
+        launcher.stop(timeout=30)
