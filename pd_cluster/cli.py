@@ -135,6 +135,9 @@ def _node_args(p: argparse.ArgumentParser, role: str) -> None:
     else:
         p.add_argument("--max-channels", type=int, default=8,
                        help="data-plane channels to decode nodes kept open (least recently used closed first)")
+        p.add_argument("--data-tls-name", default=None,
+                       help="check decode nodes' data-plane certificates against this name instead of each "
+                            "one's --data-host (one certificate for nodes with addresses not known ahead)")
     add_engine_arguments(p)
 
 
@@ -154,6 +157,8 @@ def _node_settings(args: argparse.Namespace, role: str):
                       kv_ipc_across_gpus=args.kv_ipc_across_gpus)
     else:
         fields["max_channels"] = args.max_channels
+        if args.data_tls_name:
+            fields["data_tls_name"] = args.data_tls_name
     if not os.environ.get("PD_CLUSTER_TOKEN"):
         raise SystemExit("PD_CLUSTER_TOKEN is not set: nodes authenticate to the master with it")
     try:

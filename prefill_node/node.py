@@ -29,7 +29,8 @@ class PrefillNode(NodeRuntime):
         self.service = PrefillService(
             settings.engine, node_id=settings.node_id, cluster_token=settings.cluster_token.get_secret_value(),
             lease_s=settings.lease_s, max_channels=settings.max_channels, on_warm_change=self._on_warm_change,
-            kv_ipc=settings.kv_ipc, data_tls=settings.data_dialer_tls(), engine=engine,
+            kv_ipc=settings.kv_ipc, data_tls=settings.data_dialer_tls(), data_tls_name=settings.data_tls_name,
+            engine=engine,
         )
         self.reporter = StatusReporter(self.service.engine, self.service.worker.rates)
         self.jobs: dict[str, asyncio.Task] = {}

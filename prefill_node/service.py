@@ -126,11 +126,12 @@ class PrefillService:
         layers_per_send: int = 4,
         channels: ChannelSource | None = None,
         data_tls: ssl.SSLContext | None = None,
+        data_tls_name: str | None = None,
     ) -> None:
         self.engine = engine or LLMEngine(config)
         self.worker = EngineWorker(self.engine, self._on_updates)
         self.pool = ChannelPool(cluster_token, self.engine.kv_spec, node_id, self.engine.device, max_channels,
-                                kv_ipc=kv_ipc, tls=data_tls)
+                                kv_ipc=kv_ipc, tls=data_tls, server_name=data_tls_name)
         self.channels: ChannelSource = self.pool if channels is None else channels
         #: Decode address -> jobs in flight to it (the keeper never closes those channels).
         self._jobs_per_address: Counter[str] = Counter()

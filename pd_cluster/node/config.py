@@ -45,6 +45,9 @@ class NodeSettings(BaseSettings):
     data_tls: bool | None = Field(default=None, description="data-plane control connections over TLS (the KV "
                                   "tensors are not: they go through gloo/NCCL); default: on when tls_ca or "
                                   "tls_cert is given")
+    data_tls_name: str | None = Field(default=None, description="prefill: the name decode nodes' data-plane "
+                                      "certificates must hold (one certificate for nodes whose addresses are not "
+                                      "known ahead, e.g. pods); default: each decode node's data_host")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> "NodeSettings":

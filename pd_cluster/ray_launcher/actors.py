@@ -82,7 +82,7 @@ class RoleProcess:
         if role == "master":
             index = master_index(name) or 0
             argv = spec.master_argv(index)
-            self._address = f"http://{_url_host(self.ip)}:{spec.master_port(index)}"
+            self._address = spec.master_url(self.ip, index)
         else:
             if master_url is None:
                 raise ValueError("a node needs the master's URL")
@@ -138,7 +138,3 @@ def _node_ip() -> str:
         if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
             return node["NodeManagerAddress"]
     return ray.util.get_node_ip_address()
-
-
-def _url_host(ip: str) -> str:
-    return f"[{ip}]" if ":" in ip else ip

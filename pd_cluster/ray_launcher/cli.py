@@ -68,6 +68,7 @@ def cmd_ray_start(args: argparse.Namespace) -> int:
         prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
         mixed_resource=args.mixed_resource, drain_timeout_s=args.drain_timeout,
         max_restarts=args.max_restarts, log_level=args.log_level, node_args=args.node_arg,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tls_name=args.tls_name,
     )
     chose_token = bool(os.environ.get("PD_ADMIN_TOKEN"))
 
@@ -252,6 +253,15 @@ def add_ray_commands(sub: argparse._SubParsersAction) -> None:
     start.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the cluster to serve")
     start.add_argument("--node-arg", action="append", default=[],
                        help="extra argument for every node's command (repeat; e.g. --node-arg=--lease-s=60)")
+    tls = start.add_argument_group(
+        "TLS", "paths present on every Ray node (the cluster yaml's file_mounts): the masters serve HTTPS with the "
+        "certificate, decode and mixed nodes their data plane, and nodes check both against the CA")
+    tls.add_argument("--tls-cert", default=None, help="certificate (PEM); it must name the master's Ray node IP")
+    tls.add_argument("--tls-key", default=None, help="the key of --tls-cert")
+    tls.add_argument("--tls-ca", default=None, help="CA (PEM) certificates are checked against (default: the system's)")
+    tls.add_argument("--tls-name", default=None,
+                     help="a name the certificate holds: prefill nodes check data planes against it instead of "
+                          "each decode or mixed node's Ray node IP")
     add_engine_arguments(start.add_argument_group(
         "engine flags", "given to every node, also those `scale` adds; left out, a node keeps its default"), PASSED_ON)
     start.set_defaults(func=cmd_ray_start)

@@ -184,7 +184,7 @@ class RayLauncher:
                     name = self._get(state.next_node_name.remote(role), deadline, "the state actor did not answer")
                     started[name] = self._create_node(spec, role, name, url)
             for master_url in urls:  # every master sees every node
-                with MasterClient(master_url, admin_token) as client:
+                with MasterClient(master_url, admin_token, verify=spec.client_tls()) as client:
                     self._wait_joined(client, started, deadline, spec)
         except BaseException:
             logger.error("starting the cluster failed; removing what was started")
@@ -206,7 +206,7 @@ class RayLauncher:
         deadline = time.monotonic() + (timeout if timeout is not None else spec.drain_timeout_s + 60.0)
         deltas = {"prefill": prefill, "decode": decode, "mixed": mixed}
         result = ScaleResult()
-        with MasterClient(first_master(url), admin_token) as client:
+        with MasterClient(first_master(url), admin_token, verify=spec.client_tls()) as client:
             victims = self._pick_victims(client, deltas, allow_empty)
             added: dict[str, Any] = {}
             for role, delta in deltas.items():
@@ -278,10 +278,11 @@ class RayLauncher:
             state = self._state()
             url = self._call(state.master_url.remote())
             admin_token = self._call(state.tokens.remote())["admin"]
+            verify = ClusterSpec.model_validate_json(self._call(state.spec.remote())).client_tls()
         except LaunchError:
-            admin_token = None
+            admin_token, verify = None, True
         if url:
-            with MasterClient(first_master(url), admin_token) as client:
+            with MasterClient(first_master(url), admin_token, verify=verify) as client:
                 healthy = client.healthy()
                 nodes = client.try_nodes()
         return ClusterStatus(self.namespace, url, healthy, actors, nodes)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import ssl
 from typing import Any
 
 import httpx
 
 
 class MasterClient:
-    def __init__(self, url: str, admin_token: str | None, timeout: float = 5.0) -> None:
+    def __init__(self, url: str, admin_token: str | None, timeout: float = 5.0,
+                 verify: ssl.SSLContext | bool = True) -> None:
+        """``verify``: what an https master's certificate is checked with (True: the system's CAs)."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, verify=verify)
 
     def close(self) -> None:
         self._http.close()

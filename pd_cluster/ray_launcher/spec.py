@@ -6,12 +6,15 @@ ones without the operator repeating every flag.
 
 from __future__ import annotations
 
+import ssl
 import sys
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
 from pd_cluster.engine_flags import NodeEngineOptions
+from pd_cluster.tls import check_pair, client_context
 
 Role = Literal["master", "prefill", "decode", "mixed"]
 NODE_ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
@@ -79,6 +82,13 @@ class ClusterSpec(NodeEngineOptions):
     max_restarts: int = Field(default=3, ge=0, description="restarts of a crashed process (and of its actor)")
     log_level: str = "INFO"
     node_args: list[str] = Field(default_factory=list, description="extra arguments for every node's command")
+    tls_cert: str | None = Field(default=None, description="certificate (PEM) the masters and the decode and mixed "
+                                 "nodes' data planes present, a path present on every Ray node; None: no TLS")
+    tls_key: str | None = Field(default=None, description="the key of tls_cert, a path on every Ray node")
+    tls_ca: str | None = Field(default=None, description="CA (PEM) nodes and the launcher check certificates "
+                               "against, a path on every Ray node; None: the system's CAs")
+    tls_name: str | None = Field(default=None, description="a name the certificate holds that prefill nodes check "
+                                 "data planes against, instead of each decode node's Ray node IP")
 
     @model_validator(mode="after")
     def _whole_gpus_for_tensor_parallel_nodes(self) -> ClusterSpec:
@@ -87,6 +97,42 @@ class ClusterSpec(NodeEngineOptions):
                              f"a whole number with --prefill-tp, --decode-tp or --mixed-tp above 1, not "
                              f"{self.gpus_per_node}")
         return self
+
+    @model_validator(mode="after")
+    def _tls_files_together(self) -> ClusterSpec:
+        check_pair(None if self.tls_cert is None else Path(self.tls_cert),
+                   None if self.tls_key is None else Path(self.tls_key))
+        if self.tls_cert is None and (self.tls_ca or self.tls_name):
+            raise ValueError("--tls-ca and --tls-name go with --tls-cert and --tls-key (the cluster's certificate)")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether every link the code encrypts runs on TLS: masters on HTTPS, data planes' control."""
+        return self.tls_cert is not None
+
+    def master_url(self, host: str, index: int = 0) -> str:
+        """The URL of master ``index`` on the Ray node at ``host`` (an IP)."""
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.master_port(index)}"
+
+    def client_tls(self) -> ssl.SSLContext | bool:
+        """What the launcher checks a master's certificate with (True: the system's CAs)."""
+        return client_context(Path(self.tls_ca) if self.tls_ca else None) if self.tls else True
+
+    def tls_argv(self, role: Role) -> list[str]:
+        """The TLS flags of ``role``'s command: the master serves HTTPS with the certificate; nodes check
+        it (and the data planes) with the CA; decode and mixed nodes serve their data plane with it."""
+        if not self.tls:
+            return []
+        assert self.tls_cert is not None and self.tls_key is not None
+        pair = ["--tls-cert", self.tls_cert, "--tls-key", self.tls_key]
+        if role == "master":
+            return pair
+        argv = (["--tls-ca", self.tls_ca] if self.tls_ca else []) + ["--data-tls"]
+        if role in DATA_PLANE_ROLES:
+            return argv + pair
+        return argv + (["--data-tls-name", self.tls_name] if self.tls_name else [])
 
     def node_tp(self, role: str) -> int:
         """The tensor parallelism of a role's nodes: how many ranks (GPUs, or processes on CPU) a node runs."""
@@ -161,7 +207,7 @@ class ClusterSpec(NodeEngineOptions):
             argv += ["--workers", str(self.master_workers)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
-        return argv
+        return argv + self.tls_argv("master")
 
     def node_argv(self, role: str, node_id: str, master_url: str, node_ip: str) -> list[str]:
         if role not in NODE_ROLES:
@@ -178,4 +224,4 @@ class ClusterSpec(NodeEngineOptions):
         if role in DATA_PLANE_ROLES:
             # Prefill nodes on other machines dial this address; bind the same one.
             argv += ["--data-host", node_ip, "--data-port", "0"]
-        return argv + list(self.node_args)
+        return argv + self.tls_argv(role) + list(self.node_args)  # type: ignore[arg-type]

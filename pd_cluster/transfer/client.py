@@ -283,9 +283,12 @@ async def dial(
     on_close: Callable[[PeerChannel], None] | None = None,
     kv_ipc: bool = True,
     tls: ssl.SSLContext | None = None,
+    server_name: str | None = None,
 ) -> PeerChannel:
     """Connect (over TLS with ``tls``), authenticate both ways and form the pair group with the
-    decode node at ``address``.
+    decode node at ``address``. Its certificate must name ``server_name`` when given (one name
+    for every decode node, where their addresses are not known when certificates are made), else
+    the host of ``address``.
 
     Raises :class:`HandshakeRefused` when D says no or cannot prove it holds the cluster token,
     :class:`ChannelError` when it cannot be reached or the group cannot be formed in time.
@@ -296,7 +299,8 @@ async def dial(
     host, port = split_address(address)
     try:
         reader, writer = await wait_for(
-            asyncio.open_connection(host, port, ssl=tls, ssl_handshake_timeout=connect_timeout if tls else None),
+            asyncio.open_connection(host, port, ssl=tls, ssl_handshake_timeout=connect_timeout if tls else None,
+                                    server_hostname=server_name if tls is not None and server_name else None),
             connect_timeout)
     except (OSError, asyncio.TimeoutError) as e:  # ssl.SSLError (an unverified certificate) is an OSError
         raise ChannelError(f"cannot connect to {address}: {e or type(e).__name__}") from e
@@ -379,6 +383,7 @@ class ChannelPool:
         max_frame_bytes: int = MAX_FRAME_BYTES,
         kv_ipc: bool = True,
         tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> None:
         if max_channels < 1:
             raise ValueError("max_channels must be at least 1")
@@ -393,6 +398,8 @@ class ChannelPool:
         self.kv_ipc = kv_ipc
         #: Client-side TLS of the control connections (None: plain TCP).
         self.tls = tls
+        #: The name decode nodes' certificates are checked against (None: each one's host).
+        self.server_name = server_name
         self._channels: dict[str, PeerChannel] = {}
         self._dial_locks: dict[str, asyncio.Lock] = {}
         # Totals over every channel this pool ever held, for metrics.
@@ -443,6 +450,7 @@ class ChannelPool:
                 on_close=self._forget,
                 kv_ipc=self.kv_ipc,
                 tls=self.tls,
+                server_name=self.server_name,
             )
             self._channels[address] = channel
             await self._evict()

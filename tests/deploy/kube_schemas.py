@@ -28,6 +28,24 @@ from referencing import Registry, Resource
 _DEFINITIONS = "https://kubernetes.io/api/_definitions.json#/$defs/"
 #: Prometheus' duration syntax (the operator's Duration type).
 _DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+#: The operator's SecretKeySelector (a key of a Secret in the monitor's namespace).
+_SECRET_KEY = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["key"],
+    "properties": {"name": {"type": "string"}, "key": {"type": "string", "minLength": 1},
+                   "optional": {"type": "boolean"}},
+}
+#: The operator's TLSConfig of an endpoint, the fields the chart writes (the CA from a Secret).
+_TLS_CONFIG = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "ca": {"type": "object", "additionalProperties": False, "properties": {"secret": _SECRET_KEY}},
+        "serverName": {"type": "string"},
+        "insecureSkipVerify": {"type": "boolean"},
+    },
+}
 _ENDPOINT = {
     "type": "object",
     "additionalProperties": False,
@@ -39,6 +57,7 @@ _ENDPOINT = {
         "interval": {"type": "string", "pattern": _DURATION},
         "scrapeTimeout": {"type": "string", "pattern": _DURATION},
         "honorLabels": {"type": "boolean"},
+        "tlsConfig": _TLS_CONFIG,
     },
 }
 SERVICE_MONITOR: dict[str, Any] = {

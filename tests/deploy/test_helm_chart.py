@@ -457,6 +457,10 @@ SCHEMA_MISTAKES = {
     "pod security context misspelt": ({"podSecurityContext": {"runAsUsr": 10001}}, "runAsUsr"),
     "container security context misspelt": ({"securityContext": {"readOnlyRootFS": True}}, "readOnlyRootFS"),
     "monitoring removed": ({"monitoring": None}, "monitoring"),
+    "tls without its secret": ({"tls": {"enabled": True}}, "/tls/secretName"),
+    "tls secret not a name": ({"tls": {"enabled": True, "secretName": "PD TLS"}}, "/tls/secretName"),
+    "tls mounted at a relative path": ({"tls": {"mountPath": "etc/tls"}}, "/tls/mountPath"),
+    "tls switch as a string": ({"tls": {"enabled": "yes"}}, "/tls/enabled"),
 }
 #: Mistakes across values, caught by the chart's templates (templates/validate.yaml), by what they answer.
 BAD_COMBINATIONS = {
@@ -467,8 +471,10 @@ BAD_COMBINATIONS = {
                                          "auth.clusterToken is not used with auth.existingSecret"),
     "node port of a ClusterIP service": ({"master": {"service": {"nodePort": 30080}}}, "master.service.nodePort needs"),
     "model mounted on the cache": ({"model": {"source": "pvc", "pvc": {"claimName": "llama"},
-                                              "mountPath": "/var/cache/pd-cluster/"}}, "model.cache.mountPath and model.mountPath"),
+                                              "mountPath": "/var/cache/pd-cluster/"}}, "model.cache.mountPath, model.mountPath"),
     "cache mounted on the scratch space": ({"model": {"cache": {"mountPath": "/tmp"}}}, "must differ from each other, /tmp"),
+    "tls mounted on the cache": ({"tls": {"enabled": True, "secretName": "pd-tls", "mountPath": "/var/cache/pd-cluster"}},
+                                 "tls.mountPath (with tls.enabled) must differ"),
 }
 
 

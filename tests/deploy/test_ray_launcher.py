@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import socket
+import ssl
 import sys
 import tempfile
 import threading
@@ -31,6 +32,8 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 import ray  # noqa: E402
 import yaml
 
+from pd_cluster.cli import _node_settings
+from pd_cluster.cli import build_parser as node_cli_parser
 from pd_cluster.ray_launcher import cli as ray_cli_module
 from pd_cluster.ray_launcher.actors import ClusterState
 from pd_cluster.ray_launcher.cli import build_parser
@@ -38,6 +41,7 @@ from pd_cluster.ray_launcher.cli import main as ray_cli
 from pd_cluster.ray_launcher.launcher import LaunchError, RayLauncher, ScaleResult, node_role
 from pd_cluster.ray_launcher.spec import ClusterSpec
 from pd_cluster.ray_launcher.supervisor import ProcessSupervisor
+from tests.tls_files import TLSFiles, make_tls_files
 
 NAMESPACE = "pd-cluster-test"
 pytestmark = pytest.mark.timeout(300)
@@ -332,6 +336,63 @@ def test_cli_passes_each_role_tp_to_the_spec(monkeypatch):
     assert (defaults.prefill_tp, defaults.decode_tp, defaults.mixed_tp) == (1, 1, 1)
 
 
+def _tls_spec(files: TLSFiles, **more) -> ClusterSpec:
+    return ClusterSpec(tls_cert=str(files.cert), tls_key=str(files.key), tls_ca=str(files.ca), **more)
+
+
+def test_spec_passes_the_tls_files_to_the_master_and_every_node(tmp_path, monkeypatch):
+    files = make_tls_files(tmp_path)
+    spec = _tls_spec(files, tls_name="pd-data", gpus_per_node=0)
+    assert spec.master_url("10.0.0.1") == "https://10.0.0.1:8000"
+    master = spec.master_argv()
+    assert master[master.index("--tls-cert") + 1] == str(files.cert)
+    assert master[master.index("--tls-key") + 1] == str(files.key)
+    assert "--tls-ca" not in master
+    # Each node's command as the node's own CLI reads it, files included.
+    monkeypatch.setenv("PD_CLUSTER_TOKEN", "cluster-token-0123456789")
+    for role in ("prefill", "decode", "mixed"):
+        argv = spec.node_argv(role, f"{role}-0", spec.master_url("10.0.0.1"), "10.0.0.7")
+        assert argv[argv.index("--master") + 1] == "https://10.0.0.1:8000"
+        node_argv = argv[argv.index("pd_cluster.cli") + 3:]  # python -m pd_cluster.cli --log-level L <role> ...
+        settings = _node_settings(node_cli_parser().parse_args(node_argv), role)
+        assert settings.tls_ca == files.ca and settings.data_plane_tls
+        if role == "prefill":
+            assert settings.data_tls_name == "pd-data" and settings.tls_cert is None
+        else:
+            assert (settings.tls_cert, settings.tls_key) == (files.cert, files.key)
+            assert settings.data_listener_tls() is not None
+
+
+def test_spec_without_tls_passes_no_tls_flag():
+    spec = ClusterSpec()
+    assert spec.master_url("10.0.0.1", 1) == "http://10.0.0.1:8001" and spec.client_tls() is True
+    argvs = [spec.master_argv()] + [spec.node_argv(r, f"{r}-0", "http://10.0.0.1:8000", "10.0.0.7")
+                                    for r in ("prefill", "decode", "mixed")]
+    for argv in argvs:
+        assert not {"--tls-cert", "--tls-key", "--tls-ca", "--data-tls", "--data-tls-name"} & set(argv)
+
+
+@pytest.mark.parametrize(("values", "error"), [
+    ({"tls_cert": "/etc/pd/cert.pem"}, "--tls-cert and --tls-key go together"),
+    ({"tls_key": "/etc/pd/key.pem"}, "--tls-cert and --tls-key go together"),
+    ({"tls_ca": "/etc/pd/ca.pem"}, "go with --tls-cert and --tls-key"),
+    ({"tls_name": "pd-data"}, "go with --tls-cert and --tls-key"),
+])
+def test_spec_refuses_half_a_tls_setup(values, error):
+    with pytest.raises(ValueError, match=error):
+        ClusterSpec(**values)
+
+
+def test_cli_hands_the_tls_files_to_the_spec(monkeypatch):
+    recorder = RecordingLauncher()
+    monkeypatch.setattr(ray_cli_module, "_launcher", lambda args: recorder)
+    assert ray_cli(["ray", "start", "--tls-cert", "/etc/pd/tls/tls.crt", "--tls-key", "/etc/pd/tls/tls.key",
+                    "--tls-ca", "/etc/pd/tls/ca.crt", "--tls-name", "pd-data"]) == 0
+    (_, (spec, _, _), _), = recorder.calls
+    assert (spec.tls_cert, spec.tls_key, spec.tls_ca, spec.tls_name) == (
+        "/etc/pd/tls/tls.crt", "/etc/pd/tls/tls.key", "/etc/pd/tls/ca.crt", "pd-data")
+
+
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = REPO / "deploy" / "ray" / "cluster.yaml"
 
@@ -607,3 +668,31 @@ def test_a_tensor_parallel_node_group_is_reserved_whole_and_released_with_the_no
     assert release_nodes("pd-cluster-test-other") == []
     assert release_nodes(namespace, ["decode-0"]) == [f"{namespace}/decode-0"]
     assert placement_group_table(strategy.placement_group)["state"] == "REMOVED"
+
+
+def test_start_with_tls_serves_https_and_puts_the_data_plane_on_tls(ray_address, default_model_dir, tmp_path):
+    files = make_tls_files(tmp_path)  # names 127.0.0.1 (the master's and every node's address here) and localhost
+    namespace, port = "pd-cluster-test-tls", _free_port()
+    launcher = RayLauncher(namespace=namespace, address=ray_address)
+    try:
+        rc = ray_cli(["ray", "start", "--address", ray_address, "--namespace", namespace, "--model",
+                      str(default_model_dir), "--port", str(port), "--gpus-per-node", "0", "--device", "cpu",
+                      "--max-total-tokens", "4096", "--ready-timeout", "150", "--tls-cert", str(files.cert),
+                      "--tls-key", str(files.key), "--tls-ca", str(files.ca), "--tls-name", "localhost"])
+        assert rc == 0  # the launcher checked the master's /health and node list over HTTPS with the CA
+        status = launcher.status()
+        assert status.master_url == f"https://127.0.0.1:{port}" and status.healthy
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(files.ca))) as http:
+            client = openai.OpenAI(base_url=f"{status.master_url}/v1", api_key="unused", max_retries=0,
+                                   timeout=120, http_client=http)
+            reply = client.chat.completions.create(
+                model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Hi!"}],
+                max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 8
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP beside it
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        # The prefill node checked the decode node's certificate against --tls-name, not its address.
+        wait_until(lambda: any("control over TLS" in line for line in launcher.logs("prefill-0", 400)), 30,
+                   "the prefill node's TLS data-plane channel")
+    finally:
+        launcher.stop(timeout=30)

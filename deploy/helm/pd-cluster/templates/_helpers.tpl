@@ -81,7 +81,47 @@ once nodes have registered, and they can only register through this Service.
 {{- end }}
 
 {{- define "pd-cluster.masterURL" -}}
-{{- printf "http://%s:%d" (include "pd-cluster.controlServiceName" .) (int .Values.master.port) }}
+{{- printf "%s://%s:%d" (ternary "https" "http" .Values.tls.enabled) (include "pd-cluster.controlServiceName" .) (int .Values.master.port) }}
+{{- end }}
+
+{{/*
+The name prefill nodes check decode and mixed nodes' data-plane certificates against
+(--data-tls-name): they dial pod IPs, which no certificate made ahead can name. No Service has it.
+*/}}
+{{- define "pd-cluster.dataTLSName" -}}
+{{- printf "%s-data" (include "pd-cluster.fullname" .) }}
+{{- end }}
+
+{{/* A file of the TLS Secret as mounted: (dict "root" $ "file" "tls.crt|tls.key|ca.crt"). */}}
+{{- define "pd-cluster.tlsFile" -}}
+{{- printf "%s/%s" (clean .root.Values.tls.mountPath) .file }}
+{{- end }}
+
+{{/*
+TLS flags of a component (dict "root" $ "component" "master|prefill|decode|mixed"), one a line as
+YAML list items; none when tls.enabled is off. The master serves HTTPS and wss:// with the
+certificate; nodes check it with the CA; decode and mixed nodes serve their data plane with it;
+prefill nodes check those against pd-cluster.dataTLSName.
+*/}}
+{{- define "pd-cluster.tlsArgs" -}}
+{{- $root := .root }}
+{{- if $root.Values.tls.enabled }}
+{{- if ne .component "master" }}
+- --tls-ca
+- {{ include "pd-cluster.tlsFile" (dict "root" $root "file" "ca.crt") | quote }}
+- --data-tls
+{{- end }}
+{{- if has .component (list "master" "decode" "mixed") }}
+- --tls-cert
+- {{ include "pd-cluster.tlsFile" (dict "root" $root "file" "tls.crt") | quote }}
+- --tls-key
+- {{ include "pd-cluster.tlsFile" (dict "root" $root "file" "tls.key") | quote }}
+{{- end }}
+{{- if eq .component "prefill" }}
+- --data-tls-name
+- {{ include "pd-cluster.dataTLSName" $root | quote }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The value of --model. */}}
@@ -140,8 +180,14 @@ flag's name in camelCase, and a value that is set becomes that flag: true `--nam
 {{- if ne .Values.model.source "default" }}
 {{- $mounts = append $mounts (clean .Values.model.mountPath) }}
 {{- end }}
+{{- if .Values.tls.enabled }}
+{{- $mounts = append $mounts (clean .Values.tls.mountPath) }}
+{{- end }}
 {{- if ne (len $mounts) (len (uniq $mounts)) }}
-{{- fail "model.cache.mountPath and model.mountPath (of a pvc or hostPath model) must differ from each other, /tmp and /dev/shm" }}
+{{- fail "model.cache.mountPath, model.mountPath (of a pvc or hostPath model) and tls.mountPath (with tls.enabled) must differ from each other, /tmp and /dev/shm" }}
+{{- end }}
+{{- if and .Values.tls.enabled (not .Values.tls.secretName) }}
+{{- fail "tls.enabled needs tls.secretName: a Secret of type kubernetes.io/tls holding tls.crt, tls.key and ca.crt" }}
 {{- end }}
 {{- range $role := include "pd-cluster.nodeRoles" $ | splitList " " }}
 {{- $v := index $.Values $role }}
@@ -200,6 +246,13 @@ flag's name in camelCase, and a value that is set becomes that flag: true `--nam
     path: {{ .Values.model.hostPath.path }}
     type: Directory
 {{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    # 0440: readable by the pod's fsGroup (podSecurityContext), not by other users.
+    defaultMode: 288
+{{- end }}
 {{- end }}
 
 {{- define "pd-cluster.volumeMounts" -}}
@@ -215,12 +268,23 @@ flag's name in camelCase, and a value that is set becomes that flag: true `--nam
   subPath: {{ .Values.model.pvc.subPath }}
 {{- end }}
 {{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ .Values.tls.mountPath }}
+  readOnly: true
+{{- end }}
 {{- end }}
 
-{{/* A probe: (dict "path" "/livez" "port" "http" "timing" .Values.master.probes.liveness). */}}
+{{/*
+A probe: (dict "path" "/livez" "port" "http" "timing" .Values.master.probes.liveness), with
+"scheme" "HTTPS" for a port that serves TLS (the kubelet does not check the certificate).
+*/}}
 {{- define "pd-cluster.httpProbe" -}}
 httpGet:
   path: {{ .path }}
   port: {{ .port }}
+  {{- with .scheme }}
+  scheme: {{ . }}
+  {{- end }}
 {{- toYaml .timing | nindent 0 }}
 {{- end }}

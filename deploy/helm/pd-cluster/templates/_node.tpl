@@ -85,6 +85,9 @@ spec:
             - --data-port
             - {{ $v.dataPort | quote }}
             {{- end }}
+            {{- with include "pd-cluster.tlsArgs" $component | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- $engine := mergeOverwrite (deepCopy ($root.Values.engine | default dict)) (deepCopy ($v.engine | default dict)) }}
             {{- with include "pd-cluster.engineArgs" $engine | trim }}
             {{- . | nindent 12 }}
