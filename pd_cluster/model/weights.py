@@ -139,7 +139,8 @@ def load_weights(
     :data:`LOAD_FORMATS`). ``quantization`` int8 / fp8: the projections (q/k/v, o, gate/up, down,
     the experts') held 8-bit with a scale per output channel; the embedding, the norms, the head
     and a router stay in ``dtype``. An FP8 checkpoint's projections keep their own scales with
-    fp8, are dequantized into ``dtype`` with none (and requantized with int8)."""
+    fp8, are dequantized into ``dtype`` with none (and requantized with int8); those it leaves
+    unquantized stay in ``dtype``."""
     shard = shard or Shard()
     shard.check(config)
     if load_format not in LOAD_FORMATS:
@@ -148,7 +149,8 @@ def load_weights(
         raise ValueError(f"quantization {quantization!r}; expected one of {QUANTIZATIONS}")
     files: TensorFiles | DummyTensors = (DummyTensors(config, device) if load_format == "dummy"
                                          else TensorFiles(Path(path)))
-    reader = _Reader(files, dtype, torch.device(device), shard.whole, quantization)
+    reader = _Reader(files, dtype, torch.device(device), shard.whole, quantization,
+                     keep_float=config.checkpoint_quantization is not None)
     from tqdm.auto import tqdm
 
     # A bar only on a terminal (disable=None): node processes write to log files.
@@ -170,9 +172,12 @@ class _Reader:
     the names it read (the rest are reported unused)."""
 
     def __init__(self, files: TensorFiles | DummyTensors, dtype: torch.dtype, device: torch.device,
-                 whole: bool, quantization: str = "none") -> None:
+                 whole: bool, quantization: str = "none", keep_float: bool = False) -> None:
+        """``keep_float``: an FP8 checkpoint's projections without scales stay in ``dtype`` (the
+        modules it leaves unquantized, as published)."""
         self.files, self.dtype, self.device, self.whole = files, dtype, device, whole
         self.quantization = quantization
+        self.keep_float = keep_float
         self.taken: set[str] = set()
 
     def take(self, name: str, rows: HeadRange | None = None, cols: HeadRange | None = None,
@@ -191,7 +196,7 @@ class _Reader:
         prefix = name[: -len("weight")]
         if prefix + SCALE_SUFFIX in self.files:
             return self._published(name, prefix, rows, cols, unit)
-        if self.quantization == "none":
+        if self.quantization == "none" or self.keep_float:
             return self.take(name, rows, cols, unit)
         if self.whole or cols is None:
             self.taken.add(name)
