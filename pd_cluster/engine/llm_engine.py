@@ -155,8 +155,8 @@ class LLMEngine:
             self.tp.start(int(self.pool.k_cache.shape[1]))
         self._make_loop()
         logger.info(
-            "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB a rank, of %d), block size %d, prefix cache %s",
-            self.model_config.name, self.device, self.dtype_name, num_slots,
+            "engine ready: model %s on %s (%s, weights %s), %d KV slots (%.1f MiB a rank, of %d), block size %d, prefix cache %s",
+            self.model_config.name, self.device, self.dtype_name, config.quantization, num_slots,
             num_slots * self.rank_kv_spec.bytes_per_token / 2**20, config.tp, config.block_size,
             "on" if config.enable_prefix_cache else "off",
         )
