@@ -36,6 +36,35 @@ ONE_BLOCK_ROWS = 4
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
 
+#: The 8-bit weight dtypes the projections read (with a float32 scale an output channel).
+QUANT_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def check_weight_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Raise ValueError unless ``weight`` is a float matrix without a scale, or an 8-bit one with
+    a float32 scale per output row."""
+    if scale is None:
+        if weight.dtype in QUANT_WEIGHT_DTYPES:
+            raise ValueError(f"{weight.dtype} weights need their per-channel scale")
+        return
+    if weight.dtype not in QUANT_WEIGHT_DTYPES:
+        raise ValueError(f"a scale goes with 8-bit weights, not {weight.dtype}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (weight.shape[0],) or not scale.is_contiguous():
+        raise ValueError(f"the scale must be contiguous float32 [{weight.shape[0]}], not {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+
+
+def scaled_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight * scale[:, None], bias)``: 8-bit weights (exact in ``x``'s dtype)
+    multiply the input, each output channel's scale multiplies their product in float32 (a
+    dequantized matrix is never made); without a scale, ``F.linear``."""
+    if scale is None:
+        return F.linear(x, weight, bias)
+    out = (F.linear(x, weight.to(x.dtype)).float() * scale).to(x.dtype)
+    return out + bias if bias is not None else out
+
+
 def norm_linear_ref(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -45,24 +74,27 @@ def norm_linear_ref(
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``F.linear(rms_norm(x, norm_weight, eps, residual)[0], weight, bias)`` (then converted to
-    ``out_dtype``) and the new residual stream, both of the ``rows`` picked (all rows by default)."""
+    ``out_dtype``) and the new residual stream, both of the ``rows`` picked (all rows by default).
+    ``weight_scale``: 8-bit ``weight``'s per-channel scale (:func:`scaled_linear_ref`)."""
     if rows is not None:
         x = x[rows]
         residual = residual[rows] if residual is not None else None
     normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual)
-    out = F.linear(normed, weight, bias)
+    out = scaled_linear_ref(normed, weight, weight_scale, bias)
     return (out.to(out_dtype) if out_dtype is not None else out), new_residual
 
 
-def silu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(silu_mul(gate_up), weight)``."""
-    return F.linear(silu_mul_ref(gate_up), weight)
+    return scaled_linear_ref(silu_mul_ref(gate_up), weight, weight_scale)
 
 
-def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return scaled_linear_ref(x, weight, weight_scale)
 
 
 @triton.jit
@@ -217,6 +249,7 @@ def _gemv_kernel(
     norm_w_ptr,
     sum_ptr,
     w_ptr,
+    scale_ptr,
     bias_ptr,
     out_ptr,
     M,
@@ -232,6 +265,7 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -246,10 +280,12 @@ def _gemv_kernel(
     acc = project_rows(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
                        PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL)
+    if HAS_SCALE:  # 8-bit weights: each output channel's scale
+        acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    # Rounded to the weights' dtype first, as the unfused product is, also into a wider output.
-    out = acc.to(w_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+    # Rounded to the input's dtype first, as the unfused product is, also into a wider output.
+    out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], out, mask=n_mask[:, None] & (rm[None, :] < M))
 
 
@@ -287,6 +323,7 @@ def _launch(
     eps: float = 0.0,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
@@ -297,7 +334,9 @@ def _launch(
     n = weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"weight has {weight.shape[1]} input features, the input {k}")
-    if any(t is not None and t.dtype != x.dtype for t in (weight, residual, norm_weight, bias)):
+    check_weight_scale(weight, weight_scale)
+    plain_weight = weight if weight_scale is None else None
+    if any(t is not None and t.dtype != x.dtype for t in (plain_weight, residual, norm_weight, bias)):
         raise ValueError("input, residual and weights must share one dtype")
     out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     res2 = last_dim_contiguous(residual.reshape(-1, k)) if residual is not None else x2
@@ -313,6 +352,7 @@ def _launch(
         norm_weight if norm_weight is not None else weight,
         new_residual if new_residual is not None else out,
         weight,
+        weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight,
         out,
         m,
@@ -328,6 +368,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         HAS_ROWS=rows is not None,
         HAS_BIAS=bias is not None,
+        HAS_SCALE=weight_scale is not None,
         BM=bm,
         BN=bn,
         BK=bk,
@@ -348,32 +389,39 @@ def norm_linear_triton(
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows."""
     k = x.shape[-1]
     out, new_residual = _launch(_NORM, x, weight, k, residual=residual, rows=rows, norm_weight=norm_weight,
-                                eps=eps, bias=bias, out_dtype=out_dtype)
+                                eps=eps, bias=bias, out_dtype=out_dtype, weight_scale=weight_scale)
     if new_residual is None:  # No residual to add: the stream is the input (its picked rows).
         new_residual = x.reshape(-1, k)
         new_residual = new_residual[rows] if rows is not None else new_residual
     return out, new_residual
 
 
-def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,
+                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of :func:`silu_linear_ref`, for at most :data:`MAX_ROWS` rows."""
     if gate_up.shape[-1] % 2:
         raise ValueError("gate_up's last dimension must be even")
-    return _launch(_SILU, gate_up, weight, gate_up.shape[-1] // 2)[0]
+    return _launch(_SILU, gate_up, weight, gate_up.shape[-1] // 2, weight_scale=weight_scale)[0]
 
 
-def linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows."""
-    return _launch(_PLAIN, x, weight, x.shape[-1])[0]
+    return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale)[0]
 
 
-def fits(x: torch.Tensor, rows: int) -> bool:
-    """True when the fused Triton projections serve these rows (CUDA, Triton, few rows)."""
-    return use_triton(x) and rows <= MAX_ROWS
+def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:
+    """True when the fused Triton projections serve these rows (CUDA, Triton, few rows) and
+    read ``weight``'s dtype (float8 needs a GPU of compute capability 8.9 or later)."""
+    if not (use_triton(x) and rows <= MAX_ROWS):
+        return False
+    if weight is not None and weight.dtype == torch.float8_e4m3fn and weight.is_cuda:
+        return torch.cuda.get_device_capability(weight.device) >= (8, 9)
+    return True
 
 
 def _num_rows(x: torch.Tensor, rows: torch.Tensor | None) -> int:
@@ -389,29 +437,31 @@ def norm_linear(
     bias: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton where :func:`fits`, else the two ops it fuses (each Triton on CUDA, torch elsewhere).
     ``out_dtype``: the product's dtype (default the input's), after rounding to the input's: a
-    float32 head's logits without a separate conversion."""
-    if fits(x, _num_rows(x, rows)):
-        return norm_linear_triton(x, residual, norm_weight, eps, weight, bias, rows, out_dtype)
+    float32 head's logits without a separate conversion. ``weight_scale``: 8-bit ``weight``'s
+    per-channel scale."""
+    if fits(x, _num_rows(x, rows), weight):
+        return norm_linear_triton(x, residual, norm_weight, eps, weight, bias, rows, out_dtype, weight_scale)
     if rows is not None:
         x = x[rows]
         residual = residual[rows] if residual is not None else None
     normed, new_residual = rms_norm(x, norm_weight, eps, residual)
-    out = F.linear(normed, weight, bias)
+    out = scaled_linear_ref(normed, weight, weight_scale, bias)
     return (out.to(out_dtype) if out_dtype is not None else out), new_residual
 
 
-def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton where :func:`fits`, else the two ops it fuses."""
-    if fits(gate_up, _num_rows(gate_up, None)):
-        return silu_linear_triton(gate_up, weight)
-    return F.linear(silu_mul(gate_up), weight)
+    if fits(gate_up, _num_rows(gate_up, None), weight):
+        return silu_linear_triton(gate_up, weight, weight_scale)
+    return scaled_linear_ref(silu_mul(gate_up), weight, weight_scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Triton where :func:`fits`, else ``F.linear``."""
-    if fits(x, _num_rows(x, None)):
-        return linear_triton(x, weight)
-    return F.linear(x, weight)
+def linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton where :func:`fits`, else ``F.linear`` (of the scaled weight)."""
+    if fits(x, _num_rows(x, None), weight):
+        return linear_triton(x, weight, weight_scale)
+    return scaled_linear_ref(x, weight, weight_scale)

@@ -55,6 +55,13 @@ class EngineConfig(BaseModel):
                     "shapes too large to write out, from a directory with only config.json and a tokenizer) "
                     "(default safetensors)",
     )
+    quantization: Annotated[Literal["none", "int8", "fp8"], Flag()] = Field(
+        default="none",
+        description="the linear projections' weights (q/k/v, o, gate/up, down, the experts'): none (as the checkpoint "
+                    "holds them; an FP8 checkpoint is dequantized into the model dtype), int8 or fp8 (8-bit, one scale "
+                    "an output channel, quantized at load; an FP8 checkpoint keeps its own scales with fp8); the "
+                    "embedding, the norms and the vocabulary head stay in the model dtype (default none)",
+    )
     max_total_tokens: Annotated[int | None, Flag()] = Field(
         default=None, gt=0, description="KV slots in the pool (default: a fraction of the free GPU memory, or 16384 "
                                         "on CPU)"

@@ -144,9 +144,10 @@ class LLMEngine:
             config = self.config = tp_config(config)
             self.tp = TPLeader(config.tp, str(self.model_path), self.dtype_name, self.device,
                                config.fused_decode_rows, load_format=config.load_format,
+                               quantization=config.quantization,
                                all_reduce_mode=config.tp_allreduce)
         weights = load_weights(self.model_path, self.model_config, torch_dtype(self.dtype_name), self.device,
-                               self.shard, config.load_format)
+                               self.shard, config.load_format, quantization=config.quantization)
         self.model = LlamaModel(self.model_config, weights, self.device, fused_rows=config.fused_decode_rows,
                                 shard=self.shard, all_reduce=self.tp.group.all_reduce if self.tp else None)
         num_slots = self._make_kv(kv_event_sink)
@@ -154,8 +155,8 @@ class LLMEngine:
             self.tp.start(int(self.pool.k_cache.shape[1]))
         self._make_loop()
         logger.info(
-            "engine ready: model %s on %s (%s), %d KV slots (%.1f MiB a rank, of %d), block size %d, prefix cache %s",
-            self.model_config.name, self.device, self.dtype_name, num_slots,
+            "engine ready: model %s on %s (%s, weights %s), %d KV slots (%.1f MiB a rank, of %d), block size %d, prefix cache %s",
+            self.model_config.name, self.device, self.dtype_name, config.quantization, num_slots,
             num_slots * self.rank_kv_spec.bytes_per_token / 2**20, config.tp, config.block_size,
             "on" if config.enable_prefix_cache else "off",
         )

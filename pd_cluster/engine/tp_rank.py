@@ -59,7 +59,7 @@ class RankLoop:
         config = ModelConfig.from_path(spec.model_path)
         shard = Shard(spec.rank, spec.size)
         weights = load_weights(spec.model_path, config, torch_dtype(spec.dtype), self.device, shard,
-                               spec.load_format)
+                               spec.load_format, quantization=spec.quantization)
         self.model = LlamaModel(config, weights, self.device, fused_rows=spec.fused_rows, shard=shard,
                                 all_reduce=self.group.all_reduce)
         num_slots = int(store.get("num_slots"))

@@ -1,8 +1,9 @@
 """The model hyper-parameters the engine needs, read from a Hugging Face config.json.
 
 Anything a config asks for that the engine does not compute (an activation, a rope type, a
-quantization) is refused here with the field's name: a model that loads answers as transformers
-does, never silently otherwise.
+quantization other than the FP8 checkpoints of :mod:`pd_cluster.model.checkpoint_quant`) is
+refused here with the field's name: a model that loads answers as transformers does, never
+silently otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernels.rotary import ROPE_TYPES, rope_type
+from pd_cluster.model.checkpoint_quant import checkpoint_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class ModelConfig:
     #: Each query and key head RMS-normalized (weights of head_dim) before rotary.
     qk_norm: bool = False
     moe: MoEConfig | None = None
+    #: The ``quant_method`` of an FP8 checkpoint (:mod:`pd_cluster.model.checkpoint_quant`).
+    checkpoint_quantization: str | None = None
 
     def is_sparse(self, layer: int) -> bool:
         """Whether layer ``layer``'s MLP is routed experts."""
@@ -102,6 +106,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             qk_norm=model_type in QK_NORM_FAMILIES,
             moe=_moe(raw, model_type, num_layers),
+            checkpoint_quantization=checkpoint_quantization(raw.get("quantization_config")),
         )
 
     @classmethod
@@ -119,9 +124,6 @@ def _refuse_unsupported(raw: dict) -> None:
     act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (the engine's MLPs are SiLU-gated)")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"quantization_config ({method}) is not supported: serve unquantized weights")
     if raw.get("mlp_bias"):
         raise ValueError("mlp_bias true is not supported (the engine's MLP projections have no bias)")
 

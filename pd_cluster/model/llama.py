@@ -18,6 +18,7 @@ from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
+from pd_cluster.model.quant_linear import QuantLinear, linear, weight_args
 from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import LayerWeights, ModelWeights
 
@@ -137,7 +138,20 @@ class LlamaModel:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        q = self._rotary_store(index, w, linear(x, w.qkv, w.qkv_bias), batch, kv)
+        k_cache, v_cache = kv.layer(index)
+        attn = self._attention(q, k_cache, v_cache, batch, prefill)
+        hidden = self._reduce(linear(attn.reshape(-1, self._q_size), w.o))
+        x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
+        if w.experts is not None:
+            return routed_experts(x, w.experts, cfg.moe), residual
+        hidden = self._reduce(linear(kernels.silu_mul(linear(x, w.gate_up)), w.down))
+        return hidden, residual
+
+    def _rotary_store(self, index: int, w: LayerWeights, qkv: torch.Tensor, batch: ForwardBatch,
+                      kv: KVLayers) -> torch.Tensor:
+        """The queries of the projected ``qkv``, rotated; the keys (rotated) and values stored."""
+        cfg = self.config
         q, k, v = qkv.split((self._q_size, self._kv_size, self._kv_size), dim=-1)
         q = q.view(-1, self.num_heads, cfg.head_dim)
         k = k.view(-1, self.num_kv_heads, cfg.head_dim)
@@ -145,14 +159,7 @@ class LlamaModel:
         if w.q_norm is not None:
             q, k = self._head_norm(q, w.q_norm), self._head_norm(k, w.k_norm)
         k_cache, v_cache = kv.layer(index)
-        q = kernels.rotary_store_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots)
-        attn = self._attention(q, k_cache, v_cache, batch, prefill)
-        hidden = self._reduce(F.linear(attn.reshape(-1, self._q_size), w.o))
-        x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
-        if w.experts is not None:
-            return routed_experts(x, w.experts, cfg.moe), residual
-        hidden = self._reduce(F.linear(kernels.silu_mul(F.linear(x, w.gate_up)), w.down))
-        return hidden, residual
+        return kernels.rotary_store_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots)
 
     def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head ``[T, H, D]`` over its ``D`` values (Qwen3's q_norm and k_norm)."""
@@ -175,13 +182,20 @@ class LlamaModel:
         projection (same math, four kernels fewer)."""
         cfg = self.config
         k_cache, v_cache = kv.layer(index)
-        q, residual = kernels.norm_qkv_rotary(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias,
-                                              batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots,
-                                              self.num_heads, self.num_kv_heads)
+        if isinstance(w.qkv, QuantLinear):  # 8-bit weights: the projection, then rotary and the store
+            qkv, residual = kernels.norm_linear(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv.qweight,
+                                                w.qkv_bias, weight_scale=w.qkv.scale)
+            q = self._rotary_store(index, w, qkv, batch, kv)
+        else:
+            q, residual = kernels.norm_qkv_rotary(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv,
+                                                  w.qkv_bias, batch.positions, self.cos, self.sin, k_cache, v_cache,
+                                                  batch.out_slots, self.num_heads, self.num_kv_heads)
         attn = self._attention(q, k_cache, v_cache, batch, prefill)
-        hidden = self._reduce(kernels.linear(attn.reshape(-1, self._q_size), w.o))
-        gate_up, residual = kernels.norm_linear(hidden, residual, w.post_norm, cfg.rms_norm_eps, w.gate_up)
-        return self._reduce(kernels.silu_linear(gate_up, w.down)), residual
+        hidden = self._reduce(kernels.linear(attn.reshape(-1, self._q_size), *weight_args(w.o)))
+        gate_up_w, gate_up_scale = weight_args(w.gate_up)
+        gate_up, residual = kernels.norm_linear(hidden, residual, w.post_norm, cfg.rms_norm_eps, gate_up_w,
+                                                weight_scale=gate_up_scale)
+        return self._reduce(kernels.silu_linear(gate_up, *weight_args(w.down))), residual
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                    prefill: PrefillPart | None) -> torch.Tensor:

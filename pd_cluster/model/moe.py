@@ -5,7 +5,8 @@ float32, as transformers does), weighted by those probabilities, renormalized ov
 ones where the config says so. The (token, expert) pairs are sorted by expert, so each expert
 runs one GEMM over all of its tokens and the outputs are added back to their tokens in expert
 order (transformers' order of summation). The per-expert loop reads each expert's token count
-on the host, so a sparse step is not captured in a CUDA graph.
+on the host, so a sparse step is not captured in a CUDA graph. The experts' projections may
+hold 8-bit weights (:mod:`pd_cluster.model.quant_linear`); the router stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 import kernels
 from pd_cluster.model.config import MoEConfig
+from pd_cluster.model.quant_linear import linear
 from pd_cluster.model.weights import ExpertWeights
 
 
@@ -42,6 +44,6 @@ def routed_experts(x: torch.Tensor, w: ExpertWeights, moe: MoEConfig) -> torch.T
             continue
         tokens, gates = token_of[start:start + count], weight_of[start:start + count]
         start += count
-        hidden = kernels.silu_mul(F.linear(x[tokens], w.gate_up[expert]))
-        out.index_add_(0, tokens, F.linear(hidden, w.down[expert]) * gates[:, None])
+        hidden = kernels.silu_mul(linear(x[tokens], w.gate_up[expert]))
+        out.index_add_(0, tokens, linear(hidden, w.down[expert]) * gates[:, None])
     return out

@@ -10,9 +10,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pd_cluster.model.checkpoint_quant import ACTIVATION_SCALE_SUFFIXES, SCALE_SUFFIX
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.dummy_weights import DummyTensors
 from pd_cluster.model.hf_names import dense_mlp_names, expert_names, layer_prefix, router_name
+from pd_cluster.model.quant_linear import FP8, QUANTIZATIONS, QuantLinear, Weight, fuse, quantize, stack
 from pd_cluster.model.shard import HeadRange, Shard
 
 logger = logging.getLogger(__name__)
@@ -27,22 +29,28 @@ class ExpertWeights:
     """A sparse layer's routed experts, stacked: expert ``e``'s projections are row ``e``."""
 
     router: torch.Tensor  # [experts, hidden]
-    gate_up: torch.Tensor  # [experts, 2 * moe_intermediate, hidden]: gate then up, fused
-    down: torch.Tensor  # [experts, hidden, moe_intermediate]
+    gate_up: Weight  # [experts, 2 * moe_intermediate, hidden]: gate then up, fused
+    down: Weight  # [experts, hidden, moe_intermediate]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.gate_up, self.down]
+        return _flat([self.router, self.gate_up, self.down])
+
+
+def _flat(items: list[Weight]) -> list[torch.Tensor]:
+    """The tensors of float and 8-bit weights (an 8-bit one's codes and scales)."""
+    return [t for item in items for t in (item.tensors() if isinstance(item, QuantLinear) else [item])]
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [ (Hq + 2*Hkv) * D, hidden ]: q, k and v projections fused
+    # The projections hold float or 8-bit weights (``--quantization``, an FP8 checkpoint).
+    qkv: Weight  # [ (Hq + 2*Hkv) * D, hidden ]: q, k and v projections fused
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     post_norm: torch.Tensor
-    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]: gate then up, fused (None: routed experts)
-    down: torch.Tensor | None
+    gate_up: Weight | None  # [2 * intermediate, hidden]: gate then up, fused (None: routed experts)
+    down: Weight | None
     #: Per-head RMSNorm weights ``[head_dim]`` of queries and keys before rotary (Qwen3).
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
@@ -53,7 +61,7 @@ class LayerWeights:
         """Every tensor the layer holds."""
         out = [self.input_norm, self.qkv, self.o, self.post_norm]
         out += [t for t in (self.qkv_bias, self.gate_up, self.down, self.q_norm, self.k_norm) if t is not None]
-        return out + (self.experts.tensors() if self.experts is not None else [])
+        return _flat(out) + (self.experts.tensors() if self.experts is not None else [])
 
 
 @dataclass
@@ -121,21 +129,28 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 def load_weights(
     path: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-    shard: Shard | None = None, load_format: str = "safetensors",
+    shard: Shard | None = None, load_format: str = "safetensors", quantization: str = "none",
 ) -> ModelWeights:
     """Read every tensor (or, for one rank of ``shard``, its slices) once, fuse q/k/v and gate/up,
     and place them on ``device`` in ``dtype``. A rank's q/k/v and gate/up are its rows
     (column-parallel), its o and down its columns (row-parallel: the ranks' outputs sum to the
     whole); norms (q/k norms too: they act within a head), the embedding and the head are whole
     on every rank. ``load_format`` "dummy": the same tensors made on ``device`` from a seed (see
-    :data:`LOAD_FORMATS`)."""
+    :data:`LOAD_FORMATS`). ``quantization`` int8 / fp8: the projections (q/k/v, o, gate/up, down,
+    the experts') held 8-bit with a scale per output channel; the embedding, the norms, the head
+    and a router stay in ``dtype``. An FP8 checkpoint's projections keep their own scales with
+    fp8, are dequantized into ``dtype`` with none (and requantized with int8); those it leaves
+    unquantized stay in ``dtype``."""
     shard = shard or Shard()
     shard.check(config)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load format {load_format!r}; expected one of {LOAD_FORMATS}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r}; expected one of {QUANTIZATIONS}")
     files: TensorFiles | DummyTensors = (DummyTensors(config, device) if load_format == "dummy"
                                          else TensorFiles(Path(path)))
-    reader = _Reader(files, dtype, torch.device(device), shard.whole)
+    reader = _Reader(files, dtype, torch.device(device), shard.whole, quantization,
+                     keep_float=config.checkpoint_quantization is not None)
     from tqdm.auto import tqdm
 
     # A bar only on a terminal (disable=None): node processes write to log files.
@@ -157,8 +172,12 @@ class _Reader:
     the names it read (the rest are reported unused)."""
 
     def __init__(self, files: TensorFiles | DummyTensors, dtype: torch.dtype, device: torch.device,
-                 whole: bool) -> None:
+                 whole: bool, quantization: str = "none", keep_float: bool = False) -> None:
+        """``keep_float``: an FP8 checkpoint's projections without scales stay in ``dtype`` (the
+        modules it leaves unquantized, as published)."""
         self.files, self.dtype, self.device, self.whole = files, dtype, device, whole
+        self.quantization = quantization
+        self.keep_float = keep_float
         self.taken: set[str] = set()
 
     def take(self, name: str, rows: HeadRange | None = None, cols: HeadRange | None = None,
@@ -171,21 +190,63 @@ class _Reader:
     def maybe(self, name: str, rows: HeadRange | None = None, unit: int = 1) -> torch.Tensor | None:
         return self.take(name, rows, unit=unit) if name in self.files else None
 
+    def linear(self, name: str, rows: HeadRange | None = None, cols: HeadRange | None = None,
+               unit: int = 1) -> Weight:
+        """Projection ``name`` (its rows or columns as :meth:`take`), float or 8-bit as asked."""
+        prefix = name[: -len("weight")]
+        if prefix + SCALE_SUFFIX in self.files:
+            return self._published(name, prefix, rows, cols, unit)
+        if self.quantization == "none" or self.keep_float:
+            return self.take(name, rows, cols, unit)
+        if self.whole or cols is None:
+            self.taken.add(name)
+            part = self.files.read(name, None if self.whole else rows, unit=unit)
+            return quantize(part.to(self.device), self.quantization)
+        # A row-parallel rank's columns, scaled by their whole rows' amax (as at TP 1).
+        self.taken.add(name)
+        full = quantize(self.files.read(name).to(self.device), self.quantization)
+        return full.columns(cols.start * unit, cols.stop * unit)
+
+    def _published(self, name: str, prefix: str, rows: HeadRange | None, cols: HeadRange | None,
+                   unit: int) -> Weight:
+        """An FP8 checkpoint's projection with its own scales (a per-tensor scale spread over the
+        channels); dequantized for ``none``, requantized for ``int8``."""
+        self.taken.update([name, prefix + SCALE_SUFFIX] + [prefix + s for s in ACTIVATION_SCALE_SUFFIXES])
+        if self.whole:
+            rows = cols = None
+        codes = self.files.read(name, rows, cols, unit)
+        if codes.dtype != FP8:
+            raise ValueError(f"{name}: {codes.dtype} weights with a weight_scale (float8_e4m3fn expected)")
+        scale = self.files.read(prefix + SCALE_SUFFIX).float().flatten()
+        if scale.numel() == 1:
+            scale = scale.expand(codes.shape[0])
+        elif rows is not None:
+            scale = scale[rows.start * unit : rows.stop * unit]
+        published = QuantLinear(codes.to(self.device).contiguous(), scale.to(self.device).contiguous())
+        if self.quantization == "fp8":
+            return published
+        if self.quantization == "none" or cols is None:
+            weight = published.dequantize(self.dtype)
+            return weight if self.quantization == "none" else quantize(weight, self.quantization)
+        whole = self.files.read(name)  # int8 from a row-parallel part: the whole rows' amax
+        full = QuantLinear(whole.to(self.device), scale.to(self.device)).dequantize(torch.float32)
+        return quantize(full, self.quantization).columns(cols.start * unit, cols.stop * unit)
+
 
 def _load_layer(reader: _Reader, config: ModelConfig, shard: Shard, i: int) -> LayerWeights:
     head_dim = config.head_dim
     qh, kvh, inter = shard.q_heads(config), shard.kv_heads(config), shard.intermediate(config)
     p = layer_prefix(i)
-    take = reader.take
-    q = take(p + "self_attn.q_proj.weight", qh, unit=head_dim)
-    k = take(p + "self_attn.k_proj.weight", kvh, unit=head_dim)
-    v = take(p + "self_attn.v_proj.weight", kvh, unit=head_dim)
+    take, linear = reader.take, reader.linear
+    q = linear(p + "self_attn.q_proj.weight", qh, unit=head_dim)
+    k = linear(p + "self_attn.k_proj.weight", kvh, unit=head_dim)
+    v = linear(p + "self_attn.v_proj.weight", kvh, unit=head_dim)
     biases = [reader.maybe(p + f"self_attn.{n}_proj.bias", h, head_dim) for n, h in zip("qkv", (qh, kvh, kvh))]
     layer = LayerWeights(
         input_norm=take(p + "input_layernorm.weight"),
-        qkv=torch.cat((q, k, v)).contiguous(),
+        qkv=fuse([q, k, v], reader.dtype),
         qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
-        o=take(p + "self_attn.o_proj.weight", cols=qh, unit=head_dim),
+        o=linear(p + "self_attn.o_proj.weight", cols=qh, unit=head_dim),
         post_norm=take(p + "post_attention_layernorm.weight"),
         gate_up=None,
         down=None,
@@ -197,13 +258,21 @@ def _load_layer(reader: _Reader, config: ModelConfig, shard: Shard, i: int) -> L
         layer.experts = _load_experts(reader, config, i)
     else:
         names = dense_mlp_names(i)
-        layer.gate_up = torch.cat((take(names.gate, inter), take(names.up, inter))).contiguous()
-        layer.down = take(names.down, cols=inter)
+        layer.gate_up = fuse([linear(names.gate, inter), linear(names.up, inter)], reader.dtype)
+        layer.down = linear(names.down, cols=inter)
     return layer
 
 
 def _load_experts(reader: _Reader, config: ModelConfig, layer: int) -> ExpertWeights:
     """A sparse layer's router and experts, stacked (whole: a sparse model runs at TP 1)."""
+    router = reader.take(router_name(config, layer))
+    if reader.quantization != "none" or config.checkpoint_quantization is not None:
+        gate_ups, downs = [], []
+        for e in range(config.moe.num_experts):
+            names = expert_names(config, layer, e)
+            gate_ups.append(fuse([reader.linear(names.gate), reader.linear(names.up)], reader.dtype))
+            downs.append(reader.linear(names.down))
+        return ExpertWeights(router=router, gate_up=stack(gate_ups, reader.dtype), down=stack(downs, reader.dtype))
     moe = config.moe
     inter, hidden = moe.intermediate_size, config.hidden_size
     gate_up = torch.empty((moe.num_experts, 2 * inter, hidden), dtype=reader.dtype, device=reader.device)
@@ -213,4 +282,4 @@ def _load_experts(reader: _Reader, config: ModelConfig, layer: int) -> ExpertWei
         gate_up[e, :inter] = reader.take(names.gate)
         gate_up[e, inter:] = reader.take(names.up)
         down[e] = reader.take(names.down)
-    return ExpertWeights(router=reader.take(router_name(config, layer)), gate_up=gate_up, down=down)
+    return ExpertWeights(router=router, gate_up=gate_up, down=down)

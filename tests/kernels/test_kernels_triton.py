@@ -118,6 +118,10 @@ def assert_close_elementwise(out: torch.Tensor, ref: torch.Tensor) -> None:
 # truncates the normalised inputs where the reference rounds them (two ulps of outputs up to 16).
 GEMV_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.3e-1)}
 
+# 8-bit weights: in bfloat16 the reference rounds the unscaled product before scaling it (the
+# kernel rounds once, after the scale).
+QUANT_GEMV_TOL = {torch.float32: GEMV_TOL[torch.float32], torch.bfloat16: (2e-2, 1.3e-1)}
+
 # The projection then the rotation: two bfloat16 truncations in the interpreter where the
 # reference rounds twice (a rotated output mixes two truncated inputs).
 QKV_ROTARY_TOL = {torch.float32: GEMV_TOL[torch.float32], torch.bfloat16: (2e-2, 1.3e-1)}
@@ -439,6 +443,31 @@ class InterpretedCases:
         x = torch.randn(5, 300, generator=gen).to(dtype)
         assert_matches(linear_triton(x, weight), linear_ref(x, weight), *GEMV_TOL[dtype])
         assert_matches(linear_triton(x[:4], weight), linear_ref(x[:4], weight), *GEMV_TOL[dtype])
+
+    @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_projections_read_8_bit_weights_and_scale_each_channel(self, dtype: torch.dtype,
+                                                                   qdtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(15)
+        limit = 127 if qdtype == torch.int8 else 448
+        codes = lambda n, k: (torch.randn(n, k, generator=gen) * limit / 3).clamp(-limit, limit).to(qdtype)  # noqa: E731
+        scale = lambda n: torch.rand(n, generator=gen) * 2e-3 + 1e-4  # outputs of a few units  # noqa: E731
+        # One tile of rows (3 rows of 40), blocks of 256 (5 rows of 300), one long row (2400: in
+        # float32 only, as the interpreter's bfloat16 truncations of its inputs add up over its length).
+        for rows, k in ((3, 40), (5, 300)) + (((1, 2400),) if dtype == torch.float32 else ()):
+            x, residual = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(rows, k, generator=gen).to(dtype)
+            norm_weight, bias = (torch.rand(k, generator=gen) + 0.5).to(dtype), torch.randn(37, generator=gen).to(dtype)
+            weight, w_scale = codes(37, k), scale(37)
+            out, new_residual = norm_linear_triton(x, residual, norm_weight, 1e-5, weight, bias, weight_scale=w_scale)
+            ref, ref_residual = norm_linear_ref(x, residual, norm_weight, 1e-5, weight, bias, weight_scale=w_scale)
+            assert_matches(out, ref, *QUANT_GEMV_TOL[dtype])
+            assert_close_elementwise(new_residual, ref_residual)
+            assert_matches(linear_triton(x, weight, w_scale), linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[dtype])
+        gate_up, down, d_scale = torch.randn(2, 600, generator=gen).to(dtype), codes(21, 300), scale(21)
+        assert_matches(silu_linear_triton(gate_up, down, d_scale), silu_linear_ref(gate_up, down, d_scale),
+                       *QUANT_GEMV_TOL[dtype])
+        with pytest.raises(ValueError, match="scale"):
+            linear_triton(x, weight)
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third

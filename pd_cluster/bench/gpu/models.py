@@ -63,11 +63,13 @@ def random_model(config_file: Path, seed: int = 0) -> Iterator[str]:
         shutil.copy(config_file, Path(tmp) / "config.json")
 
         def load(path, config: ModelConfig, dtype: torch.dtype, device, shard=None,
-                 load_format: str = "safetensors") -> ModelWeights:
+                 load_format: str = "safetensors", quantization: str = "none") -> ModelWeights:
             if load_format == "dummy":  # an engine of any TP (its other ranks make theirs alike)
-                return load_weights(path, config, dtype, device, shard, load_format)
+                return load_weights(path, config, dtype, device, shard, load_format, quantization)
             if shard is not None and not shard.whole:
                 raise NotImplementedError("random in-memory weights are whole: use load_format dummy for TP > 1")
+            if quantization != "none":
+                raise NotImplementedError("random in-memory weights are unquantized: use load_format dummy")
             return random_weights(config, dtype, torch.device(device), seed)
 
         with mock.patch.object(llm_engine, "load_weights", load):
