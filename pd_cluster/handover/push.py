@@ -55,7 +55,8 @@ class PushSender(KVSender):
         seconds = time.monotonic() - started
         self.check_taken(ack)
         self.settled = True
-        return Handed(bytes_sent=self.nbytes, seconds=seconds)
+        # What moved, counted from the tensor sent (D's rows, whatever P's pool holds).
+        return Handed(bytes_sent=buffer.numel() * buffer.element_size(), seconds=seconds)
 
     def _gather(self, held_slots: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Engine thread: the blocks' KV as ``[2, L, send_blocks*block, H, D]``, zero-padded, and
