@@ -10,7 +10,7 @@ token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shap
 from kernels.argmax import argmax_rows, choose_ids
 from kernels.attention import context_attention, decode_attention
 from kernels.gemv import linear, norm_linear, silu_linear
-from kernels.kv_transfer import copy_kv_slots, gather_kv, scatter_kv
+from kernels.kv_transfer import convert_kv, copy_kv_slots, gather_kv, scatter_kv
 from kernels.qkv_rotary import norm_qkv_rotary
 from kernels.rms_norm import rms_norm
 from kernels.rotary import apply_rotary, rotary_cos_sin, rotary_store_kv
@@ -23,6 +23,7 @@ __all__ = [
     "argmax_rows",
     "choose_ids",
     "context_attention",
+    "convert_kv",
     "copy_kv_slots",
     "decode_attention",
     "embed_step_inputs",

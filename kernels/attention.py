@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _tiles
+from kernels.kv_quant import dequantize_rows
 from kernels._triton import (
     cdiv,
     dot_precision,
@@ -28,6 +29,13 @@ from kernels._triton import (
 )
 
 _LOG2E = math.log2(math.e)
+
+
+def _kv_rows(cache: torch.Tensor, index: torch.Tensor, quant: str | None, head_dim: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """``cache[index]``; from a quantized cache (``quant``), dequantized into ``dtype``."""
+    rows = cache[index]
+    return rows if quant is None else dequantize_rows(rows, quant, head_dim, dtype)
 
 
 def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -48,12 +56,14 @@ def context_attention_ref(
     q_lens: torch.Tensor,
     q_start_loc: torch.Tensor,
     sm_scale: float,
+    quant: str | None = None,
 ) -> torch.Tensor:
     """Causal attention for new tokens of every sequence against its whole context.
 
     q: ``[T, Hq, D]`` (all sequences' new tokens, concatenated); caches: ``[S, Hkv, D]``;
     slot_table: ``[B, max_ctx]`` int64; ctx_lens, q_lens, q_start_loc: ``[B]`` int.
-    Returns ``[T, Hq, D]`` in q's dtype.
+    Returns ``[T, Hq, D]`` in q's dtype. ``quant``: the caches hold packed quantized rows
+    (:mod:`kernels.kv_quant`), dequantized as they are read (the math stays in float32).
     """
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
@@ -63,8 +73,8 @@ def context_attention_ref(
         if n_new == 0:
             continue
         slots = slot_table[b, :ctx]
-        k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [ctx, Hq, D]
-        v = v_cache[slots].float().repeat_interleave(group, dim=1)
+        k = _kv_rows(k_cache, slots, quant, q.shape[-1], torch.float32).float().repeat_interleave(group, dim=1)
+        v = _kv_rows(v_cache, slots, quant, q.shape[-1], torch.float32).float().repeat_interleave(group, dim=1)
         qb = q[start : start + n_new].float()  # [n_new, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
         q_pos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)
@@ -82,6 +92,7 @@ def decode_attention_ref(
     slot_table: torch.Tensor,
     ctx_lens: torch.Tensor,
     sm_scale: float,
+    quant: str | None = None,
 ) -> torch.Tensor:
     """One query token per sequence (the last position of its context).
 
@@ -90,7 +101,7 @@ def decode_attention_ref(
     batch = q.shape[0]
     ones = torch.ones(batch, dtype=torch.int64, device=q.device)
     return context_attention_ref(
-        q, k_cache, v_cache, slot_table, ctx_lens, ones, torch.arange(batch, device=q.device), sm_scale
+        q, k_cache, v_cache, slot_table, ctx_lens, ones, torch.arange(batch, device=q.device), sm_scale, quant
     )
 
 
@@ -721,21 +732,24 @@ def context_attention_cpu(
     q_lens: torch.Tensor,
     q_start_loc: torch.Tensor,
     sm_scale: float,
+    quant: str | None = None,
 ) -> torch.Tensor:
-    """The CPU path: per sequence, torch's fused attention with GQA (same math as the reference)."""
+    """The CPU path: per sequence, torch's fused attention with GQA (same math as the reference);
+    quantized caches (``quant``) dequantized into q's dtype as they are read. Runs on any device
+    (the path of quantized caches on a GPU)."""
     out = torch.empty_like(q)
     ctx_list, q_list, start_list = ctx_lens.tolist(), q_lens.tolist(), q_start_loc.tolist()
     for b, (ctx, n_new, start) in enumerate(zip(ctx_list, q_list, start_list)):
         if n_new == 0:
             continue
         slots = slot_table[b, :ctx]
-        k = k_cache[slots].transpose(0, 1)  # [Hkv, ctx, D]
-        v = v_cache[slots].transpose(0, 1)
+        k = _kv_rows(k_cache, slots, quant, q.shape[-1], q.dtype).transpose(0, 1)  # [Hkv, ctx, D]
+        v = _kv_rows(v_cache, slots, quant, q.shape[-1], q.dtype).transpose(0, 1)
         qb = q[start : start + n_new].transpose(0, 1)  # [Hq, n_new, D]
         mask = None
         if n_new > 1:
-            q_pos = torch.arange(ctx - n_new, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= q_pos
+            q_pos = torch.arange(ctx - n_new, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= q_pos
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=sm_scale, enable_gqa=True)
         out[start : start + n_new] = o.transpose(0, 1)
     return out
@@ -748,17 +762,20 @@ def decode_attention_cpu(
     slot_table: torch.Tensor,
     ctx_lens: torch.Tensor,
     sm_scale: float,
+    quant: str | None = None,
 ) -> torch.Tensor:
     """The CPU path. Contexts of similar length: one fused-attention call over the padded batch;
-    very ragged ones (padding would more than double the work): one call per sequence."""
+    very ragged ones (padding would more than double the work): one call per sequence.
+    ``quant`` as in :func:`context_attention_cpu`."""
     batch = q.shape[0]
     max_ctx = int(slot_table.shape[1])
     if batch * max_ctx > 2 * int(ctx_lens.sum()):
-        ones = torch.ones(batch, dtype=torch.int64)
-        return context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, ones, torch.arange(batch), sm_scale)
-    k = k_cache[slot_table].transpose(1, 2)  # [B, Hkv, ctx, D]
-    v = v_cache[slot_table].transpose(1, 2)
-    valid = torch.arange(max_ctx).unsqueeze(0) < ctx_lens.unsqueeze(1)
+        ones = torch.ones(batch, dtype=torch.int64, device=q.device)
+        return context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, ones,
+                                     torch.arange(batch, device=q.device), sm_scale, quant)
+    k = _kv_rows(k_cache, slot_table, quant, q.shape[-1], q.dtype).transpose(1, 2)  # [B, Hkv, ctx, D]
+    v = _kv_rows(v_cache, slot_table, quant, q.shape[-1], q.dtype).transpose(1, 2)
+    valid = torch.arange(max_ctx, device=q.device).unsqueeze(0) < ctx_lens.unsqueeze(1)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=sm_scale, enable_gqa=True
     )
@@ -776,15 +793,17 @@ def context_attention(
     sm_scale: float,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
+    quant: str | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`context_attention_cpu`;
-    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`."""
-    if use_triton(q, k_cache, v_cache):
+    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`.
+    Quantized caches (``quant``) take the torch path on every device."""
+    if quant is None and use_triton(q, k_cache, v_cache):
         return context_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale,
                                         out=out, table_rows=table_rows)
     if table_rows is not None:
         slot_table = slot_table.index_select(0, table_rows)
-    result = context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale)
+    result = context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale, quant)
     return result if out is None else out.copy_(result)
 
 
@@ -797,13 +816,15 @@ def decode_attention(
     sm_scale: float,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
+    quant: str | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_cpu`;
-    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`."""
-    if use_triton(q, k_cache, v_cache):
+    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`.
+    Quantized caches (``quant``) take the torch path on every device."""
+    if quant is None and use_triton(q, k_cache, v_cache):
         return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out,
                                        table_rows=table_rows)
     if table_rows is not None:
         slot_table = slot_table.index_select(0, table_rows)
-    result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale)
+    result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, quant)
     return result if out is None else out.copy_(result)

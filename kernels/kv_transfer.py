@@ -5,6 +5,22 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import next_pow2, require_triton, tl, triton, use_triton
+from kernels.kv_quant import convert_rows, is_quantized
+
+_MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def convert_kv(buffer: torch.Tensor, src_kind: str, dst_kind: str, head_dim: int) -> torch.Tensor:
+    """Gathered KV ``[2, L, N, Hkv, row]`` stored as ``src_kind`` (a model dtype, int8 or
+    fp8_e4m3) in ``dst_kind``'s rows: what a P sends a D whose cache stores another KV dtype.
+    Between a model dtype and a quantized kind the values pass through float32, so a quantized
+    D's scales are the ones its own store would have computed."""
+    if src_kind == dst_kind:
+        return buffer
+    model_dtype = _MODEL_DTYPES.get(dst_kind) or _MODEL_DTYPES.get(src_kind) or torch.float32
+    if is_quantized(src_kind) and is_quantized(dst_kind):
+        model_dtype = torch.float32
+    return convert_rows(buffer, src_kind, dst_kind, head_dim, model_dtype).contiguous()
 
 
 def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from kernels._triton import (
     use_pdl,
     use_triton,
 )
-from kernels.store_kv import store_kv_ref
+from kernels.store_kv import store_kv, store_kv_ref
 
 
 #: ``rope_scaling`` types the tables follow (transformers' rope init functions of the same names).
@@ -353,8 +353,15 @@ def rotary_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    quant: str | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA tensors when Triton is installed, else :func:`rotary_store_kv_ref`."""
+    """Triton on CUDA tensors when Triton is installed, else :func:`rotary_store_kv_ref`; into
+    quantized caches (``quant``, see :func:`kernels.store_kv.store_kv_ref`) the rotation, then
+    the quantizing store."""
+    if quant is not None:
+        q_out, k_out = apply_rotary(q, k, positions, cos, sin)
+        store_kv(k_out, v, k_cache, v_cache, slots, quant)
+        return q_out
     if use_triton(q, k, k_cache):
         return rotary_store_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slots)
     return rotary_store_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slots)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import quantize_rows
 from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
 
 
@@ -13,12 +14,18 @@ def store_kv_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    quant: str | None = None,
 ) -> None:
     """``k_cache[slots[i]] = k[i]`` (same for v), in place.
 
     k, v: ``[T, kv_heads, head_dim]``; caches: ``[num_slots, kv_heads, head_dim]``;
-    slots: ``[T]`` int64.
+    slots: ``[T]`` int64. ``quant`` (int8, fp8_e4m3): the caches hold packed quantized rows
+    (:mod:`kernels.kv_quant`) and each new row is quantized with its own scale.
     """
+    if quant is not None:
+        k_cache[slots] = quantize_rows(k, quant)
+        v_cache[slots] = quantize_rows(v, quant)
+        return
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
 
@@ -100,9 +107,13 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    quant: str | None = None,
 ) -> None:
-    """Triton on CUDA tensors when Triton is installed, else :func:`store_kv_ref`."""
-    if use_triton(k, k_cache):
+    """Triton on CUDA tensors when Triton is installed, else :func:`store_kv_ref`; quantized
+    caches (``quant``) through the reference on every device."""
+    if quant is not None:
+        store_kv_ref(k, v, k_cache, v_cache, slots, quant)
+    elif use_triton(k, k_cache):
         store_kv_triton(k, v, k_cache, v_cache, slots)
     else:
         store_kv_ref(k, v, k_cache, v_cache, slots)

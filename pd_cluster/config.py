@@ -31,6 +31,12 @@ class EngineConfig(BaseModel):
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Flag()] = Field(
         default="auto", description="weights and KV dtype (auto: bfloat16 on a GPU, float32 on CPU)"
     )
+    kv_cache_dtype: Annotated[Literal["auto", "fp8_e4m3", "int8"], Flag()] = Field(
+        default="auto",
+        description="what the KV cache stores: auto (the model dtype), or int8 / fp8_e4m3 values with a float32 scale "
+                    "per token and KV head (a quarter of float32 KV's bytes, about half of bfloat16's, plus the "
+                    "scales); a P and a D may differ, P converts its KV into D's on the way",
+    )
     device: Annotated[str, Flag(passed_on=False)] = Field(default="auto", description="auto, cpu, cuda or cuda:N")
     # pd-cluster local sets it per role (--prefill-tp, --decode-tp, --mixed-tp).
     tp: Annotated[int, Flag(metavar="N", passed_on=False)] = Field(
@@ -198,6 +204,10 @@ class EngineConfig(BaseModel):
         """A concrete device name: ``auto`` and ``cuda`` become ``cuda:N`` (the process's current
         GPU) before anything touches CUDA, since ``torch.cuda.set_device`` refuses a bare "cuda"."""
         return resolve_device(self.device)
+
+    def resolved_kv_dtype(self, device: str) -> str:
+        """What the KV cache stores: the model dtype for ``auto``, else the quantized kind."""
+        return self.resolved_dtype(device) if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def resolved_dtype(self, device: str) -> str:
         if self.dtype != "auto":

@@ -27,9 +27,9 @@ NEW_TOKENS = 8
 LOOPBACK_ADDRESS = "loopback:d0"
 
 
-def engine_config(model_dir, block_size: int = 16, tp: int = 1) -> EngineConfig:
+def engine_config(model_dir, block_size: int = 16, tp: int = 1, kv_cache_dtype: str = "auto") -> EngineConfig:
     return EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_total_tokens=4096,
-                        block_size=block_size, tp=tp)
+                        block_size=block_size, tp=tp, kv_cache_dtype=kv_cache_dtype)
 
 
 def single_engine_tokens(model_dir, prompts: list[list[int]]) -> list[list[int]]:
@@ -111,11 +111,11 @@ class ServicePair:
 
 
 async def start_pair(model_dir, *, loopback: bool = True, share: bool = False, block_size: int = 16,
-                     p_tp: int = 1, d_tp: int = 1, **p_options) -> ServicePair:
+                     p_tp: int = 1, d_tp: int = 1, d_kv_dtype: str = "auto", **p_options) -> ServicePair:
     """Both services started (no engine warm-up), P's and D's engines of ``p_tp`` and ``d_tp``
-    ranks; ``p_options`` go to the PrefillService."""
+    ranks (D's KV cache storing ``d_kv_dtype``); ``p_options`` go to the PrefillService."""
     pair = ServicePair()
-    pair.d = DecodeService(engine_config(model_dir, block_size, d_tp), node_id="d0", cluster_token=TOKEN,
+    pair.d = DecodeService(engine_config(model_dir, block_size, d_tp, d_kv_dtype), node_id="d0", cluster_token=TOKEN,
                            on_tokens=pair.on_tokens, share_kv_pool=share, warm_up=False, listen=not loopback)
     await pair.d.start()
     if loopback:

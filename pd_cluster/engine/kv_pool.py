@@ -7,11 +7,13 @@ import logging
 import numpy as np
 import torch
 
+from kernels.kv_quant import row_scales
 from pd_cluster.kv_spec import KVSpec
 
 logger = logging.getLogger(__name__)
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "uint8": torch.uint8}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -23,6 +25,10 @@ class KVPool:
 
     Any free slot serves any token, so memory never fragments; a request maps its tokens to
     slots through its own slot list. Freeing a slot that is already free is a bug and raises.
+
+    A quantized pool (``spec.kv_dtype`` int8 or fp8_e4m3) holds packed rows
+    ``[num_layers, num_slots, kv_heads, row_bytes]`` uint8, each with its float32 scale
+    (:mod:`kernels.kv_quant`); :attr:`k_scale` and :attr:`v_scale` view those scales.
     """
 
     def __init__(self, spec: KVSpec, num_slots: int, device: torch.device | str = "cpu") -> None:
@@ -30,8 +36,8 @@ class KVPool:
             raise ValueError("num_slots must be positive")
         self.spec = spec
         self.device = torch.device(device)
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
-        dtype = torch_dtype(spec.dtype)
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.row_width)
+        dtype = torch_dtype(spec.storage_dtype)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self._capacity = num_slots
@@ -42,6 +48,21 @@ class KVPool:
         self._is_free = np.ones(num_slots, dtype=bool)
         #: Calls to :meth:`free` so far: an engine compares it across a step's launch.
         self.frees = 0
+
+    @property
+    def quant(self) -> str | None:
+        """The quantized KV kind the caches hold (int8, fp8_e4m3), None for the model dtype."""
+        return self.spec.kv_dtype if self.spec.quantized else None
+
+    @property
+    def k_scale(self) -> torch.Tensor | None:
+        """Keys' scales ``[num_layers, num_slots, kv_heads, 1]`` float32 (a view), None unquantized."""
+        return row_scales(self.k_cache) if self.spec.quantized else None
+
+    @property
+    def v_scale(self) -> torch.Tensor | None:
+        """Values' scales, as :attr:`k_scale`."""
+        return row_scales(self.v_cache) if self.spec.quantized else None
 
     @property
     def capacity(self) -> int:

@@ -177,9 +177,14 @@ class LLMEngine:
             head_dim=self.model_config.head_dim,
             dtype=self.dtype_name,
             block_size=config.block_size,
+            kv_dtype=config.resolved_kv_dtype(str(self.device)),
         )
+        if self.kv_spec.quantized and config.tp > 1:
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --tp 1 (a rank's pool stores the "
+                             "model dtype)")
         #: What this rank's pool holds: its own heads (every head at TP 1), as each rank's does.
-        self.rank_kv_spec = rank_kv_spec(self.model_config, self.shard, self.dtype_name, config.block_size)
+        self.rank_kv_spec = rank_kv_spec(self.model_config, self.shard, self.dtype_name, config.block_size,
+                                         self.kv_spec.kv_dtype)
         num_slots = config.max_total_tokens or self._default_kv_tokens()
         # CUDA graphs take one extra slot for their padding rows; the configured count stays usable.
         extra = 1 if (config.cuda_graphs and self.device.type == "cuda") else 0

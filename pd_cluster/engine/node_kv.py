@@ -52,7 +52,7 @@ class NodeKV:
             return kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, slots)
         if not slots.numel():
             spec = self.spec
-            return self.pool.k_cache.new_empty((2, spec.num_layers, 0, spec.num_kv_heads, spec.head_dim))
+            return self.pool.k_cache.new_empty((2, spec.num_layers, 0, spec.num_kv_heads, spec.row_width))
         self._tp.gather_kv(slots)
         return self._heads.gather(slots)
 

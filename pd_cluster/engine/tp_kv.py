@@ -25,10 +25,10 @@ from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.shard import HeadRange, Shard
 
 
-def rank_kv_spec(config: ModelConfig, shard: Shard, dtype: str, block_size: int = 1) -> KVSpec:
+def rank_kv_spec(config: ModelConfig, shard: Shard, dtype: str, block_size: int = 1, kv_dtype: str = "") -> KVSpec:
     """The KV one rank stores: its own heads (every head at TP 1)."""
     return KVSpec(model=config.name, num_layers=config.num_layers, num_kv_heads=shard.kv_heads(config).count,
-                  head_dim=config.head_dim, dtype=dtype, block_size=block_size)
+                  head_dim=config.head_dim, dtype=dtype, block_size=block_size, kv_dtype=kv_dtype)
 
 
 class KVHeads:

@@ -49,6 +49,10 @@ def choose_sender(
     """The sender of the missing KV of a prompt of ``n_tokens`` tokens, over ``channel``."""
     if not kv.whole:  # no layer-wise path (its node says so once, at start)
         options = replace(options, layerwise=False, direct_layerwise_min_tokens=None)
+    target = kv.spec.with_kv_dtype(channel.peer_kv_dtype or kv.spec.kv_dtype)
+    if target.kv_dtype != kv.spec.kv_dtype:
+        # D stores another KV dtype: the blocks are converted after the gather, then pushed whole.
+        return PushSender(channel, lease, n_tokens, kv, target)
     if channel.shared_pools:
         return DirectSender(channel, lease, request_id, n_tokens, kv, side_stream, options.direct_layerwise_min_tokens)
     block_size = kv.spec.block_size

@@ -185,7 +185,7 @@ class LoopbackLink:
     def __init__(
         self, handler: Handler, *, address: str, decode_node_id: str, prefill_node_id: str,
         p_device: torch.device | str, d_device: torch.device | str, shared_pools: list[SharedPool] | None = None,
-        on_disconnect: Callable[[PeerConnection], None] | None = None,
+        on_disconnect: Callable[[PeerConnection], None] | None = None, peer_kv_dtype: str = "",
     ) -> None:
         p_frames, d_frames = LoopbackFrames(decode_node_id), LoopbackFrames(prefill_node_id)
         p_frames.other, d_frames.other = d_frames, p_frames
@@ -193,7 +193,7 @@ class LoopbackLink:
         p_tensors.other, d_tensors.other = d_tensors, p_tensors
         # The in-memory ends have the methods of a framed socket and of a pair group.
         self.channel = PeerChannel(address, p_frames, p_tensors, decode_node_id,  # type: ignore[arg-type]
-                                   shared_pools=shared_pools)
+                                   shared_pools=shared_pools, peer_kv_dtype=peer_kv_dtype)
         self.connection = PeerConnection(d_frames, d_tensors, prefill_node_id,  # type: ignore[arg-type]
                                          shares_kv=bool(shared_pools))
         self._handler = handler
@@ -269,7 +269,8 @@ class LoopbackChannels:
         def link() -> LoopbackLink:
             return LoopbackLink(receiver.handle, address=address, decode_node_id=decode_node_id,
                                 prefill_node_id=self.prefill_node_id, p_device=self.device, d_device=pool.device,
-                                shared_pools=shared, on_disconnect=receiver.peer_gone)
+                                shared_pools=shared, on_disconnect=receiver.peer_gone,
+                                peer_kv_dtype=receiver.engine.kv_spec.kv_dtype)
 
         self._routes[address] = link
 

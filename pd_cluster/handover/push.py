@@ -13,19 +13,25 @@ import time
 
 import torch
 
+import kernels
 from pd_cluster.engine.node_kv import NodeKV
 from pd_cluster.handover.lease import DecodeLease
 from pd_cluster.handover.messages import PushKV
 from pd_cluster.handover.sender import Deadline, Handed, KVSender, WithHeldSlots
+from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer import PeerChannel
 
 
 class PushSender(KVSender):
-    """Blocks [hit_blocks, n_blocks) of a prompt of ``n_tokens`` tokens, in one push after the prefill."""
+    """Blocks [hit_blocks, n_blocks) of a prompt of ``n_tokens`` tokens, in one push after the
+    prefill; ``target``: the KV as D stores it (another KV dtype: converted after the gather, so
+    the bytes moved are D's)."""
 
-    def __init__(self, channel: PeerChannel, lease: DecodeLease, n_tokens: int, kv: NodeKV) -> None:
+    def __init__(self, channel: PeerChannel, lease: DecodeLease, n_tokens: int, kv: NodeKV,
+                 target: KVSpec | None = None) -> None:
         super().__init__(channel, lease)
         self.kv = kv
+        self.target = target or kv.spec
         self.n_tokens = n_tokens
         block_size = kv.spec.block_size
         self.start = lease.hit_blocks * block_size
@@ -33,7 +39,7 @@ class PushSender(KVSender):
 
     @property
     def nbytes(self) -> int:
-        return self.send_blocks * self.kv.spec.bytes_per_block
+        return self.send_blocks * self.target.bytes_per_block
 
     async def commit(self, first_token: int, with_held_slots: WithHeldSlots, left: Deadline) -> Handed:
         started = time.monotonic()
@@ -49,13 +55,16 @@ class PushSender(KVSender):
         seconds = time.monotonic() - started
         self.check_taken(ack)
         self.settled = True
-        return Handed(bytes_sent=self.nbytes, seconds=seconds)
+        # What moved, counted from the tensor sent (D's rows, whatever P's pool holds).
+        return Handed(bytes_sent=buffer.numel() * buffer.element_size(), seconds=seconds)
 
     def _gather(self, held_slots: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Engine thread: the blocks' KV as ``[2, L, send_blocks*block, H, D]``, zero-padded, and
         on a GPU the event after which it is complete."""
         slots = held_slots[self.start : self.n_tokens].to(self.kv.device)
         buffer = self.kv.gather(slots)
+        spec = self.kv.spec
+        buffer = kernels.convert_kv(buffer, spec.kv_dtype, self.target.kv_dtype, spec.head_dim)
         pad = self.send_blocks * self.kv.spec.block_size - slots.numel()
         if pad:
             shape = list(buffer.shape)

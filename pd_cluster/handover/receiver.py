@@ -179,6 +179,11 @@ class KVReceiver:
         self.counters.kv_bytes_received += buffer.numel() * buffer.element_size()
         if held is None:
             return PushAck(ok=False, error=f"lease {msg.lease_id} expired before the KV arrived")
+        pool = self.engine.pool
+        if buffer.dtype != pool.k_cache.dtype or msg.shape[-1] != pool.k_cache.shape[-1]:
+            await self.worker.call(self.reservations.cancel, msg.lease_id)
+            return PushAck(ok=False, error=f"KV rows of {msg.shape[-1]} {msg.dtype} do not fit this node's "
+                                           f"{self.engine.kv_spec.kv_dtype} cache")
         if msg.shape[2] < held:
             await self.worker.call(self.reservations.cancel, msg.lease_id)
             return PushAck(ok=False, error=f"KV for {msg.shape[2]} tokens cannot fill {held} reserved slots")
@@ -211,7 +216,7 @@ class KVReceiver:
         deadline = time.monotonic() + self.transfer_timeout_s
         spec = self.engine.kv_spec
         tokens = msg.layer_shape[1]
-        expected = [2, tokens, spec.num_kv_heads, spec.head_dim]
+        expected = [2, tokens, spec.num_kv_heads, spec.row_width]
         if msg.num_layers != spec.num_layers or msg.layer_shape != expected or msg.dtype != spec.dtype:
             raise ValueError(f"KV stream of {msg.num_layers} x {msg.layer_shape} {msg.dtype} does not fit "
                              f"{spec.num_layers} x {expected} {spec.dtype}")

@@ -45,7 +45,7 @@ class LayerStream:
         self.pool = pool
         self.spec = spec = spec or pool.spec
         self.num_layers = spec.num_layers
-        self.layer_shape = [2, padded_tokens, spec.num_kv_heads, spec.head_dim]
+        self.layer_shape = [2, padded_tokens, spec.num_kv_heads, spec.row_width]
         self.layers_per_send = max(1, min(layers_per_send, self.num_layers))
         self._loop = loop
         self._side = side_stream

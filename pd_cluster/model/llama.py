@@ -35,6 +35,11 @@ class KVLayers(Protocol):
         """Layer ``index``'s key and value caches, ``[slots, kv_heads, head_dim]`` each."""
         ...
 
+    @property
+    def quant(self) -> str | None:
+        """The quantized kind the caches hold (packed rows, :mod:`kernels.kv_quant`), or None."""
+        ...
+
 
 #: Rows up to which a decode step runs the fused projections (:mod:`kernels.gemv`), measured on
 #: an H100: with the default model one row is 12% faster a step than the unfused ops, two rows
@@ -103,7 +108,8 @@ class LlamaModel:
         hidden = F.embedding(batch.input_ids, self.weights.embed) if embedded is None else embedded
         residual: torch.Tensor | None = None
         prefill = None if batch.is_decode else batch.prefill_part()
-        fused = batch.is_decode and batch.num_tokens <= self.fused_rows
+        # The fused projections store KV in the model dtype only.
+        fused = batch.is_decode and batch.num_tokens <= self.fused_rows and kv.quant is None
         layer_fn = self._fused_layer if fused else self._layer
         for index, layer in enumerate(self.weights.layers):
             hidden, residual = layer_fn(index, layer, hidden, residual, batch, prefill, kv)
@@ -140,7 +146,7 @@ class LlamaModel:
         x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual)
         q = self._rotary_store(index, w, linear(x, w.qkv, w.qkv_bias), batch, kv)
         k_cache, v_cache = kv.layer(index)
-        attn = self._attention(q, k_cache, v_cache, batch, prefill)
+        attn = self._attention(q, k_cache, v_cache, batch, prefill, kv.quant)
         hidden = self._reduce(linear(attn.reshape(-1, self._q_size), w.o))
         x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
         if w.experts is not None:
@@ -159,7 +165,8 @@ class LlamaModel:
         if w.q_norm is not None:
             q, k = self._head_norm(q, w.q_norm), self._head_norm(k, w.k_norm)
         k_cache, v_cache = kv.layer(index)
-        return kernels.rotary_store_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots)
+        return kernels.rotary_store_kv(q, k, v, batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots,
+                                       kv.quant)
 
     def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head ``[T, H, D]`` over its ``D`` values (Qwen3's q_norm and k_norm)."""
@@ -190,7 +197,7 @@ class LlamaModel:
             q, residual = kernels.norm_qkv_rotary(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv,
                                                   w.qkv_bias, batch.positions, self.cos, self.sin, k_cache, v_cache,
                                                   batch.out_slots, self.num_heads, self.num_kv_heads)
-        attn = self._attention(q, k_cache, v_cache, batch, prefill)
+        attn = self._attention(q, k_cache, v_cache, batch, prefill, None)
         hidden = self._reduce(kernels.linear(attn.reshape(-1, self._q_size), *weight_args(w.o)))
         gate_up_w, gate_up_scale = weight_args(w.gate_up)
         gate_up, residual = kernels.norm_linear(hidden, residual, w.post_norm, cfg.rms_norm_eps, gate_up_w,
@@ -198,19 +205,20 @@ class LlamaModel:
         return self._reduce(kernels.silu_linear(gate_up, *weight_args(w.down))), residual
 
     def _attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                   prefill: PrefillPart | None) -> torch.Tensor:
+                   prefill: PrefillPart | None, quant: str | None) -> torch.Tensor:
         """One-token rows through the split-K decode kernel, prefill chunks through the prefill
         kernel (which would walk a decode row's whole context in one program)."""
         rows = batch.table_rows
         if prefill is None:
             return kernels.decode_attention(q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, self.sm_scale,
-                                            table_rows=rows)
+                                            table_rows=rows, quant=quant)
         nd = batch.num_decode
         out = torch.empty_like(q)
         if nd:
             kernels.decode_attention(q[:nd], k_cache, v_cache, batch.slot_table if rows is not None else
                                      batch.slot_table[:nd], batch.ctx_lens[:nd], self.sm_scale, out=out[:nd],
-                                     table_rows=rows[:nd] if rows is not None else None)
+                                     table_rows=rows[:nd] if rows is not None else None, quant=quant)
         kernels.context_attention(q[nd:], k_cache, v_cache, prefill.slot_table, prefill.ctx_lens, prefill.q_lens,
-                                  prefill.q_start_loc, self.sm_scale, out=out[nd:], table_rows=prefill.table_rows)
+                                  prefill.q_start_loc, self.sm_scale, out=out[nd:], table_rows=prefill.table_rows,
+                                  quant=quant)
         return out

@@ -73,6 +73,7 @@ class PeerChannel(ChannelCounters):
     def __init__(
         self, address: str, stream: FramedStream, channel: TensorChannel, peer_node_id: str,
         on_close: Callable[["PeerChannel"], None] | None = None, shared_pools: list[SharedPool] | None = None,
+        peer_kv_dtype: str = "",
     ) -> None:
         self.address = address
         self.peer_node_id = peer_node_id
@@ -87,6 +88,8 @@ class PeerChannel(ChannelCounters):
         #: D's key and value caches opened in place (same host), one pool a rank with the KV
         #: heads it holds; empty: the KV goes through the tensor channel.
         self.shared_pools: list[SharedPool] = list(shared_pools or [])
+        #: What D's KV cache stores (its join answer; empty: as this node's): KV is sent in it.
+        self.peer_kv_dtype = peer_kv_dtype
         #: KV bytes written straight into D's pools.
         self.bytes_written = 0
 
@@ -331,7 +334,8 @@ async def dial(
     logger.info("data-plane channel to %s (%s) open over %s%s%s", answer.node_id, address, channel.backend,
                 " (control over TLS)" if tls is not None else "",
                 f", writing into its {len(shared_pools)} KV pool(s) ({answer.kv_pools[0].kind})" if shared_pools else "")
-    return PeerChannel(address, stream, channel, answer.node_id, on_close, shared_pools)
+    return PeerChannel(address, stream, channel, answer.node_id, on_close, shared_pools,
+                       answer.kv_dtype or kv_spec.kv_dtype)
 
 
 def open_pools(handles: list[KVPoolHandle], num_kv_heads: int, node_id: str) -> list[SharedPool]:

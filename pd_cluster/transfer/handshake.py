@@ -86,6 +86,9 @@ class Welcome(DataMessage):
     backend: Backend
     store_port: int = Field(gt=0, lt=65536)
     group_timeout_s: float = Field(gt=0)
+    kv_dtype: str = Field(default="", max_length=32,
+                          description="what D's KV cache stores (KVSpec.kv_dtype): P sends its KV converted "
+                                      "into it (empty: as P's)")
     kv_pools: list[KVPoolHandle] = Field(default_factory=list, max_length=MAX_POOLS,
                                          description="D's caches, one pool a rank with the KV heads it holds, "
                                                      "for a P on its host to write into (empty: none offered)")

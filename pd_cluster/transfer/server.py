@@ -235,7 +235,7 @@ class DataPlaneServer:
         try:
             port = await channel.host_store(stream.local_host, self.handshake_timeout)
             welcome = Welcome(node_id=self.node_id, backend=backend, store_port=port, group_timeout_s=self.group_timeout,
-                              kv_pools=pools)
+                              kv_dtype=self.kv_spec.kv_dtype, kv_pools=pools)
             await stream.send(welcome, self.handshake_timeout)
             await channel.form_group(stream.local_host, self.group_timeout)
         except (ChannelError, OSError, asyncio.TimeoutError) as e:

@@ -1,0 +1,72 @@
+"""Quantized KV rows: int8 or fp8 (e4m3) values with one float32 scale per token and KV head.
+
+A quantized cache is a ``uint8`` tensor ``[..., slots, kv_heads, row_bytes]``: each (slot, head)
+row holds ``head_dim`` one-byte values, zero padding to a multiple of four, then the row's scale
+(float32, ``amax / 127`` for int8, ``amax / 448`` for fp8). The scale lives in the row it scales,
+so every path that moves slot rows (gather and scatter of a handover, pool-to-pool copies, a
+pool shared with another process, a tensor-parallel rank's slice of the heads) moves the scales
+with them unchanged. A slot is one token, so storing a new token never requantizes another.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: The quantized KV kinds (``--kv-cache-dtype``), with the largest magnitude each stores.
+QUANT_MAX: dict[str, float] = {"int8": 127.0, "fp8_e4m3": 448.0}
+_VALUE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+SCALE_BYTES = 4
+
+
+def is_quantized(kind: str) -> bool:
+    return kind in QUANT_MAX
+
+
+def row_bytes(head_dim: int) -> int:
+    """Bytes of one quantized (slot, head) row: the values padded to 4 bytes, then the scale."""
+    return -(-head_dim // SCALE_BYTES) * SCALE_BYTES + SCALE_BYTES
+
+
+def quantize_rows(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` ``[..., head_dim]`` (any float dtype) as packed rows ``[..., row_bytes]`` uint8."""
+    head_dim = x.shape[-1]
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / QUANT_MAX[kind], torch.ones_like(amax))
+    scaled = xf / scale
+    if kind == "int8":
+        values = scaled.round().clamp(-127.0, 127.0).to(torch.int8)
+    else:
+        values = scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    out = torch.zeros((*x.shape[:-1], row_bytes(head_dim)), dtype=torch.uint8, device=x.device)
+    out[..., :head_dim] = values.view(torch.uint8)
+    out[..., -SCALE_BYTES:] = scale.view(torch.uint8)
+    return out
+
+
+def row_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The float32 scales of packed rows ``[..., row_bytes]``, ``[..., 1]`` (a view when it can be)."""
+    tail = packed[..., -SCALE_BYTES:]
+    try:
+        return tail.view(torch.float32)
+    except RuntimeError:
+        return tail.contiguous().view(torch.float32)
+
+
+def dequantize_rows(packed: torch.Tensor, kind: str, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed rows ``[..., row_bytes]`` back to ``[..., head_dim]`` in ``dtype`` (computed in float32)."""
+    values = packed[..., :head_dim].view(_VALUE_DTYPES[kind])
+    return (values.float() * row_scales(packed)).to(dtype)
+
+
+def convert_rows(rows: torch.Tensor, src_kind: str, dst_kind: str, head_dim: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Rows in one KV kind as another: quantized or dequantized (``dtype``: the model's) as needed;
+    the rows themselves when both kinds are the same."""
+    if src_kind == dst_kind:
+        return rows
+    if is_quantized(src_kind):
+        rows = dequantize_rows(rows, src_kind, head_dim, dtype)
+    if is_quantized(dst_kind):
+        return quantize_rows(rows, dst_kind)
+    return rows.to(dtype)

@@ -1,0 +1,92 @@
+"""P in the model dtype, D with ``--kv-cache-dtype int8``: real processes, the official openai client.
+
+P converts each prompt's KV into D's int8 rows (values and a float32 scale per token and KV
+head) before sending, so the bytes moved are D's; greedy output stays close to the unquantized
+model's; D's prefix cache still hits across turns."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import httpx
+import openai
+import pytest
+
+from tests.cluster_harness import Cluster, wait_until
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS, NEW_TOKENS = 32, 64
+SUBJECTS = ["a lighthouse keeper", "a lost robot", "the first snow", "a river town", "an old violin",
+            "a night market", "a desert well", "a paper boat"]
+FORMS = ["Write a short story about {}.", "Describe {} in a few sentences.", "Tell me a fact about {}.",
+         "Write a poem about {}."]
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir, tmp_path_factory):
+    c = Cluster(default_model_dir, tmp_path_factory.mktemp("kvquant-logs"))
+    try:
+        c.start_master()
+        c.start_node("prefill", "p0")
+        c.start_node("decode", "d0", "--data-port", "0", "--kv-cache-dtype", "int8")
+        wait_until(lambda: httpx.get(c.url + "/health", timeout=5).status_code == 200, 30, "health")
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def _moved(cluster: Cluster) -> int:
+    return int(cluster.node("d0")["kv_transfer_bytes"])
+
+
+def test_bytes_moved_per_token_are_int8_rows_plus_scales(cluster, client, tokenizer):
+    spec = cluster.node("d0")["kv_spec"]
+    assert spec["kv_dtype"] == "int8" and cluster.node("p0")["kv_spec"]["kv_dtype"] == "float32"
+    before = _moved(cluster)
+    reply = client.completions.create(model=MODEL, prompt="Count the colours of a rainbow, slowly, one by one.",
+                                      max_tokens=4, temperature=0)
+    moved = wait_until(lambda: (_moved(cluster) - before) or None, 10, "the transfer's report")
+    per_token = moved / reply.usage.prompt_tokens
+    int8_with_scales = 2 * spec["num_layers"] * spec["num_kv_heads"] * (spec["head_dim"] + 4)
+    float32 = 2 * spec["num_layers"] * spec["num_kv_heads"] * spec["head_dim"] * 4
+    print(f"KV moved per token: {per_token:.0f} bytes (int8 + scales {int8_with_scales}, float32 {float32})")
+    assert per_token == int8_with_scales
+
+
+def test_greedy_output_agrees_with_the_unquantized_model(client, tokenizer, hf_reference):
+    prompts = [list(tokenizer.encode(form.format(subject), add_special_tokens=False))
+               for form in FORMS for subject in SUBJECTS][:PROMPTS]
+
+    def complete(ids: list[int]) -> str:
+        reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=NEW_TOKENS, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        return reply.choices[0].text
+
+    with cf.ThreadPoolExecutor(8) as pool:  # D decodes them as one batch
+        texts = list(pool.map(complete, prompts))
+    same = total = 0
+    for ids, text in zip(prompts, texts):
+        # Both sides re-tokenized from their text, so a token the detokenizer merges counts alike.
+        got = tokenizer.encode(text, add_special_tokens=False)
+        want = hf_reference.greedy(ids, NEW_TOKENS)
+        want = tokenizer.encode(tokenizer.decode(want, skip_special_tokens=True), add_special_tokens=False)
+        same += sum(a == b for a, b in zip(got, want))
+        total += max(len(got), len(want))
+    rate = same / total
+    print(f"int8 KV on D: {rate:.1%} of {total} greedy tokens agree with the unquantized model")
+    assert rate >= 0.95
+
+
+def test_prefix_cache_hits_on_a_second_turn(client):
+    messages = [{"role": "user", "content": "Plan a day of hiking near a lake. Where do we start?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "What should we pack?"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.choices[0].message.content
