@@ -91,6 +91,8 @@ def _write_fp8_checkpoint(src: Path, out: Path, quantization_config: dict, per_t
 
 
 class _Caches:
+    quant = None  # model-dtype KV
+
     def __init__(self, config: ModelConfig, slots: int) -> None:
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(config.num_layers)]
