@@ -42,6 +42,8 @@ class FinishedBeam:
     cum_logprob: float
     score: float
     finish_reason: str
+    #: The tokens' text, where the caller decodes it (the scorer has no tokenizer).
+    text: str = ""
 
 
 @dataclass
