@@ -49,20 +49,28 @@ def run_all(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
     return {r.request_id: r for r in engine.take_beam_results()}
 
 
-def test_beams_and_scores_equal_transformers(llm, beam_prompts, beam_reference):
+@pytest.fixture(scope="module")
+def searched(llm, beam_prompts) -> dict:
+    """The sixteen searches, run at once (their rows batched), and the pool's free count before."""
     free = llm.engine.pool.num_free
-    results = run_all(llm, beam_prompts, beam_params())
-    assert len(beam_prompts) == 16
-    for i, prompt in enumerate(beam_prompts):
-        expected = beam_reference.beams(prompt, WIDTH, NEW_TOKENS)
-        got = results[f"beam-{i}"].beams
-        assert [b.token_ids for b in got] == [b.token_ids for b in expected], f"prompt {i}"
-        assert [b.score for b in got] == pytest.approx([b.score for b in expected], abs=1e-4), f"prompt {i}"
-        for beam in got:
-            assert beam.score == pytest.approx(beam.cum_logprob / len(beam.token_ids), abs=1e-5)
-            assert sum(e.logprob for e in beam.logprobs) == pytest.approx(beam.cum_logprob, abs=1e-4)
-    assert llm.engine.pool.num_free == free
+    return {"results": run_all(llm, beam_prompts, beam_params()), "free": free}
+
+
+def test_searches_return_every_slot_and_row(llm, beam_prompts, searched):
+    assert len(beam_prompts) == len(searched["results"]) == 16
+    assert llm.engine.pool.num_free == searched["free"]
     assert llm.engine.scheduler.external_held == 0
+
+
+@pytest.mark.parametrize("index", range(len(BEAM_MESSAGES)))
+def test_beams_and_scores_equal_transformers(index, beam_prompts, searched, beam_reference):
+    expected = beam_reference.beams(beam_prompts[index], WIDTH, NEW_TOKENS)
+    got = searched["results"][f"beam-{index}"].beams
+    assert [b.token_ids for b in got] == [b.token_ids for b in expected]
+    assert [b.score for b in got] == pytest.approx([b.score for b in expected], abs=1e-4)
+    for beam in got:
+        assert beam.score == pytest.approx(beam.cum_logprob / len(beam.token_ids), abs=1e-5)
+        assert sum(e.logprob for e in beam.logprobs) == pytest.approx(beam.cum_logprob, abs=1e-4)
 
 
 def test_logprobs_carry_the_top_alternatives(llm, beam_prompts):
