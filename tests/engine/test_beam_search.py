@@ -36,8 +36,9 @@ def beam_prompts(tokenizer) -> list[list[int]]:
 
 
 def beam_params(**kw) -> SamplingParams:
-    return SamplingParams(use_beam_search=True, temperature=0.0, beam_width=WIDTH, beam_outputs=WIDTH,
-                          max_tokens=NEW_TOKENS, length_penalty=1.0, early_stopping=True, **kw)
+    settings = {"beam_width": WIDTH, "beam_outputs": WIDTH, "max_tokens": NEW_TOKENS, "length_penalty": 1.0,
+                "early_stopping": True, **kw}
+    return SamplingParams(use_beam_search=True, temperature=0.0, **settings)
 
 
 def run_all(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -85,7 +86,7 @@ def test_aborted_and_finished_searches_leave_no_slot_held(llm, beam_prompts):
     engine = llm.engine
     free, rows = engine.pool.num_free, engine.table.num_free_rows
     for i, prompt in enumerate(beam_prompts[:3]):
-        engine.add_beam_request(f"leak-{i}", prompt, beam_params(max_tokens=40, early_stopping=False))
+        engine.add_beam_request(f"leak-{i}", prompt, beam_params(max_tokens=24, early_stopping=False))
     for _ in range(3):
         engine.step()
     assert engine.pool.num_free < free
