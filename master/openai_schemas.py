@@ -91,6 +91,10 @@ class _GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None
     #: vLLM's extra: the logprob of each prompt token after the first, with the top k.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    #: vLLM's beam search: width max(n, best_of), the best n returned (deterministic: temperature 0).
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -101,6 +105,16 @@ class _GenerationRequest(BaseModel):
             raise bad_request("best_of must be greater than or equal to n.", "best_of")
         if self.stream and self.choice_count > self.choices_returned:
             raise bad_request("best_of greater than n cannot be streamed.", "best_of")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if self.stream and self.choice_count > 1:
+            raise bad_request("Streaming is not supported with use_beam_search and n > 1.", "stream")
+        if self.temperature not in (None, 0, 0.0):
+            raise bad_request("use_beam_search is deterministic: temperature must be 0 or unset.", "temperature")
+        raise bad_request("use_beam_search is served by the engine's offline API (pd_cluster.LLM); the master "
+                          "does not relay beam searches to its nodes.", "use_beam_search")
 
     @property
     def choices_returned(self) -> int:

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Sequence
 
 from pd_cluster.config import EngineConfig
+from pd_cluster.engine.beam_search import BeamResult
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import RequestOutput
 from pd_cluster.engine.request import Request
@@ -45,6 +46,22 @@ class LLM:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
         return None, [int(t) for t in prompt]
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams) -> list[BeamResult]:
+        """Run a beam search (``params.use_beam_search``) for every prompt, all submitted at once;
+        results in order, each beam's ``text`` decoded."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt in zip(ids, prompts):
+            self.engine.add_beam_request(request_id, self._encode(prompt)[1], params)  # type: ignore[arg-type]
+        while self.engine.has_unfinished():
+            self.engine.step()
+        results = {r.request_id: r for r in self.engine.take_beam_results()}
+        for result in results.values():
+            for beam in result.beams:
+                beam.text = self.tokenizer.decode(beam.token_ids, skip_special_tokens=params.skip_special_tokens)
+        return [results[request_id] for request_id in ids]
 
     def generate(
         self,

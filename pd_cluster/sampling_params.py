@@ -18,6 +18,8 @@ LOGIT_BIAS_LIMIT = 100.0
 #: Longest grammar spec (a JSON schema's text) a request may carry: it travels with every prefill
 #: job, handover and retry, and each node compiles it.
 MAX_GRAMMAR_CHARS = 64 * 1024
+#: Widest beam search: each beam is a running row of the batch.
+MAX_BEAM_WIDTH = 16
 
 
 class StructuredOutput(BaseModel):
@@ -98,6 +100,36 @@ class SamplingParams(BaseModel):
     structured: StructuredOutput | None = Field(
         default=None, description="a grammar the output must follow (JSON object, JSON schema, a tool call)"
     )
+
+    use_beam_search: bool = Field(
+        default=False, description="deterministic beam search: the best beams by length-penalized cumulative logprob"
+    )
+    beam_width: int = Field(default=1, ge=1, le=MAX_BEAM_WIDTH, description="beams searched at once")
+    beam_outputs: int = Field(default=1, ge=1, le=MAX_BEAM_WIDTH, description="best beams returned (<= beam_width)")
+    length_penalty: float = Field(
+        default=1.0, ge=-10.0, le=10.0, description="a beam's score is its cumulative logprob / length ** this"
+    )
+    early_stopping: bool = Field(
+        default=False, description="end a beam search once it has beam_width finished beams (transformers' rule)"
+    )
+
+    @model_validator(mode="after")
+    def _beam_search_is_deterministic(self) -> "SamplingParams":
+        if not self.use_beam_search:
+            return self
+        if self.beam_outputs > self.beam_width:
+            raise ValueError("beam_outputs: must not exceed beam_width")
+        refused = [name for name, ok in (
+            ("temperature", self.temperature == 0.0), ("top_p", self.top_p == 1.0), ("top_k", self.top_k in (0, -1)),
+            ("min_p", self.min_p == 0.0), ("repetition_penalty", self.repetition_penalty == 1.0),
+            ("frequency_penalty", self.frequency_penalty == 0.0), ("presence_penalty", self.presence_penalty == 0.0),
+            ("seed", self.seed is None), ("logit_bias", not self.logit_bias), ("stop", not self.stop),
+            ("structured", self.structured is None), ("output_offset", self.output_offset == 0),
+        ) if not ok]
+        if refused:
+            raise ValueError(f"use_beam_search: beam search is deterministic and scores raw logprobs; "
+                             f"{refused[0]} must be left at its default (temperature 0)")
+        return self
 
     @field_validator("logit_bias")
     @classmethod

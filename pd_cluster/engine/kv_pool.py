@@ -46,6 +46,9 @@ class KVPool:
         self._free_stack = np.arange(num_slots - 1, -1, -1, dtype=np.int64)
         self._num_free = num_slots
         self._is_free = np.ones(num_slots, dtype=bool)
+        #: Holders of each slot beyond its first (beams sharing their prefix): a free by one of
+        #: them drops a hold, and the slot returns to the pool with the last.
+        self._shared = np.zeros(num_slots, dtype=np.int32)
         #: Calls to :meth:`free` so far: an engine compares it across a step's launch.
         self.frees = 0
 
@@ -98,14 +101,31 @@ class KVPool:
         self._capacity -= n
         return slots
 
+    def share(self, slots: torch.Tensor) -> None:
+        """One more holder of slots in use (a beam forked from the one that wrote them): each
+        holder frees them once, and they return to the pool with the last free."""
+        held = slots.to(device="cpu", dtype=torch.int64).numpy()
+        if self._is_free[held].any():
+            raise RuntimeError("cannot share a free KV slot")
+        np.add.at(self._shared, held, 1)
+
+    def holders(self, slot: int) -> int:
+        """How many hold a slot (0: free)."""
+        return 0 if self._is_free[slot] else int(self._shared[slot]) + 1
+
     def free(self, slots: torch.Tensor) -> None:
-        """Return slots to the pool; each must be in use, and listed once."""
+        """Return slots to the pool; each must be in use, and listed once. A shared slot only
+        loses a holder (:meth:`share`)."""
         if slots.numel() == 0:
             return
         self.frees += 1
         freed = slots.to(device="cpu", dtype=torch.int64).numpy()
         if self._is_free[freed].any() or np.unique(freed).size != freed.size:
             raise RuntimeError("KV slot freed twice")
+        shared = self._shared[freed] > 0
+        if shared.any():
+            self._shared[freed[shared]] -= 1
+            freed = freed[~shared]
         self._is_free[freed] = True
         end = self._num_free + freed.size
         self._free_stack[self._num_free : end] = freed

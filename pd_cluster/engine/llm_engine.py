@@ -27,6 +27,8 @@ import torch
 
 from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import resolve_model_path
+from pd_cluster.engine.beam_scorer import BeamScorer
+from pd_cluster.engine.beam_search import BeamGroup, BeamResult, BeamSearches
 from pd_cluster.engine.batch_rows import resolve_rows, typical_context
 from pd_cluster.engine.grammar import Grammars
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
@@ -218,6 +220,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.postprocessor = Postprocessor(self.scheduler, self.penalties, self.predictor, self.requests, self.stats)
+        #: Beam searches (:meth:`add_beam_request`), stepped after the batch's own step.
+        self.beams = BeamSearches(self.pool, self.table, self.scheduler, self.runner, self._beam_row)
+        #: Ended beam searches not yet taken (:meth:`take_beam_results`).
+        self.beam_results: dict[str, BeamResult] = {}
         #: Prefills started on the side stream (:meth:`add_request` with ``prefill_now``).
         self.side_prefills = SidePrefills(config, self.scheduler, self.cache, self.table, self.runner,
                                           self.penalties, self.postprocessor, self.device)
@@ -313,6 +319,51 @@ class LLMEngine:
             self.scheduler.add(req)
         return req
 
+    def add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> BeamGroup:
+        """Queue a beam search (``params.use_beam_search``); its result appears in
+        :attr:`beam_results` when it ends (:meth:`take_beam_results`)."""
+        if not params.use_beam_search:
+            raise ValueError("use_beam_search: add_beam_request runs beam searches only")
+        self.validate(prompt_token_ids, params)
+        if request_id in self.requests or any(g.request_id == request_id for g in self._beam_groups()):
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        group = BeamGroup(request_id, list(prompt_token_ids), params, self._beam_scorer(params))
+        if group.peak_kv > self.pool.capacity:
+            raise ValueError(f"max_tokens: {params.beam_width} beams of prompt ({len(prompt_token_ids)}) + max_tokens "
+                             f"({params.max_tokens}) exceed the KV pool ({self.pool.capacity} tokens)")
+        if params.beam_width > self.config.max_running_requests:
+            raise ValueError(f"n: a beam width of {params.beam_width} exceeds the batch's "
+                             f"{self.config.max_running_requests} rows")
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        self.beams.add(group)
+        return group
+
+    def take_beam_results(self) -> list[BeamResult]:
+        """The beam searches ended since the last call."""
+        results, self.beam_results = list(self.beam_results.values()), {}
+        return results
+
+    def _beam_groups(self) -> list[BeamGroup]:
+        return self.beams.waiting + self.beams.running
+
+    def _beam_scorer(self, params: SamplingParams) -> BeamScorer:
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return BeamScorer(params.beam_width, params.max_tokens, stop_ids, length_penalty=params.length_penalty,
+                          early_stopping=params.early_stopping, top_logprobs=params.logprobs)
+
+    def _beam_row(self, request_id: str, prompt_token_ids: list[int]) -> Request:
+        """The request one beam's row runs as: its tokens, never sampled by the batch's sampler."""
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                       sampling=SamplingState.create(params, prompt_token_ids),
+                       output=OutputProcessor(self.tokenizer, params, self.eos_token_ids, prompt_token_ids),
+                       status=RequestStatus.RUNNING)
+
+    def _step_beams(self) -> None:
+        for result in self.beams.step():
+            self.beam_results[result.request_id] = result
+            self.stats.finished_requests += 1
+
     def _prefill_aside(self, req: Request) -> bool:
         """Prefill a new request now on the side stream, while the pipelined step in flight runs
         (:mod:`pd_cluster.engine.side_prefill`). Safe only with nothing freed since that step's
@@ -346,7 +397,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
         if req is None:
-            return False
+            return self.beams.abort(request_id)
         req.finish_reason = "abort"
         req.hold_kv = False
         if req.prompt_logprobs is not None:
@@ -368,7 +419,7 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return (self.scheduler.has_work() or bool(self.postprocessor.deferred) or self._in_flight is not None
-                or self.side_prefills.pending)
+                or self.side_prefills.pending or self.beams.has_work())
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -419,7 +470,10 @@ class LLMEngine:
         if ahead:
             self._in_flight = sampled
             return self.postprocessor.detokenize()
-        return self._read_back_now(sampled)
+        updates = self._read_back_now(sampled)
+        if self.beams.has_work():
+            self._step_beams()
+        return updates
 
     def _launches_ahead(self) -> int:
         """Steps left in flight when a call returns: 1 where overlap scheduling may launch the next
@@ -429,8 +483,9 @@ class LLMEngine:
     def _can_pipeline(self) -> bool:
         """Whether the next step may launch before the last one's tokens are read back: not while
         a layer hook streams KV (a prefill node), nor with a prefill-only or held request (whose
-        end a prefill node acts on at once)."""
-        if self._layer_hooks is not None:
+        end a prefill node acts on at once), nor while beam searches run (their steps follow the
+        batch's, with nothing in flight)."""
+        if self._layer_hooks is not None or self.beams.has_work():
             return False
         sched = self.scheduler
         return not any(r.prefill_only or r.hold_kv for queue in (sched.running, sched.waiting) for r in queue)

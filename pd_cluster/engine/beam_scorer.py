@@ -1,0 +1,151 @@
+"""Which beams live on, which end, and when a beam search is over: transformers' rule, step by step.
+
+Each step takes the top ``k`` continuations of all live beams by cumulative logprob (``k`` is
+``max(2, 1 + stop ids) * width``, so that ``width`` of them survive whatever ends), keeps the best
+``width`` that did not end as the next live beams, and offers those among the first ``width``
+that ended (a stop id, or the length limit) to the finished list, scored
+``cumulative logprob / generated tokens ** length_penalty``. The search ends when no
+continuation is left, when ``early_stopping`` holds ``width`` finished beams, or when the best
+live beam can no longer beat the worst finished one (scored at its current length). The
+arithmetic is float32, as transformers' is, so scores and ties come out the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pd_cluster.protocol import TokenLogprob
+
+#: transformers' stand-in for "minus infinity" in beam scores.
+_NEG = -1.0e9
+
+
+@dataclass
+class Beam:
+    """A live beam: its generated tokens, their logprobs and their float32 sum; ``parent`` is
+    the index of the live beam of the step before that it continues (-1: the prompt's)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    parent: int = -1
+
+
+@dataclass
+class FinishedBeam:
+    """An ended beam and its length-penalized score (the ranking key)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    cum_logprob: float
+    score: float
+    finish_reason: str
+    #: The tokens' text, where the caller decodes it (the scorer has no tokenizer).
+    text: str = ""
+
+
+@dataclass
+class _Candidate:
+    parent: int
+    token_id: int
+    cum_logprob: float
+    ends: bool
+
+
+class BeamScorer:
+    """The state of one beam search between steps (no KV: :mod:`pd_cluster.engine.beam_search`
+    moves the rows)."""
+
+    def __init__(self, width: int, max_tokens: int, stop_ids: set[int], *, length_penalty: float = 1.0,
+                 early_stopping: bool = False, top_logprobs: int | None = None) -> None:
+        self.width = width
+        self.max_tokens = max_tokens
+        self.stop_ids = stop_ids
+        self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
+        #: Alternatives kept with each token's logprob (None: no logprobs asked for).
+        self.top_logprobs = top_logprobs
+        self.running: list[Beam] = [Beam()]
+        #: Best first, at most ``width``.
+        self.finished: list[FinishedBeam] = []
+        self.done = False
+        self._can_improve = True
+
+    @property
+    def generated(self) -> int:
+        """Tokens each live beam has generated (all the same)."""
+        return len(self.running[0].token_ids)
+
+    def advance(self, log_probs: torch.Tensor) -> list[Beam]:
+        """Take one step's log-softmax ``[len(running), vocab]`` (row ``i``: live beam ``i``'s next
+        token) and return the new live beams (empty once :attr:`done`)."""
+        log_probs = log_probs.float().cpu()
+        length = self.generated + 1
+        candidates = self._top_continuations(log_probs, length)
+        extended = [self._extend(c, log_probs) for c in candidates]
+        kept = sorted(range(len(candidates)), key=lambda i: (candidates[i].ends, -candidates[i].cum_logprob))
+        self._offer_finished(candidates[: self.width], extended, length)
+        self.running = [extended[i] for i in kept[: self.width]]
+        self._check_can_improve(length)
+        all_end = all(c.ends for c in candidates)
+        full = len(self.finished) == self.width and self.early_stopping
+        self.done = all_end or full or not self._can_improve
+        if self.done:
+            self.running = []
+        return self.running
+
+    def best(self, n: int) -> list[FinishedBeam]:
+        return self.finished[:n]
+
+    def _top_continuations(self, log_probs: torch.Tensor, length: int) -> list[_Candidate]:
+        rows, vocab = log_probs.shape
+        cums = torch.tensor([b.cum_logprob for b in self.running], dtype=torch.float32)
+        total = (log_probs + cums[:, None]).reshape(-1)
+        k = min(max(2, 1 + len(self.stop_ids)) * self.width, total.numel())
+        values, indices = torch.topk(total, k)
+        at_limit = length >= self.max_tokens
+        out = []
+        for value, index in zip(values.tolist(), indices.tolist()):
+            token = index % vocab
+            out.append(_Candidate(index // vocab, token, value, at_limit or token in self.stop_ids))
+        return out
+
+    def _extend(self, cand: _Candidate, log_probs: torch.Tensor) -> Beam:
+        parent = self.running[cand.parent]
+        entry = self._logprob(cand, log_probs)
+        return Beam(parent.token_ids + [cand.token_id], parent.logprobs + [entry], cand.cum_logprob, cand.parent)
+
+    def _logprob(self, cand: _Candidate, log_probs: torch.Tensor) -> TokenLogprob:
+        row = log_probs[cand.parent]
+        top: dict[int, float] = {}
+        if self.top_logprobs:
+            values, ids = torch.topk(row, self.top_logprobs)
+            top = dict(zip(ids.tolist(), values.tolist()))
+        return TokenLogprob(token_id=cand.token_id, logprob=float(row[cand.token_id]), top=top)
+
+    def _offer_finished(self, first: list[_Candidate], extended: list[Beam], length: int) -> None:
+        """The ended among the best ``width`` continuations join the finished list, unless it is
+        closed (full under early stopping, or no improvement possible)."""
+        if (len(self.finished) == self.width and self.early_stopping) or not self._can_improve:
+            return
+        penalty = float(length) ** self.length_penalty
+        for cand, beam in zip(first, extended):
+            if not cand.ends:
+                continue
+            score = float(torch.tensor(cand.cum_logprob, dtype=torch.float32) / penalty)
+            reason = "stop" if cand.token_id in self.stop_ids else "length"
+            self.finished.append(FinishedBeam(beam.token_ids, beam.logprobs, beam.cum_logprob, score, reason))
+        # Stable: of equal scores the one finished earlier (or ranked higher) stays first.
+        self.finished.sort(key=lambda f: -f.score)
+        del self.finished[self.width:]
+
+    def _check_can_improve(self, length: int) -> None:
+        """Whether the best live beam, scored at its current length, still beats the worst
+        finished one (always while the finished list has room)."""
+        if not self.running or len(self.finished) < self.width:
+            return
+        best = float(torch.tensor(self.running[0].cum_logprob, dtype=torch.float32) / float(length) ** self.length_penalty)
+        if not best > self.finished[-1].score:
+            self._can_improve = False
