@@ -29,8 +29,8 @@ from pd_cluster.transfer.framing import DataMessage
 from pd_cluster.transfer.ipc import KVPoolHandle
 
 #: Bumped when the handshake or the frame layout changes incompatibly (2: mutual proof, no token;
-#: 3: one KV pool handle a rank of D).
-PROTOCOL_VERSION = 3
+#: 3: one KV pool handle a rank of D; 4: D's KV dtype in its answer, which P converts its rows into).
+PROTOCOL_VERSION = 4
 #: Most KV pools D offers (one a rank).
 MAX_POOLS = 64
 #: Largest warm-up tensor D accepts (one block of a large model's KV is a few MiB).
