@@ -12,7 +12,7 @@ import pytest
 from pd_cluster.cluster_proof import new_nonce
 from pd_cluster.transfer import HandshakeRefused
 from pd_cluster.transfer.framing import FramedStream, decode_message, read_frame
-from pd_cluster.transfer.handshake import Challenge, Hello, Join, Refused, transcript
+from pd_cluster.transfer.handshake import PROTOCOL_VERSION, Challenge, Hello, Join, Refused, transcript
 from tests.transfer.test_transfer import SPEC, TOKEN, WRONG_TOKEN, DecodeNode, closed_by_peer, pool, start_decode, wait_for_log
 
 pytestmark = pytest.mark.timeout(60)
@@ -159,7 +159,7 @@ async def test_an_old_hello_with_the_token_in_it_is_refused_by_version(decode_no
     old = b'{"type": "dp.hello", "version": 1, "token": "%s", "node_id": "old-p"}' % TOKEN.encode()
     stream.writer.write(len(old).to_bytes(4, "big") + old)
     answer = await stream.receive(5)
-    assert isinstance(answer, Refused) and "protocol version 3 expected" in answer.reason
+    assert isinstance(answer, Refused) and f"protocol version {PROTOCOL_VERSION} expected" in answer.reason
     assert TOKEN not in answer.reason
     assert await closed_by_peer(reader)
     await stream.aclose()
