@@ -157,6 +157,8 @@ def test_a_keys_limit_holds_across_the_workers_and_a_killed_workers_share_is_giv
         wait_until(admitted, 30, "the killed worker's generation to be given back")
     wait_until(lambda: cluster.worker_pid(0) != holder_pid, 30, "the worker to be restarted")
     wait_until(lambda: status_of(first + "/livez") == 200, 90, "the restarted worker to serve")
+    wait_until(lambda: {"p0", "d0"} <= set(cluster.nodes_at(first)), 30, "the nodes to link to it again")
+    wait_until(lambda: status_of(first + "/health") == 200, 30, "the restarted worker's health")
 
 
 def test_an_operator_change_on_one_worker_is_applied_by_every_worker(cluster):
