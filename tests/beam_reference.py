@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from tests.reference import load_reference_model
+
 #: Sixteen short chat messages (beam search over each is a few forwards of four rows).
 BEAM_MESSAGES = [
     "Hi", "What is 2+2?", "Write a haiku about the sea.", "Name three primary colors.",
@@ -37,10 +39,7 @@ class BeamReference:
     @property
     def model(self):
         if self._model is None:
-            from transformers import AutoModelForCausalLM
-
-            self._model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
-            self._model.eval()
+            self._model = load_reference_model(self.model_dir)
         return self._model
 
     def _path(self, key: dict) -> Path | None:

@@ -28,6 +28,15 @@ CHAT_MESSAGES = [
 ]
 
 
+def load_reference_model(model_dir: Path):
+    """transformers' model of ``model_dir`` in float32 on the CPU, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model.eval()
+    return model
+
+
 class GreedyReference:
     """Greedy continuations, each computed by one loop per prompt that is extended, never rerun: a
     request for fewer tokens than already computed is answered with a prefix (the first ``n`` tokens
@@ -51,10 +60,7 @@ class GreedyReference:
     @property
     def model(self):
         if self._model is None:
-            from transformers import AutoModelForCausalLM
-
-            self._model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
-            self._model.eval()
+            self._model = load_reference_model(self.model_dir)
         return self._model
 
     def _stored_path(self, prompt: tuple[int, ...]) -> Path | None:
