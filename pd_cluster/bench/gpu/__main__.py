@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import pd_cluster.bench.gpu as package
+from pd_cluster.bench.gpu.beam import WIDTH as BEAM_WIDTH, measure_beam
 from pd_cluster.bench.gpu.ceilings import measure_ceilings
 from pd_cluster.bench.gpu.local_prefill import measure_local_prefill
 from pd_cluster.bench.gpu.decode import measure_decode
@@ -25,6 +26,7 @@ from pd_cluster.bench.gpu.hf import measure_hf
 from pd_cluster.bench.gpu.models import build_engine
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.bench.gpu.prefill import measure_prefill
+from pd_cluster.bench.gpu.quant import measure_bf16, measure_fp8_kv, measure_fp8_weights, measure_kv_bytes, quant_info
 from pd_cluster.bench.gpu.report import TARGETS, markdown, short_table, summarize, verdicts
 from pd_cluster.bench.gpu.same_gpu import measure_same_gpu
 from pd_cluster.bench.gpu.timing import empty_cache
@@ -69,19 +71,21 @@ class Results:
         self.json_path.write_text(json.dumps(results, indent=2, default=str))
         self.md_path.write_text(markdown(results))
 
-    def part(self, name: str, fn: Callable[[], Any]) -> Any:
-        """``results[name] = fn()``, timed and saved; a failure is logged and recorded, not raised."""
+    def part(self, name: str, fn: Callable[[], Any], within: str | None = None) -> Any:
+        """``results[name] = fn()`` (``results[within][name]`` for a step of a part), timed and
+        saved; a failure is logged and recorded, not raised."""
+        label = name if within is None else f"{within}.{name}"
         started = time.monotonic()
         try:
             value = fn()
-            self.data[name] = value
+            (self.data if within is None else self.data.setdefault(within, {}))[name] = value
             return value
         except Exception as e:  # one part failing must not lose the others
-            logger.error("part %s failed:\n%s", name, traceback.format_exc())
-            self.data["errors"][name] = f"{type(e).__name__}: {e}"
+            logger.error("part %s failed:\n%s", label, traceback.format_exc())
+            self.data["errors"][label] = f"{type(e).__name__}: {e}"
             return None
         finally:
-            self.data.setdefault("part_seconds", {})[name] = round(time.monotonic() - started, 1)
+            self.data.setdefault("part_seconds", {})[label] = round(time.monotonic() - started, 1)
             self.save()
 
 
@@ -93,7 +97,9 @@ def device_kind() -> str:
 
 
 PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model", "local_prefill", "json_schema",
-         "tp")
+         "beam", "quant", "tp")
+#: The parts that build engines of their own rather than use the TP 1 engine of the big shape.
+OWN_ENGINE_PARTS = {"small_model", "quant", "tp"}
 
 
 def run(plan: Plan, out_dir: Path) -> dict:
@@ -105,9 +111,11 @@ def run(plan: Plan, out_dir: Path) -> dict:
     ceilings = results.part("ceilings", lambda: measure_ceilings(dev0)) or {}
     copy_bw = ceilings.get("copy_tb_per_s", 4.0)
     matmul = ceilings.get("matmul_tflops", 800.0)
-    if set(plan.parts) - {"small_model", "tp"}:  # the parts on the TP 1 engine of the big shape
+    if set(plan.parts) - OWN_ENGINE_PARTS:  # the parts on the TP 1 engine of the big shape
         run_big_model(results, plan, dev0, dev1, copy_bw, matmul, gen)
     empty_cache()
+    if "quant" in plan.parts:  # after the big engine is freed: one engine of the big shape a variant
+        run_quant(results, plan, dev0, ceilings, gen)
     if "tp" in plan.parts:
         if dev1 is not None and dev1.type == "cuda":
             results.part("tp", lambda: measure_tp(plan, copy_bw, gen))
@@ -122,10 +130,11 @@ def run(plan: Plan, out_dir: Path) -> dict:
 
 def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.device | None, copy_bw: float,
                   matmul: float, gen: torch.Generator) -> None:
-    """(a) to (e) on one engine of the big shape: decode, prefill, transformers, then P -> D."""
+    """(a) to (f) and (i) on one engine of the big shape: decode, prefill, transformers, P -> D, beam search."""
     engine = results.part("engine_build", lambda: build_engine(
         plan.big_config, str(dev0), max_total_tokens=plan.kv_tokens, max_model_len=plan.max_model_len,
-        max_running_requests=max(plan.decode_batches), max_num_batched_tokens=max(plan.transfer_lens + plan.prefill_lens),
+        max_running_requests=max(*plan.decode_batches, BEAM_WIDTH),
+        max_num_batched_tokens=max(plan.transfer_lens + plan.prefill_lens),
         enable_prefix_cache=False, block_size=plan.block_size, overlap_schedule=plan.overlap_schedule))
     if engine is None:
         return
@@ -153,6 +162,19 @@ def run_big_model(results: Results, plan: Plan, dev0: torch.device, dev1: torch.
     if "peer_ipc" in plan.parts and dev1 is not None and dev1.type == "cuda":
         results.part("peer_ipc", lambda: asyncio.run(
             measure_same_gpu(engine, plan, plan.big_config, dev0, gen, d_device=dev1)))
+    if "beam" in plan.parts:
+        results.part("beam", lambda: measure_beam(engine, plan, gen))
+
+
+def run_quant(results: Results, plan: Plan, dev0: torch.device, ceilings: dict, gen: torch.Generator) -> None:
+    """(h), a step a variant, each on an engine of its own freed before the next."""
+    copy_bw = ceilings.get("copy_tb_per_s", 4.0)
+    results.data["quant"] = quant_info(dev0)
+    results.part("bf16", lambda: measure_bf16(plan, dev0, copy_bw, gen), within="quant")
+    results.part("fp8_weights", lambda: measure_fp8_weights(plan, dev0, ceilings, gen), within="quant")
+    results.part("fp8_kv", lambda: measure_fp8_kv(plan, dev0, copy_bw, gen), within="quant")
+    results.part("kv_bytes", lambda: asyncio.run(measure_kv_bytes(plan, dev0, gen)), within="quant")
+    empty_cache()
 
 
 def measure_small_model(plan: Plan, dev0: torch.device, copy_bw: float, matmul: float, gen: torch.Generator) -> dict:

@@ -18,11 +18,15 @@ from pd_cluster.config import EngineConfig
 from pd_cluster.engine import llm_engine
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.quant_linear import Weight, quantize
 from pd_cluster.model.weights import LayerWeights, ModelWeights, load_weights
 
 
-def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> ModelWeights:
-    """Llama weights of ``cfg``'s shape, N(0, 0.02) like a fresh Hugging Face model, made on the device."""
+def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                   quantization: str = "none") -> ModelWeights:
+    """Llama weights of ``cfg``'s shape, N(0, 0.02) like a fresh Hugging Face model, made on the device;
+    ``quantization`` int8 / fp8: the projections quantized per output channel as the loader does,
+    a layer at a time (the same values as the unquantized model's, to the format's precision)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
 
@@ -32,6 +36,10 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, dtype=dtype, device=device)
 
+    def projection(*shape: int) -> Weight:
+        weight = normal(*shape)
+        return weight if quantization == "none" else quantize(weight, quantization)
+
     if cfg.moe is not None:
         raise ValueError(f"{cfg.model_type}: random bench weights are dense; load a mixture-of-experts shape "
                          "with --load-format dummy")
@@ -40,12 +48,12 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
     layers = [
         LayerWeights(
             input_norm=ones(h),
-            qkv=normal(q + 2 * kv, h),
+            qkv=projection(q + 2 * kv, h),
             qkv_bias=torch.zeros(q + 2 * kv, dtype=dtype, device=device) if cfg.attention_bias else None,
-            o=normal(h, q),
+            o=projection(h, q),
             post_norm=ones(h),
-            gate_up=normal(2 * inter, h),
-            down=normal(h, inter),
+            gate_up=projection(2 * inter, h),
+            down=projection(h, inter),
             q_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
             k_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
         )
@@ -68,9 +76,7 @@ def random_model(config_file: Path, seed: int = 0) -> Iterator[str]:
                 return load_weights(path, config, dtype, device, shard, load_format, quantization)
             if shard is not None and not shard.whole:
                 raise NotImplementedError("random in-memory weights are whole: use load_format dummy for TP > 1")
-            if quantization != "none":
-                raise NotImplementedError("random in-memory weights are unquantized: use load_format dummy")
-            return random_weights(config, dtype, torch.device(device), seed)
+            return random_weights(config, dtype, torch.device(device), seed, quantization)
 
         with mock.patch.object(llm_engine, "load_weights", load):
             yield tmp

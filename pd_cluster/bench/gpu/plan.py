@@ -31,5 +31,13 @@ class Plan:
         self.kv_tokens = 32768 if quick else 180_000
         self.d_kv_tokens = 16384 if quick else 72_000
         self.block_size = 16
+        #: Context of the KV-heavy decode step of the quantized KV key (the "ctx4k").
+        self.kv_heavy_ctx = 512 if quick else 4096
+        #: Prompt of the handover whose bytes the quantized KV key counts.
+        self.kv_bytes_len = 512 if quick else 4096
+        #: Beam search: its prompt (and the greedy rows' context), the untimed first steps, the timed ones.
+        self.beam_ctx = 128 if quick else 512
+        self.beam_skip_steps = 3
+        self.beam_steps = 6 if quick else 16
         #: Engines pipeline their steps (``--overlap-schedule``); None: the engines' default (on a GPU).
         self.overlap_schedule: bool | None = None

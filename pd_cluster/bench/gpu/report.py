@@ -28,11 +28,17 @@ TARGETS = {  # key: (target, "<=" lower is better / ">=" higher is better)
     "tp2_allreduce_nccl_us_b1": (None, ""),
     "hetero_tp_transfer_vs_copy_4k": (0.70, ">="),
     "hetero_tp_transfer_visible_fraction_4k": (0.25, "<="),
+    "fp8_weights_decode_b1_vs_bf16": (0.62, "<="),
+    "fp8_weights_decode_b64_vs_bf16": (0.75, "<="),
+    "fp8_kv_decode_b64_ctx4k_vs_bf16": (0.85, "<="),
+    "fp8_kv_transfer_bytes_ratio": (0.52, "<="),
+    "fp8_prefill_mfu_4k": (0.6, ">="),
+    "beam4_step_vs_b4_greedy": (1.15, "<="),
 }
 
 
 def summarize(results: dict, plan: Plan) -> dict:
-    """The six headline ratios (None where the part did not run)."""
+    """The headline ratios (None where the part did not run)."""
 
     def get(*path: str) -> Any:
         node: Any = results
@@ -41,6 +47,12 @@ def summarize(results: dict, plan: Plan) -> dict:
                 return None
             node = node[key]
         return node
+
+    def ratio(num: Any, den: Any) -> float | None:
+        return None if num is None or not den else num / den
+
+    def quant_step(variant: str, shape: str, batch: str) -> float | None:
+        return get("quant", variant, shape, batch, "step_ms")
 
     big = f"b{plan.key_batch}"
     return {
@@ -65,6 +77,15 @@ def summarize(results: dict, plan: Plan) -> dict:
         "tp2_allreduce_nccl_us_b1": get("tp", "allreduce", "rows1", "nccl_us"),
         "hetero_tp_transfer_vs_copy_4k": get("tp", "hetero", "transfer_vs_copy"),
         "hetero_tp_transfer_visible_fraction_4k": get("tp", "hetero", "visible_fraction"),
+        "fp8_weights_decode_b1_vs_bf16": ratio(quant_step("fp8_weights", "decode", "b1"),
+                                               quant_step("bf16", "decode", "b1")),
+        "fp8_weights_decode_b64_vs_bf16": ratio(quant_step("fp8_weights", "decode", big),
+                                                quant_step("bf16", "decode", big)),
+        "fp8_kv_decode_b64_ctx4k_vs_bf16": ratio(quant_step("fp8_kv", "decode_kv", big),
+                                                 quant_step("bf16", "decode_kv", big)),
+        "fp8_kv_transfer_bytes_ratio": get("quant", "kv_bytes", "bytes_ratio"),
+        "fp8_prefill_mfu_4k": get("quant", "fp8_weights", "prefill", str(plan.key_len), "mfu"),
+        "beam4_step_vs_b4_greedy": get("beam", "ratio"),
     }
 
 
@@ -96,6 +117,8 @@ def markdown(results: dict) -> str:
         *_same_gpu_section(results.get("peer_ipc", {})),
         *_small_model_section(results.get("small_model")),
         *_tp_section(results.get("tp")),
+        *_quant_section(results.get("quant")),
+        *_beam_section(results.get("beam")),
     ]
     if results.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {part}: {msg}" for part, msg in results["errors"].items()]
@@ -145,7 +168,8 @@ def _headline(results: dict) -> list[str]:
         f"{results['device_name']}, torch {results['versions']['torch']}, triton {results['versions'].get('triton')}, "
         f"transformers {results['versions'].get('transformers')}. Model: {results['model']} shape, random bf16 "
         f"weights. Ceilings measured in this run: copy {ceil.get('copy_tb_per_s', float('nan')):.2f} TB/s "
-        f"(read + write), bf16 matmul {ceil.get('matmul_tflops', float('nan')):.0f} TFLOP/s.",
+        f"(read + write), bf16 matmul {ceil.get('matmul_tflops', float('nan')):.0f} TFLOP/s, fp8 matmul "
+        f"{_fmt(ceil.get('fp8_matmul_tflops'), '.0f')} TFLOP/s.",
         "",
         "| key | value | target | verdict |",
         "| --- | --- | --- | --- |",
@@ -268,6 +292,48 @@ def _tp_section(tp: dict | None) -> list[str]:
                   f"({het['transfer_vs_copy']:.2f}); layer-wise handover {het['layers_handover_ms']:.2f} ms, "
                   f"visible fraction {het['visible_fraction']:.2f}."]
     return lines
+
+
+def _quant_section(quant: dict | None) -> list[str]:
+    if not quant:
+        return []
+    method = quant.get("weight_quantization")
+    lines = _table(f"## Quantized weights ({method}) and KV ({quant.get('kv_cache_dtype')}): decode step ms, "
+                   "same batches and contexts", ["step", "bf16", f"{method} weights", "weights / bf16",
+                                                 "fp8 KV", "KV / bf16"])
+    for shape, label in (("decode", "context ~{}"), ("decode_kv", "KV-heavy, context ~{}")):
+        base = quant.get("bf16", {}).get(shape, {})
+        weights = quant.get("fp8_weights", {}).get(shape, {})
+        kv = quant.get("fp8_kv", {}).get(shape, {})
+        for batch, row in _batch_rows(base):
+            w_ms = weights.get(f"b{batch}", {}).get("step_ms")
+            kv_ms = kv.get(f"b{batch}", {}).get("step_ms")
+            lines.append(f"| b{batch}, {label.format(base.get('context'))} | {row['step_ms']:.3f} | {_fmt(w_ms)} | "
+                         f"{_fmt(w_ms and w_ms / row['step_ms'])} | {_fmt(kv_ms)} | "
+                         f"{_fmt(kv_ms and kv_ms / row['step_ms'])} |")
+    weights = quant.get("fp8_weights", {})
+    for n, row in weights.get("prefill", {}).items():
+        lines += ["", f"Prefill of {n} tokens with {method} weights: {row['ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s, "
+                  f"MFU {row['mfu']:.3f} against the {weights.get('mfu_rate')} rate."]
+    moved = quant.get("kv_bytes")
+    if moved:
+        lines += ["", f"Handover of {moved['tokens']} tokens from a {moved['p_kv_dtype']} P: "
+                  f"{moved['bf16']['bytes'] / 1e6:.1f} MB to a {moved['bf16']['d_kv_dtype']} D "
+                  f"({moved['bf16']['transport']}), {moved['fp8']['bytes'] / 1e6:.1f} MB to a "
+                  f"{moved['fp8']['d_kv_dtype']} D ({moved['fp8']['transport']}): {moved['bytes_ratio']:.3f}."]
+    if quant.get("note"):
+        lines += ["", f"Note: {quant['note']}."]
+    return lines
+
+
+def _beam_section(beam: dict | None) -> list[str]:
+    if not beam:
+        return []
+    return ["", f"## Beam search, width {beam['width']}", "",
+            f"A beam step {beam['beam_step_ms']:.3f} ms (context ~{beam['beam_mean_ctx']:.0f}) against a greedy step "
+            f"of {beam['width']} rows {beam['greedy_step_ms']:.3f} ms (context ~{beam['greedy_mean_ctx']:.0f}, "
+            f"{'pipelined' if beam['pipelined'] else 'not pipelined'}): {beam['ratio']:.3f}; median of "
+            f"{beam['steps']} steps."]
 
 
 def _fmt(value: Any, spec: str = ".3f") -> str:
