@@ -129,9 +129,18 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if v_scale is not None:
-        p = p * v_scale[None, :]
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if v_scale is None:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    elif v.dtype == tl.float16:
+        # Weights times small scales would fall below float16's normal range (6e-5): each weight
+        # takes its value's scale relative to the tile's largest, the product that one.
+        v_max = tl.max(v_scale, axis=0)
+        v_max = tl.where(v_max > 0.0, v_max, 1.0)
+        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv * v_max
+    else:
+        pv = tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 

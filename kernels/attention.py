@@ -25,7 +25,7 @@ from kernels._triton import (
     tl,
     triton,
     use_pdl,
-    use_triton,
+    use_triton_kv,
 )
 
 _LOG2E = math.log2(math.e)
@@ -823,7 +823,7 @@ def context_attention(
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`context_attention_cpu`;
     written into ``out`` when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
-    if use_triton(q, k_cache, v_cache):
+    if use_triton_kv(quant, q, k_cache, v_cache):
         return context_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale,
                                         out=out, table_rows=table_rows, quant=quant)
     if table_rows is not None:
@@ -845,7 +845,7 @@ def decode_attention(
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_cpu`;
     written into ``out`` when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
-    if use_triton(q, k_cache, v_cache):
+    if use_triton_kv(quant, q, k_cache, v_cache):
         return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out,
                                        table_rows=table_rows, quant=quant)
     if table_rows is not None:

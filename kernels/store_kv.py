@@ -6,7 +6,7 @@ import torch
 
 from kernels import _tiles
 from kernels.kv_quant import QUANT_CODES, SCALE_BYTES, is_quantized, quantize_rows, row_bytes
-from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton_kv
 
 
 def store_kv_ref(
@@ -134,7 +134,7 @@ def store_kv(
 ) -> None:
     """Triton on CUDA tensors when Triton is installed, else :func:`store_kv_ref`; ``quant`` as in
     :func:`store_kv_ref`."""
-    if use_triton(k, k_cache):
+    if use_triton_kv(quant, k, k_cache):
         store_kv_triton(k, v, k_cache, v_cache, slots, quant)
     else:
         store_kv_ref(k, v, k_cache, v_cache, slots, quant)

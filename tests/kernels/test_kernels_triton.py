@@ -690,9 +690,9 @@ class InterpretedCases:
         out = decode_attention_triton(*args, block_n=16, num_splits=num_splits)
         assert_matches(out, decode_attention_ref(*args), *ATTENTION_TOL[dtype])
 
-    @pytest.mark.parametrize("kind", QUANT_KINDS)
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-    @pytest.mark.parametrize("num_splits", [1, 4])
+    @pytest.mark.parametrize(("kind", "dtype", "num_splits"), [("int8", torch.float32, 1), ("int8", torch.float16, 4),
+                                                               ("fp8_e4m3", torch.float32, 4),
+                                                               ("fp8_e4m3", torch.float16, 1)])
     def test_context_attention_triton_reads_quantized_kv_as_the_reference(self, kind: str, dtype: torch.dtype,
                                                                         num_splits: int) -> None:
         # Fresh prompt, cached prefixes, one new token, no new token (the CPU test's batch).
@@ -701,8 +701,7 @@ class InterpretedCases:
         out, ref = _context(batch, quant=kind, block_m=16, block_n=16, num_splits=num_splits)
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
 
-    @pytest.mark.parametrize("kind", QUANT_KINDS)
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    @pytest.mark.parametrize(("kind", "dtype"), [("int8", torch.float32), ("fp8_e4m3", torch.float16)])
     @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
     def test_decode_attention_triton_reads_quantized_kv_as_the_reference(
         self, kind: str, dtype: torch.dtype, prefetch: bool, monkeypatch: pytest.MonkeyPatch,
@@ -759,7 +758,7 @@ else:
         import triton  # noqa: F401  # a test dependency: its absence must fail, not skip
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
         report = proc.stdout[-6000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, report
         summary = proc.stdout.strip().splitlines()[-1]
