@@ -11,23 +11,111 @@ from kernels._triton import tl, triton
 
 
 @triton.jit
-def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh, stride_vs, stride_vh):
-    """Keys and values ``[BLOCK_N, BLOCK_D]`` of one kv head at ``slots``; masked elements read 0."""
-    k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=mask, other=0.0)
-    return k, v
+def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh, stride_vs, stride_vh,
+                 row_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """Keys and values ``[BLOCK_N, BLOCK_D]`` of one kv head at ``slots``; masked elements read 0.
+
+    Returns ``(k, v, k_scale, v_scale)``. ``QUANT`` 0: the caches hold the model dtype, the scales
+    are None. ``QUANT`` 1 (int8) or 2 (fp8 e4m3): the caches hold packed rows
+    (:mod:`kernels.kv_quant`, strides in bytes); ``k`` and ``v`` are the one-byte codes as int8 or
+    float8 and the scales ``[BLOCK_N]`` float32, 0 where ``row_ok`` (None: every row) is false.
+    """
+    if QUANT:
+        # Offsets in 4-byte words times 4: the compiler sees every row start 4-byte aligned.
+        k_rows = (slots * (stride_ks // 4) + kv_head * (stride_kh // 4)) * 4
+        v_rows = (slots * (stride_vs // 4) + kv_head * (stride_vh // 4)) * 4
+        k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, QUANT)
+        v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
+        return k, v, k_scale, v_scale
+    else:
+        k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=mask, other=0.0)
+        return k, v, None, None
 
 
 @triton.jit
-def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION: tl.constexpr):
+def load_quant_rows(cache_ptr, rows, d, mask, row_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """Packed rows starting at byte offsets ``rows`` of ``cache_ptr`` (uint8): their codes
+    ``[N, BLOCK_D]`` (int8 for ``QUANT`` 1, float8 e4m3 for 2) and float32 scales ``[N]``.
+
+    Rows start at multiples of 4 bytes (``row_bytes`` is one), so the codes load four at a time;
+    a row's scale is the float32 word after its codes padded to 4 bytes."""
+    codes = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=mask, other=0)
+    scale_ptrs = (cache_ptr + rows + ((HEAD_DIM + 3) // 4) * 4).to(tl.pointer_type(tl.float32))
+    if row_ok is not None:
+        scale = tl.load(scale_ptrs, mask=row_ok, other=0.0)
+    else:
+        scale = tl.load(scale_ptrs)
+    if QUANT == 1:
+        return codes.to(tl.int8, bitcast=True), scale
+    else:
+        return codes.to(tl.float8e4nv, bitcast=True), scale
+
+
+@triton.jit
+def round_half_even(x):
+    """``x`` rounded to an integer, ties to even as ``torch.round`` does; exact in float32."""
+    f = tl.floor(x)
+    frac = x - f
+    odd = f - 2.0 * tl.floor(f * 0.5)
+    return tl.where(frac > 0.5, f + 1.0, tl.where(frac < 0.5, f, f + odd))
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """``x`` (``|x| <= 448``) rounded to the nearest float8 e4m3 value (ties to even, the sign kept
+    for zeros), as float32. Exact, so the cast to float8 after it rounds nothing: the codes equal
+    torch's cast on every backend, whatever rounding its conversion instruction does."""
+    bits = x.to(tl.int32, bitcast=True)
+    # The spacing of e4m3 values around |x|: 2**(e - 3) for a normal exponent e, 2**-9 below 2**-6.
+    ulp_exp = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
+    ulp = ((ulp_exp + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    mag = round_half_even(tl.abs(x) * inv_ulp) * ulp
+    sign = (bits >> 31) << 31
+    return (mag.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_rows(x, QUANT: tl.constexpr):
+    """Rows ``x`` ``[R, BLOCK_D]`` (float32, zero past head_dim) as one-byte codes (uint8) and a
+    float32 scale per row, as :func:`kernels.kv_quant.quantize_rows`: ``amax / 127`` (int8,
+    rounded half to even) or ``amax / 448`` (fp8 e4m3), correctly rounded divisions as torch's."""
+    amax = tl.max(tl.abs(x), axis=1)
+    if QUANT == 1:
+        qmax = tl.full(amax.shape, 127.0, tl.float32)
+    else:
+        qmax = tl.full(amax.shape, 448.0, tl.float32)
+    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, qmax), 1.0)
+    scaled = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    if QUANT == 1:
+        codes = tl.clamp(round_half_even(scaled), -127.0, 127.0).to(tl.int8).to(tl.uint8, bitcast=True)
+    else:
+        codes = round_to_e4m3(tl.clamp(scaled, -448.0, 448.0)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return codes, scale
+
+
+@triton.jit
+def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION: tl.constexpr, k_scale,
+                v_scale):
     """One online-softmax step of flash attention (base 2): the rows of ``q`` attend to the K/V
     tile of key positions ``n``; returns the updated ``(acc, m_i, l_i)``.
 
     Masks: ``n_ok`` (keys that exist) None: every key counts; ``q_pos`` (each row's position)
     None: no causal mask. With one, a row sees keys up to its own position, so a row can have
     seen no key yet; its max stays -inf and the shift is 0 there, to avoid inf - inf.
+
+    ``k_scale`` / ``v_scale`` (``[BLOCK_N]``, with ``k`` and ``v`` a quantized cache's codes): each
+    key's scale multiplies its column of scores, each value's scale its column of weights. The
+    codes convert to q's dtype exactly (int8 and e4m3 values fit bfloat16 and float16), so the
+    products run on the tensor cores as in the model dtype, and the tile is never dequantized.
     """
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if k_scale is not None:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if q_pos is not None:
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -41,24 +129,48 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if v_scale is None:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    elif v.dtype == tl.float16:
+        # Weights times small scales would fall below float16's normal range (6e-5): each weight
+        # takes its value's scale relative to the tile's largest, the product that one.
+        v_max = tl.max(v_scale, axis=0)
+        v_max = tl.where(v_max > 0.0, v_max, 1.0)
+        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv * v_max
+    else:
+        pv = tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
 @triton.jit
 def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end, scale_log2,
-                stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
     """:func:`attend_tile` over key positions ``[start, end)`` of one sequence, ``BLOCK_N`` at a
-    time, each tile's slots read from its request-table row ``table_row``."""
+    time, each tile's slots read from its request-table row ``table_row``; ``QUANT`` as in
+    :func:`load_kv_tile`."""
     n_offs = tl.arange(0, BLOCK_N)
     for first in range(start, end, BLOCK_N):
         n = first + n_offs
         n_ok = n < end
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
-                            stride_ks, stride_kh, stride_vs, stride_vh)
-        acc, m_i, l_i = attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION)
+        k, v, k_scale, v_scale = load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
+                                              n_ok[:, None] & d_ok[None, :], stride_ks, stride_kh, stride_vs,
+                                              stride_vh, n_ok, HEAD_DIM, QUANT)
+        acc, m_i, l_i = attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION,
+                                    k_scale, v_scale)
     return acc, m_i, l_i
+
+
+@triton.jit
+def store_quant_rows(row_ptrs, x, h_ok, d, QUANT: tl.constexpr, SCALE_AT: tl.constexpr):
+    """Rows ``x`` ``[BLOCK_H, BLOCK_D]`` (float32, zero past head_dim) quantized into the packed rows
+    at ``row_ptrs``: codes and padding in bytes ``[0, SCALE_AT)``, the float32 scale after them."""
+    codes, scale = quantize_rows(x, QUANT)
+    tl.store(row_ptrs[:, None] + d[None, :], codes, mask=h_ok[:, None] & (d < SCALE_AT)[None, :])
+    tl.store((row_ptrs + SCALE_AT).to(tl.pointer_type(tl.float32)), scale, mask=h_ok)
 
 
 @triton.jit

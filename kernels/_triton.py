@@ -38,6 +38,18 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return HAS_TRITON and all(t.is_cuda for t in tensors)
 
 
+def use_triton_kv(quant: str | None, *tensors: torch.Tensor) -> bool:
+    """:func:`use_triton` for kernels over a KV cache of kind ``quant`` (None: the model dtype);
+    float8 e4m3 codes also need a GPU that converts them (compute capability 8.9 or above, else
+    the torch path, which syncs with the host: no CUDA graphs)."""
+    if not use_triton(*tensors):
+        return False
+    if quant != "fp8_e4m3":
+        return True
+    index = tensors[0].device.index if tensors[0].device.index is not None else torch.cuda.current_device()
+    return _capability(index) >= (8, 9)
+
+
 def require_triton() -> None:
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed; install the 'gpu' extra or call the *_ref function")
@@ -80,8 +92,12 @@ def set_pdl(enabled: bool) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _compute_capability(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+    return _capability(index)[0]
 
 
 def use_pdl(t: torch.Tensor) -> bool:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _tiles
-from kernels.kv_quant import dequantize_rows
+from kernels.kv_quant import QUANT_CODES, dequantize_rows
 from kernels._triton import (
     cdiv,
     dot_precision,
@@ -25,7 +25,7 @@ from kernels._triton import (
     tl,
     triton,
     use_pdl,
-    use_triton,
+    use_triton_kv,
 )
 
 _LOG2E = math.log2(math.e)
@@ -36,6 +36,15 @@ def _kv_rows(cache: torch.Tensor, index: torch.Tensor, quant: str | None, head_d
     """``cache[index]``; from a quantized cache (``quant``), dequantized into ``dtype``."""
     rows = cache[index]
     return rows if quant is None else dequantize_rows(rows, quant, head_dim, dtype)
+
+
+def _quant_code(quant: str | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The kernels' ``QUANT`` for caches holding ``quant`` rows; packed rows must be uint8."""
+    if quant not in QUANT_CODES:
+        raise ValueError(f"unknown quantized KV kind {quant!r}")
+    if quant is not None and (k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8):
+        raise ValueError(f"{quant} KV caches hold packed uint8 rows, got {k_cache.dtype}")
+    return QUANT_CODES[quant]
 
 
 def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
@@ -181,6 +190,7 @@ def _context_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -224,18 +234,21 @@ def _context_attention_kernel(
     # Keys before this tile's first query position: every row sees all of them, no mask.
     for start in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         slots = tl.load(table_row + start + n_offs).to(tl.int64)
-        k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, d_ok[None, :],
-                                   stride_ks, stride_kh, stride_vs, stride_vh)
-        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, None, None, None, DOT_PRECISION)
+        k, v, k_scale, v_scale = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, d_ok[None, :],
+                                                     stride_ks, stride_kh, stride_vs, stride_vh, None, HEAD_DIM, QUANT)
+        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, None, None, None, DOT_PRECISION,
+                                           k_scale, v_scale)
 
     # The diagonal: causal mask, and the end of the keys this program sees.
     for start in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         n = start + n_offs
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-        k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
-                                   stride_ks, stride_kh, stride_vs, stride_vh)
-        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION)
+        k, v, k_scale, v_scale = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
+                                                     n_ok[:, None] & d_ok[None, :], stride_ks, stride_kh, stride_vs,
+                                                     stride_vh, n_ok, HEAD_DIM, QUANT)
+        acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION,
+                                           k_scale, v_scale)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -350,6 +363,7 @@ def context_attention_triton(
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
     num_splits: int | None = None,
+    quant: str | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`context_attention_ref`; ``out`` (shaped like ``q``, any row stride)
     receives the result when given. ``table_rows``: ``slot_table`` is a request table read in
@@ -359,11 +373,13 @@ def context_attention_triton(
 
     ``block_m`` rows of a tile hold ``block_m // group`` query tokens times the ``group`` q heads
     of one kv head. Unset tile sizes come from :func:`_context_config`. Rows of ``q`` that belong
-    to no sequence are left unwritten.
+    to no sequence are left unwritten. ``quant``: the caches hold packed rows of that kind
+    (:mod:`kernels.kv_quant`), read as codes and scaled in the kernel.
     """
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous in head_dim")
+    quant_code = _quant_code(quant, k_cache, v_cache)
     q = last_dim_contiguous(q)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -426,6 +442,7 @@ def context_attention_triton(
         DOT_PRECISION=dot_precision(q.dtype),
         HAS_ROWS=table_rows is not None,
         NUM_SPLITS=splits,
+        QUANT=quant_code,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -479,6 +496,7 @@ def _decode_split_kernel(
     PREFETCH: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -511,18 +529,24 @@ def _decode_split_kernel(
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
         newest = n_ok & (n == ctx_len - 1)
-        k, v = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
-                                   (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh, stride_vs, stride_vh)
+        k, v, k_scale, v_scale = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
+                                                     (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh,
+                                                     stride_vs, stride_vh, n_ok & ~newest, HEAD_DIM, QUANT)
     pdl_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if PREFETCH:
-        k_new, v_new = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, newest[:, None] & d_ok[None, :],
-                                           stride_ks, stride_kh, stride_vs, stride_vh)
+        k_new, v_new, k_new_scale, v_new_scale = _tiles.load_kv_tile(
+            k_cache_ptr, v_cache_ptr, slots, kv_head, d, newest[:, None] & d_ok[None, :], stride_ks, stride_kh,
+            stride_vs, stride_vh, newest, HEAD_DIM, QUANT)
         k = tl.where(newest[:, None], k_new, k)
         v = tl.where(newest[:, None], v_new, v)
+        if QUANT:
+            k_scale = tl.where(newest, k_new_scale, k_scale)
+            v_scale = tl.where(newest, v_new_scale, v_scale)
         if lo < hi:
-            acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION)
+            acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION,
+                                               k_scale, v_scale)
         # The rest of the split only where there is one: at batch 1 up to 2k tokens of context a
         # split is its prefetched tile, and a pipelined loop's prologue costs even when the loop
         # runs no iteration (the default model's layer at batch 1, H100: 11.72 -> 11.20 us). The
@@ -530,11 +554,11 @@ def _decode_split_kernel(
         if lo + BLOCK_N < hi:
             acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                                lo + BLOCK_N, hi, scale_log2, stride_ks, stride_kh, stride_vs,
-                                               stride_vh, BLOCK_N, DOT_PRECISION)
+                                               stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
     else:
         acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                            lo, hi, scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                                           BLOCK_N, DOT_PRECISION)
+                                           BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
@@ -637,9 +661,10 @@ def decode_attention_triton(
     num_stages: int = 2,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
+    quant: str | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out`` and
-    ``table_rows`` as in :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
+    """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out``,
+    ``table_rows`` and ``quant`` as in :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
     context) must have been stored before the kernel launched before this one: with dependent
     launches they are read while that kernel (the one storing the newest key) still runs.
 
@@ -650,6 +675,7 @@ def decode_attention_triton(
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous in head_dim")
+    quant_code = _quant_code(quant, k_cache, v_cache)
     q = last_dim_contiguous(q)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -697,6 +723,7 @@ def decode_attention_triton(
         PREFETCH=batch * num_kv_heads <= PREFETCH_MAX_HEADS,
         HAS_ROWS=table_rows is not None,
         USE_PDL=pdl,
+        QUANT=quant_code,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
@@ -735,8 +762,7 @@ def context_attention_cpu(
     quant: str | None = None,
 ) -> torch.Tensor:
     """The CPU path: per sequence, torch's fused attention with GQA (same math as the reference);
-    quantized caches (``quant``) dequantized into q's dtype as they are read. Runs on any device
-    (the path of quantized caches on a GPU)."""
+    quantized caches (``quant``) dequantized into q's dtype as they are read."""
     out = torch.empty_like(q)
     ctx_list, q_list, start_list = ctx_lens.tolist(), q_lens.tolist(), q_start_loc.tolist()
     for b, (ctx, n_new, start) in enumerate(zip(ctx_list, q_list, start_list)):
@@ -796,11 +822,10 @@ def context_attention(
     quant: str | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`context_attention_cpu`;
-    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`.
-    Quantized caches (``quant``) take the torch path on every device."""
-    if quant is None and use_triton(q, k_cache, v_cache):
+    written into ``out`` when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
+    if use_triton_kv(quant, q, k_cache, v_cache):
         return context_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale,
-                                        out=out, table_rows=table_rows)
+                                        out=out, table_rows=table_rows, quant=quant)
     if table_rows is not None:
         slot_table = slot_table.index_select(0, table_rows)
     result = context_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, q_lens, q_start_loc, sm_scale, quant)
@@ -819,11 +844,10 @@ def decode_attention(
     quant: str | None = None,
 ) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_cpu`;
-    written into ``out`` when given; ``table_rows`` as in :func:`context_attention_triton`.
-    Quantized caches (``quant``) take the torch path on every device."""
-    if quant is None and use_triton(q, k_cache, v_cache):
+    written into ``out`` when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
+    if use_triton_kv(quant, q, k_cache, v_cache):
         return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out,
-                                       table_rows=table_rows)
+                                       table_rows=table_rows, quant=quant)
     if table_rows is not None:
         slot_table = slot_table.index_select(0, table_rows)
     result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, quant)

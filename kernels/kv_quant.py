@@ -14,6 +14,8 @@ import torch
 
 #: The quantized KV kinds (``--kv-cache-dtype``), with the largest magnitude each stores.
 QUANT_MAX: dict[str, float] = {"int8": 127.0, "fp8_e4m3": 448.0}
+#: How the Triton kernels name each kind (their ``QUANT`` argument); None: the model dtype.
+QUANT_CODES: dict[str | None, int] = {None: 0, "int8": 1, "fp8_e4m3": 2}
 _VALUE_DTYPES: dict[str, torch.dtype] = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 SCALE_BYTES = 4
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_quant import quantize_rows
-from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton
+from kernels import _tiles
+from kernels.kv_quant import QUANT_CODES, SCALE_BYTES, is_quantized, quantize_rows, row_bytes
+from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton_kv
 
 
 def store_kv_ref(
@@ -49,6 +50,8 @@ def _store_kv_kernel(
     stride_vch,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_AT: tl.constexpr,
 ):
     # Program (token, head block): one slot's rows of keys and values.
     tok = tl.program_id(0).to(tl.int64)
@@ -56,10 +59,20 @@ def _store_kv_kernel(
     d = tl.arange(0, BLOCK_D)
     m = (h < num_heads)[:, None] & (d < head_dim)[None, :]
     slot = tl.load(slots_ptr + tok).to(tl.int64)
-    k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
-    v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m)
-    tl.store(k_cache_ptr + slot * stride_kcs + h[:, None] * stride_kch + d[None, :], k, mask=m)
-    tl.store(v_cache_ptr + slot * stride_vcs + h[:, None] * stride_vch + d[None, :], v, mask=m)
+    if QUANT:
+        # Packed rows (strides in bytes): the codes and the zero padding up to the scale, then the scale.
+        k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m, other=0.0)
+        v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m, other=0.0)
+        h_ok = h < num_heads
+        _tiles.store_quant_rows(k_cache_ptr + slot * stride_kcs + h * stride_kch, k.to(tl.float32), h_ok, d, QUANT,
+                                SCALE_AT)
+        _tiles.store_quant_rows(v_cache_ptr + slot * stride_vcs + h * stride_vch, v.to(tl.float32), h_ok, d, QUANT,
+                                SCALE_AT)
+    else:
+        k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m)
+        v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m)
+        tl.store(k_cache_ptr + slot * stride_kcs + h[:, None] * stride_kch + d[None, :], k, mask=m)
+        tl.store(v_cache_ptr + slot * stride_vcs + h[:, None] * stride_vch + d[None, :], v, mask=m)
 
 
 def store_kv_triton(
@@ -68,13 +81,21 @@ def store_kv_triton(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    quant: str | None = None,
 ) -> None:
-    """Triton version of :func:`store_kv_ref`; k and v may be strided views (a split qkv)."""
+    """Triton version of :func:`store_kv_ref`; k and v may be strided views (a split qkv).
+    ``quant``: each new (token, head) row quantized in the kernel into packed rows
+    (:mod:`kernels.kv_quant`), the same bytes as :func:`kernels.kv_quant.quantize_rows` writes."""
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous in head_dim")
+    if quant is not None and not is_quantized(quant):
+        raise ValueError(f"unknown quantized KV kind {quant!r}")
     k, v = last_dim_contiguous(k), last_dim_contiguous(v)
     num_tokens, num_heads, head_dim = k.shape
+    if quant is not None and k_cache.shape[-1] != row_bytes(head_dim):
+        raise ValueError(f"{quant} KV rows of head_dim {head_dim} are {row_bytes(head_dim)} bytes, "
+                         f"the cache's {k_cache.shape[-1]}")
     if num_tokens == 0:
         return
     block_d = next_pow2(head_dim)
@@ -97,6 +118,8 @@ def store_kv_triton(
         v_cache.stride(1),
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        QUANT=QUANT_CODES[quant],
+        SCALE_AT=row_bytes(head_dim) - SCALE_BYTES if quant is not None else 0,
         num_warps=4,
     )
 
@@ -109,11 +132,9 @@ def store_kv(
     slots: torch.Tensor,
     quant: str | None = None,
 ) -> None:
-    """Triton on CUDA tensors when Triton is installed, else :func:`store_kv_ref`; quantized
-    caches (``quant``) through the reference on every device."""
-    if quant is not None:
-        store_kv_ref(k, v, k_cache, v_cache, slots, quant)
-    elif use_triton(k, k_cache):
-        store_kv_triton(k, v, k_cache, v_cache, slots)
+    """Triton on CUDA tensors when Triton is installed, else :func:`store_kv_ref`; ``quant`` as in
+    :func:`store_kv_ref`."""
+    if use_triton_kv(quant, k, k_cache):
+        store_kv_triton(k, v, k_cache, v_cache, slots, quant)
     else:
-        store_kv_ref(k, v, k_cache, v_cache, slots)
+        store_kv_ref(k, v, k_cache, v_cache, slots, quant)

@@ -22,6 +22,7 @@ few-ulp tolerance. bfloat16 attention is covered by ``tests/gpu/test_kernels_gpu
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -41,6 +42,7 @@ from kernels.attention import (
     decode_attention_ref,
     decode_attention_triton,
 )
+from kernels.kv_quant import QUANT_MAX, quantize_rows, row_bytes
 from kernels.kv_transfer import (
     copy_kv_slots_ref,
     copy_kv_slots_triton,
@@ -129,11 +131,32 @@ QKV_ROTARY_TOL = {torch.float32: GEMV_TOL[torch.float32], torch.bfloat16: (2e-2,
 # Attention: float16 probabilities enter the second product, as in every flash kernel.
 ATTENTION_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2)}
 
+# Attention over quantized KV: the kernel and the reference read the same bytes (the reference
+# dequantizes them into float32 first, the kernel scales each key's scores and each value's
+# weights), so they differ by float32 rounding, and in float16 by the probabilities' rounding as
+# above (measured: float32 2e-7 relative, 7e-7 at most; float16 4e-4 and 2e-3).
+QUANT_KINDS = ["int8", "fp8_e4m3"]
 
-def _context(batch: PagedBatch, q: torch.Tensor | None = None, **blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _quantized(batch: PagedBatch, kind: str) -> PagedBatch:
+    """``batch`` with its caches as packed ``kind`` rows; every slot outside the sequences' tables
+    holds 0xFF bytes (a NaN scale), so reading one shows up as NaN."""
+    num_slots = batch.k_cache.shape[0]
+    used = torch.zeros(num_slots, dtype=torch.bool)
+    used[batch.slot_table[batch.slot_table < num_slots]] = True
+    caches = []
+    for cache in (batch.k_cache, batch.v_cache):
+        packed = quantize_rows(cache.float().nan_to_num(0.0), kind)
+        packed[~used] = 255
+        caches.append(packed)
+    return dataclasses.replace(batch, k_cache=caches[0], v_cache=caches[1])
+
+
+def _context(batch: PagedBatch, q: torch.Tensor | None = None, quant: str | None = None,
+             **blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     q = batch.q if q is None else q
     args = (q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, batch.q_lens, batch.q_start_loc, 0.3)
-    return context_attention_triton(*args, **blocks), context_attention_ref(*args)
+    return context_attention_triton(*args, quant=quant, **blocks), context_attention_ref(*args, quant=quant)
 
 
 class InterpretedCases:
@@ -538,6 +561,29 @@ class InterpretedCases:
             assert torch.isnan(got[~written]).all()
             assert_close_elementwise(got[written], want[written])
 
+    @pytest.mark.parametrize("kind", QUANT_KINDS)
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_store_kv_triton_quantizes_rows_into_the_reference_bytes(self, kind: str, dtype: torch.dtype) -> None:
+        # head_dim 22: codes, two bytes of padding, then the scale. Rows of every magnitude, a zero
+        # row (scale 1), and rows whose scale is exactly 1 (amax = the kind's largest code) holding
+        # halfway values: both round them to even, as torch does. Asserted: the same bytes in
+        # every slot, written or not (no exception for fp8 ties: the kernel rounds on the e4m3
+        # grid in float32 before its cast).
+        gen = torch.Generator().manual_seed(16)
+        kv = (torch.randn(6, 2 * 3 * 22, generator=gen) * torch.logspace(-3, 3, 6)[:, None]).to(dtype)
+        k, v = kv[:, :66].view(6, 3, 22), kv[:, 66:].view(6, 3, 22)
+        k[0, 0] = 0.0
+        ties = {"int8": [0.5, 1.5, 2.5, -2.5, -0.5, 126.5, 3.5], "fp8_e4m3": [17.0, 19.0, 9.5, 200.0, -17.0, 1.5 * 2**-9, -9.5]}
+        k[1, 1] = 0.0
+        k[1, 1, : len(ties[kind]) + 1] = torch.tensor([QUANT_MAX[kind], *ties[kind]]).to(dtype)
+        v[2, 0, :8] = -torch.tensor([QUANT_MAX[kind], *ties[kind]]).to(dtype)
+        slots = torch.randperm(40, generator=gen)[:6]
+        caches = [torch.full((40, 3, row_bytes(22)), 255, dtype=torch.uint8) for _ in range(4)]
+        store_kv_triton(k, v, caches[0], caches[1], slots, kind)
+        store_kv_ref(k, v, caches[2], caches[3], slots, kind)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        assert (caches[0][slots[1], 1, 1:8] != 0).any()  # the ties were stored (not all rounded to zero)
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_gather_and_scatter_kv_triton_match_reference(self, dtype: torch.dtype) -> None:
         gen = torch.Generator().manual_seed(5)
@@ -644,6 +690,43 @@ class InterpretedCases:
         out = decode_attention_triton(*args, block_n=16, num_splits=num_splits)
         assert_matches(out, decode_attention_ref(*args), *ATTENTION_TOL[dtype])
 
+    @pytest.mark.parametrize(("kind", "dtype", "num_splits"), [("int8", torch.float32, 1), ("int8", torch.float16, 4),
+                                                               ("fp8_e4m3", torch.float32, 4),
+                                                               ("fp8_e4m3", torch.float16, 1)])
+    def test_context_attention_triton_reads_quantized_kv_as_the_reference(self, kind: str, dtype: torch.dtype,
+                                                                        num_splits: int) -> None:
+        # Fresh prompt, cached prefixes, one new token, no new token (the CPU test's batch).
+        batch = _quantized(make_paged_batch(CTX_LENS, Q_LENS, 6, 2, 16, layout="shuffled", dtype=dtype, seed=6),
+                           kind)
+        out, ref = _context(batch, quant=kind, block_m=16, block_n=16, num_splits=num_splits)
+        assert_matches(out, ref, *ATTENTION_TOL[dtype])
+
+    @pytest.mark.parametrize(("kind", "dtype"), [("int8", torch.float32), ("fp8_e4m3", torch.float16)])
+    @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
+    def test_decode_attention_triton_reads_quantized_kv_as_the_reference(
+        self, kind: str, dtype: torch.dtype, prefetch: bool, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # As the engine calls it: the request table read in place through each sequence's row.
+        import kernels.attention
+
+        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
+        batch = _quantized(make_paged_batch([1, 33, 64, 17], [1] * 4, 8, 2, 16, layout="shuffled", dtype=dtype,
+                                            seed=10), kind)
+        rows = torch.tensor([2, 0, 5, 3])
+        table = torch.full((6, batch.slot_table.shape[1]), 10 * batch.k_cache.shape[0], dtype=torch.int64)
+        table[rows] = batch.slot_table
+        common = (batch.q, batch.k_cache, batch.v_cache)
+        out = decode_attention_triton(*common, table, batch.ctx_lens, 0.25, block_n=16, num_splits=3,
+                                      table_rows=rows, quant=kind)
+        ref = decode_attention_ref(*common, batch.slot_table, batch.ctx_lens, 0.25, quant=kind)
+        assert_matches(out, ref, *ATTENTION_TOL[dtype])
+
+    def test_attention_triton_refuses_quantized_kv_in_a_float_cache(self) -> None:
+        batch = make_paged_batch([9], [1], 4, 2, 16, seed=3)
+        with pytest.raises(ValueError, match="uint8"):
+            decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25,
+                                    quant="int8")
+
     @pytest.mark.parametrize("decode", [True, False], ids=["decode", "context"])
     def test_attention_reads_a_request_table_in_place_through_rows(self, decode: bool) -> None:
         # CUDA graphs pass the engine's request table and each sequence's row in it: the result
@@ -675,7 +758,7 @@ else:
         import triton  # noqa: F401  # a test dependency: its absence must fail, not skip
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
         report = proc.stdout[-6000:] + proc.stderr[-2000:]
         assert proc.returncode == 0, report
         summary = proc.stdout.strip().splitlines()[-1]
