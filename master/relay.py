@@ -211,7 +211,7 @@ class Relay:
         attempt.first_token = msg
         attempt.node_ttft_s = msg.node_ttft_s
         if r.sampling.use_beam_search:
-            pass  # P's token only ends its prefill: the search on D answers with every beam
+            logger.debug("%s: P's token ends only its prefill; the search on D answers", r.request_id)
         elif self.settings.first_token_via == "decode" and msg.finish_reason is None and not attempt.early_deltas:
             attempt.withheld_first = msg
         else:

@@ -24,21 +24,12 @@ from pd_cluster.handover import ChannelSource, HandoverFailed, KVSender, SendOpt
 from pd_cluster.handover.layer_capture import LayerCaptures
 from pd_cluster.handover.sender import WithHeldSlots
 from pd_cluster.protocol import FirstToken, PrefillJob
-from pd_cluster.sampling_params import SamplingParams
 from pd_cluster.transfer import ChannelKeeper, ChannelPool, HandshakeRefused, TransferError
 from prefill_node.admission import TokenAdmission
 
 logger = logging.getLogger(__name__)
 
 FirstTokenSink = Callable[[FirstToken], Awaitable[None]]
-
-
-def beam_prefill_sampling(sampling: SamplingParams) -> SamplingParams:
-    """How P runs a beam search's prompt: a greedy token that never ends the request, so its KV
-    always goes to D, which starts the search (its first step computes the last prompt token
-    again for the logits); the token itself is not part of the answer."""
-    return SamplingParams(temperature=0.0, max_tokens=max(sampling.max_tokens, 2), ignore_eos=True,
-                          prompt_logprobs=sampling.prompt_logprobs)
 
 
 class PrefillFailed(RuntimeError):
@@ -377,10 +368,9 @@ class PrefillService:
         compute to hide behind)."""
         self._first_tokens[job.request_id] = asyncio.get_running_loop().create_future()
         times.queued = time.monotonic()
-        sampling = beam_prefill_sampling(job.sampling) if job.sampling.use_beam_search else job.sampling
         try:
             return await self.worker.call(
-                lambda: self.engine.add_request(job.request_id, job.token_ids, sampling, hold_kv=True,
+                lambda: self.engine.add_request(job.request_id, job.token_ids, job.sampling.for_prefill(), hold_kv=True,
                                                 prefill_only=True, whole_prefill=whole)
             )
         except ValueError as e:
