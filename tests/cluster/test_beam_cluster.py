@@ -5,6 +5,7 @@ streamed search of several beams is a 400 and the server keeps serving."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import os
 
 import openai
@@ -104,3 +105,36 @@ def test_streaming_several_beams_is_a_400_and_the_server_keeps_serving(client):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
     assert reply.choices[0].text
+
+
+def test_a_decode_node_lost_mid_search_reruns_it_elsewhere(default_model_dir, tmp_path_factory, tokenizer):
+    """D is killed while the search runs: the master runs it again from the prompt on the other D,
+    which answers the beams an undisturbed search answers, and leaks nothing."""
+    c = Cluster(default_model_dir, tmp_path_factory.mktemp("beam-fault-logs"))
+    try:
+        c.start_master()
+        c.start_node("prefill", "p0")
+        c.start_node("decode", "d0", "--data-port", "0")
+        c.start_node("decode", "d1", "--data-port", "0")
+        wait_until(lambda: c.health()[0] == 200 and len(c.nodes()) == 3, 90, "the cluster to be ready")
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        body = {"model": MODEL, "prompt": BEAM_MESSAGES[6], "n": WIDTH, "max_tokens": 32,
+                "extra_body": {"use_beam_search": True, "ignore_eos": True}}
+
+        def searching() -> str | None:
+            busy = [n["id"] for n in c.nodes() if n["role"] == "decode" and n["load"]["running"] >= WIDTH]
+            return busy[0] if busy else None
+
+        with cf.ThreadPoolExecutor(1) as pool:
+            future = pool.submit(client.completions.create, **body)
+            victim = wait_until(searching, 60, "a decode node to run the search")
+            c.kill(victim)
+            faulted = future.result(timeout=120)
+        undisturbed = client.completions.create(**body)
+        assert [ch.text for ch in faulted.choices] == [ch.text for ch in undisturbed.choices]
+        assert all(len(tokenizer.encode(ch.text)) > 0 for ch in faulted.choices)
+        logged = next(line for line in c.log("master").splitlines() if f"request_id={faulted.id} " in line)
+        assert "attempts=2" in logged and f"after {victim}" in logged
+        wait_until(lambda: len(c.nodes()) == 2 and _kv_idle(c), 60, "the nodes left idle with all their KV back")
+    finally:
+        c.stop()
