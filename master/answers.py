@@ -1,7 +1,7 @@
 """The answer to a generation request: its relay requests (one per prompt x choice, see
 :mod:`master.fanout`) streamed as their tokens arrive, each chunk naming its choice's ``index``,
 or one body listing the choices in index order (each prompt's best ``n`` by mean token logprob
-when best_of > n). Usage counts each prompt once and every generated choice's tokens. With
+when best_of > n; a beam search's request gives one choice a beam, best first). Usage counts each prompt once and every generated choice's tokens. With
 ``echo`` each prompt's text goes before its choices' text (streamed: before each choice's first
 piece).
 """
