@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import defaultdict
 
 from pydantic import BaseModel
 
 from decode_node.service import DecodeService
 from pd_cluster import protocol
+from pd_cluster.engine.beam_search import BeamResult
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
 from pd_cluster.node.config import NodeSettings
@@ -46,6 +48,7 @@ class DecodeNode(NodeRuntime):
         )
         self.reporter = StatusReporter(self.service.engine, self.service.worker.rates)
         self.service.on_lease_expired = self._on_lease_expired
+        self.service.on_beams = self._on_beams
 
     def _on_lease_expired(self, request_ids: list[str]) -> None:
         # Engine thread: the master must hear it, or a request whose P died after its first token
@@ -89,6 +92,30 @@ class DecodeNode(NodeRuntime):
             )
         if deltas:
             self.send(protocol.TokenDeltas.model_construct(deltas=deltas))
+
+    def _on_beams(self, results: list[BeamResult]) -> None:
+        # Engine thread: hop to the event loop.
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._send_beams, results)
+
+    def _send_beams(self, results: list[BeamResult]) -> None:
+        """Each ended beam search as its one delta: the best beam's tokens and every beam."""
+        deltas = []
+        for result in results:
+            started = self.service.beam_started.pop(result.request_id, None)
+            wants_logprobs = result.params is not None and result.params.logprobs is not None
+            beams = [protocol.BeamOutput(token_ids=b.token_ids, text=b.text, cum_logprob=b.cum_logprob, score=b.score,
+                                         finish_reason=b.finish_reason, logprobs=b.logprobs if wants_logprobs else None)
+                     for b in result.beams]
+            best = beams[0] if beams else None
+            deltas.append(protocol.TokenDelta(
+                request_id=result.request_id, token_ids=best.token_ids if best else [], text=best.text if best else "",
+                logprobs=best.logprobs if best else None, finish_reason=best.finish_reason if best else "abort",
+                beams=beams, cached_tokens=0 if started is not None else None,
+                node_ttft_s=time.monotonic() - started if started is not None else None,
+            ))
+        if deltas:
+            self.send(protocol.TokenDeltas(deltas=deltas))
 
     def register_message(self) -> protocol.Register:
         engine = self.service.engine

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pd_cluster.config import EngineConfig
+from pd_cluster.engine.beam_search import BeamResult
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.engine.outputs import TokenUpdate
 from pd_cluster.engine.request import Request
@@ -24,6 +25,8 @@ from pd_cluster.transfer.ipc import PoolOffer, openable_kinds
 logger = logging.getLogger(__name__)
 
 TokenSink = Callable[[list[TokenUpdate]], None]
+#: Told (on the engine thread) the beam searches that ended, each beam's text decoded.
+BeamSink = Callable[[list[BeamResult]], None]
 
 
 @dataclass
@@ -97,6 +100,9 @@ class DecodeService:
         self.reservations = Reservations(self.engine)
         self.worker = EngineWorker(self.engine, on_tokens)
         self.worker.after_step.append(self._expire_leases)
+        self.worker.after_step.append(self._deliver_beams)
+        #: Hears of the beam searches that ended (None: they are dropped).
+        self.on_beams: BeamSink | None = None
         self.counters = DecodeCounters()
         self.receiver = KVReceiver(self.engine, self.worker, self.reservations, self.counters, transfer_timeout_s)
         self.server = DataPlaneServer(
@@ -111,6 +117,8 @@ class DecodeService:
         #: Requests this node prefills itself (GenerateJob), until their first token is out.
         self.local_prefills: dict[str, LocalPrefill] = {}
         self.local_timings = LocalPrefillTimings()
+        #: Beam searches this node prefills itself, by id: when the node took the job (monotonic).
+        self.beam_started: dict[str, float] = {}
 
     def _pool_offer(self) -> PoolOffer | None:
         """The KV pools offered to prefill nodes on this host: at TP > 1 each rank exports its own
@@ -160,7 +168,7 @@ class DecodeService:
         for _ in range(3):
             try:
                 reserved = [res.request_id for res in list(self.reservations.pending.values())]
-                return list(self.engine.requests) + reserved
+                return list(self.engine.requests) + reserved + self.engine.beam_request_ids()
             except RuntimeError:  # changed size during the copy
                 continue
         return []
@@ -172,11 +180,28 @@ class DecodeService:
             if expired and self.on_lease_expired is not None:
                 self.on_lease_expired([res.request_id for res in expired])
 
+    def _deliver_beams(self) -> None:
+        """Engine thread: the beam searches that ended since the last step, their beams' text decoded."""
+        if not self.engine.beam_results:
+            return
+        results = self.engine.take_beam_results()
+        for result in results:
+            skip = result.params.skip_special_tokens if result.params is not None else True
+            for beam in result.beams:
+                beam.text = self.engine.tokenizer.decode(beam.token_ids, skip_special_tokens=skip)
+        if self.on_beams is not None:
+            self.on_beams(results)
+
     async def generate(self, request_id: str, token_ids: list[int], sampling: SamplingParams) -> None:
         """Take a whole request: the engine prefills what its prefix cache lacks, in chunks that
         share steps with the running decode batch (its token budget), then decodes it. Raises
         ValueError when this engine can never run it."""
         received_at = time.monotonic()
+
+        if sampling.use_beam_search:
+            await self.worker.call(self.engine.add_beam_request, request_id, token_ids, sampling)
+            self.beam_started[request_id] = received_at
+            return
 
         def _add() -> Request:
             return self.engine.add_request(request_id, token_ids, sampling, prefill_now=True)
@@ -205,6 +230,7 @@ class DecodeService:
         """Stop a request (client gone): free its KV whether it is decoding or still reserved."""
 
         self.local_prefills.pop(request_id, None)
+        self.beam_started.pop(request_id, None)
 
         def _abort() -> bool:
             reserved = self.receiver.abort_reserved(request_id)

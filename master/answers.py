@@ -1,7 +1,7 @@
 """The answer to a generation request: its relay requests (one per prompt x choice, see
 :mod:`master.fanout`) streamed as their tokens arrive, each chunk naming its choice's ``index``,
 or one body listing the choices in index order (each prompt's best ``n`` by mean token logprob
-when best_of > n). Usage counts each prompt once and every generated choice's tokens. With
+when best_of > n; a beam search's request gives one choice a beam, best first). Usage counts each prompt once and every generated choice's tokens. With
 ``echo`` each prompt's text goes before its choices' text (streamed: before each choice's first
 piece).
 """
@@ -131,8 +131,8 @@ def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: Echo
     token_text = ctx.tokenizer.token_text
     for p_index, prompt in enumerate(fan.prompts):
         before = echo.texts[p_index] if echo else ""
-        for c_index, r in enumerate(prompt.answer_choices()):
-            text, finish_reason, entries = before + r.text, r.finish_reason, r.logprobs
+        for c_index, (r, text, finish_reason, entries) in enumerate(_outputs(prompt)):
+            text = before + text
             if echo is not None and echo.prompt_only:
                 text, finish_reason, entries = before, "length", []
             logprobs = shape.logprobs(entries, token_text, len(before)) if shape.wants_logprobs(req) else None
@@ -146,6 +146,18 @@ def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: Echo
                 item["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, r)
             choices.append(item)
     return choices
+
+
+def _outputs(prompt: PromptChoices) -> list[tuple[RelayRequest, str, str | None, list[Any]]]:
+    """Each answer choice of a prompt: its request, text, finish reason and logprobs (a beam
+    search's request gives one a beam, best first)."""
+    outputs = []
+    for r in prompt.answer_choices():
+        if r.beams:
+            outputs += [(r, b.text, b.finish_reason, b.logprobs or []) for b in r.beams]
+        else:
+            outputs.append((r, r.text, r.finish_reason, r.logprobs))
+    return outputs
 
 
 async def _stream(fan: FanOut, writer: _StreamWriter) -> AsyncIterator[str]:

@@ -73,7 +73,10 @@ def create_choices(
     relay: Relay, request_id: str, token_ids: list[int], sampling: SamplingParams, stream: bool, arrival: float,
     count: int, returned: int,
 ) -> PromptChoices:
-    """One relay request per choice of a prompt (not admitted yet)."""
+    """One relay request per choice of a prompt (not admitted yet); a beam search is one
+    relay request whose answer holds its ``returned`` best beams."""
+    if sampling.use_beam_search:
+        return PromptChoices([relay.create(request_id, token_ids, sampling, stream, arrival)], returned)
     relays = []
     for index in range(count):
         choice = choice_sampling(sampling, index, for_ranking=count > returned)

@@ -26,6 +26,13 @@ MAX_CHOICES = 16
 SEED_MODULUS = 2**63
 
 
+#: Values of the sampling knobs that leave a beam search's raw logprobs as they are.
+_BEAM_NEUTRAL: dict[str, tuple[float, ...]] = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,),
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -113,8 +120,19 @@ class _GenerationRequest(BaseModel):
             raise bad_request("Streaming is not supported with use_beam_search and n > 1.", "stream")
         if self.temperature not in (None, 0, 0.0):
             raise bad_request("use_beam_search is deterministic: temperature must be 0 or unset.", "temperature")
-        raise bad_request("use_beam_search is served by the engine's offline API (pd_cluster.LLM); the master "
-                          "does not relay beam searches to its nodes.", "use_beam_search")
+        for name in ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            neutral = _BEAM_NEUTRAL[name]
+            if value is not None and value not in neutral:
+                raise bad_request(f"use_beam_search scores raw logprobs: {name} must be unset or {neutral[0]}.", name)
+        for name in ("seed", "logit_bias", "stop", "prompt_logprobs"):
+            if getattr(self, name) not in (None, [], {}):
+                raise bad_request(f"{name} cannot be combined with use_beam_search.", name)
+        if self.structured() is not None:
+            raise bad_request("A structured output (response_format, a forced tool_choice) cannot be combined "
+                              "with use_beam_search.", "response_format")
+        if self.length_penalty is not None and not -10.0 <= self.length_penalty <= 10.0:
+            raise bad_request("length_penalty must be in [-10, 10].", "length_penalty")
 
     @property
     def choices_returned(self) -> int:
@@ -134,9 +152,10 @@ class _GenerationRequest(BaseModel):
                         structured: StructuredOutput | None = None,
                         defaults: dict[str, float | int] | None = None) -> SamplingParams:
         """Build validated SamplingParams; invalid values become 400 naming the field.
-        ``defaults``: the model's sampling defaults, for the fields the request leaves unset."""
+        ``defaults``: the model's sampling defaults, for the fields the request leaves unset (a
+        beam search takes none: it is deterministic)."""
         values: dict[str, Any] = {
-            **(defaults or {}),
+            **(defaults if defaults and not self.use_beam_search else {}),
             "structured": structured,
             "max_tokens": max_tokens,
             "stop": self.stop,
@@ -148,6 +167,11 @@ class _GenerationRequest(BaseModel):
         }
         if self.logit_bias:
             values["logit_bias"] = self.logit_bias
+        if self.use_beam_search:
+            values.update(use_beam_search=True, temperature=0.0, beam_width=self.choice_count,
+                          beam_outputs=self.choices_returned, early_stopping=bool(self.early_stopping))
+            if self.length_penalty is not None:
+                values["length_penalty"] = self.length_penalty
         for name in (
             "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
             "top_k", "min_p", "repetition_penalty",

@@ -79,7 +79,7 @@ async def prepare(ctx: MasterContext, body: Any, kind: Kind, prompt_logprobs: in
             raise bad_request(f"logit_bias: token ids must be in [0, {vocab}).", "logit_bias")
     if prompt_logprobs is not None:
         sampling = sampling.model_copy(update={"prompt_logprobs": max(prompt_logprobs, sampling.prompt_logprobs or 0)})
-    if sampling.seed is None:
+    if sampling.seed is None and not sampling.use_beam_search:
         # Chosen once here, so a retry on another node draws the same stream.
         sampling = sampling.model_copy(update={"seed": secrets.randbits(63)})
     return Prepared(req, token_ids, sampling, block_size, encoded.block_hashes)

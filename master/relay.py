@@ -210,7 +210,9 @@ class Relay:
         r.cached_tokens = min(msg.cached_tokens_prefill, len(r.token_ids))
         attempt.first_token = msg
         attempt.node_ttft_s = msg.node_ttft_s
-        if self.settings.first_token_via == "decode" and msg.finish_reason is None and not attempt.early_deltas:
+        if r.sampling.use_beam_search:
+            logger.debug("%s: P's token ends only its prefill; the search on D answers", r.request_id)
+        elif self.settings.first_token_via == "decode" and msg.finish_reason is None and not attempt.early_deltas:
             attempt.withheld_first = msg
         else:
             self._emit_first(r, msg)
@@ -446,6 +448,8 @@ class Relay:
         asyncio.get_running_loop().call_soon(run)
 
     def _apply_delta(self, r: RelayRequest, msg: protocol.TokenDelta) -> None:
+        if msg.beams is not None:
+            r.beams = list(msg.beams)
         r.add_output(TokenChunk(list(msg.token_ids), msg.text, msg.logprobs, msg.finish_reason, msg.prompt_logprobs),
                      time.monotonic())
         if msg.finish_reason is not None:

@@ -111,6 +111,8 @@ class RelayRequest:
     logprobs: list[protocol.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: protocol.PromptLogprobs | None = None
     finish_reason: str | None = None
+    #: A beam search's beams, best first (its output is the best one's).
+    beams: list[protocol.BeamOutput] = field(default_factory=list)
     #: Of the client's prompt, found in the prefix cache by the attempt that produced the output.
     cached_tokens: int = 0
     #: Output reached the client (a stream): a re-run migrates instead of restarting.
@@ -171,10 +173,15 @@ class RelayRequest:
 
     @property
     def kv_need(self) -> int:
-        return len(self.token_ids) + self.sampling.max_tokens
+        """KV at its peak: a beam search's beams share the prompt and hold their own output."""
+        width = self.sampling.beam_width if self.sampling.use_beam_search else 1
+        return len(self.token_ids) + width * self.sampling.max_tokens
 
     @property
     def completion_tokens(self) -> int:
+        """Its output's tokens; a beam search's, those of the beams it returns (as vLLM counts)."""
+        if self.beams:
+            return sum(len(b.token_ids) for b in self.beams)
         return len(self.output_ids)
 
     @property
@@ -217,6 +224,7 @@ class RelayRequest:
     def reset_output(self) -> None:
         """Forget the output the client never saw (a re-run restarts from the prompt)."""
         self.output_ids.clear()
+        self.beams = []
         self.text_parts.clear()
         self.logprobs.clear()
         self.prompt_logprobs = None

@@ -182,6 +182,18 @@ class FirstToken(_Message):
     )
 
 
+class BeamOutput(BaseModel):
+    """One beam of a finished beam search: its tokens, their text, its cumulative logprob and
+    length-penalized score (the ranking key), why it ended and, when asked, its tokens' logprobs."""
+
+    token_ids: list[int]
+    text: str = ""
+    cum_logprob: float
+    score: float
+    finish_reason: FinishReason
+    logprobs: list[TokenLogprob] | None = None
+
+
 class TokenDelta(_Message):
     """D -> master: new tokens of a running request; the last one carries finish_reason."""
 
@@ -200,6 +212,10 @@ class TokenDelta(_Message):
     node_ttft_s: float | None = Field(
         default=None, ge=0, description="first delta of a request the node prefilled itself: seconds from the node "
         "taking the job to this delta leaving it",
+    )
+    beams: list[BeamOutput] | None = Field(
+        default=None, description="a beam search's only delta (it carries finish_reason): its best beams, best "
+        "first; token_ids, text and logprobs are the best beam's",
     )
 
 

@@ -131,6 +131,16 @@ class SamplingParams(BaseModel):
                              f"{refused[0]} must be left at its default (temperature 0)")
         return self
 
+    def for_prefill(self) -> "SamplingParams":
+        """How a prefill node runs the prompt: as asked; a beam search's as a greedy token that
+        never ends the request, so its KV always goes to the decode node, which starts the search
+        there (its first step computes the last prompt token again for its logits); that token
+        is not output."""
+        if not self.use_beam_search:
+            return self
+        return SamplingParams(temperature=0.0, max_tokens=max(self.max_tokens, 2), ignore_eos=True,
+                              prompt_logprobs=self.prompt_logprobs)
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_ids_non_negative(cls, value: dict[int, float] | None) -> dict[int, float] | None:

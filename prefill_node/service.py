@@ -370,7 +370,7 @@ class PrefillService:
         times.queued = time.monotonic()
         try:
             return await self.worker.call(
-                lambda: self.engine.add_request(job.request_id, job.token_ids, job.sampling, hold_kv=True,
+                lambda: self.engine.add_request(job.request_id, job.token_ids, job.sampling.for_prefill(), hold_kv=True,
                                                 prefill_only=True, whole_prefill=whole)
             )
         except ValueError as e:

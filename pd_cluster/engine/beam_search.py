@@ -1,7 +1,9 @@
 """Beam searches as rows of the engine: one row a live beam, every row's prefix KV shared.
 
-A search starts from its prompt's KV (computed here, or handed over by a prefill node) in one
-row. Each step runs every live beam of every search as one decode row of one forward, takes
+A search starts from its prompt in one row: computed here (:meth:`BeamSearches.add`), or handed
+over by a prefill node (:meth:`BeamSearches.start_from_kv`: the row lists the prompt's KV but for
+its last token, which the first step computes again, so that step has the logits every first
+continuation is drawn from; P sends KV only, never logits). Each step runs every live beam of every search as one decode row of one forward, takes
 the log-softmax of its logits and lets :class:`~pd_cluster.engine.beam_scorer.BeamScorer` pick
 the continuations. A continuation gets a row of its own whose table lists its parent's slots
 (the pool counts one more holder of each, :meth:`KVPool.share`): nothing is copied. The parents'
@@ -40,6 +42,8 @@ class BeamResult:
     prompt_token_ids: list[int]
     beams: list[FinishedBeam]
     finish_reason: str | None = None
+    #: The search's settings (how its text is decoded).
+    params: SamplingParams | None = None
 
 
 @dataclass(eq=False)
@@ -91,6 +95,28 @@ class BeamSearches:
                     return True
         return False
 
+    def start_from_kv(self, group: BeamGroup, slots: torch.Tensor) -> None:
+        """Start a search at once from its prompt's KV (``slots``, one a prompt token, each held
+        by this search from now on): its first row lists all but the last, whose slot is
+        given back (the first step writes that token's KV again, into a slot of its own).
+        Raises ValueError, holding nothing, when its rows or peak KV do not fit now."""
+        n, width = len(group.prompt_token_ids), group.params.beam_width
+        need = group.peak_kv
+        if need - (n - 1) > self.pool.num_free or self.table.num_free_rows < width:
+            self.pool.free(slots)
+            raise ValueError(f"no room for a beam search of width {width} ({need} KV slots at its peak, "
+                             f"{self.pool.num_free} free)")
+        group.spare_rows = [self.table.alloc_row() for _ in range(width)]
+        row = self.make_row(group.request_id, group.prompt_token_ids)
+        row.row = group.spare_rows.pop()
+        self.table.write(row.row, 0, slots[: n - 1])
+        self.pool.free(slots[n - 1 :])
+        row.num_computed = n - 1
+        group.rows = [row]
+        group.reserved = need
+        self.scheduler.external_held += need
+        self.running.append(group)
+
     def step(self) -> list[BeamResult]:
         """Admit what fits, run one step of every running search; the searches that ended."""
         self._admit()
@@ -119,7 +145,7 @@ class BeamSearches:
                 self.running.remove(group)
                 self._finish(group)
                 ended.append(BeamResult(group.request_id, group.prompt_token_ids,
-                                        group.scorer.best(group.params.beam_outputs)))
+                                        group.scorer.best(group.params.beam_outputs), params=group.params))
         return ended
 
     def _admit(self) -> None:

@@ -319,9 +319,26 @@ class LLMEngine:
             self.scheduler.add(req)
         return req
 
-    def add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> BeamGroup:
+    def add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                         prompt_slots: torch.Tensor | None = None) -> BeamGroup:
         """Queue a beam search (``params.use_beam_search``); its result appears in
-        :attr:`beam_results` when it ends (:meth:`take_beam_results`)."""
+        :attr:`beam_results` when it ends (:meth:`take_beam_results`). ``prompt_slots``: the
+        prompt's KV is already in these slots (handed over; the search holds them from now on,
+        and frees them when it cannot start): it starts at once from them."""
+        try:
+            group = self._beam_group(request_id, prompt_token_ids, params)
+        except ValueError:
+            if prompt_slots is not None:
+                self.pool.free(prompt_slots)
+            raise
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        if prompt_slots is None:
+            self.beams.add(group)
+        else:
+            self.beams.start_from_kv(group, prompt_slots)
+        return group
+
+    def _beam_group(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> BeamGroup:
         if not params.use_beam_search:
             raise ValueError("use_beam_search: add_beam_request runs beam searches only")
         self.validate(prompt_token_ids, params)
@@ -334,14 +351,16 @@ class LLMEngine:
         if params.beam_width > self.config.max_running_requests:
             raise ValueError(f"n: a beam width of {params.beam_width} exceeds the batch's "
                              f"{self.config.max_running_requests} rows")
-        self.stats.prompt_tokens += len(prompt_token_ids)
-        self.beams.add(group)
         return group
 
     def take_beam_results(self) -> list[BeamResult]:
         """The beam searches ended since the last call."""
         results, self.beam_results = list(self.beam_results.values()), {}
         return results
+
+    def beam_request_ids(self) -> list[str]:
+        """Ids of the beam searches queued or running."""
+        return [g.request_id for g in self._beam_groups()]
 
     def _beam_groups(self) -> list[BeamGroup]:
         return self.beams.waiting + self.beams.running

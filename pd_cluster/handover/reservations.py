@@ -119,15 +119,19 @@ class Reservations:
             self.cancel(res.lease_id)
         return gone
 
-    def commit(self, lease_id: str, first_token: int) -> Request:
+    def commit(self, lease_id: str, first_token: int) -> Request | None:
         """The prompt's KV has arrived: cache the prompt and join the request to the batch. The
-        request continues the seed's random stream at output position 1, as P left it."""
+        request continues the seed's random stream at output position 1, as P left it. A beam
+        search starts from the KV instead, without P's token (None returned)."""
         res = self.pending.pop(lease_id, None)
         if res is None:
             raise KeyError(f"lease {lease_id} is unknown or expired")
         engine = self.engine
         sched = engine.scheduler
         sched.external_held -= res.held
+        if res.params.use_beam_search:
+            self._start_beams(res)
+            return None
         n = res.num_tokens
         slots = torch.cat((res.hit_slots[: res.hit_tokens], res.new_slots))
         row = engine.table.alloc_row()
@@ -161,3 +165,19 @@ class Reservations:
         engine.stats.prompt_tokens += n
         engine.stats.cached_prompt_tokens += res.hit_tokens
         return req
+
+    def _start_beams(self, res: Reservation) -> None:
+        """Start the beam search of ``res`` from its KV. The cached prefix gets one more holder
+        (the search's, :meth:`KVPool.share`): the cache may evict it meanwhile, and the search
+        frees its hold as it ends; the prompt is not cached (its beams hold it)."""
+        engine = self.engine
+        hit = res.hit_slots[: res.hit_tokens]
+        if hit.numel():
+            engine.pool.share(hit)
+        engine.cache.dec_ref(res.node)
+        engine.stats.cached_prompt_tokens += res.hit_tokens
+        try:
+            engine.add_beam_request(res.request_id, res.prompt_token_ids, res.params,
+                                    prompt_slots=torch.cat((hit, res.new_slots)))
+        except ValueError as e:
+            raise NoCapacity(str(e)) from None

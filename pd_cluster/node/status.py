@@ -34,8 +34,8 @@ class StatusReporter:
         line = self.rates.decode_line() if self.rates is not None else None
         prefill_rate = self.rates.prefill_tokens_per_s() if self.rates is not None else 0.0
         return NodeStatus(
-            running=len(sched.running) + extra_running,
-            waiting=len(sched.waiting),
+            running=len(sched.running) + sum(len(g.rows) for g in list(engine.beams.running)) + extra_running,
+            waiting=len(sched.waiting) + len(engine.beams.waiting),
             free_kv_tokens=engine.pool.num_free,
             total_kv_tokens=engine.pool.capacity,
             evictable_kv_tokens=engine.cache.evictable_tokens,

@@ -131,3 +131,44 @@ def test_a_shared_slot_returns_to_the_pool_with_its_last_holder():
         pool.free(torch.tensor([int(slots[0])]))
     with pytest.raises(RuntimeError):
         pool.share(torch.tensor([int(slots[0])]))
+
+
+def test_a_search_started_from_handed_over_kv_equals_transformers(llm, beam_prompts, beam_reference):
+    """As on a decode node after a handover: the prompt's KV is already in slots the search is
+    given (here a held prefill's, shared, as a prefix-cache hit is); it recomputes only the last
+    prompt token and answers what transformers does, then gives back every slot it held."""
+    engine, prompt = llm.engine, beam_prompts[5]
+    engine.cache.evict(engine.cache.evictable_tokens)
+    free, rows = engine.pool.num_free, engine.table.num_free_rows
+    req = engine.add_request("held", prompt, SamplingParams(temperature=0.0, max_tokens=2), hold_kv=True,
+                             prefill_only=True)
+    while engine.has_unfinished():
+        engine.step()
+    slots = engine.held_slots(req)
+    assert slots.numel() == len(prompt)
+    engine.pool.share(slots)
+    engine.add_beam_request("handed", prompt, beam_params(), prompt_slots=slots)
+    engine.release(req)
+    [row] = engine.beams.running[0].rows
+    assert row.num_tokens - row.num_computed == 1  # its first step computes the last prompt token only
+    while engine.has_unfinished():
+        engine.step()
+    [result] = engine.take_beam_results()
+    expected = beam_reference.beams(prompt, WIDTH, NEW_TOKENS)
+    assert [b.token_ids for b in result.beams] == [b.token_ids for b in expected]
+    assert [b.score for b in result.beams] == pytest.approx([b.score for b in expected], abs=1e-4)
+    engine.cache.evict(engine.cache.evictable_tokens)
+    assert (engine.pool.num_free, engine.table.num_free_rows) == (free, rows)
+    assert engine.scheduler.external_held == 0
+
+
+def test_a_handed_over_search_without_room_gives_its_slots_back(llm, beam_prompts):
+    engine, prompt = llm.engine, beam_prompts[0]
+    free = engine.pool.num_free
+    hold = engine.pool.alloc(free - len(prompt) - 8)
+    slots = engine.pool.alloc(len(prompt))
+    with pytest.raises(ValueError, match="no room"):
+        engine.add_beam_request("cramped", prompt, beam_params(), prompt_slots=slots)
+    assert engine.pool.num_free == len(prompt) + 8 and not engine.beams.has_work()
+    engine.pool.free(hold)
+    assert engine.pool.num_free == free and engine.scheduler.external_held == 0

@@ -64,7 +64,11 @@ def _sse_payloads(text: str) -> list:
         ({"use_beam_search": True, "n": 2, "stream": True}, "stream"),
         ({"use_beam_search": True, "best_of": 2, "stream": True}, "best_of"),
         ({"use_beam_search": True, "temperature": 0.7}, "temperature"),
-        ({"use_beam_search": True, "n": 2, "temperature": 0}, "use_beam_search"),
+        ({"use_beam_search": True, "n": 2, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"use_beam_search": True, "length_penalty": 11.0}, "length_penalty"),
+        ({"use_beam_search": True, "top_p": 0.5}, "top_p"),
+        ({"use_beam_search": True, "seed": 3}, "seed"),
+        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
         ({"logit_bias": {"5": 100.5}}, "logit_bias"),
         ({"logit_bias": {"5": -101}}, "logit_bias"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
@@ -91,6 +95,34 @@ async def test_logit_bias_and_a_master_chosen_seed_reach_the_prefill_job(cluster
     # An unseeded request gets its seed at the master: a retry elsewhere draws the same stream.
     assert job.sampling.seed is not None and 0 <= job.sampling.seed < 2**63
     assert (await call).json()["choices"][0]["text"] == "dd"
+
+
+async def test_a_beam_search_is_one_job_answered_with_its_beams_ranked(cluster):
+    master, prefill, decode = cluster
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "n": 2, "best_of": 3, "use_beam_search": True,
+            "length_penalty": 0.5, "early_stopping": True, "logprobs": 1}
+    call = asyncio.create_task(master.http.post("/v1/completions", json=body))
+    job = await prefill.next_job()
+    sampling = job.sampling
+    assert (sampling.use_beam_search, sampling.beam_width, sampling.beam_outputs) == (True, 3, 2)
+    assert (sampling.length_penalty, sampling.early_stopping, sampling.temperature) == (0.5, True, 0.0)
+    assert sampling.seed is None and sampling.logprobs == 1
+    # P's token ends only its prefill; D answers with the beams, best first, in one delta.
+    await prefill.send(protocol.FirstToken(request_id=job.request_id, token_id=10, text="h"))
+    entry = protocol.TokenLogprob(token_id=11, logprob=-0.5, top={11: -0.5})
+    beams = [protocol.BeamOutput(token_ids=[11], text="i", cum_logprob=-0.5, score=-0.5, finish_reason="stop",
+                                 logprobs=[entry]),
+             protocol.BeamOutput(token_ids=[12, 13, 14], text="abc", cum_logprob=-1.2, score=-0.69,
+                                 finish_reason="length", logprobs=[entry] * 3)]
+    await decode.send(protocol.TokenDelta(request_id=job.request_id, token_ids=[11], text="i", finish_reason="stop",
+                                          beams=beams))
+    await asyncio.sleep(0.1)
+    assert prefill.jobs.empty()  # one job, however wide the search
+    doc = (await call).json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in doc["choices"]] == [(0, "i", "stop"),
+                                                                                    (1, "abc", "length")]
+    assert [len(c["logprobs"]["token_logprobs"]) for c in doc["choices"]] == [1, 3]
+    assert doc["usage"]["completion_tokens"] == 4  # every returned beam's tokens
 
 
 async def test_choices_get_consecutive_seeds_and_follow_choice_zero_to_its_decode_node(cluster):
