@@ -16,7 +16,8 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
     """Keys and values ``[BLOCK_N, BLOCK_D]`` of one kv head at ``slots``; masked elements read 0.
 
     Returns ``(k, v, k_scale, v_scale)``. ``QUANT`` 0: the caches hold the model dtype, the scales
-    are None. ``QUANT`` 1 (int8) or 2 (fp8 e4m3): the caches hold packed rows
+    are placeholders (1.0: a jitted function cannot return None) that :func:`attend_tile` ignores
+    for keys of the model dtype. ``QUANT`` 1 (int8) or 2 (fp8 e4m3): the caches hold packed rows
     (:mod:`kernels.kv_quant`, strides in bytes); ``k`` and ``v`` are the one-byte codes as int8 or
     float8 and the scales ``[BLOCK_N]`` float32, 0 where ``row_ok`` (None: every row) is false.
     """
@@ -30,7 +31,7 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
     else:
         k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_cache_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=mask, other=0.0)
-        return k, v, None, None
+        return k, v, 1.0, 1.0
 
 
 @triton.jit
@@ -105,15 +106,14 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     None: no causal mask. With one, a row sees keys up to its own position, so a row can have
     seen no key yet; its max stays -inf and the shift is 0 there, to avoid inf - inf.
 
-    ``k_scale`` / ``v_scale`` (``[BLOCK_N]``, with ``k`` and ``v`` a quantized cache's codes): each
+    ``k_scale`` / ``v_scale`` (``[BLOCK_N]``, where ``k`` and ``v`` are a quantized cache's codes,
+    int8 or float8; ignored where they are of the model dtype): each
     key's scale multiplies its column of scores, each value's scale its column of weights. The
     codes convert to q's dtype exactly (int8 and e4m3 values fit bfloat16 and float16), so the
     products run on the tensor cores as in the model dtype, and the tile is never dequantized.
     """
-    if k_scale is not None:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+    if k.dtype == tl.int8 or k.dtype == tl.float8e4nv:
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if q_pos is not None:
@@ -129,17 +129,17 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if v_scale is None:
+    if v.dtype != tl.int8 and v.dtype != tl.float8e4nv:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    elif v.dtype == tl.float16:
+    elif q.dtype == tl.float16:
         # Weights times small scales would fall below float16's normal range (6e-5): each weight
         # takes its value's scale relative to the tile's largest, the product that one.
         v_max = tl.max(v_scale, axis=0)
         v_max = tl.where(v_max > 0.0, v_max, 1.0)
-        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        pv = tl.dot((p * (v_scale / v_max)[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv * v_max
     else:
-        pv = tl.dot((p * v_scale[None, :]).to(v.dtype), v, input_precision=DOT_PRECISION)
+        pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 

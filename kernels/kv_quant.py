@@ -34,7 +34,9 @@ def quantize_rows(x: torch.Tensor, kind: str) -> torch.Tensor:
     head_dim = x.shape[-1]
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / QUANT_MAX[kind], torch.ones_like(amax))
+    # Divided by a tensor, not a Python number: CUDA divides by a number as a product with its
+    # reciprocal, which rounds differently from the division the CPU and the Triton store do.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, QUANT_MAX[kind]), torch.ones_like(amax))
     scaled = xf / scale
     if kind == "int8":
         values = scaled.round().clamp(-127.0, 127.0).to(torch.int8)
