@@ -74,10 +74,22 @@ def hf_reference(default_model_dir, tmp_path_factory):
     temporary folder (the parent of each worker's own)."""
     from tests.reference import GreedyReference
 
+    return GreedyReference(default_model_dir, _run_temp(tmp_path_factory) / "greedy-reference" / default_model_dir.name)
+
+
+@pytest.fixture(scope="session")
+def beam_reference(default_model_dir, tmp_path_factory):
+    """transformers' beam search (float32, CPU) on the default model, computed once a test run and
+    shared as :func:`hf_reference` is."""
+    from tests.beam_reference import BeamReference
+
+    return BeamReference(default_model_dir, _run_temp(tmp_path_factory) / "beam-reference" / default_model_dir.name)
+
+
+def _run_temp(tmp_path_factory) -> Path:
+    """The run's temporary folder: pytest-xdist's workers share the parent of their own."""
     run_temp = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        run_temp = run_temp.parent
-    return GreedyReference(default_model_dir, run_temp / "greedy-reference" / default_model_dir.name)
+    return run_temp.parent if os.environ.get("PYTEST_XDIST_WORKER") else run_temp
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,11 @@ streamed search of several beams is a 400 and the server keeps serving."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 
 import openai
 import pytest
 
-from tests.beam_reference import BEAM_MESSAGES, BeamReference
+from tests.beam_reference import BEAM_MESSAGES
 from tests.cluster_harness import Cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -19,14 +18,6 @@ WIDTH = 4
 NEW_TOKENS = 12
 #: Prompts each cluster answers (the offline test covers all sixteen).
 PROMPTS = 8
-
-
-@pytest.fixture(scope="module")
-def beam_reference(default_model_dir, tmp_path_factory) -> BeamReference:
-    run_temp = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        run_temp = run_temp.parent
-    return BeamReference(default_model_dir, run_temp / "beam-reference" / default_model_dir.name)
 
 
 @pytest.fixture(scope="module", params=["p-d", "mixed"])

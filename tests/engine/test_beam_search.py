@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ import torch
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.kv_spec import KVSpec
-from tests.beam_reference import BEAM_MESSAGES, BeamReference
+from tests.beam_reference import BEAM_MESSAGES
 
 WIDTH = 4
 NEW_TOKENS = 12
@@ -19,14 +18,6 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def llm(default_model_dir) -> LLM:
     return LLM(str(default_model_dir), max_total_tokens=4096)
-
-
-@pytest.fixture(scope="module")
-def beam_reference(default_model_dir, tmp_path_factory) -> BeamReference:
-    run_temp = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        run_temp = run_temp.parent
-    return BeamReference(default_model_dir, run_temp / "beam-reference" / default_model_dir.name)
 
 
 @pytest.fixture(scope="module")
