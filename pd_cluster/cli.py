@@ -348,11 +348,13 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     loc.add_argument("--tls-ca", default=None,
                      help="CA file the nodes (and this launcher) check --tls-cert against (for a self-signed "
                           "certificate: the certificate itself; default: the system's CAs)")
-    loc.add_argument("--prefill", type=int, default=1, help="prefill nodes to keep running")
-    loc.add_argument("--decode", type=int, default=1, help="decode nodes to keep running")
-    loc.add_argument("--mixed", type=int, default=0,
-                     help="mixed nodes (prefill and decode in one engine) to keep running; --prefill 0 --decode 0 "
-                          "--mixed 1 is the colocated baseline")
+    loc.add_argument("--prefill", type=int, default=None,
+                     help="prefill nodes to keep running (default: 1; with no count given and one GPU, 0: "
+                          "one mixed node serves a single GPU best, see docs/benchmarks)")
+    loc.add_argument("--decode", type=int, default=None, help="decode nodes to keep running (default: as --prefill)")
+    loc.add_argument("--mixed", type=int, default=None,
+                     help="mixed nodes (prefill and decode in one engine) to keep running (default: 0; with no count "
+                          "given and one GPU, 1); --prefill 0 --decode 0 --mixed 1 is the colocated baseline")
     for role in ("prefill", "decode", "mixed"):
         loc.add_argument(f"--{role}-tp", type=int, default=1, metavar="N",
                          help=f"tensor parallelism of each {role} node: N whole GPUs a node, none shared (on CPU: "

@@ -468,10 +468,12 @@ class LocalOptions(NodeEngineOptions):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    prefill: int = 1
-    decode: int = 1
+    #: Node counts of each role; None for all three: :func:`default_roles` picks by the GPUs. Some given,
+    #: the others keep 1 prefill, 1 decode, 0 mixed.
+    prefill: int | None = None
+    decode: int | None = None
     #: Mixed nodes (prefill and decode in one engine: the colocated baseline).
-    mixed: int = 0
+    mixed: int | None = None
     #: The master's local_prefill_max_tokens (None: its default).
     local_prefill_max_tokens: int | None = None
     #: The master's planner (None: its default, off) and latency targets (None: none).
@@ -558,17 +560,49 @@ def format_placement_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells) + "\n"
 
 
+def default_roles(num_gpus: int) -> tuple[int, int, int]:
+    """(prefill, decode, mixed) nodes when none are asked for. On one GPU, one mixed node: a prefill
+    and a decode node sharing it serve 0.75x the requests a second of one mixed node at saturation
+    (8B shape, 1024 in / 128 out, one H200; docs/benchmarks), since a split leaves one side idle
+    while the other queues. Elsewhere (CPU, several GPUs), one prefill and one decode node."""
+    return (0, 0, 1) if num_gpus == 1 else (1, 1, 0)
+
+
+def with_role_counts(options: LocalOptions, num_gpus: int) -> LocalOptions:
+    """``options`` with every node count set: those left out from :func:`default_roles` when none
+    was given, else 1 prefill, 1 decode, 0 mixed."""
+    given = (options.prefill, options.decode, options.mixed)
+    if given == (None, None, None):
+        prefill, decode, mixed = default_roles(num_gpus)
+    else:
+        prefill, decode, mixed = (v if v is not None else d for v, d in zip(given, (1, 1, 0)))
+    return options.model_copy(update={"prefill": prefill, "decode": decode, "mixed": mixed})
+
+
+def _check_counts(prefill: int, decode: int, mixed: int) -> None:
+    if min(prefill, decode, mixed) < 0:
+        raise PlacementError("node counts cannot be negative")
+    if decode < 1 and mixed < 1:
+        raise PlacementError("a local cluster needs a decode node or a mixed node (a prefill node alone cannot "
+                             "serve: it hands its requests to a decode node)")
+    if prefill and not decode:
+        raise PlacementError("prefill nodes need a decode node to hand their requests to (--decode)")
+
+
+def role_counts(options: LocalOptions) -> tuple[int, int, int]:
+    """(prefill, decode, mixed) of options whose counts are set (:func:`with_role_counts`)."""
+    if options.prefill is None or options.decode is None or options.mixed is None:
+        raise ValueError("node counts are not resolved yet (with_role_counts)")
+    return options.prefill, options.decode, options.mixed
+
+
 class LocalCluster:
     """Plans, starts and supervises a master plus P prefill and D decode nodes on this machine."""
 
     def __init__(self, options: LocalOptions) -> None:
-        if min(options.prefill, options.decode, options.mixed) < 0:
-            raise PlacementError("node counts cannot be negative")
-        if options.decode < 1 and options.mixed < 1:
-            raise PlacementError("a local cluster needs a decode node or a mixed node (a prefill node alone cannot "
-                                 "serve: it hands its requests to a decode node)")
-        if options.prefill and not options.decode:
-            raise PlacementError("prefill nodes need a decode node to hand their requests to (--decode)")
+        if (options.prefill, options.decode, options.mixed) != (None, None, None):
+            options = with_role_counts(options, 0)  # the GPUs choose only when no count is given
+            _check_counts(*role_counts(options))
         self.options = options
         if (options.tls_cert is None) != (options.tls_key is None):
             raise PlacementError("--tls-cert and --tls-key go together")
@@ -585,10 +619,10 @@ class LocalCluster:
     # ---- plan -------------------------------------------------------------------------------
 
     def plan(self) -> list[NodePlacement]:
-        o = self.options
-        roles = node_roles(o.prefill, o.decode, o.mixed)
-        measured = [] if o.device.strip().lower() == "cpu" else probe_gpus()
-        chosen = choose_gpus(o.device, o.gpus, len(measured))
+        measured = [] if self.options.device.strip().lower() == "cpu" else probe_gpus()
+        chosen = choose_gpus(self.options.device, self.options.gpus, len(measured))
+        self.options = o = with_role_counts(self.options, len(chosen))
+        roles = node_roles(*role_counts(o))
         self.device_ids = visible_device_ids(len(measured))
         memory = {i: measured[i] for i in chosen}
         tps = [{"prefill": o.prefill_tp, "decode": o.decode_tp, "mixed": o.mixed_tp}[role] for role in roles]
@@ -750,9 +784,9 @@ class LocalCluster:
 
     def _all_joined(self, health: Mapping[str, Any]) -> bool:
         """Every node of this launcher is active (a decode node alone already makes /health say ok)."""
-        o = self.options
-        return (health.get("prefill_nodes", 0) >= o.prefill and health.get("decode_nodes", 0) >= o.decode
-                and health.get("mixed_nodes", 0) >= o.mixed)
+        prefill, decode, mixed = role_counts(self.options)
+        return (health.get("prefill_nodes", 0) >= prefill and health.get("decode_nodes", 0) >= decode
+                and health.get("mixed_nodes", 0) >= mixed)
 
     def registered_nodes(self, wait_s: float = 0.0) -> dict[str, dict[str, Any]]:
         """The master's view of the nodes (``GET /admin/nodes``), waiting up to ``wait_s`` for all of ours."""

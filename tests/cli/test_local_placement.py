@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pd_cluster import local_cluster
 from pd_cluster.local_cluster import (
     ENGINE_HEADROOM_BYTES,
     GiB,
@@ -16,6 +17,8 @@ from pd_cluster.local_cluster import (
     format_placement_table,
     node_roles,
     plan_placement,
+    role_counts,
+    with_role_counts,
 )
 
 H100 = 80 * GiB
@@ -180,3 +183,25 @@ def test_node_counts_that_cannot_serve_are_refused(counts, error):
 def test_mixed_nodes_are_placed_like_the_others():
     cluster = LocalCluster(LocalOptions(prefill=0, decode=0, mixed=2, device="cpu"))
     assert [(p.name, p.role) for p in cluster.plan()] == [("mixed-0", "mixed"), ("mixed-1", "mixed")]
+
+
+@pytest.mark.parametrize("device, gpus, visible, roles", [
+    ("cpu", None, 0, [("prefill-0", "prefill"), ("decode-0", "decode")]),
+    ("auto", None, 1, [("mixed-0", "mixed")]),
+    ("cuda:1", None, 2, [("mixed-0", "mixed")]),
+    ("auto", [0], 4, [("mixed-0", "mixed")]),
+    ("auto", None, 2, [("prefill-0", "prefill"), ("decode-0", "decode")]),
+])
+def test_with_no_counts_given_one_gpu_gets_one_mixed_node_and_more_a_prefill_and_a_decode_node(
+        monkeypatch, device, gpus, visible, roles):
+    monkeypatch.setattr(local_cluster, "probe_gpus", lambda: [GPUMemory(free=79 * GiB, total=H100)] * visible)
+    cluster = LocalCluster(LocalOptions(device=device, gpus=gpus))
+    assert [(p.name, p.role) for p in cluster.plan()] == roles
+    assert role_counts(cluster.options) == (roles.count(("prefill-0", "prefill")), roles.count(("decode-0", "decode")),
+                                            roles.count(("mixed-0", "mixed")))
+
+
+def test_a_count_given_keeps_the_others_defaults_on_one_gpu():
+    assert role_counts(with_role_counts(LocalOptions(mixed=1), 1)) == (1, 1, 1)
+    assert role_counts(with_role_counts(LocalOptions(decode=2), 1)) == (1, 2, 0)
+    assert role_counts(LocalCluster(LocalOptions(prefill=2)).options) == (2, 1, 0)
