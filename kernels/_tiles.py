@@ -111,9 +111,11 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     key's scale multiplies its column of scores, each value's scale its column of weights. The
     codes convert to q's dtype exactly (int8 and e4m3 values fit bfloat16 and float16), so the
     products run on the tensor cores as in the model dtype, and the tile is never dequantized.
+    With codes, ``scale_log2`` may be a column ``[M, 1]``: the unit of each row of a ``q`` that
+    :func:`float16_rows` made float16 times the softmax scale.
     """
     if k.dtype == tl.int8 or k.dtype == tl.float8e4nv:
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * (k_scale * scale_log2)[None, :]
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * k_scale[None, :] * scale_log2
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if q_pos is not None:
@@ -142,6 +144,22 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
         pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
+
+
+@triton.jit
+def float16_rows(q):
+    """Rows ``q`` ``[M, D]`` (bfloat16) as float16 in units of a power of two per row, and those
+    units ``[M]`` (float32). Exact: bfloat16's 8 significant bits fit float16's 11, and each row's
+    largest value lands in [1, 2), far from float16's overflow, so only values below 2**-14 of it
+    (nothing that moves a score) lose bits. e4m3 codes convert to float16 in one instruction a
+    pair on sm_89+, to bfloat16 only through float16 (a second conversion per element): with q
+    in float16 a quantized tile costs half the conversions."""
+    qf = q.to(tl.float32)
+    amax_exp = (tl.max(tl.abs(qf), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    amax_exp = tl.minimum(tl.maximum(amax_exp, 1), 253)  # a zero row (padding) keeps unit 2**-126
+    unit = (amax_exp << 23).to(tl.float32, bitcast=True)
+    inv_unit = ((254 - amax_exp) << 23).to(tl.float32, bitcast=True)
+    return (qf * inv_unit[:, None]).to(tl.float16), unit
 
 
 @triton.jit

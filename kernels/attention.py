@@ -47,6 +47,15 @@ def _quant_code(quant: str | None, k_cache: torch.Tensor, v_cache: torch.Tensor)
     return QUANT_CODES[quant]
 
 
+def _q_float16(quant: str | None, q: torch.Tensor, float16_codes: bool | None) -> bool:
+    """Whether a kernel takes bfloat16 q as float16 (:func:`kernels._tiles.float16_rows`) for its
+    products with quantized codes: by default for fp8 e4m3, whose codes convert to float16 in one
+    instruction and to bfloat16 in two. ``float16_codes`` overrides it (for measuring)."""
+    if quant is None or q.dtype != torch.bfloat16:
+        return False
+    return quant == "fp8_e4m3" if float16_codes is None else float16_codes
+
+
 def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """The tensor a kernel writes: ``out`` when given (q's shape and dtype, head_dim contiguous)."""
     if out is None:
@@ -191,6 +200,7 @@ def _context_attention_kernel(
     HAS_ROWS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
+    Q_F16: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -210,6 +220,9 @@ def _context_attention_kernel(
 
     q_ptrs = q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if Q_F16:
+        q, q_unit = _tiles.float16_rows(q)
+        scale_log2 = scale_log2 * q_unit[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -364,6 +377,7 @@ def context_attention_triton(
     table_rows: torch.Tensor | None = None,
     num_splits: int | None = None,
     quant: str | None = None,
+    float16_codes: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`context_attention_ref`; ``out`` (shaped like ``q``, any row stride)
     receives the result when given. ``table_rows``: ``slot_table`` is a request table read in
@@ -374,7 +388,8 @@ def context_attention_triton(
     ``block_m`` rows of a tile hold ``block_m // group`` query tokens times the ``group`` q heads
     of one kv head. Unset tile sizes come from :func:`_context_config`. Rows of ``q`` that belong
     to no sequence are left unwritten. ``quant``: the caches hold packed rows of that kind
-    (:mod:`kernels.kv_quant`), read as codes and scaled in the kernel.
+    (:mod:`kernels.kv_quant`), read as codes and scaled in the kernel; ``float16_codes`` as in
+    :func:`_q_float16`.
     """
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -443,6 +458,7 @@ def context_attention_triton(
         HAS_ROWS=table_rows is not None,
         NUM_SPLITS=splits,
         QUANT=quant_code,
+        Q_F16=_q_float16(quant, q, float16_codes),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -497,6 +513,7 @@ def _decode_split_kernel(
     HAS_ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,
+    Q_F16: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -535,6 +552,9 @@ def _decode_split_kernel(
     pdl_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if Q_F16:
+        q, q_unit = _tiles.float16_rows(q)
+        scale_log2 = scale_log2 * q_unit[:, None]
     if PREFETCH:
         k_new, v_new, k_new_scale, v_new_scale = _tiles.load_kv_tile(
             k_cache_ptr, v_cache_ptr, slots, kv_head, d, newest[:, None] & d_ok[None, :], stride_ks, stride_kh,
@@ -662,9 +682,10 @@ def decode_attention_triton(
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
     quant: str | None = None,
+    float16_codes: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out``,
-    ``table_rows`` and ``quant`` as in :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
+    ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
     context) must have been stored before the kernel launched before this one: with dependent
     launches they are read while that kernel (the one storing the newest key) still runs.
 
@@ -724,6 +745,7 @@ def decode_attention_triton(
         HAS_ROWS=table_rows is not None,
         USE_PDL=pdl,
         QUANT=quant_code,
+        Q_F16=_q_float16(quant, q, float16_codes),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),

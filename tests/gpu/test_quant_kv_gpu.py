@@ -118,6 +118,24 @@ def test_context_attention_reads_quantized_kv_as_the_reference(kind: str, dtype:
     _assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("float16_codes", [True, False], ids=["q-float16", "q-bfloat16"])
+def test_bfloat16_q_meets_the_codes_as_float16_or_bfloat16(kind: str, float16_codes: bool) -> None:
+    # bfloat16 q taken as float16 in units of a power of two per row (the fp8 default) or kept, both
+    # kernels, the 8B model's heads; q scaled far from 1 so a unit that went wrong shows.
+    gen = torch.Generator().manual_seed(7)
+    ctx_lens = torch.randint(1, 700, (16,), generator=gen).tolist()
+    batch, k_cache, v_cache = _quantized_batch(kind, torch.bfloat16, ctx_lens, [1] * 16, (32, 8), 128)
+    q = (batch.q.float() * torch.logspace(-3, 3, 32).view(1, 32, 1)).to(torch.bfloat16).cuda()
+    args = (q, k_cache, v_cache, batch.slot_table.cuda(), batch.ctx_lens.cuda(), 128**-0.5)
+    out = decode_attention_triton(*args, quant=kind, float16_codes=float16_codes)
+    _assert_close(out, decode_attention_ref(*args, quant=kind).to(torch.bfloat16), torch.bfloat16)
+    ones = torch.ones(16, dtype=torch.int32, device="cuda")
+    context_args = (*args[:5], ones, torch.arange(16, dtype=torch.int32, device="cuda"), args[5])
+    out = context_attention_triton(*context_args, quant=kind, float16_codes=float16_codes)
+    _assert_close(out, context_attention_ref(*context_args, quant=kind).to(torch.bfloat16), torch.bfloat16)
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine, with CUDA graphs
 # ---------------------------------------------------------------------------------------------

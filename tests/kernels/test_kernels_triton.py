@@ -136,6 +136,9 @@ ATTENTION_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 1e-2)}
 # weights), so they differ by float32 rounding, and in float16 by the probabilities' rounding as
 # above (measured: float32 2e-7 relative, 7e-7 at most; float16 4e-4 and 2e-3).
 QUANT_KINDS = ["int8", "fp8_e4m3"]
+# bfloat16 q over fp8 codes (taken as float16): the interpreter truncates the output to bfloat16
+# (2**-7 relative at most) where the reference rounds it.
+QUANT_BF16_TOL = (1e-2, 2e-2)
 
 
 def _quantized(batch: PagedBatch, kind: str) -> PagedBatch:
@@ -720,6 +723,22 @@ class InterpretedCases:
                                       table_rows=rows, quant=kind)
         ref = decode_attention_ref(*common, batch.slot_table, batch.ctx_lens, 0.25, quant=kind)
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
+
+    def test_attention_triton_takes_bfloat16_q_as_float16_over_fp8_kv(self) -> None:
+        # bfloat16 q meets e4m3 codes as float16 (a power of two a row): the kernels upcast q
+        # before any product, so the interpreter computes this path as the GPU does; the output's
+        # one bfloat16 truncation is the tolerance. q's heads span 1e-3..1e3, so a row's unit
+        # that went wrong shows.
+        batch = _quantized(make_paged_batch(CTX_LENS, Q_LENS, 6, 2, 16, layout="shuffled", seed=6), "fp8_e4m3")
+        q = (batch.q * torch.logspace(-3, 3, 6).view(1, 6, 1)).to(torch.bfloat16)
+        out, ref = _context(batch, q=q, quant="fp8_e4m3", block_m=16, block_n=16, num_splits=2)
+        assert_matches(out, ref, *QUANT_BF16_TOL)
+        decode = _quantized(make_paged_batch([1, 33, 64, 17], [1] * 4, 8, 2, 16, layout="shuffled", seed=10),
+                            "fp8_e4m3")
+        q = (decode.q * torch.logspace(-3, 3, 8).view(1, 8, 1)).to(torch.bfloat16)
+        args = (q, decode.k_cache, decode.v_cache, decode.slot_table, decode.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=3, quant="fp8_e4m3", float16_codes=True)
+        assert_matches(out, decode_attention_ref(*args, quant="fp8_e4m3"), *QUANT_BF16_TOL)
 
     def test_attention_triton_refuses_quantized_kv_in_a_float_cache(self) -> None:
         batch = make_paged_batch([9], [1], 4, 2, 16, seed=3)

@@ -1,0 +1,150 @@
+"""``python -m pd_cluster.bench.gpu.kv_attn_sweep``: decode attention alone over bfloat16 KV and
+over int8 / fp8 e4m3 KV, each a few tilings, at one KV-heavy shape (default: batch 64 x 4096
+tokens of context, Llama-3-8B's 32 q heads over 8 kv heads of 128).
+
+A quantized tile reads half the bytes of a bfloat16 one, but its codes must become the products'
+dtype; which conversions, tile width, pipeline depth and split count make the read the bound is
+measured here, not guessed. Each line: microseconds a launch pair (median between CUDA events),
+effective GB/s of KV read, the ratio to bfloat16's default, and the relative error against the
+torch reference on the same bytes (a broken variant shows there). The short table of the best
+tiling of each kind comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kernels.attention import decode_attention_ref, decode_attention_triton
+from kernels.kv_quant import quantize_rows
+from pd_cluster.bench.gpu.timing import cuda_ms
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One launch configuration; None: the launcher's default."""
+
+    kind: str  # "bf16", "int8" or "fp8_e4m3"
+    float16_codes: bool | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+    num_splits: int | None = None
+
+    @property
+    def label(self) -> str:
+        f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
+        return (f"{self.kind:8s} {f16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
+                f"st={self.num_stages} sp={self.num_splits or 'd'}")
+
+
+def variants() -> list[Variant]:
+    """bfloat16 at its default and two widths; fp8 with q as float16 or bfloat16 over tile widths and
+    pipeline depths; int8 over widths; splits for the quantized defaults."""
+    out = [Variant("bf16"), Variant("bf16", block_n=32), Variant("bf16", block_n=64), Variant("fp8_e4m3"),
+           Variant("int8")]
+    for f16 in (False, True):
+        for block_n in (32, 64, 128):
+            for stages in (1, 2, 3):
+                out.append(Variant("fp8_e4m3", f16, block_n, 4, stages))
+    out += [Variant("fp8_e4m3", True, 64, 8, 2), Variant("fp8_e4m3", True, 128, 8, 2)]
+    out += [Variant("fp8_e4m3", True, 128, 4, 2, splits) for splits in (1, 4, 8)]
+    out += [Variant("int8", False, block_n, 4, 2) for block_n in (32, 64, 128)]
+    out += [Variant("int8", True, 128, 4, 2), Variant("int8", False, 128, 4, 3)]
+    return out
+
+
+def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.device,
+              gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The same keys and values as bfloat16 caches and as packed int8 and fp8 rows."""
+    slots = batch * ctx
+    k = torch.randn(slots, kv_heads, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(slots, kv_heads, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+    caches = {"bf16": (k, v)}
+    for kind in ("int8", "fp8_e4m3"):
+        caches[kind] = (quantize_rows(k, kind), quantize_rows(v, kind))
+    return caches
+
+
+def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Tensor, ctx_lens: torch.Tensor,
+                refs: dict, device: torch.device, reps: int) -> dict:
+    k_cache, v_cache = caches[variant.kind]
+    quant = None if variant.kind == "bf16" else variant.kind
+    kwargs = {"block_n": variant.block_n, "num_warps": variant.num_warps, "num_stages": variant.num_stages,
+              "num_splits": variant.num_splits, "quant": quant}
+    if quant is not None:
+        kwargs["float16_codes"] = variant.float16_codes
+    sm_scale = q.shape[-1] ** -0.5
+    out = torch.empty_like(q)
+
+    def launch() -> None:
+        decode_attention_triton(q, k_cache, v_cache, table, ctx_lens, sm_scale, out=out, **kwargs)
+
+    launch()
+    ref = refs[variant.kind]
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    ms = cuda_ms(launch, device, warmup=3, reps=reps)
+    kv_bytes = 2 * int(ctx_lens.sum()) * k_cache.shape[1] * k_cache.shape[2] * k_cache.element_size()
+    return {"us": ms * 1e3, "gb_per_s": kv_bytes / (ms * 1e-3) / 1e9, "rel_err": err}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--ctx", type=int, default=4096)
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--device", default="cuda", help="cpu: the interpreter (TRITON_INTERPRET=1), a smoke run")
+    parser.add_argument("--reps", type=int, default=20, help="timed launches a variant (after 3 untimed)")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    caches = kv_caches(args.batch, args.ctx, args.kv_heads, args.head_dim, device, gen)
+    q = torch.randn(args.batch, args.q_heads, args.head_dim, device=device, generator=gen, dtype=torch.bfloat16)
+    # Shuffled slots, as a pool hands them out after some churn.
+    table = torch.randperm(args.batch * args.ctx, device=device, generator=gen).view(args.batch, args.ctx)
+    ctx_lens = torch.full((args.batch,), args.ctx, dtype=torch.int32, device=device)
+    sm_scale = args.head_dim ** -0.5
+    refs = {}
+    for kind, (k_cache, v_cache) in caches.items():
+        quant = None if kind == "bf16" else kind
+        if quant is None:
+            k_cache, v_cache = k_cache.float(), v_cache.float()
+        refs[kind] = decode_attention_ref(q.float(), k_cache, v_cache, table, ctx_lens, sm_scale, quant)
+    rows = []
+    for variant in variants():
+        try:
+            result = run_variant(variant, q, caches, table, ctx_lens, refs, device, args.reps)
+        except Exception as exc:  # a tiling that does not compile or fit is reported, not fatal
+            result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+        rows.append({**asdict(variant), "label": variant.label, **result})
+        if "error" in result:
+            print(f"{variant.label}  {result['error']}", flush=True)
+        else:
+            print(f"{variant.label}  {result['us']:8.1f} us  {result['gb_per_s']:7.0f} GB/s  "
+                  f"err {result['rel_err']:.1e}", flush=True)
+    base = next(r["us"] for r in rows if r["label"] == Variant("bf16").label and "us" in r)
+    print("\nbest of each kind (ratio to bf16 default):")
+    for kind in ("bf16", "int8", "fp8_e4m3"):
+        ok = [r for r in rows if r["kind"] == kind and "us" in r and r["rel_err"] < 5e-2]
+        if not ok:
+            print(f"  {kind:8s} none ran")
+            continue
+        for name, pick in (("default", [r for r in ok if r["block_n"] is None and r["float16_codes"] is None]),
+                           ("best", [min(ok, key=lambda r: r["us"])])):
+            if pick:
+                r = pick[0]
+                print(f"  {kind:8s} {name:7s} {r['us']:8.1f} us {r['gb_per_s']:7.0f} GB/s  "
+                      f"ratio {r['us'] / base:.3f}  [{r['label']}]")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
