@@ -104,10 +104,11 @@ WEIGHT_ONLY_MAX_ROWS = 128
 def weight_only_config(rows: int, n: int, k: int) -> GemmConfig:
     """One tile of all the rows (up to 128) by 32 or 64 output channels, so that even a 4096-wide
     output spreads over about as many programs as an H200 has SMs (132); 256 inputs a step
-    (256-byte rows of 8-bit weight), four stages in flight to keep the copies streaming."""
+    (256-byte rows of 8-bit weight; 128 for the larger tiles), four stages in flight to keep the
+    copies streaming: at most 172 KiB of shared memory (a Hopper SM has 227)."""
     bm = max(16, next_pow2(rows))
     bn = 32 if n <= 8192 or bm >= 128 else 64
-    return GemmConfig(bm, bn, 256 if bm <= 64 else 128, num_warps=4, num_stages=4)
+    return GemmConfig(bm, bn, 256 if bm * bn <= 2048 else 128, num_warps=4, num_stages=4)
 
 
 @triton.jit

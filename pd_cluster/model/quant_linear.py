@@ -5,7 +5,7 @@ Decode reads every weight byte each step, so halving the bytes (against bfloat16
 quantized weights buy. Decode's few-row projections read the 8-bit weights directly
 (:mod:`kernels.gemv`); larger products run ``torch._scaled_mm`` on a GPU with FP8 tensor
 cores (dynamic per-token activation scales, quantized by one kernel), decode batches of up
-to 128 rows on CUDA the weight-only GEMM of :mod:`kernels.quant_matmul`, and elsewhere multiply
+to 128 rows on Hopper GPUs the weight-only GEMM of :mod:`kernels.quant_matmul`, and elsewhere multiply
 the input by the 8-bit weight in the input's dtype (exact there) and scale the product per
 channel.
 """
@@ -121,13 +121,13 @@ def scaled_mm_supported(x: torch.Tensor, weight: QuantLinear) -> bool:
 def weight_only_supported(x: torch.Tensor, weight: QuantLinear) -> bool:
     """The weight-only GEMM (:mod:`kernels.quant_matmul`) for up to ``WEIGHT_ONLY_MAX_ROWS`` rows
     of a 16-bit input on CUDA: there the step reads weights, and 8-bit tiles converted in
-    registers read half the bytes without the activations' quantization. float8 weights need a
-    GPU that converts them (compute capability 8.9 or later)."""
+    registers read half the bytes without the activations' quantization. Its tiles are sized for
+    a Hopper SM's shared memory (compute capability 9.0 or later)."""
     if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16) or weight.qweight.dim() != 2:
         return False
     if x.numel() // max(1, x.shape[-1]) > WEIGHT_ONLY_MAX_ROWS:
         return False
-    return weight.qweight.dtype == torch.int8 or torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
