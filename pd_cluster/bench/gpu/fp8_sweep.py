@@ -36,10 +36,9 @@ SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("do
 ROWS = [1, 16, 64, 128, 4096]
 #: One-row GEMV tiles (BM, BN, BK) and warps for 8-bit weights.
 GEMV_TILES = [((1, 1, 2048), 4), ((1, 2, 2048), 4), ((1, 4, 2048), 4), ((1, 8, 2048), 4), ((1, 2, 2048), 8),
-              ((1, 8, 2048), 8), ((1, 2, 4096), 8), ((1, 2, 1024), 4)]
+              ((1, 2, 1024), 4)]
 #: Weight-only GEMM (BN, BK, warps, stages); BM is the rows' power of two (16 to 128).
-GEMM_TILES = [(32, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (32, 256, 8, 4), (16, 256, 4, 4),
-              (32, 512, 4, 3), (64, 128, 8, 4)]
+GEMM_TILES = [(32, 256, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (32, 256, 8, 4), (16, 256, 4, 4)]
 
 
 @dataclass
@@ -132,6 +131,18 @@ def summary(timings: list[Timing]) -> list[dict]:
     return rows_out
 
 
+def layer_totals(table: list[dict]) -> dict[int, dict[str, float]]:
+    """Per rows: each path's best times summed over the four projections (paths that ran on all
+    four), the number that picks the weight-only GEMM's row limit."""
+    out: dict[int, dict[str, float]] = {}
+    for rows in ROWS:
+        here = [r for r in table if r["rows"] == rows]
+        sums = {p: sum(r["us"] for r in here if r["path"] == p) for p in {r["path"] for r in here}}
+        out[rows] = {p: round(us, 1) for p, us in sums.items()
+                     if sum(r["path"] == p for r in here) == len(SHAPES)}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two configs a kernel (a smoke run)")
@@ -154,10 +165,15 @@ def main() -> None:
     for r in table:
         print(f"{r['shape']:8s} {r['rows']:5d} {r['path']:22s} {r['config']:24s} {r['us']:9.2f} {r['vs_bf16']:8.3f} "
               f"{r['gb_per_s']:6d} {r['tflops']:8.1f}")
+    layer = layer_totals(table)
+    print("\none layer's four projections, best config each (us): rows, then each path's sum")
+    for rows, paths in layer.items():
+        print(f"rows {rows:5d}: " + ", ".join(f"{p} {us:.1f}" for p, us in sorted(paths.items(), key=lambda i: i[1])))
     if os.environ.get("OUT"):
         path = Path(os.environ["OUT"]) / "fp8_sweep.json"
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "timings": [asdict(t) for t in timings], "best": table}, indent=1))
+                                    "timings": [asdict(t) for t in timings], "best": table,
+                                    "layer_us": {str(r): p for r, p in layer.items()}}, indent=1))
         print(f"wrote {path}")
 
 
