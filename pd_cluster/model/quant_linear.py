@@ -4,8 +4,10 @@ output channel (symmetric), the weight being ``qweight * scale[:, None]``.
 Decode reads every weight byte each step, so halving the bytes (against bfloat16) is what the
 quantized weights buy. Decode's few-row projections read the 8-bit weights directly
 (:mod:`kernels.gemv`); larger products run ``torch._scaled_mm`` on a GPU with FP8 tensor
-cores (dynamic per-token activation scales), and elsewhere multiply the input by the 8-bit
-weight in the input's dtype (exact there) and scale the product per channel.
+cores (dynamic per-token activation scales, quantized by one kernel), decode batches of up
+to 128 rows on Hopper GPUs the weight-only GEMM of :mod:`kernels.quant_matmul`, and elsewhere multiply
+the input by the 8-bit weight in the input's dtype (exact there) and scale the product per
+channel.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import use_triton
 from kernels.gemv import scaled_linear_ref
+from kernels.quant_matmul import (
+    WEIGHT_ONLY_MAX_ROWS,
+    act_quant_fp8_ref,
+    act_quant_fp8_triton,
+    weight_only_linear_triton,
+)
 
 #: ``--quantization``: none, or the 8-bit format the projections' weights are held in.
 Quantization = Literal["none", "int8", "fp8"]
@@ -109,14 +118,24 @@ def scaled_mm_supported(x: torch.Tensor, weight: QuantLinear) -> bool:
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
+def weight_only_supported(x: torch.Tensor, weight: QuantLinear) -> bool:
+    """The weight-only GEMM (:mod:`kernels.quant_matmul`) for up to ``WEIGHT_ONLY_MAX_ROWS`` rows
+    of a 16-bit input on CUDA: there the step reads weights, and 8-bit tiles converted in
+    registers read half the bytes without the activations' quantization. Its tiles are sized for
+    a Hopper SM's shared memory (compute capability 9.0 or later)."""
+    if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16) or weight.qweight.dim() != 2:
+        return False
+    if x.numel() // max(1, x.shape[-1]) > WEIGHT_ONLY_MAX_ROWS:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
 def fp8_scaled_mm(x: torch.Tensor, weight: QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ (qweight * scale).T`` on FP8 tensor cores: each input row quantized to float8 by its
     own amax (dynamic per-token scales), the product scaled by the rows' and channels' scales."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    amax = x2.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-12)
-    x_scale = amax / QMAX["fp8"]
-    xq = (x2.float() / x_scale).clamp(-448.0, 448.0).to(FP8)
+    xq, x_scale = act_quant_fp8_triton(x2) if use_triton(x2) else act_quant_fp8_ref(x2)
     out = torch._scaled_mm(xq, weight.qweight.t(), scale_a=x_scale, scale_b=weight.scale[None, :],
                            out_dtype=x.dtype)
     if bias is not None:
@@ -128,6 +147,8 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     """``F.linear`` over a float or 8-bit weight (see the module's docstring for which path)."""
     if not isinstance(weight, QuantLinear):
         return F.linear(x, weight, bias)
+    if weight_only_supported(x, weight):
+        return weight_only_linear_triton(x, weight.qweight, weight.scale, bias)
     if scaled_mm_supported(x, weight):
         return fp8_scaled_mm(x, weight, bias)
     return scaled_linear_ref(x, weight.qweight, weight.scale, bias)

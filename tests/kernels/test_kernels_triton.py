@@ -69,6 +69,12 @@ from kernels.rotary import (
     rotary_store_kv_triton,
 )
 from kernels.penalties import apply_penalties_ref, apply_penalties_triton
+from kernels.quant_matmul import (
+    GemmConfig,
+    act_quant_fp8_ref,
+    act_quant_fp8_triton,
+    weight_only_linear_triton,
+)
 from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.sampling import filtered_weights_ref, sample_filtered_ref, sample_filtered_triton
 from kernels.silu_mul import silu_mul_ref, silu_mul_triton
@@ -80,15 +86,16 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
-                  "kernels.gemv", "kernels.qkv_rotary", "kernels._triton", "kernels.step_inputs"]  # fmt: skip
+                  "kernels.gemv", "kernels.qkv_rotary", "kernels._triton", "kernels.step_inputs",
+                  "kernels.quant_matmul"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
 # helpers (the tile's sequence, its rows), decode split and merge,
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
 # few-row projection, its products (the first weight tile, the norm's tile, the products after
 # the wait), its input and its norm, the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
-# step's inputs.
-NUM_KERNELS = 33
+# step's inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM.
+NUM_KERNELS = 35
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -123,6 +130,9 @@ GEMV_TOL = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1.3e-1)}
 # 8-bit weights: in bfloat16 the reference rounds the unscaled product before scaling it (the
 # kernel rounds once, after the scale).
 QUANT_GEMV_TOL = {torch.float32: GEMV_TOL[torch.float32], torch.bfloat16: (2e-2, 1.3e-1)}
+
+# The weight-only GEMM: float32 as the projections; float16 one rounding against two (above).
+WEIGHT_ONLY_TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2)}
 
 # The projection then the rotation: two bfloat16 truncations in the interpreter where the
 # reference rounds twice (a rotated output mixes two truncated inputs).
@@ -494,6 +504,45 @@ class InterpretedCases:
                        *QUANT_GEMV_TOL[dtype])
         with pytest.raises(ValueError, match="scale"):
             linear_triton(x, weight)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_fp8_activation_quantization_matches_the_torch_one(self, dtype: torch.dtype) -> None:
+        """Scales exact. Codes exact but where the interpreter's float8 conversion rounds
+        otherwise than torch: where rounding carries into the next power of two it drops the carry
+        and writes half the code (127.04 -> 64, not 128), and subnormals it truncates (one code
+        off). The GPU's conversion rounds as torch does (``tests/gpu``: all codes equal)."""
+        gen = torch.Generator().manual_seed(21)
+        # One block (72 inputs), blocks of 128 over 300, a row of zeros; the default block (9000).
+        for k, block in ((72, None), (300, 128), (9000, None)):
+            x = (torch.randn(6, k, generator=gen) * 3).to(dtype)
+            x[2] = 0
+            q, scale = act_quant_fp8_triton(x, block=block)
+            ref_q, ref_scale = act_quant_fp8_ref(x)
+            assert torch.equal(scale, ref_scale)
+            got, want = q.float(), ref_q.float()
+            carry_dropped = (got * 2 == want) & (torch.frexp(want)[0].abs() == 0.5)
+            codes_apart = (q.view(torch.int8).int() - ref_q.view(torch.int8).int()).abs()
+            assert bool(((codes_apart <= 1) | carry_dropped).all())
+            assert (codes_apart > 0).float().mean() < 0.1
+
+    @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+    def test_weight_only_gemm_matches_the_scaled_product(self, dtype: torch.dtype, qdtype: torch.dtype) -> None:
+        """The reference rounds the unscaled product to the input's dtype before scaling it, the
+        kernel rounds once: float16 outputs of a few units differ by an ulp or two (2e-3)."""
+        gen = torch.Generator().manual_seed(22)
+        limit = 127 if qdtype == torch.int8 else 448
+        # 37 rows over tiles of 16 (a partial one), 70 outputs over tiles of 32, 200 inputs in
+        # blocks of 64 (a partial one); then the default tiles.
+        weight = (torch.randn(70, 200, generator=gen) * limit / 3).clamp(-limit, limit).to(qdtype)
+        scale = torch.rand(70, generator=gen) * 2e-3 + 1e-4
+        bias = torch.randn(70, generator=gen).to(dtype)
+        for rows, config in ((37, GemmConfig(16, 32, 64)), (9, None)):
+            x = torch.randn(rows, 200, generator=gen).to(dtype)
+            out = weight_only_linear_triton(x, weight, scale, bias, config)
+            assert_matches(out, linear_ref(x, weight, scale) + bias, *WEIGHT_ONLY_TOL[dtype])
+        with pytest.raises(ValueError, match="scale"):
+            weight_only_linear_triton(x, weight, scale.double())
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third

@@ -1,0 +1,68 @@
+"""The 8-bit projection kernels compiled on a GPU: the Triton activation quantization writes the
+torch one's codes and scales exactly, the weight-only GEMM matches the scaled product at decode
+batches (and ``linear`` takes it there), and the one-row GEMV's 8-bit tiles match the reference
+on Llama-3-8B's shapes.
+
+    python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_matmul_gpu.py -s
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.gemv import linear_ref, linear_triton
+from kernels.quant_matmul import WEIGHT_ONLY_MAX_ROWS, act_quant_fp8_ref, act_quant_fp8_triton
+from kernels.quant_matmul import weight_only_linear_triton
+from pd_cluster.model.quant_linear import linear, quantize, weight_only_supported
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+METHODS = ["int8", "fp8"] if FP8 else ["int8"]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.skipif(not FP8, reason="float8 conversions need compute capability 8.9")
+@pytest.mark.parametrize("rows, k", [(1, 4096), (64, 4096), (4096, 4096), (37, 14336), (3, 100)])
+def test_activation_quantization_writes_the_torch_codes_and_scales(rows, k):
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 3
+    x[0] = 0  # a zero row: the floor's scale, zero codes
+    q, scale = act_quant_fp8_triton(x)
+    ref_q, ref_scale = act_quant_fp8_ref(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("rows", [9, 16, 64, 128, 129])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336)])
+def test_weight_only_gemm_matches_the_scaled_product(method, rows, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, method)
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ref = linear_ref(x.float(), q.qweight, q.scale) + bias.float()
+    out = weight_only_linear_triton(x, q.qweight, q.scale, bias)
+    # One bfloat16 rounding of the output (2**-9 relative) over float32 sums in another order.
+    assert out.dtype == torch.bfloat16 and _rel(out, ref) < 4e-3
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert weight_only_supported(x, q) == (hopper and rows <= WEIGHT_ONLY_MAX_ROWS)
+    if hopper:
+        assert torch.equal(linear(x, q, bias), out)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_one_row_gemv_reads_8_bit_weights_in_its_tiles(method, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, method)
+    out, ref = linear_triton(x, q.qweight, q.scale), linear_ref(x.float(), q.qweight, q.scale)
+    assert _rel(out, ref) < 4e-3
