@@ -9,7 +9,7 @@ piece).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -109,7 +109,7 @@ async def serve(
            "choices": _choices(ctx, fan, req, shape, echo), "usage": _usage(fan, echo)}
     if kind == "chat" and req.prompt_logprobs is not None:  # vLLM puts a chat prompt's at the top
         first = fan.prompts[0].first
-        doc["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, first)
+        doc["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, req, first)
     return JSONResponse(doc)
 
 
@@ -120,15 +120,22 @@ def _usage(fan: FanOut, echo: Echo | None) -> dict[str, Any]:
     return usage
 
 
-def _vllm_prompt_logprobs(ctx: MasterContext, r: RelayRequest) -> list[dict[str, Any] | None] | None:
+def token_namer(ctx: MasterContext, req: Any) -> Callable[[int], str]:
+    """How the logprobs name a token: its text, or ``token_id:N`` when the request asks for ids."""
+    if getattr(req, "return_tokens_as_token_ids", False):
+        return lambda token_id: f"token_id:{token_id}"
+    return ctx.tokenizer.token_text
+
+
+def _vllm_prompt_logprobs(ctx: MasterContext, req: Any, r: RelayRequest) -> list[dict[str, Any] | None] | None:
     if r.prompt_logprobs is None:
         return None
-    return prompt_logprobs.vllm(r.token_ids, r.prompt_logprobs, ctx.tokenizer.token_text)
+    return prompt_logprobs.vllm(r.token_ids, r.prompt_logprobs, token_namer(ctx, req))
 
 
 def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: Echo | None) -> list[dict[str, Any]]:
     choices = []
-    token_text = ctx.tokenizer.token_text
+    token_text = token_namer(ctx, req)
     for p_index, prompt in enumerate(fan.prompts):
         before = echo.texts[p_index] if echo else ""
         for c_index, (r, text, finish_reason, entries) in enumerate(_outputs(prompt)):
@@ -143,7 +150,7 @@ def _choices(ctx: MasterContext, fan: FanOut, req: Any, shape: Shape, echo: Echo
             body, finish_reason = answer(shape, req, text, finish_reason)
             item = {**choice(body, finish_reason, logprobs), "index": p_index * prompt.returned + c_index}
             if shape.object == "text_completion" and req.prompt_logprobs is not None:
-                item["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, r)
+                item["prompt_logprobs"] = _vllm_prompt_logprobs(ctx, req, r)
             choices.append(item)
     return choices
 
@@ -188,7 +195,7 @@ class _StreamWriter:
     def __init__(self, ctx: MasterContext, fan: FanOut, req: Any, head: StreamHead, echo: Echo | None) -> None:
         self.head = head
         self.shape = head.shape
-        self.token_text = ctx.tokenizer.token_text
+        self.token_text = token_namer(ctx, req)
         self.wants_logprobs = self.shape.wants_logprobs(req)
         count = len(fan.relays)
         self.before = [echo.texts[p] for p, prompt in enumerate(fan.prompts) for _ in prompt.relays] if echo else None

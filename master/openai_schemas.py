@@ -98,6 +98,9 @@ class _GenerationRequest(BaseModel):
     response_format: ResponseFormat | None = None
     #: vLLM's extra: the logprob of each prompt token after the first, with the top k.
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    #: vLLM's extra: every token of the logprobs named ``token_id:N`` (its id), not by its text, so
+    #: a client gets the exact ids a detokenized text cannot give back.
+    return_tokens_as_token_ids: bool = False
     #: vLLM's beam search: width max(n, best_of), the best n returned (deterministic: temperature 0).
     use_beam_search: bool = False
     length_penalty: float | None = None
