@@ -60,6 +60,7 @@ class SSEConnection(asyncio.Protocol):
         for fut in (self._head_seen, self._done):
             if fut is not None and not fut.done():
                 fut.set_exception(WireError(f"the connection closed mid-answer ({exc})"))
+                fut.exception()  # a request cut off at the run's end is awaited by nobody: no log of it
 
     def data_received(self, data: bytes) -> None:
         now = time.monotonic()  # before any parsing: the stamp of every token in these bytes
