@@ -28,6 +28,7 @@ from master import answers
 from master.answers import _StreamWriter
 from master.app import create_app
 from master.config import MasterSettings
+from master.event_stream import EventStreamResponse
 from master.fanout import FanOut, PromptChoices
 from master.node_ws import handle_frame
 from pd_cluster import protocol
@@ -41,8 +42,6 @@ def _streamed(fan: FanOut, writer: _StreamWriter) -> Any:
     """The master's streamed response (a build before ``answers.streamed`` made it in place)."""
     if hasattr(answers, "streamed"):
         return answers.streamed(fan, writer)
-    from master.event_stream import EventStreamResponse
-
     return EventStreamResponse(answers._stream(fan, writer), fan.hang_up)
 
 
