@@ -21,6 +21,7 @@ from master.answer_shapes import (
     CLIENT_CLOSED, PIECE, SHAPES, SSE_HEADERS, Shape, StreamHead, answer, choice, json_string, sse, text_template,
 )
 from master.context import MasterContext
+from master.direct_send import DirectSend
 from master.errors import APIError
 from master.event_stream import EventStreamResponse
 from master.fanout import FanOut, PromptChoices, create_choices
@@ -100,8 +101,7 @@ async def serve(
     model = ctx.model_name or req.model
     if req.stream:
         head = StreamHead(fan.request_id, shape, created, model, req.include_usage)
-        writer = _StreamWriter(ctx, fan, req, head, echo)
-        return EventStreamResponse(_stream(fan, writer), fan.hang_up, headers=SSE_HEADERS)
+        return streamed(fan, _StreamWriter(ctx, fan, req, head, echo))
     left = await waited(fan)
     if left is not None:
         return left
@@ -167,14 +167,22 @@ def _outputs(prompt: PromptChoices) -> list[tuple[RelayRequest, str, str | None,
     return outputs
 
 
-async def _stream(fan: FanOut, writer: _StreamWriter) -> AsyncIterator[str]:
+def streamed(fan: FanOut, writer: _StreamWriter) -> EventStreamResponse:
+    """The streamed answer of an admitted fan-out."""
+    direct = DirectSend()
+    return EventStreamResponse(_stream(fan, writer, direct), fan.hang_up, headers=SSE_HEADERS, direct=direct)
+
+
+async def _stream(fan: FanOut, writer: _StreamWriter, direct: DirectSend | None = None) -> AsyncIterator[str]:
     """The choices' events interleaved as their tokens arrive, every event ready at one wake-up
-    in one string; ends by every request's deadline."""
+    in one string; ends by every request's deadline. With ``direct`` (bound to the response's
+    send), a single choice's pieces but its last are written as they arrive (:class:`_DirectPieces`)."""
     try:
         openings = writer.openings()
         if openings:
             yield "".join(openings)
-        async with contextlib.aclosing(fan.batches()) as batches:
+        sink = _DirectPieces(fan, writer, direct) if direct is not None and len(fan.relays) == 1 else None
+        async with contextlib.aclosing(fan.batches(sink)) as batches:
             async for batch in batches:
                 events: list[str] = []
                 for index, item in batch:
@@ -185,6 +193,41 @@ async def _stream(fan: FanOut, writer: _StreamWriter) -> AsyncIterator[str]:
         yield tail + "data: [DONE]\n\n"
     finally:
         fan.release()
+
+
+class _DirectPieces:
+    """A single choice's pieces written to its client by whoever delivers them (the node's frame
+    handler), with no wake-up of the stream's task: the same events :meth:`_StreamWriter.piece`
+    gives the task. The last piece (its finish reason), a client that left, and a write the
+    connection did not finish at once are left to the task."""
+
+    def __init__(self, fan: FanOut, writer: _StreamWriter, direct: DirectSend) -> None:
+        self.fan = fan
+        self.writer = writer
+        self.direct = direct
+        #: Every piece is text only (what :meth:`_StreamWriter.piece` writes from its template).
+        self.plain = (writer.echo is None and not writer.vllm_field and writer.calls is None
+                      and not writer.wants_logprobs)
+
+    def offer(self, chunk: TokenChunk) -> bool:
+        if chunk.finish_reason is not None or self.fan.hung_up or not self.direct.ready:
+            return False
+        if self.plain:
+            if chunk.text:
+                self.writer.offsets[0] += len(chunk.text)
+                self.direct.write(self.writer.plain(0, chunk.text).encode())
+            return True
+        events = self.writer.piece(0, chunk)
+        if events:
+            self.direct.write("".join(events).encode())
+        return True
+
+    @property
+    def busy(self) -> bool:
+        return self.direct.busy
+
+    async def settle(self) -> None:
+        await self.direct.settle()
 
 
 class _StreamWriter:
@@ -230,7 +273,7 @@ class _StreamWriter:
             if not text:
                 return []
             self.offsets[index] += len(text)
-            return [self._plain(index, self._echoed(index, text))]
+            return [self.plain(index, self._echoed(index, text))]
         self.offsets[index] += len(text)
         body = choice(self.shape.delta(self._echoed(index, text)), piece.finish_reason, logprobs)
         return [self._event(index, body)]
@@ -271,7 +314,8 @@ class _StreamWriter:
         """The event of one choice's ``body`` (see :func:`choice`), under its ``index``."""
         return sse(self.head.chunk([{**body, "index": index}]))
 
-    def _plain(self, index: int, text: str) -> str:
+    def plain(self, index: int, text: str) -> str:
+        """The event of a piece of text alone."""
         template = self.templates.get(index)
         if template is None:
             template = self.templates[index] = text_template(self._event(index, choice(self.shape.delta(PIECE))))

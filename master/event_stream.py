@@ -4,7 +4,8 @@ Each item of the answer's iterator is every event ready at one wake-up, sent as 
 message (one socket write, however many tokens it holds). A watcher task reads ``receive``
 and, when the client leaves, calls ``on_disconnect`` so the answer stops and releases its
 requests at once. Starlette's ``StreamingResponse`` does the same with a task group and an
-iterator step per event; this is the path every streamed token takes.
+iterator step per event. A single choice's plain tokens take a shorter path: the node's frame
+handler writes them through :class:`~master.direct_send.DirectSend`, with no wake-up of this task.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from master.direct_send import DirectSend
 from master.relay_request import ClientDisconnected
 
 
@@ -23,9 +25,12 @@ class EventStreamResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[str], on_disconnect: Callable[[], None],
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, direct: DirectSend | None = None) -> None:
         self.events = events
         self.on_disconnect = on_disconnect
+        #: Bound to ``send`` once the head is sent: writes from outside this task (the events'
+        #: iterator settles them before it yields again).
+        self.direct = direct
         self.status_code = 200
         self.background = None
         self.init_headers(headers)
@@ -34,6 +39,8 @@ class EventStreamResponse(Response):
         watcher = asyncio.create_task(self._watch(receive))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if self.direct is not None:
+                self.direct.bind(send)
             async with contextlib.aclosing(self.events) as events:
                 async for text in events:
                     await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
@@ -42,6 +49,8 @@ class EventStreamResponse(Response):
             pass  # the answer was released; there is nobody to tell
         finally:
             watcher.cancel()
+            if self.direct is not None:
+                self.direct.discard()
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":

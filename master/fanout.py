@@ -22,7 +22,7 @@ from master import openai_schemas as oa
 from master.errors import APIError, internal_error
 from master.metrics import status_of_http
 from master.relay import Relay
-from master.relay_request import DONE, ClientDisconnected, RelayRequest, StreamFailed, TokenChunk
+from master.relay_request import DONE, ChunkSink, ClientDisconnected, RelayRequest, StreamFailed, TokenChunk
 from master.relay_state import RequestState
 from pd_cluster.sampling_params import SamplingParams
 
@@ -176,11 +176,12 @@ class FanOut:
         if self._merged is not None:
             self._merged.put_nowait((-1, None))
 
-    async def batches(self) -> AsyncIterator[list[tuple[int, TokenChunk | StreamFailed]]]:
+    async def batches(self, sink: ChunkSink | None = None) -> AsyncIterator[list[tuple[int, TokenChunk | StreamFailed]]]:
         """Every choice's chunks as its tokens arrive, with its index, all that arrived since the
         last wake-up in one list; a choice that fails gives its StreamFailed. Each relay stream
         ends by its request's deadline, so this does too; raises ClientDisconnected once
-        :meth:`hang_up` was called."""
+        :meth:`hang_up` was called. ``sink``: takes a single choice's chunks while this waits
+        (those it takes are not yielded); settled after each wake-up, before anything is yielded."""
         relays = self.relays
         if len(relays) == 1:  # one choice: read straight from its request (Relay.batches, inlined)
             r = relays[0]
@@ -196,7 +197,13 @@ class FanOut:
                 if end is not None:
                     yield [(0, StreamFailed(end))]  # type: ignore[arg-type]
                     return
-                await r.next_wakeup()
+                r.sink = sink
+                try:
+                    await r.next_wakeup()
+                finally:
+                    r.sink = None
+                if sink is not None:
+                    await sink.settle()
         async for batch in self._merged_batches():
             yield batch
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from master.auth import ClientSlot
 from master.decode_room import WaitReason
@@ -34,6 +34,23 @@ class TokenChunk:
     finish_reason: str | None
     #: With a request's first token, when it asked for them: its prompt's logprobs.
     prompt_logprobs: protocol.PromptLogprobs | None = None
+
+
+class ChunkSink(Protocol):
+    """Takes a stream's output as it arrives, outside its handler's task: no wake-up a token."""
+
+    def offer(self, chunk: TokenChunk) -> bool:
+        """Write ``chunk`` to the client now; False: not now (it goes to the handler instead)."""
+        ...
+
+    @property
+    def busy(self) -> bool:
+        """A write it took is unfinished: the handler must :meth:`settle` it (it is woken)."""
+        ...
+
+    async def settle(self) -> None:
+        """Finish the unfinished write, in the handler's task."""
+        ...
 
 
 class StreamFailed(Exception):
@@ -122,6 +139,8 @@ class RelayRequest:
     # delivery to the HTTP handler
     buffer: list[object] = field(default_factory=list)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    #: While a stream's handler waits with its buffer empty: takes output before it is buffered.
+    sink: ChunkSink | None = None
     timers: list[asyncio.TimerHandle] = field(default_factory=list)
     _state: RequestState = field(default=RequestState.NEW, init=False, repr=False)
 
@@ -217,8 +236,13 @@ class RelayRequest:
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = chunk.prompt_logprobs
         if self.stream:
-            self.buffer.append(chunk)
             self.sent = True
+            sink = self.sink
+            if sink is not None and not self.buffer and sink.offer(chunk):
+                if sink.busy:
+                    self.wakeup.set()
+                return
+            self.buffer.append(chunk)
         self.wakeup.set()
 
     def reset_output(self) -> None:

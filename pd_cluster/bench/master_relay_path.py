@@ -6,7 +6,8 @@ app (the default model's tokenizer), registers synthetic decode nodes in its reg
 response with an ASGI ``send`` that only counts bytes. Then, a step at a time, every node's
 ``token_deltas`` frame (as :mod:`pd_cluster.bench.stamped_nodes` writes them) goes through the
 master's frame handler, and the loop runs the streams' tasks until each wrote its token. It
-prints the process's CPU microseconds a token. No socket, client or node process shares the
+prints the process's CPU microseconds a token (the nodes' frames are built before the clock
+starts: only the master's work is timed). No socket, client or node process shares the
 CPU, so two builds compare on a busy machine: run this file (``python
 .../pd_cluster/bench/master_relay_path.py``) with ``PYTHONPATH`` at each checkout, several times
 each, interleaved, and compare the lowest figures.
@@ -23,7 +24,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from master.answer_shapes import SHAPES, StreamHead
-from master.answers import _stream, _StreamWriter
+from master import answers
+from master.answers import _StreamWriter
 from master.app import create_app
 from master.config import MasterSettings
 from master.event_stream import EventStreamResponse
@@ -34,6 +36,13 @@ from pd_cluster.bench.master_load import kv_spec_for
 from pd_cluster.bench.stamped_nodes import _STAMP, CAPACITY_TOKENS, _Job, delta_json, frames_of
 from pd_cluster.default_model import resolve_model_path
 from pd_cluster.sampling_params import SamplingParams
+
+
+def _streamed(fan: FanOut, writer: _StreamWriter) -> Any:
+    """The master's streamed response (a build before ``answers.streamed`` made it in place)."""
+    if hasattr(answers, "streamed"):
+        return answers.streamed(fan, writer)
+    return EventStreamResponse(answers._stream(fan, writer), fan.hang_up)
 
 
 def _register(ctx: Any, count: int) -> list[Any]:
@@ -68,10 +77,27 @@ async def _open_streams(ctx: Any, streams: int, steps: int, sent: list[int]) -> 
         fan = FanOut(ctx.relay, [PromptChoices([r], 1)])
         await fan.admit()
         writer = _StreamWriter(ctx, fan, req, StreamHead(r.request_id, SHAPES["chat"], 0, "m", False), None)
-        response = EventStreamResponse(_stream(fan, writer), fan.hang_up)
+        response = _streamed(fan, writer)
         tasks.append(asyncio.create_task(response({"type": "http"}, receive, send)))
         jobs.setdefault(r.decode_id, []).append(_Job(r.current.attempt_id, steps, time.monotonic()))
     return tasks, jobs
+
+
+def _node_frames(jobs: dict[str, list[_Job]], steps: int) -> list[list[tuple[str, str]]]:
+    """Every step's frames, by node id, as the nodes would send them (stamped when built)."""
+    steps_frames = []
+    for _ in range(steps):
+        now = time.monotonic()
+        frames = []
+        for node_id, node_jobs in jobs.items():
+            deltas = []
+            for job in node_jobs:
+                job.remaining -= 1
+                deltas.append(delta_json(job, now))
+                job.first = False
+            frames += [(node_id, frame.replace(_STAMP, f"{now:.6f}")) for frame in frames_of(deltas)]
+        steps_frames.append(frames)
+    return steps_frames
 
 
 async def measure(streams: int, steps: int, nodes: int, settle_heap: bool) -> dict[str, float]:
@@ -86,17 +112,11 @@ async def measure(streams: int, steps: int, nodes: int, settle_heap: bool) -> di
     sent = [0]
     tasks, jobs = await _open_streams(ctx, streams, steps, sent)
     await asyncio.sleep(0)
+    steps_frames = _node_frames(jobs, steps)  # the nodes' work, before the master's is timed
     cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(steps):
-        now = time.monotonic()
-        for node_id, node_jobs in jobs.items():
-            deltas = []
-            for job in node_jobs:
-                job.remaining -= 1
-                deltas.append(delta_json(job, now))
-                job.first = False
-            for frame in frames_of(deltas):
-                handle_frame(ctx, records[node_id], frame.replace(_STAMP, f"{time.monotonic():.6f}"))
+    for frames in steps_frames:
+        for node_id, frame in frames:
+            handle_frame(ctx, records[node_id], frame)
         await asyncio.sleep(0)
     await asyncio.gather(*tasks)
     tokens = streams * steps

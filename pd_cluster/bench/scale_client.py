@@ -3,9 +3,12 @@
 Each stream sends a chat request, reads its answer to the end and sends the next, until the
 run's end; streams start spread over a ramp so they do not move in lockstep. A run's streams are
 split over several such processes (one event loop each) so that the client is never what limits
-the master. SSE is parsed minimally: a chunk's text is found by its ``"content":"`` key, and the
-synthetic nodes' text is the time their frame left the node (:mod:`pd_cluster.bench.stamped_nodes`),
-so each token gives the time it spent in the master and on the wire after it.
+the master. Each stream reads its answers off its own keep-alive connection
+(:mod:`pd_cluster.bench.sse_wire`), and a token's arrival is stamped when the read that brought its
+bytes arrived, before any parsing: the client's own parsing is not in the figure. SSE is parsed
+minimally: a chunk's text is found by its ``"content":"`` key, and the synthetic nodes' text is the
+time their frame left the node (:mod:`pd_cluster.bench.stamped_nodes`), so each token gives the
+time it spent in the master and on the wire after it.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import time
 from array import array
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
-
-import aiohttp
+from urllib.parse import urlsplit
 
 from pd_cluster import aio
 from pd_cluster.bench.master_cores import pin
+from pd_cluster.bench.sse_wire import SSEConnection, chat_request
 
 _CONTENT = b'"content":"'
 _ERROR = b'{"error"'
@@ -55,7 +58,7 @@ class ClientResult:
     """What one process measured inside the window."""
 
     tokens: int = 0
-    #: Per token: its arrival here less its node's send stamp (seconds).
+    #: Per token: when the read that brought its bytes arrived here, less its node's send stamp (seconds).
     added_s: array = field(default_factory=lambda: array("d"))
     #: Per request that arrived in the window and got its first token: TTFT (seconds).
     ttft_s: array = field(default_factory=lambda: array("d"))
@@ -84,70 +87,99 @@ def content_of(line: bytes) -> bytes | None:
 
 
 class _Streams:
-    def __init__(self, plan: ClientPlan, session: aiohttp.ClientSession) -> None:
-        self.plan, self.session = plan, session
+    def __init__(self, plan: ClientPlan) -> None:
+        self.plan = plan
         self.result = ClientResult()
+        #: Each stream's keep-alive connection, by stream index.
+        self.connections: dict[int, tuple[int, SSEConnection]] = {}
 
     async def stream(self, index: int) -> None:
         plan = self.plan
         await asyncio.sleep(max(0.0, plan.start + plan.ramp_s * index / plan.total_streams - time.monotonic()))
         master, sent = index % len(plan.urls), 0
-        while time.monotonic() < plan.end:
-            prompt = plan.prompts[(index + sent * plan.total_streams) % len(plan.prompts)]
-            sent += 1
-            try:
-                async with asyncio.timeout(plan.request_timeout_s):
-                    await self.request(master, prompt)
-            except Exception as exc:  # a benchmark counts failures; it does not stop on them
-                self.result.fail(f"{type(exc).__name__}: {exc}"[:300])
+        try:
+            while time.monotonic() < plan.end:
+                prompt = plan.prompts[(index + sent * plan.total_streams) % len(plan.prompts)]
+                sent += 1
+                try:
+                    async with asyncio.timeout(plan.request_timeout_s):
+                        await self.request(index, master, prompt)
+                except Exception as exc:  # a benchmark counts failures; it does not stop on them
+                    self._drop(index)
+                    self.result.fail(f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            self._drop(index)
 
-    async def request(self, master: int, prompt: str) -> None:
+    async def _connection(self, index: int, master: int) -> SSEConnection:
+        held = self.connections.get(index)
+        if held is not None and held[0] == master and not held[1].closed:
+            return held[1]
+        self._drop(index)
+        url = urlsplit(self.plan.urls[master])
+        if url.scheme != "http" or url.hostname is None:
+            raise ValueError(f"the load client speaks plain http only, not {self.plan.urls[master]!r}")
+        _, conn = await asyncio.get_running_loop().create_connection(SSEConnection, url.hostname, url.port or 80)
+        self.connections[index] = (master, conn)
+        return conn
+
+    def _drop(self, index: int) -> None:
+        held = self.connections.pop(index, None)
+        if held is not None and held[1].transport is not None:
+            held[1].transport.close()
+
+    async def request(self, index: int, master: int, prompt: str) -> None:
         plan, result = self.plan, self.result
         body = {"model": plan.model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": plan.max_tokens, "stream": True}
+        conn = await self._connection(index, master)
         start = time.monotonic()
         counted = plan.window_start <= start < plan.end
-        first = True
-        async with self.session.post(plan.urls[master] + "/v1/chat/completions", json=body) as response:
-            if response.status != 200:
-                result.fail(f"HTTP {response.status}: {(await response.read())[:200]!r}")
+        seen = {"first": True, "ended": False}
+
+        def on_line(line: bytes, now: float) -> None:  # ``now``: when the line's last bytes arrived
+            if seen["ended"]:
                 return
-            if counted:
-                result.requests.append((master, response.headers.get("x-request-id", "")))
-            async for line in response.content:
-                now = time.monotonic()
-                stamp = content_of(line)
-                if stamp:
-                    if plan.window_start <= now < plan.end:
-                        result.tokens += 1
-                        result.added_s.append(now - float(stamp))
-                    if first and counted:
-                        result.ttft_s.append(now - start)
-                    first = False
-                elif line.startswith(b"data: [DONE]"):
-                    result.completed += 1
-                    return
-                elif line.startswith(b"data: " + _ERROR):
-                    result.fail(json.loads(line[6:])["error"].get("message", "error event")[:300])
-                    return
-        result.fail("the stream ended without [DONE]")
+            stamp = content_of(line)
+            if stamp:
+                if plan.window_start <= now < plan.end:
+                    result.tokens += 1
+                    result.added_s.append(now - float(stamp))
+                if seen["first"] and counted:
+                    result.ttft_s.append(now - start)
+                seen["first"] = False
+            elif line.startswith(b"data: [DONE]"):
+                result.completed += 1
+                seen["ended"] = True
+            elif line.startswith(b"data: " + _ERROR):
+                result.fail(json.loads(line[6:])["error"].get("message", "error event")[:300])
+                seen["ended"] = True
+
+        url = urlsplit(plan.urls[master])
+        head, done = conn.request(chat_request(url.netloc, "/v1/chat/completions", json.dumps(body).encode()), on_line)
+        response = await head
+        if response.status != 200:
+            result.fail(f"HTTP {response.status}: {(await done).body[:200]!r}")
+            return
+        if counted:
+            result.requests.append((master, response.headers.get("x-request-id", "")))
+        await done
+        if not seen["ended"]:
+            result.fail("the stream ended without [DONE]")
 
 
 async def _run(plan: ClientPlan) -> ClientResult:
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        streams = _Streams(plan, session)
-        tasks = [asyncio.create_task(streams.stream(i)) for i in plan.streams]
-        await asyncio.sleep(max(0.0, plan.window_start - time.monotonic()))
-        cpu_before = time.process_time()
-        await asyncio.sleep(max(0.0, plan.end - time.monotonic()))
-        streams.result.cpu_s = time.process_time() - cpu_before
-        # Requests still open at the end are cut off: what they sent inside the window counted.
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(*tasks, return_exceptions=True)
-        return streams.result
+    streams = _Streams(plan)
+    tasks = [asyncio.create_task(streams.stream(i)) for i in plan.streams]
+    await asyncio.sleep(max(0.0, plan.window_start - time.monotonic()))
+    cpu_before = time.process_time()
+    await asyncio.sleep(max(0.0, plan.end - time.monotonic()))
+    streams.result.cpu_s = time.process_time() - cpu_before
+    # Requests still open at the end are cut off: what they sent inside the window counted.
+    for task in tasks:
+        task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return streams.result
 
 
 def client_main(plan: ClientPlan, conn: Connection) -> None:
