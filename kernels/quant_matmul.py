@@ -99,6 +99,11 @@ class GemmConfig:
 #: Rows the weight-only GEMM serves: beyond them the products, not the weight's bytes, bound the
 #: step, and the FP8 tensor cores (or cuBLAS) win.
 WEIGHT_ONLY_MAX_ROWS = 128
+#: Rows up to which FP8 weights take the weight-only GEMM rather than ``torch._scaled_mm`` behind
+#: the fused activation quantization: one H200, a layer's four 8B projections, 16 rows 130 against
+#: 150 us, 64 rows 196 against 138 us (``pd_cluster.bench.gpu.fp8_sweep``). int8 has no scaled
+#: product to hand over to, so it keeps the GEMM up to WEIGHT_ONLY_MAX_ROWS.
+FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 
 def weight_only_config(rows: int, n: int, k: int) -> GemmConfig:
@@ -106,7 +111,7 @@ def weight_only_config(rows: int, n: int, k: int) -> GemmConfig:
     output spreads over about as many programs as an H200 has SMs (132); 256 inputs a step
     (256-byte rows of 8-bit weight; 128 for the larger tiles), four stages in flight to keep the
     copies streaming: at most 172 KiB of shared memory (a Hopper SM has 227)."""
-    bm = max(16, next_pow2(rows))
+    bm = min(128, max(16, next_pow2(rows)))  # more rows: more row tiles
     bn = 32 if n <= 8192 or bm >= 128 else 64
     return GemmConfig(bm, bn, 256 if bm * bn <= 2048 else 128, num_warps=4, num_stages=4)
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from kernels._triton import use_triton
 from kernels.gemv import scaled_linear_ref
 from kernels.quant_matmul import (
+    FP8_WEIGHT_ONLY_MAX_ROWS,
     WEIGHT_ONLY_MAX_ROWS,
     act_quant_fp8_ref,
     act_quant_fp8_triton,
@@ -120,12 +121,14 @@ def scaled_mm_supported(x: torch.Tensor, weight: QuantLinear) -> bool:
 
 def weight_only_supported(x: torch.Tensor, weight: QuantLinear) -> bool:
     """The weight-only GEMM (:mod:`kernels.quant_matmul`) for up to ``WEIGHT_ONLY_MAX_ROWS`` rows
-    of a 16-bit input on CUDA: there the step reads weights, and 8-bit tiles converted in
+    (FP8 weights: ``FP8_WEIGHT_ONLY_MAX_ROWS``, past which the scaled product is faster) of a
+    16-bit input on CUDA: there the step reads weights, and 8-bit tiles converted in
     registers read half the bytes without the activations' quantization. Its tiles are sized for
     a Hopper SM's shared memory (compute capability 9.0 or later)."""
     if not use_triton(x) or x.dtype not in (torch.bfloat16, torch.float16) or weight.qweight.dim() != 2:
         return False
-    if x.numel() // max(1, x.shape[-1]) > WEIGHT_ONLY_MAX_ROWS:
+    limit = FP8_WEIGHT_ONLY_MAX_ROWS if weight.qweight.dtype == FP8 else WEIGHT_ONLY_MAX_ROWS
+    if x.numel() // max(1, x.shape[-1]) > limit:
         return False
     return torch.cuda.get_device_capability(x.device) >= (9, 0)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.gemv import linear_ref, linear_triton
-from kernels.quant_matmul import WEIGHT_ONLY_MAX_ROWS, act_quant_fp8_ref, act_quant_fp8_triton
+from kernels.quant_matmul import FP8_WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS, act_quant_fp8_ref, act_quant_fp8_triton
 from kernels.quant_matmul import weight_only_linear_triton
 from pd_cluster.model.quant_linear import linear, quantize, weight_only_supported
 
@@ -53,8 +53,9 @@ def test_weight_only_gemm_matches_the_scaled_product(method, rows, n, k):
     # One bfloat16 rounding of the output (2**-9 relative) over float32 sums in another order.
     assert out.dtype == torch.bfloat16 and _rel(out, ref) < 4e-3
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert weight_only_supported(x, q) == (hopper and rows <= WEIGHT_ONLY_MAX_ROWS)
-    if hopper:
+    limit = FP8_WEIGHT_ONLY_MAX_ROWS if method == "fp8" else WEIGHT_ONLY_MAX_ROWS
+    assert weight_only_supported(x, q) == (hopper and rows <= limit)
+    if hopper and rows <= limit:
         assert torch.equal(linear(x, q, bias), out)
 
 
