@@ -33,6 +33,7 @@ MODES: dict[str, dict[str, Any]] = {
     "fp8-kv": {"kv_cache_dtype": "fp8_e4m3"},
     "int8-weights": {"quantization": "int8"},
     "fp8-weights": {"quantization": "fp8"},
+    "fp8-mixed-weights": {"quantization": "fp8_mixed"},
 }
 #: A mode within this much of the baseline's perplexity passes.
 BOUND = 1.02

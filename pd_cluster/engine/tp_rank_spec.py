@@ -16,7 +16,7 @@ class RankSpec(BaseModel):
     fused_rows: int | None = None
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     all_reduce_mode: Literal["auto", "nccl", "oneshot"] = "auto"
-    quantization: Literal["none", "int8", "fp8"] = "none"
+    quantization: Literal["none", "int8", "fp8", "fp8_mixed"] = "none"
     rank: int = Field(ge=1)
     size: int = Field(ge=2)
     store_host: str

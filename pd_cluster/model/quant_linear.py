@@ -28,9 +28,16 @@ from kernels.quant_matmul import (
     weight_only_linear_triton,
 )
 
-#: ``--quantization``: none, or the 8-bit format the projections' weights are held in.
-Quantization = Literal["none", "int8", "fp8"]
-QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp8")
+#: ``--quantization``: none, or the 8-bit format(s) the projections' weights are held in.
+Quantization = Literal["none", "int8", "fp8", "fp8_mixed"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "fp8", "fp8_mixed")
+#: The projection kinds a layer holds (an expert's gate/up and down count as gate_up and down).
+PROJECTIONS: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+#: ``fp8_mixed``: e4m3 except the MLP's gate/up, held int8. e4m3's 3 mantissa bits round every
+#: weight by up to 1/16 of itself, whatever the scale (per-group scales do not help); gate/up is
+#: where that costs the default model most (see docs/benchmarks), and int8's error there is a
+#: third of e4m3's at the same bytes.
+MIXED: dict[str, str] = {"qkv": "fp8", "o": "fp8", "gate_up": "int8", "down": "fp8"}
 FP8 = torch.float8_e4m3fn
 #: The largest magnitude each format holds: a channel's amax maps onto it.
 QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -70,6 +77,13 @@ class QuantLinear:
 
 #: A projection's weight as the model holds it: a float matrix, or an 8-bit one with its scales.
 Weight = torch.Tensor | QuantLinear
+
+
+def projection_format(quantization: str, projection: str) -> str:
+    """The 8-bit format ``--quantization`` holds a ``projection`` kind (of :data:`PROJECTIONS`) in."""
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection {projection!r}; expected one of {PROJECTIONS}")
+    return MIXED[projection] if quantization == "fp8_mixed" else quantization
 
 
 def quantize(weight: torch.Tensor, method: str) -> QuantLinear:

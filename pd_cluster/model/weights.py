@@ -14,7 +14,9 @@ from pd_cluster.model.checkpoint_quant import ACTIVATION_SCALE_SUFFIXES, SCALE_S
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.dummy_weights import DummyTensors
 from pd_cluster.model.hf_names import dense_mlp_names, expert_names, layer_prefix, router_name
-from pd_cluster.model.quant_linear import FP8, QUANTIZATIONS, QuantLinear, Weight, fuse, quantize, stack
+from pd_cluster.model.quant_linear import (
+    FP8, QUANTIZATIONS, QuantLinear, Weight, fuse, projection_format, quantize, stack,
+)
 from pd_cluster.model.shard import HeadRange, Shard
 
 logger = logging.getLogger(__name__)
@@ -190,24 +192,26 @@ class _Reader:
     def maybe(self, name: str, rows: HeadRange | None = None, unit: int = 1) -> torch.Tensor | None:
         return self.take(name, rows, unit=unit) if name in self.files else None
 
-    def linear(self, name: str, rows: HeadRange | None = None, cols: HeadRange | None = None,
+    def linear(self, name: str, projection: str, rows: HeadRange | None = None, cols: HeadRange | None = None,
                unit: int = 1) -> Weight:
-        """Projection ``name`` (its rows or columns as :meth:`take`), float or 8-bit as asked."""
+        """Projection ``name`` of kind ``projection`` (qkv, o, gate_up, down: which 8-bit format
+        the quantization holds it in; its rows or columns as :meth:`take`), float or 8-bit."""
         prefix = name[: -len("weight")]
+        method = projection_format(self.quantization, projection)
         if prefix + SCALE_SUFFIX in self.files:
-            return self._published(name, prefix, rows, cols, unit)
-        if self.quantization == "none" or self.keep_float:
+            return self._published(name, prefix, method, rows, cols, unit)
+        if method == "none" or self.keep_float:
             return self.take(name, rows, cols, unit)
         if self.whole or cols is None:
             self.taken.add(name)
             part = self.files.read(name, None if self.whole else rows, unit=unit)
-            return quantize(part.to(self.device), self.quantization)
+            return quantize(part.to(self.device), method)
         # A row-parallel rank's columns, scaled by their whole rows' amax (as at TP 1).
         self.taken.add(name)
-        full = quantize(self.files.read(name).to(self.device), self.quantization)
+        full = quantize(self.files.read(name).to(self.device), method)
         return full.columns(cols.start * unit, cols.stop * unit)
 
-    def _published(self, name: str, prefix: str, rows: HeadRange | None, cols: HeadRange | None,
+    def _published(self, name: str, prefix: str, method: str, rows: HeadRange | None, cols: HeadRange | None,
                    unit: int) -> Weight:
         """An FP8 checkpoint's projection with its own scales (a per-tensor scale spread over the
         channels); dequantized for ``none``, requantized for ``int8``."""
@@ -223,14 +227,14 @@ class _Reader:
         elif rows is not None:
             scale = scale[rows.start * unit : rows.stop * unit]
         published = QuantLinear(codes.to(self.device).contiguous(), scale.to(self.device).contiguous())
-        if self.quantization == "fp8":
+        if method == "fp8":
             return published
-        if self.quantization == "none" or cols is None:
+        if method == "none" or cols is None:
             weight = published.dequantize(self.dtype)
-            return weight if self.quantization == "none" else quantize(weight, self.quantization)
+            return weight if method == "none" else quantize(weight, method)
         whole = self.files.read(name)  # int8 from a row-parallel part: the whole rows' amax
         full = QuantLinear(whole.to(self.device), scale.to(self.device)).dequantize(torch.float32)
-        return quantize(full, self.quantization).columns(cols.start * unit, cols.stop * unit)
+        return quantize(full, method).columns(cols.start * unit, cols.stop * unit)
 
 
 def _load_layer(reader: _Reader, config: ModelConfig, shard: Shard, i: int) -> LayerWeights:
@@ -238,15 +242,15 @@ def _load_layer(reader: _Reader, config: ModelConfig, shard: Shard, i: int) -> L
     qh, kvh, inter = shard.q_heads(config), shard.kv_heads(config), shard.intermediate(config)
     p = layer_prefix(i)
     take, linear = reader.take, reader.linear
-    q = linear(p + "self_attn.q_proj.weight", qh, unit=head_dim)
-    k = linear(p + "self_attn.k_proj.weight", kvh, unit=head_dim)
-    v = linear(p + "self_attn.v_proj.weight", kvh, unit=head_dim)
+    q = linear(p + "self_attn.q_proj.weight", "qkv", qh, unit=head_dim)
+    k = linear(p + "self_attn.k_proj.weight", "qkv", kvh, unit=head_dim)
+    v = linear(p + "self_attn.v_proj.weight", "qkv", kvh, unit=head_dim)
     biases = [reader.maybe(p + f"self_attn.{n}_proj.bias", h, head_dim) for n, h in zip("qkv", (qh, kvh, kvh))]
     layer = LayerWeights(
         input_norm=take(p + "input_layernorm.weight"),
         qkv=fuse([q, k, v], reader.dtype),
         qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,
-        o=linear(p + "self_attn.o_proj.weight", cols=qh, unit=head_dim),
+        o=linear(p + "self_attn.o_proj.weight", "o", cols=qh, unit=head_dim),
         post_norm=take(p + "post_attention_layernorm.weight"),
         gate_up=None,
         down=None,
@@ -258,8 +262,8 @@ def _load_layer(reader: _Reader, config: ModelConfig, shard: Shard, i: int) -> L
         layer.experts = _load_experts(reader, config, i)
     else:
         names = dense_mlp_names(i)
-        layer.gate_up = fuse([linear(names.gate, inter), linear(names.up, inter)], reader.dtype)
-        layer.down = linear(names.down, cols=inter)
+        layer.gate_up = fuse([linear(names.gate, "gate_up", inter), linear(names.up, "gate_up", inter)], reader.dtype)
+        layer.down = linear(names.down, "down", cols=inter)
     return layer
 
 
@@ -270,8 +274,9 @@ def _load_experts(reader: _Reader, config: ModelConfig, layer: int) -> ExpertWei
         gate_ups, downs = [], []
         for e in range(config.moe.num_experts):
             names = expert_names(config, layer, e)
-            gate_ups.append(fuse([reader.linear(names.gate), reader.linear(names.up)], reader.dtype))
-            downs.append(reader.linear(names.down))
+            gate_ups.append(fuse([reader.linear(names.gate, "gate_up"), reader.linear(names.up, "gate_up")],
+                                 reader.dtype))
+            downs.append(reader.linear(names.down, "down"))
         return ExpertWeights(router=router, gate_up=stack(gate_ups, reader.dtype), down=stack(downs, reader.dtype))
     moe = config.moe
     inter, hidden = moe.intermediate_size, config.hidden_size

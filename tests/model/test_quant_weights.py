@@ -195,3 +195,29 @@ def test_dummy_weights_load_quantized(tiny_model, method):
                                    rtol=0.07, atol=1e-3)
     assert weights.embed.dtype == weights.lm_head.dtype == layer.input_norm.dtype == torch.float32
     assert weights.decode_bytes() < plain.decode_bytes()
+
+
+def test_fp8_mixed_holds_gate_up_int8_and_the_rest_fp8_in_the_bytes_of_fp8(tiny_model):
+    config = ModelConfig.from_path(tiny_model)
+    mixed = load_weights(tiny_model, config, torch.float32, "cpu", quantization="fp8_mixed")
+    fp8 = load_weights(tiny_model, config, torch.float32, "cpu", quantization="fp8")
+    plain = load_weights(tiny_model, config, torch.float32, "cpu")
+    for layer, plain_layer in zip(mixed.layers, plain.layers):
+        for name, method in (("qkv", "fp8"), ("o", "fp8"), ("gate_up", "int8"), ("down", "fp8")):
+            held = getattr(layer, name)
+            assert isinstance(held, QuantLinear) and held.method == method, name
+            torch.testing.assert_close(held.dequantize(torch.float32), getattr(plain_layer, name),
+                                       rtol=0.07, atol=1e-3)
+    assert mixed.decode_bytes() == fp8.decode_bytes()
+
+
+def test_an_fp8_checkpoint_under_fp8_mixed_keeps_its_fp8_and_requantizes_gate_up(tiny_model):
+    fp8, _ = _write_fp8_checkpoint(tiny_model, tiny_model.parent / "mixed", COMPRESSED_TENSORS)
+    config = ModelConfig.from_path(fp8)
+    mixed = load_weights(fp8, config, torch.float32, "cpu", quantization="fp8_mixed")
+    published = load_weights(fp8, config, torch.float32, "cpu", quantization="fp8")
+    layer, kept = mixed.layers[0], published.layers[0]
+    assert layer.gate_up.method == "int8" and layer.down.method == "fp8"
+    assert torch.equal(layer.down.qweight.float(), kept.down.qweight.float())
+    torch.testing.assert_close(layer.gate_up.dequantize(torch.float32), kept.gate_up.dequantize(torch.float32),
+                               rtol=0.02, atol=1e-3)
