@@ -289,7 +289,7 @@ def _gemv_kernel(
     tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], out, mask=n_mask[:, None] & (rm[None, :] < M))
 
 
-def projection_tiles(rows: int, n: int, k: int, weight_bytes: int = 2) -> tuple[int, int, int]:
+def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
     """(BM, BN, BK) as measured fastest on an H100. One row reads its whole weight tile (up to
     2048 inputs) in one block, before waiting on the kernel before it (a dependent launch): the
     default model's step replay 0.79 -> 0.56 ms; a few output columns a program there (more for a
@@ -298,12 +298,10 @@ def projection_tiles(rows: int, n: int, k: int, weight_bytes: int = 2) -> tuple[
     down projection): each of an 8B layer's projections then streams its weights faster than
     cuBLAS (qkv 20.7 against 23.0 us, gate/up 78.5 against 83.5, head 334 against 379). Up to
     :data:`ONE_BLOCK_ROWS` rows of up to 2048 inputs tile as one row does; more rows keep blocks of
-    256, as their products need the registers. One row of 8-bit weights (``weight_bytes`` 1)
-    reads blocks of 2048 inputs over half the columns: the same elements a tile, in 16-byte
-    loads of 16 weights a thread (blocks of 1024 bytes read at half the copy rate)."""
+    256, as their products need the registers. 8-bit weights keep these tiles: one row with blocks of 2048 inputs over half the columns made the fp8 8B decode step
+    slower on an H200 (1.101 against 0.913 of bf16's)."""
     if rows == 1 and k > 2048:
-        bn = 16 if k > 8192 else 2 if n <= 8192 else 4
-        return (1, max(1, bn // 2), 2048) if weight_bytes == 1 else (1, bn, 1024)
+        return 1, 16 if k > 8192 else 2 if n <= 8192 else 4, 1024
     if rows <= ONE_BLOCK_ROWS and k <= 2048:
         # The default model's head and down projection: 8 columns 22.9 and 1.97 us, against
         # 26.8 (16 columns) and 2.11 (4 columns); its gate/up (3072 x 576) 2.58 us with 4
@@ -348,7 +346,7 @@ def _launch(
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
         return out, new_residual
-    bm, bn, bk = tiles or projection_tiles(m, n, k, weight.element_size())
+    bm, bn, bk = tiles or projection_tiles(m, n, k)
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
