@@ -1,7 +1,8 @@
 """Which beams live on, which end, and when a beam search is over: transformers' rule, step by step.
 
 Each step takes the top ``k`` continuations of all live beams by cumulative logprob (``k`` is
-``max(2, 1 + stop ids) * width``, so that ``width`` of them survive whatever ends), keeps the best
+``max(2, 1 + stop ids) * width``, so that ``width`` of them survive whatever ends; ranked on the
+logits' device, :mod:`pd_cluster.engine.beam_select`), keeps the best
 ``width`` that did not end as the next live beams, and offers those among the first ``width``
 that ended (a stop id, or the length limit) to the finished list, scored
 ``cumulative logprob / generated tokens ** length_penalty``. The search ends when no
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pd_cluster.engine.beam_select import Candidates, SelectionAsk
 from pd_cluster.protocol import TokenLogprob
 
 #: transformers' stand-in for "minus infinity" in beam scores.
@@ -78,13 +80,20 @@ class BeamScorer:
         """Tokens each live beam has generated (all the same)."""
         return len(self.running[0].token_ids)
 
-    def advance(self, log_probs: torch.Tensor) -> list[Beam]:
-        """Take one step's log-softmax ``[len(running), vocab]`` (row ``i``: live beam ``i``'s next
-        token) and return the new live beams (empty once :attr:`done`)."""
-        log_probs = log_probs.float().cpu()
+    def ask(self) -> SelectionAsk:
+        """What this step's selection (:func:`~pd_cluster.engine.beam_select.select`) takes from
+        the live beams' rows."""
+        k = max(2, 1 + len(self.stop_ids)) * self.width
+        return SelectionAsk([b.cum_logprob for b in self.running], k, self.top_logprobs or 0)
+
+    def advance(self, chosen: Candidates) -> list[Beam]:
+        """Take one step's best continuations (the selection of :meth:`ask`) and return the new
+        live beams (empty once :attr:`done`)."""
         length = self.generated + 1
-        candidates = self._top_continuations(log_probs, length)
-        extended = [self._extend(c, log_probs) for c in candidates]
+        at_limit = length >= self.max_tokens
+        candidates = [_Candidate(p, t, v, at_limit or t in self.stop_ids)
+                      for p, t, v in zip(chosen.parents, chosen.token_ids, chosen.cum_logprobs)]
+        extended = [self._extend(c, own, chosen.top[c.parent]) for c, own in zip(candidates, chosen.logprobs)]
         kept = sorted(range(len(candidates)), key=lambda i: (candidates[i].ends, -candidates[i].cum_logprob))
         self._offer_finished(candidates[: self.width], extended, length)
         self.running = [extended[i] for i in kept[: self.width]]
@@ -99,31 +108,10 @@ class BeamScorer:
     def best(self, n: int) -> list[FinishedBeam]:
         return self.finished[:n]
 
-    def _top_continuations(self, log_probs: torch.Tensor, length: int) -> list[_Candidate]:
-        rows, vocab = log_probs.shape
-        cums = torch.tensor([b.cum_logprob for b in self.running], dtype=torch.float32)
-        total = (log_probs + cums[:, None]).reshape(-1)
-        k = min(max(2, 1 + len(self.stop_ids)) * self.width, total.numel())
-        values, indices = torch.topk(total, k)
-        at_limit = length >= self.max_tokens
-        out = []
-        for value, index in zip(values.tolist(), indices.tolist()):
-            token = index % vocab
-            out.append(_Candidate(index // vocab, token, value, at_limit or token in self.stop_ids))
-        return out
-
-    def _extend(self, cand: _Candidate, log_probs: torch.Tensor) -> Beam:
+    def _extend(self, cand: _Candidate, logprob: float, top: dict[int, float]) -> Beam:
         parent = self.running[cand.parent]
-        entry = self._logprob(cand, log_probs)
+        entry = TokenLogprob(token_id=cand.token_id, logprob=logprob, top=dict(top))
         return Beam(parent.token_ids + [cand.token_id], parent.logprobs + [entry], cand.cum_logprob, cand.parent)
-
-    def _logprob(self, cand: _Candidate, log_probs: torch.Tensor) -> TokenLogprob:
-        row = log_probs[cand.parent]
-        top: dict[int, float] = {}
-        if self.top_logprobs:
-            values, ids = torch.topk(row, self.top_logprobs)
-            top = dict(zip(ids.tolist(), values.tolist()))
-        return TokenLogprob(token_id=cand.token_id, logprob=float(row[cand.token_id]), top=top)
 
     def _offer_finished(self, first: list[_Candidate], extended: list[Beam], length: int) -> None:
         """The ended among the best ``width`` continuations join the finished list, unless it is

@@ -3,13 +3,14 @@
 A search starts from its prompt in one row: computed here (:meth:`BeamSearches.add`), or handed
 over by a prefill node (:meth:`BeamSearches.start_from_kv`: the row lists the prompt's KV but for
 its last token, which the first step computes again, so that step has the logits every first
-continuation is drawn from; P sends KV only, never logits). Each step runs every live beam of every search as one decode row of one forward, takes
-the log-softmax of its logits and lets :class:`~pd_cluster.engine.beam_scorer.BeamScorer` pick
-the continuations. A continuation gets a row of its own whose table lists its parent's slots
-(the pool counts one more holder of each, :meth:`KVPool.share`): nothing is copied. The parents'
-rows are then freed, which returns only the slots no other beam holds. A search reserves the
-KV it may need at its peak (``width`` rows of prompt + max_tokens, the prompt counted once),
-so the scheduler never admits past it.
+continuation is drawn from; P sends KV only, never logits). Each step runs every live beam of every
+search as one decode row of one forward, ranks every search's continuations on the device
+(:mod:`pd_cluster.engine.beam_select`: one small read-back a step) and lets
+:class:`~pd_cluster.engine.beam_scorer.BeamScorer` pick among them. A continuation gets a row of
+its own whose table lists its parent's slots (the pool counts one more holder of each,
+:meth:`KVPool.share`): nothing is copied. The parents' rows are then freed, which returns only the
+slots no other beam holds. A search reserves the KV it may need at its peak (``width`` rows of
+prompt + max_tokens, the prompt counted once), so the scheduler never admits past it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pd_cluster.engine.beam_scorer import Beam, BeamScorer, FinishedBeam
+from pd_cluster.engine.beam_select import select
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.model_runner import ModelRunner
 from pd_cluster.engine.req_table import ReqSlotTable
@@ -133,13 +135,11 @@ class BeamSearches:
         logits = self.runner.run(step)
         for row, q_len in zip(step.requests, step.q_lens):
             row.num_computed += q_len
-        log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        running = list(self.running)
+        chosen = select(logits, [group.scorer.ask() for group in running])
         ended: list[BeamResult] = []
-        start = 0
-        for group in list(self.running):
-            n = len(group.rows)
-            beams = group.scorer.advance(log_probs[start : start + n])
-            start += n
+        for group, candidates in zip(running, chosen):
+            beams = group.scorer.advance(candidates)
             self._fork(group, beams)
             if group.scorer.done:
                 self.running.remove(group)

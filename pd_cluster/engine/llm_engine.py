@@ -371,11 +371,13 @@ class LLMEngine:
                           early_stopping=params.early_stopping, top_logprobs=params.logprobs)
 
     def _beam_row(self, request_id: str, prompt_token_ids: list[int]) -> Request:
-        """The request one beam's row runs as: its tokens, never sampled by the batch's sampler."""
+        """The request one beam's row runs as: its tokens, never sampled by the batch's sampler
+        and never detokenized (its output processor has no prompt to scan: a fork makes one a
+        step, on the path between two of the search's forwards)."""
         params = SamplingParams(temperature=0.0, max_tokens=1)
         return Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                        sampling=SamplingState.create(params, prompt_token_ids),
-                       output=OutputProcessor(self.tokenizer, params, self.eos_token_ids, prompt_token_ids),
+                       output=OutputProcessor(self.tokenizer, params, self.eos_token_ids, []),
                        status=RequestStatus.RUNNING)
 
     def _step_beams(self) -> None:

@@ -1,6 +1,6 @@
 """(i) Beam search: one step of a width-4 search (its four live beams run as rows of one forward,
-then scored and forked on the host) against a greedy step of four independent rows at the same
-context, on the same engine."""
+their continuations ranked on the device, then the few chosen read back and forked on the host)
+against a greedy step of four independent rows at the same context, on the same engine."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def time_greedy(engine: LLMEngine, plan: Plan, gen: torch.Generator) -> dict:
 
 def time_beam_steps(engine: LLMEngine, plan: Plan, gen: torch.Generator) -> dict:
     """Engine steps while one beam search (and nothing else) runs: each is one whole beam step,
-    its log-probabilities read back and scored before the call returns."""
+    its chosen continuations read back and forked before the call returns."""
     steps = plan.beam_skip_steps + plan.beam_steps
     params = SamplingParams(use_beam_search=True, beam_width=WIDTH, beam_outputs=WIDTH, temperature=0.0,
                             max_tokens=steps + 2, ignore_eos=True)
