@@ -16,10 +16,10 @@ import logging
 import time
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel
 from starlette.websockets import WebSocket
 
 from master.context import MasterContext
+from master.delta_frames import plain_deltas
 from master.node_auth import authenticate_node
 from master.registry import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CloseFrame, NodeRecord
 from pd_cluster.aio import wait_for
@@ -148,6 +148,14 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
     """Apply one frame from a registered node. A frame that cannot be parsed, or whose handling
     raises, is logged and dropped, and the requests it was about end with an error that says so:
     their streams never go on with tokens missing."""
+    plain = plain_deltas(frame)
+    if plain is not None:  # the hot frame, most of the time (see master.delta_frames)
+        for delta in plain:
+            try:
+                ctx.relay.on_plain_delta(record, delta)
+            except Exception as exc:
+                _not_applied(ctx, record, "token_delta", delta[0], exc)
+        return
     try:
         msg = protocol.parse_node_message(frame)
     except ValueError as exc:
@@ -165,7 +173,7 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
             try:
                 ctx.relay.on_token_delta(record, delta)
             except Exception as exc:
-                _not_applied(ctx, record, delta, exc)
+                _not_applied(ctx, record, delta.type, delta.request_id, exc)
         return
     try:
         if isinstance(msg, protocol.NodeStatus):
@@ -188,15 +196,13 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
         else:
             logger.warning("dropped an unexpected %s frame from node %s", type(msg).__name__, record.node_id)
     except Exception as exc:
-        _not_applied(ctx, record, msg, exc)
+        _not_applied(ctx, record, getattr(msg, "type", type(msg).__name__), getattr(msg, "request_id", None), exc)
 
 
-def _not_applied(ctx: MasterContext, record: NodeRecord, msg: BaseModel, exc: Exception) -> None:
-    """Applying a frame raised: log it, and end the request it is about with the cause (its output
-    would go on with a piece missing)."""
-    kind = getattr(msg, "type", type(msg).__name__)
+def _not_applied(ctx: MasterContext, record: NodeRecord, kind: str, request_id: object, exc: Exception) -> None:
+    """Applying a frame of ``kind`` raised: log it, and end the request it is about with the cause
+    (its output would go on with a piece missing)."""
     logger.error("handling a %s frame from node %s failed", kind, record.node_id, exc_info=exc)
-    request_id = getattr(msg, "request_id", None)
     if isinstance(request_id, str):
         cause = (f"the master could not apply {record.role} node {record.node_id}'s {kind} report for it "
                  f"({type(exc).__name__})")

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from master.config import MasterSettings
 from master.decode_room import Refusals, WaitReason, why_full
+from master.delta_frames import PlainDelta, delta_model
 from master.errors import APIError, internal_error, unavailable
 from master.metrics import MasterMetrics
 from master.registry import NodeRecord, Registry
@@ -289,6 +290,21 @@ class Relay:
             first, attempt.withheld_first = attempt.withheld_first, None
             self._emit_first(r, first)
         self._apply_delta(r, msg)
+
+    def on_plain_delta(self, node: NodeRecord, delta: PlainDelta) -> None:
+        """:meth:`on_token_delta` of a plain delta; its common case (the request's live attempt on
+        this node, handed over, its first token out) without building the model."""
+        request_id, token_ids, text, finish_reason = delta
+        r = self.attempts.get(request_id)
+        attempt = r.current if r is not None else None
+        if (attempt is None or attempt.attempt_id != request_id or attempt.decode_id != node.node_id
+                or not attempt.first_token_seen or not attempt.handed_over or attempt.withheld_first is not None):
+            self.on_token_delta(node, delta_model(delta))
+            return
+        assert r is not None
+        r.add_output(TokenChunk(token_ids, text, None, finish_reason), time.monotonic())
+        if finish_reason is not None:
+            self._finish(r, finish_reason)
 
     def _local_first_tokens(
         self, r: RelayRequest, attempt: Attempt, node: NodeRecord, msg: protocol.TokenDelta

@@ -24,7 +24,7 @@ from pd_cluster.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenChunk:
     """New output of a request, in order."""
 
