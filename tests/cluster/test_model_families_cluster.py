@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.cli.test_local_supervisor import LocalRun
+from tests.cluster_harness import wait_until
 from tests.family_models import FAMILIES, greedy, write_family_model
 
 NEW_TOKENS = 8
@@ -56,8 +57,9 @@ def test_served_through_p_and_d_as_transformers_answers(served, tokenizer):
     # On a miss, where it ran and what each node's cache held say which side forgot the prefix.
     assert reply.usage.prompt_tokens_details.cached_tokens >= 64, (reply.usage, run.nodes(), run.log()[-6000:])
     assert reply.choices[0].text == _text(tokenizer, greedy(hf, prompt, NEW_TOKENS))
-    nodes = run.nodes()
-    assert nodes["prefill-0"]["prefix"]["hit_tokens"] >= 64
+    # P's hit reaches the master with its next status report (every STATUS_INTERVAL_S).
+    wait_until(lambda: run.nodes().get("prefill-0", {}).get("prefix", {}).get("hit_tokens", 0) >= 64, 10,
+               "P's status report with its prefix hit")
     # No top_k in the request: generation_config.json's (1) makes it greedy at temperature 1.
     reply = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=NEW_TOKENS, seed=5,
                                       extra_body={"ignore_eos": True})
