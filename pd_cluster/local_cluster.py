@@ -36,6 +36,7 @@ from typing import IO, Any, Literal
 from pydantic import ConfigDict, Field
 
 from pd_cluster.engine_flags import NodeEngineOptions
+from pd_cluster.node_counts import node_count_problem
 from pd_cluster.tls import client_context
 
 logger = logging.getLogger("pd_cluster.local")
@@ -580,13 +581,9 @@ def with_role_counts(options: LocalOptions, num_gpus: int) -> LocalOptions:
 
 
 def _check_counts(prefill: int, decode: int, mixed: int) -> None:
-    if min(prefill, decode, mixed) < 0:
-        raise PlacementError("node counts cannot be negative")
-    if decode < 1 and mixed < 1:
-        raise PlacementError("a local cluster needs a decode node or a mixed node (a prefill node alone cannot "
-                             "serve: it hands its requests to a decode node)")
-    if prefill and not decode:
-        raise PlacementError("prefill nodes need a decode node to hand their requests to (--decode)")
+    problem = node_count_problem(prefill, decode, mixed)
+    if problem is not None:
+        raise PlacementError(problem)
 
 
 def role_counts(options: LocalOptions) -> tuple[int, int, int]:

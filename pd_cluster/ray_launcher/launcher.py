@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from pd_cluster.node_counts import node_count_problem
 from pd_cluster.ray_launcher.actors import ClusterState, RoleProcess
 from pd_cluster.ray_launcher.master_client import MasterClient
 from pd_cluster.ray_launcher.placement import release_nodes, reserve_node
@@ -81,13 +82,9 @@ def node_role(name: str) -> str | None:
 
 def check_node_counts(prefill: int, decode: int, mixed: int) -> None:
     """Refuse a cluster that could not serve: the same rules as ``pd-cluster local``."""
-    if min(prefill, decode, mixed) < 0:
-        raise LaunchError("node counts cannot be negative")
-    if decode < 1 and mixed < 1:
-        raise LaunchError("a cluster needs a decode node or a mixed node (a prefill node alone cannot serve: "
-                          "it hands its requests to a decode node)")
-    if prefill and not decode:
-        raise LaunchError("prefill nodes need a decode node to hand their requests to (--decode)")
+    problem = node_count_problem(prefill, decode, mixed)
+    if problem is not None:
+        raise LaunchError(problem)
 
 
 def _node_index(name: str) -> int:
