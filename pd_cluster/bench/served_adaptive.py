@@ -69,8 +69,9 @@ def gpu_count() -> int:
 def run_one(args: argparse.Namespace, name: str, flags: str, run: int) -> float:
     """One served run of one configuration; its saturation in requests per second."""
     tag = f"adaptive-{name}-r{run}"
+    local_args = f"{args.common_args} {flags}".strip()
     cmd = [sys.executable, "-m", "pd_cluster.bench.served", "--model", str(args.model), "--out", str(args.out),
-           "--local-args", flags, "--sweep", args.sweep, "--requests-per-rate", str(args.requests_per_rate),
+           "--local-args", local_args, "--sweep", args.sweep, "--requests-per-rate", str(args.requests_per_rate),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--cold-requests", "0",
            "--conversations", "0", "--output-path-lens", "", "--tag", tag]
     if args.model_shape:
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--static", action="append", default=[], metavar="NAME=FLAGS",
                         help="a static placement's pd-cluster local flags (repeat)")
+    parser.add_argument("--common-args", default="",
+                        help="pd-cluster local flags of every configuration, default included (e.g. --load-format dummy)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--sweep", default="24,32,40", help="offered rates, up to past saturation")
     parser.add_argument("--requests-per-rate", type=int, default=96)
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     kind, gpus = device_kind(), gpu_count()
     path = args.out / f"serve-adaptive-{kind}-{dt.date.today().isoformat()}.json"
     head = {"device": kind, "date": dt.date.today().isoformat(), "model_shape": args.model_shape,
-            "configs": configs, "sweep": args.sweep, "requests_per_rate": args.requests_per_rate,
+            "configs": configs, "common_args": args.common_args, "sweep": args.sweep, "requests_per_rate": args.requests_per_rate,
             "input_len": args.input_len, "output_len": args.output_len, "order": "each run: " + ", ".join(configs)}
     runs: dict[str, list[float]] = {name: [] for name in configs}
     for run in range(1, args.runs + 1):
