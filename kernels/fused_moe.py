@@ -6,9 +6,8 @@ by expert on the device and pads each expert's run to the GEMM's row tile, so ev
 belongs to one expert; the buffers have their static upper bound (``pairs + min(experts, pairs) *
 (BLOCK_M - 1)`` rows) and tiles past the used ones return at once. One launch computes every
 pair's ``silu(gate) * up`` (gate and up columns in the same program, fused in the epilogue), a
-second the down projection times the router weight; a token's ``top_k`` outputs are then summed in
-a fixed order (a reduction over a ``[tokens, top_k, hidden]`` view, no atomics: the same numbers
-every run). Weights are float (``[experts, out, in]``) or 8-bit codes with one float32 scale an
+second the down projection times the router weight; a third sums a token's ``top_k`` outputs in
+float32 in k order (no atomics: the same numbers every run). Weights are float (``[experts, out, in]``) or 8-bit codes with one float32 scale an
 output channel (converted to the activations' dtype in the tile, exact, and scaled in the epilogue).
 """
 
@@ -18,7 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import cdiv, dot_precision, last_dim_contiguous, require_triton, tl, triton
+from kernels._triton import (
+    _INTERPRETED,
+    HAS_TRITON,
+    cdiv,
+    dot_precision,
+    last_dim_contiguous,
+    next_pow2,
+    require_triton,
+    tl,
+    triton,
+)
 
 
 @dataclass(frozen=True)
@@ -41,10 +50,25 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return cdiv(bound, block_m) * block_m
 
 
+#: Pairs up to which :func:`align` is one Triton program (a decode step's: one launch where the
+#: torch ops take a dozen, each a few microseconds in a graph, on every sparse layer).
+ALIGN_ONE_PROGRAM_PAIRS = 1024
+#: Pairs a step of the one-program alignment takes (its one-hot tile: 64 by the experts).
+ALIGN_CHUNK = 64
+
+
 def align(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the pairs of ``experts`` ``[T, top_k]`` by expert (a token's pairs in token order
     within each expert) and pad each expert's run to ``block_m`` rows, all on the device: no value
-    is read on the host, so the step that calls it can be captured in a CUDA graph."""
+    is read on the host, so the step that calls it can be captured in a CUDA graph. Few pairs on
+    Triton's device: :func:`align_triton` (the same layout)."""
+    if (experts.is_cuda or _INTERPRETED) and HAS_TRITON and 0 < experts.numel() <= ALIGN_ONE_PROGRAM_PAIRS:
+        return align_triton(experts, num_experts, block_m)
+    return align_ref(experts, num_experts, block_m)
+
+
+def align_ref(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """:func:`align` in torch ops (a dozen launches)."""
     flat = experts.reshape(-1).long()
     num_pairs = flat.numel()
     device = flat.device
@@ -64,6 +88,56 @@ def align(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     used = pad_end[-1:]
     block_experts = torch.where(tile_starts < used, block_experts, -1).to(torch.int32)
     return Alignment(pairs, block_experts, used.to(torch.int32), block_m)
+
+
+@triton.jit
+def _align_kernel(experts_ptr, pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs, num_experts, rows,
+                  BM: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr, R_BLOCK: tl.constexpr):
+    # One program, over the pairs in chunks of a [CHUNK, experts] one-hot matrix: first each
+    # expert's count, then each pair's rank among its expert's pairs (the count before its chunk
+    # plus a cumulative sum down the chunk) and its row.
+    e = tl.arange(0, E_BLOCK)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        flat = tl.load(experts_ptr + p0 + c, mask=p0 + c < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((flat[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    for r0 in range(0, rows, R_BLOCK):
+        r = r0 + tl.arange(0, R_BLOCK)
+        tl.store(pairs_ptr + r, tl.zeros((R_BLOCK,), dtype=tl.int32) + num_pairs, mask=r < rows)
+    tl.debug_barrier()  # the padding first, then the pairs over it
+    before = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        flat = tl.load(experts_ptr + p0 + c, mask=p0 + c < num_pairs, other=-1).to(tl.int32)
+        hot = (flat[:, None] == e[None, :]).to(tl.int32)
+        row = (pad_start + before)[None, :] + tl.cumsum(hot, axis=0) - 1
+        tl.store(pairs_ptr + tl.sum(hot * row, axis=1), p0 + c, mask=p0 + c < num_pairs)
+        before += tl.sum(hot, axis=0)
+    used = tl.sum(padded, axis=0)
+    for t0 in range(0, rows // BM, CHUNK):
+        starts = (t0 + c) * BM
+        owner = tl.sum(((pad_end[None, :] <= starts[:, None]) & (e[None, :] < num_experts)).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + t0 + c, tl.where(starts < used, owner, -1), mask=starts < rows)
+    tl.store(num_padded_ptr, used)
+
+
+def align_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """:func:`align` as one program (up to :data:`ALIGN_ONE_PROGRAM_PAIRS` pairs)."""
+    require_triton()
+    flat = experts.reshape(-1).contiguous()
+    num_pairs = flat.numel()
+    if num_pairs > ALIGN_ONE_PROGRAM_PAIRS:
+        raise ValueError(f"{num_pairs} pairs: one program aligns at most {ALIGN_ONE_PROGRAM_PAIRS}")
+    rows = max_padded_rows(num_pairs, num_experts, block_m)
+    pairs = torch.empty(rows, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(rows // block_m, dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, pairs, block_experts, num_padded, num_pairs, num_experts, rows, BM=block_m,
+                        E_BLOCK=next_pow2(max(num_experts, 16)), CHUNK=ALIGN_CHUNK, R_BLOCK=1024, num_warps=4)
+    return Alignment(pairs, block_experts, num_padded, block_m)
 
 
 @dataclass(frozen=True)
@@ -184,6 +258,28 @@ def moe_gemm(a: torch.Tensor, weight, alignment: Alignment, num_pairs: int, a_di
     return out
 
 
+@triton.jit
+def _sum_top_k_kernel(outs_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    # Program (token, column block): the token's TOP_K rows summed in float32, in k order.
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(TOP_K):
+        acc += tl.load(outs_ptr + (token * TOP_K + k) * N + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_top_k(outs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``[T * top_k, N]`` contiguous rows -> each token's ``top_k`` rows summed, ``[T, N]``."""
+    tokens, n = outs.shape[0] // top_k, outs.shape[1]
+    out = torch.empty((tokens, n), dtype=outs.dtype, device=outs.device)
+    if tokens and n:
+        block = min(1024, next_pow2(n))
+        _sum_top_k_kernel[(tokens, cdiv(n, block))](outs, out, n, TOP_K=top_k, BLOCK=block, num_warps=4)
+    return out
+
+
 def fused_moe_triton(x: torch.Tensor, gate_up, down, experts: torch.Tensor, weights: torch.Tensor,
                      num_experts: int, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
     """The routed experts' output ``[T, hidden]`` for ``x`` ``[T, hidden]``, each token's
@@ -200,4 +296,4 @@ def fused_moe_triton(x: torch.Tensor, gate_up, down, experts: torch.Tensor, weig
     hidden = moe_gemm(x, gate_up, alignment, num_pairs, top_k, True, config=up_cfg)
     route = weights.reshape(-1).contiguous()
     outs = moe_gemm(hidden, down, alignment, num_pairs, 1, False, route=route, config=down_cfg)
-    return outs.view(tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return sum_top_k(outs, top_k)

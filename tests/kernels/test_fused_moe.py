@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kernels._triton import HAS_TRITON
-from kernels.fused_moe import align, fused_moe_triton, max_padded_rows
+from kernels.fused_moe import align_ref, align_triton, fused_moe_triton, max_padded_rows
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import sparse_config
 from pd_cluster.model.config import MoEConfig
@@ -52,7 +52,7 @@ def _moe(num_experts: int, top_k: int, inter: int, norm: bool = True) -> MoEConf
 @pytest.mark.parametrize("block_m", [1, 4, 16])
 def test_align_sorts_pairs_by_expert_and_pads_each_run_to_the_tile(block_m: int) -> None:
     experts = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 1], [5, 3]])  # expert 2 and 4 get nothing
-    a = align(experts, 6, block_m)
+    a = align_ref(experts, 6, block_m)
     flat = experts.flatten()
     rows = a.pairs.numel()
     assert rows == max_padded_rows(flat.numel(), 6, block_m) and rows % block_m == 0
@@ -72,7 +72,7 @@ def test_align_sorts_pairs_by_expert_and_pads_each_run_to_the_tile(block_m: int)
 
 def test_the_alignment_bound_holds_when_every_pair_takes_its_own_expert() -> None:
     experts = torch.arange(8).view(4, 2)
-    a = align(experts, 8, 16)
+    a = align_ref(experts, 8, 16)
     assert int(a.num_padded) == 8 * 16 == a.pairs.numel()
 
 
@@ -110,6 +110,17 @@ class InterpretedCases:
         experts, weights = route(x, w.router, moe)
         got = fused_moe_triton(x, w.gate_up, w.down, experts, weights, num_experts)
         torch.testing.assert_close(got, routed_experts_ref(x, w, moe, experts, weights), **TOL[dtype])
+
+    @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"), [
+        (1, 8, 2, 16), (5, 4, 2, 1), (64, 128, 8, 16), (3, 6, 1, 4), (128, 128, 8, 16), (50, 6, 2, 64)])
+    def test_one_program_alignment_equals_the_torch_ops(self, tokens, num_experts, top_k, block_m) -> None:
+        gen = torch.Generator().manual_seed(tokens)
+        experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
+        if tokens == 50:  # uneven: experts 2, 3 and 5 get nothing
+            experts = torch.tensor([[4, 1]] * 47 + [[1, 4], [0, 4], [4, 0]])
+        want, got = align_ref(experts, num_experts, block_m), align_triton(experts, num_experts, block_m)
+        for field in ("pairs", "block_experts", "num_padded"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
 
     def test_uneven_routing_with_experts_that_get_no_token(self) -> None:
         w = _experts(6, 64, 48, torch.float32, seed=3)
@@ -158,4 +169,4 @@ else:
         assert proc.returncode == 0, report
         summary = proc.stdout.strip().splitlines()[-1]
         passed = re.search(r"(\d+) passed", summary)
-        assert passed and int(passed.group(1)) >= 14 and "skipped" not in summary, report
+        assert passed and int(passed.group(1)) >= 20 and "skipped" not in summary, report
