@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kernels._triton import HAS_TRITON
 from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import resolve_model_path
 from pd_cluster.engine.beam_scorer import BeamScorer
@@ -94,11 +95,12 @@ def tp_config(config: EngineConfig) -> EngineConfig:
     return config.model_copy(update={"side_prefill_max_tokens": 0})
 
 
-def sparse_config(config: EngineConfig) -> EngineConfig:
-    """A mixture-of-experts model's settings: no CUDA graphs (a sparse layer reads each expert's
-    token count on the host, which a captured step cannot)."""
-    if config.cuda_graphs:
-        logger.info("mixture-of-experts model: CUDA graphs off (steps run eagerly)")
+def sparse_config(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """A mixture-of-experts model's settings: CUDA graphs only where the fused experts run (the
+    torch reference reads each expert's token count on the host, which a captured step cannot)."""
+    if not config.cuda_graphs or (device.type == "cuda" and HAS_TRITON):
+        return config
+    logger.info("mixture-of-experts model without the fused experts: CUDA graphs off (steps run eagerly)")
     return config.model_copy(update={"cuda_graphs": False})
 
 
@@ -137,7 +139,7 @@ class LLMEngine:
         self.grammars = Grammars(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
 
         if self.model_config.moe is not None:
-            config = self.config = sparse_config(config)
+            config = self.config = sparse_config(config, self.device)
         self.shard = Shard(0, config.tp)
         #: The other ranks of a tensor-parallel node (None at TP 1).
         self.tp: TPLeader | None = None

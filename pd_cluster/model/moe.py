@@ -1,12 +1,14 @@
-"""Routed experts of a mixture-of-experts MLP (Mixtral, Qwen3-MoE), in plain torch.
+"""Routed experts of a mixture-of-experts MLP (Mixtral, Qwen3-MoE).
 
 Each token's router picks its ``top_k`` experts by softmax probability (over every expert, in
 float32, as transformers does), weighted by those probabilities, renormalized over the chosen
 ones where the config says so. The (token, expert) pairs are sorted by expert, so each expert
 runs one GEMM over all of its tokens and the outputs are added back to their tokens in expert
 order (transformers' order of summation). The per-expert loop reads each expert's token count
-on the host, so a sparse step is not captured in a CUDA graph. The experts' projections may
-hold 8-bit weights (:mod:`pd_cluster.model.quant_linear`); the router stays in the model's dtype.
+on the host, so a sparse step is not captured in a CUDA graph: that torch reference serves the
+CPU, and CUDA tensors take the grouped GEMMs of :mod:`kernels.fused_moe` (no host reads, so
+sparse decode steps replay CUDA graphs). The experts' projections may hold 8-bit weights
+(:mod:`pd_cluster.model.quant_linear`); the router stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from kernels._triton import use_triton
+from kernels.fused_moe import fused_moe_triton
 from pd_cluster.model.config import MoEConfig
 from pd_cluster.model.quant_linear import linear
 from pd_cluster.model.weights import ExpertWeights
@@ -29,9 +33,23 @@ def route(x: torch.Tensor, router: torch.Tensor, moe: MoEConfig) -> tuple[torch.
     return experts, weights.to(x.dtype)
 
 
-def routed_experts(x: torch.Tensor, w: ExpertWeights, moe: MoEConfig) -> torch.Tensor:
-    """The sparse MLP's output ``[T, hidden]`` for normed hidden states ``x`` ``[T, hidden]``."""
+def fused_available(x: torch.Tensor) -> bool:
+    """Whether :func:`routed_experts` runs the fused kernels on ``x`` (CUDA tensors with Triton)."""
+    return use_triton(x)
+
+
+def routed_experts(x: torch.Tensor, w: ExpertWeights, moe: MoEConfig, fused: bool | None = None) -> torch.Tensor:
+    """The sparse MLP's output ``[T, hidden]`` for normed hidden states ``x`` ``[T, hidden]``;
+    ``fused`` None: the fused kernels where :func:`fused_available`, else the reference."""
     experts, weights = route(x, w.router, moe)
+    if fused if fused is not None else fused_available(x):
+        return fused_moe_triton(x, w.gate_up, w.down, experts, weights, moe.num_experts)
+    return routed_experts_ref(x, w, moe, experts, weights)
+
+
+def routed_experts_ref(x: torch.Tensor, w: ExpertWeights, moe: MoEConfig, experts: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """The torch reference over routed pairs: one GEMM an expert, counts read on the host."""
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     token_of = order // moe.top_k

@@ -24,6 +24,7 @@ from pd_cluster.bench.gpu.decode import measure_decode
 from pd_cluster.bench.gpu.grammar import measure_json_schema_overhead
 from pd_cluster.bench.gpu.hf import measure_hf
 from pd_cluster.bench.gpu.models import build_engine
+from pd_cluster.bench.gpu.moe import measure_moe
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.bench.gpu.prefill import measure_prefill
 from pd_cluster.bench.gpu.quant import measure_bf16, measure_fp8_kv, measure_fp8_weights, measure_kv_bytes, quant_info
@@ -97,9 +98,9 @@ def device_kind() -> str:
 
 
 PARTS = ("decode", "prefill", "hf", "pd", "same_gpu", "peer_ipc", "small_model", "local_prefill", "json_schema",
-         "beam", "quant", "tp")
+         "beam", "quant", "tp", "moe")
 #: The parts that build engines of their own rather than use the TP 1 engine of the big shape.
-OWN_ENGINE_PARTS = {"small_model", "quant", "tp"}
+OWN_ENGINE_PARTS = {"small_model", "quant", "tp", "moe"}
 
 
 def run(plan: Plan, out_dir: Path) -> dict:
@@ -121,6 +122,9 @@ def run(plan: Plan, out_dir: Path) -> dict:
             results.part("tp", lambda: measure_tp(plan, copy_bw, gen))
         else:
             results.data["errors"]["tp"] = "needs two GPUs"
+        empty_cache()
+    if "moe" in plan.parts:
+        results.part("moe", lambda: measure_moe(plan, dev0, copy_bw, matmul, gen))
         empty_cache()
     if "small_model" in plan.parts:
         results.part("small_model", lambda: measure_small_model(plan, dev0, copy_bw, matmul, gen))

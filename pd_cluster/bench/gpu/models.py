@@ -19,12 +19,12 @@ from pd_cluster.engine import llm_engine
 from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.quant_linear import Weight, quantize
-from pd_cluster.model.weights import LayerWeights, ModelWeights, load_weights
+from pd_cluster.model.weights import ExpertWeights, LayerWeights, ModelWeights, load_weights
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
                    quantization: str = "none") -> ModelWeights:
-    """Llama weights of ``cfg``'s shape, N(0, 0.02) like a fresh Hugging Face model, made on the device;
+    """Llama weights of ``cfg``'s shape (routed experts in its sparse layers), N(0, 0.02) like a fresh Hugging Face model, made on the device;
     ``quantization`` int8 / fp8: the projections quantized per output channel as the loader does,
     a layer at a time (the same values as the unquantized model's, to the format's precision)."""
     gen = torch.Generator(device=device)
@@ -40,9 +40,10 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
         weight = normal(*shape)
         return weight if quantization == "none" else quantize(weight, quantization)
 
-    if cfg.moe is not None:
-        raise ValueError(f"{cfg.model_type}: random bench weights are dense; load a mixture-of-experts shape "
-                         "with --load-format dummy")
+    def experts() -> ExpertWeights:
+        e, inter = cfg.moe.num_experts, cfg.moe.intermediate_size
+        return ExpertWeights(router=normal(e, h), gate_up=projection(e, 2 * inter, h), down=projection(e, h, inter))
+
     h, inter = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layers = [
@@ -52,12 +53,13 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, s
             qkv_bias=torch.zeros(q + 2 * kv, dtype=dtype, device=device) if cfg.attention_bias else None,
             o=projection(h, q),
             post_norm=ones(h),
-            gate_up=projection(2 * inter, h),
-            down=projection(h, inter),
+            gate_up=None if cfg.is_sparse(layer) else projection(2 * inter, h),
+            down=None if cfg.is_sparse(layer) else projection(h, inter),
             q_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
             k_norm=ones(cfg.head_dim) if cfg.qk_norm else None,
+            experts=experts() if cfg.is_sparse(layer) else None,
         )
-        for _ in range(cfg.num_layers)
+        for layer in range(cfg.num_layers)
     ]
     embed = normal(cfg.vocab_size, h)
     lm_head = embed if cfg.tie_word_embeddings else normal(cfg.vocab_size, h)

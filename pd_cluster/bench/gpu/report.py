@@ -34,6 +34,8 @@ TARGETS = {  # key: (target, "<=" lower is better / ">=" higher is better)
     "fp8_kv_transfer_bytes_ratio": (0.52, "<="),
     "fp8_prefill_mfu_4k": (0.6, ">="),
     "beam4_step_vs_b4_greedy": (1.15, "<="),
+    "moe_decode_floor_ratio_b64": (1.5, "<="),
+    "moe_prefill_mfu_4k": (0.5, ">="),
 }
 
 
@@ -86,6 +88,8 @@ def summarize(results: dict, plan: Plan) -> dict:
         "fp8_kv_transfer_bytes_ratio": get("quant", "kv_bytes", "bytes_ratio"),
         "fp8_prefill_mfu_4k": get("quant", "fp8_weights", "prefill", str(plan.key_len), "mfu"),
         "beam4_step_vs_b4_greedy": get("beam", "ratio"),
+        "moe_decode_floor_ratio_b64": get("moe", "decode", big, "floor_ratio"),
+        "moe_prefill_mfu_4k": get("moe", "prefill", str(plan.key_len), "mfu"),
     }
 
 
