@@ -139,21 +139,34 @@ def first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
 
 
 @triton.jit
+def first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
+    """:func:`first_weight_tile` as stored (8-bit codes): a tile carried from one block of inputs
+    to the next (``STREAM``) holds a quarter of the registers it would as float32."""
+    rk = tl.arange(0, BK)
+    return tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
+                   other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def project_rows(
     x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    STREAM: tl.constexpr = False,
 ):
     """The float32 products ``[BN, BM]`` of weight rows ``rn`` with the (prologued) input rows:
     the first weight tile (and the norm's weight) read, the wait on the kernel before, then
     :func:`project_loaded`. Any set of weight rows works: ``rn`` need not be a range."""
-    w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
+    if STREAM:
+        w = first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK)
+    else:
+        w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
     g = first_norm_tile(norm_w_ptr, K, PROLOGUE, BK, ONE_BLOCK)
     pdl_wait(USE_PDL)
     return project_loaded(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
                           stride_x, stride_res, stride_sum, stride_w, eps,
-                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK)
+                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM)
 
 
 @triton.jit
@@ -172,6 +185,7 @@ def project_loaded(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    STREAM: tl.constexpr = False,
 ):
     """:func:`project_rows` after its wait, given the first weight tile ``w`` and norm tile ``g``.
 
@@ -182,7 +196,12 @@ def project_loaded(
     registers, and a lone row without a norm takes the path of longer rows. Longer rows go in
     blocks of ``BK``, the norm's sum taken over all of them first, so they are read twice. The
     rows' inputs are read by every program, cheap next to the weight for the few rows this serves.
-    Program 0 alone stores the residual sum (``sum_ptr``)."""
+    Program 0 alone stores the residual sum (``sum_ptr``).
+
+    ``STREAM`` (one row over blocks, 8-bit weights): ``w`` holds the codes; each block's load of
+    the next weight block is issued before its own products, and the products add up elementwise,
+    summed across the tile once at the end, so that no reduction (a barrier) between blocks holds
+    back the next block's load: two blocks a program stay in flight."""
     dtype = sum_ptr.dtype.element_ty
     rm = tl.arange(0, BM)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -222,9 +241,13 @@ def project_loaded(
                         xs = (xs + r).to(dtype).to(tl.float32)
                     sq += xs * xs
                 rstd = tl.where(rm == m, tl.rsqrt(tl.sum(sq, axis=0) / K + eps), rstd)
+        wide = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            if k0 > 0:
+            if STREAM:
+                w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rk[None, :],
+                                 mask=n_mask[:, None] & (rk[None, :] + BK < K), other=0.0, eviction_policy="evict_first")
+            elif k0 > 0:
                 w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
                             other=0.0, eviction_policy="evict_first").to(tl.float32)
             store = (rk * 0 + pid) == 0
@@ -236,8 +259,15 @@ def project_loaded(
                            stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
                 if PROLOGUE == 1:
                     a = _normed(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
-                part = tl.sum(w * a[None, :], axis=1)
-                acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+                if STREAM:
+                    wide += w.to(tl.float32) * a[None, :]
+                else:
+                    part = tl.sum(w * a[None, :], axis=1)
+                    acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+            if STREAM:
+                w = w_next
+        if STREAM:
+            acc += tl.where(rm[None, :] == 0, tl.sum(wide, axis=1)[:, None], 0.0)
     return acc
 
 
@@ -271,6 +301,7 @@ def _gemv_kernel(
     BK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     # Program: BN output columns of all M rows (see ``project_rows``).
     pid = tl.program_id(0)
@@ -279,7 +310,7 @@ def _gemv_kernel(
     n_mask = rn < N
     acc = project_rows(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
-                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL)
+                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM)
     if HAS_SCALE:  # 8-bit weights: each output channel's scale
         acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
@@ -298,8 +329,9 @@ def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
     down projection): each of an 8B layer's projections then streams its weights faster than
     cuBLAS (qkv 20.7 against 23.0 us, gate/up 78.5 against 83.5, head 334 against 379). Up to
     :data:`ONE_BLOCK_ROWS` rows of up to 2048 inputs tile as one row does; more rows keep blocks of
-    256, as their products need the registers. 8-bit weights keep these tiles: one row with blocks of 2048 inputs over half the columns made the fp8 8B decode step
-    slower on an H200 (1.101 against 0.913 of bf16's)."""
+    256, as their products need the registers. 8-bit weights take
+    :func:`quant_projection_config` (with these tiles, blocks of 2048 inputs over half the columns
+    made the fp8 8B decode step slower on an H200: 1.101 against 0.913 of bf16's)."""
     if rows == 1 and k > 2048:
         return 1, 16 if k > 8192 else 2 if n <= 8192 else 4, 1024
     if rows <= ONE_BLOCK_ROWS and k <= 2048:
@@ -310,6 +342,32 @@ def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
         return next_pow2(rows), 8 if n > 8192 or k > 1024 else 4, next_pow2(k)
     bn = 16 if n > 16384 else 8 if n >= 2048 else 4
     return next_pow2(rows), bn, 128 if n > 16384 else 256
+
+
+#: 8-bit weights' GEMV configs ((BM, BN, BK), warps) by (rows' power of two, out features, in
+#: features), as the sweep (``pd_cluster.bench.gpu.fp8_sweep --gemv8``) measures them fastest; a
+#: shape not here takes :func:`quant_projection_heuristic`.
+QUANT_TILES: dict[tuple[int, int, int], tuple[tuple[int, int, int], int]] = {}
+
+
+def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
+    """((BM, BN, BK), warps) for 8-bit weights, sized for memory parallelism: a decode projection
+    reads every weight byte once, so each program should put many 16-byte loads in flight at once
+    and wait for them once. A row of up to 4096 inputs is read whole (one block: every load of the
+    program's weight tile issued before its first wait, the norm in registers), two or four
+    channels a program over eight warps (16-32 bytes a thread, 8-16 programs an SM). Longer rows
+    (14336) stream blocks of 2048 codes over four channels, the next block's load issued before
+    the current block's products (``STREAM``). More rows keep the float tiles."""
+    if rows <= ONE_BLOCK_ROWS and k <= 4096:
+        return (next_pow2(rows), 2 if n <= 8192 else 4, next_pow2(k)), 8
+    if rows == 1:
+        return (1, 4, 2048), 8
+    return projection_tiles(rows, n, k), 4
+
+
+def quant_projection_config(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
+    """((BM, BN, BK), warps) for 8-bit weights: :data:`QUANT_TILES`' entry, else the heuristic."""
+    return QUANT_TILES.get((next_pow2(rows), n, k)) or quant_projection_heuristic(rows, n, k)
 
 
 def _launch(
@@ -328,6 +386,8 @@ def _launch(
     tiles: tuple[int, int, int] | None = None,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
+    (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights)."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -346,7 +406,12 @@ def _launch(
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
         return out, new_residual
+    if tiles is None and weight_scale is not None:
+        tiles, num_warps = quant_projection_config(m, n, k)
     bm, bn, bk = tiles or projection_tiles(m, n, k)
+    if bm < m:
+        raise ValueError(f"tiles of {bm} rows for {m}")
+    stream = weight_scale is not None and bm == 1 and k > bk  # see project_loaded
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
@@ -377,6 +442,7 @@ def _launch(
         BK=bk,
         ONE_BLOCK=k <= bk,
         USE_PDL=pdl,
+        STREAM=stream,
         num_warps=num_warps,
         **pdl_options(pdl),
     )
