@@ -385,9 +385,11 @@ def _launch(
     weight_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
     num_warps: int = 4,
+    stream: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
-    (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights)."""
+    (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
+    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`)."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -411,7 +413,7 @@ def _launch(
     bm, bn, bk = tiles or projection_tiles(m, n, k)
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
-    stream = weight_scale is not None and bm == 1 and k > bk  # see project_loaded
+    stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # see project_loaded
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
@@ -479,10 +481,12 @@ def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-                  tiles: tuple[int, int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
-    """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK) and
-    ``num_warps`` replace :func:`projection_tiles`' choice (for a sweep of them)."""
-    return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps)[0]
+                  tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
+                  stream: bool | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
+    ``num_warps`` and ``stream`` replace the default choice (for a sweep of them)."""
+    return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
+                   stream=stream)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:
