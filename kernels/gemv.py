@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from kernels._triton import (
     cdiv,
     last_dim_contiguous,
-    next_pow2,
     pdl_options,
     pdl_wait,
     require_triton,
@@ -25,13 +24,17 @@ from kernels._triton import (
     use_pdl,
     use_triton,
 )
+from kernels.gemv_tiles import (  # noqa: F401  # the tiles' choice, re-exported
+    MAX_ROWS,
+    ONE_BLOCK_ROWS,
+    QUANT_TILES,
+    projection_tiles,
+    quant_projection_config,
+    quant_projection_heuristic,
+)
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
 
-#: Rows one launch serves; more rows are a GEMM's job (tensor cores, cuBLAS).
-MAX_ROWS = 8
-#: Rows (up to 2048 inputs) whose whole input row a program reads in one block.
-ONE_BLOCK_ROWS = 4
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
@@ -318,56 +321,6 @@ def _gemv_kernel(
     # Rounded to the input's dtype first, as the unfused product is, also into a wider output.
     out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], out, mask=n_mask[:, None] & (rm[None, :] < M))
-
-
-def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BM, BN, BK) as measured fastest on an H100. One row reads its whole weight tile (up to
-    2048 inputs) in one block, before waiting on the kernel before it (a dependent launch): the
-    default model's step replay 0.79 -> 0.56 ms; a few output columns a program there (more for a
-    vocabulary head, whose programs each redo the norm). Longer rows (an 8B shape's 4096 and
-    14336) go in blocks of 1024 over two to four columns a program, sixteen for the longest (the
-    down projection): each of an 8B layer's projections then streams its weights faster than
-    cuBLAS (qkv 20.7 against 23.0 us, gate/up 78.5 against 83.5, head 334 against 379). Up to
-    :data:`ONE_BLOCK_ROWS` rows of up to 2048 inputs tile as one row does; more rows keep blocks of
-    256, as their products need the registers. 8-bit weights take
-    :func:`quant_projection_config` (with these tiles, blocks of 2048 inputs over half the columns
-    made the fp8 8B decode step slower on an H200: 1.101 against 0.913 of bf16's)."""
-    if rows == 1 and k > 2048:
-        return 1, 16 if k > 8192 else 2 if n <= 8192 else 4, 1024
-    if rows <= ONE_BLOCK_ROWS and k <= 2048:
-        # The default model's head and down projection: 8 columns 22.9 and 1.97 us, against
-        # 26.8 (16 columns) and 2.11 (4 columns); its gate/up (3072 x 576) 2.58 us with 4
-        # columns against 2.74 with 8 (an H200). A few rows tile as one does: each program reads
-        # its weight tile whole before its wait and multiplies it by every row.
-        return next_pow2(rows), 8 if n > 8192 or k > 1024 else 4, next_pow2(k)
-    bn = 16 if n > 16384 else 8 if n >= 2048 else 4
-    return next_pow2(rows), bn, 128 if n > 16384 else 256
-
-
-#: 8-bit weights' GEMV configs ((BM, BN, BK), warps) by (rows' power of two, out features, in
-#: features), as the sweep (``pd_cluster.bench.gpu.fp8_sweep --gemv8``) measures them fastest; a
-#: shape not here takes :func:`quant_projection_heuristic`.
-QUANT_TILES: dict[tuple[int, int, int], tuple[tuple[int, int, int], int]] = {}
-
-
-def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
-    """((BM, BN, BK), warps) for 8-bit weights, sized for memory parallelism: a decode projection
-    reads every weight byte once, so each program should put many 16-byte loads in flight at once
-    and wait for them once. A row of up to 4096 inputs is read whole (one block: every load of the
-    program's weight tile issued before its first wait, the norm in registers), two or four
-    channels a program over eight warps (16-32 bytes a thread, 8-16 programs an SM). Longer rows
-    (14336) stream blocks of 2048 codes over four channels, the next block's load issued before
-    the current block's products (``STREAM``). More rows keep the float tiles."""
-    if rows <= ONE_BLOCK_ROWS and k <= 4096:
-        return (next_pow2(rows), 2 if n <= 8192 else 4, next_pow2(k)), 8
-    if rows == 1:
-        return (1, 4, 2048), 8
-    return projection_tiles(rows, n, k), 4
-
-
-def quant_projection_config(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
-    """((BM, BN, BK), warps) for 8-bit weights: :data:`QUANT_TILES`' entry, else the heuristic."""
-    return QUANT_TILES.get((next_pow2(rows), n, k)) or quant_projection_heuristic(rows, n, k)
 
 
 def _launch(

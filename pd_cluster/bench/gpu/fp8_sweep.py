@@ -56,10 +56,10 @@ ROWS = [1, 2, 4, 8, 16, 32, 64]
 #: 4096-input block: all at one row (longer rows stream their blocks), the first two at more (the
 #: sweep's compiles are most of its time).
 GEMV_CANDIDATES = {
-    True: [((2, 4096), 8), ((4, 4096), 8), ((1, 4096), 4), ((2, 4096), 4), ((8, 4096), 8), ((4, 2048), 8),
+    True: [((4, 4096), 8), ((8, 512), 4), ((2, 4096), 4), ((1, 4096), 4), ((2, 2048), 4), ((4, 2048), 8),
            ((2, 1024), 4)],
-    False: [((4, 2048), 8), ((8, 2048), 8), ((2, 2048), 8), ((4, 1024), 4), ((8, 1024), 4), ((16, 1024), 4),
-            ((4, 4096), 8)],
+    False: [((4, 512), 4), ((2, 2048), 4), ((16, 512), 4), ((8, 1024), 4), ((4, 2048), 8), ((8, 2048), 8),
+            ((4, 1024), 4)],
 }
 #: Weight-only GEMM (BN, BK, warps, stages) beside the default, from 16 rows; BM is the rows' power
 #: of two (16 to 64).
