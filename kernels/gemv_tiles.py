@@ -45,18 +45,22 @@ QUANT_TILES: dict[tuple[int, int, int], tuple[tuple[int, int, int], int]] = {}
 def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
     """((BM, BN, BK), warps) for 8-bit weights, sized for memory parallelism: a decode projection
     reads every weight byte once, and what bounds it is the bytes in flight an SM (at the copy
-    rate and a microsecond's latency, some 32 KiB), which the registers a program needs bound in
-    turn (registers of the sm_90 builds by ``ptxas -v``; not yet measured on the GPU). One row of up to 4096 inputs is read whole (one block: every load of the
-    program's weight tile issued before its first wait, the norm in registers): two channels a
-    program over eight warps (80 registers: 3 programs of 8 KiB an SM), four for the wide gate/up.
-    Longer rows (14336) stream blocks of 512 codes over eight channels (``STREAM``: the next block's
-    load issued before the current block's products; 128 registers, 4 programs of two 4 KiB blocks
-    an SM). More rows keep the float tiles (a 4096-input block over 2 or 4 rows needs 116-230
-    registers: 1-2 programs an SM)."""
-    if rows == 1 and k <= 4096:
-        return (1, 2 if n <= 8192 else 4, next_pow2(k)), 8
-    if rows == 1:
+    rate and a microsecond's latency, some 32 KiB or more), which the registers a program needs
+    bound in turn (counts of the sm_90 builds by ``ptxas -v``; estimates, not yet timed on the
+    GPU). One row of 2049-4096 inputs is read whole (one block: every load of the program's
+    weight tile issued before its first wait, the norm in registers), four channels a program
+    over eight warps: 16 KiB a program, 64 registers with the norm (4 programs an SM), 112
+    without (2). Longer rows (14336) stream blocks of 512 codes over eight channels (``STREAM``:
+    the next block's load issued before the current block's products): 80-96 registers, 5
+    programs of two 4 KiB blocks an SM. Two to four rows over long inputs take blocks of 512 over
+    eight channels (72-96 registers: 5-7 programs of 4 KiB). Inputs of up to 2048 (the default
+    model) and more rows keep the float tiles, measured there."""
+    if rows == 1 and 2048 < k <= 4096:
+        return (1, 4, next_pow2(k)), 8
+    if rows == 1 and k > 4096:
         return (1, 8, 512), 4
+    if rows <= ONE_BLOCK_ROWS and k > 2048:
+        return (next_pow2(rows), 8, 512), 4
     return projection_tiles(rows, n, k), 4
 
 

@@ -102,7 +102,9 @@ WEIGHT_ONLY_MAX_ROWS = 128
 #: Rows up to which FP8 weights take the weight-only GEMM rather than ``torch._scaled_mm`` behind
 #: the fused activation quantization: one H200, a layer's four 8B projections, 16 rows 130 against
 #: 150 us, 64 rows 196 against 138 us (``pd_cluster.bench.gpu.fp8_sweep``). int8 has no scaled
-#: product to hand over to, so it keeps the GEMM up to WEIGHT_ONLY_MAX_ROWS.
+#: product to hand over to, so it keeps the GEMM up to WEIGHT_ONLY_MAX_ROWS. (That sweep timed each
+#: call with its Python launch, which for small kernels took longer than the kernel; the sweep now
+#: times them in a CUDA graph, as a decode step runs them: its layer sums re-pick this limit.)
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 

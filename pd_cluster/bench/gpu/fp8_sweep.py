@@ -56,15 +56,13 @@ ROWS = [1, 2, 4, 8, 16, 32, 64]
 #: 4096-input block: all at one row (longer rows stream their blocks), the first two at more (the
 #: sweep's compiles are most of its time).
 GEMV_CANDIDATES = {
-    True: [((4, 4096), 8), ((8, 512), 4), ((2, 4096), 4), ((1, 4096), 4), ((2, 2048), 4), ((4, 2048), 8),
-           ((2, 1024), 4)],
-    False: [((4, 512), 4), ((2, 2048), 4), ((16, 512), 4), ((8, 1024), 4), ((4, 2048), 8), ((8, 2048), 8),
-            ((4, 1024), 4)],
+    True: [((8, 512), 4), ((2, 4096), 8), ((8, 4096), 8), ((2, 4096), 4), ((4, 2048), 8), ((8, 1024), 4),
+           ((4, 4096), 4)],
+    False: [((4, 512), 4), ((16, 512), 4), ((2, 2048), 4), ((8, 1024), 4), ((4, 2048), 8), ((8, 256), 4)],
 }
 #: Weight-only GEMM (BN, BK, warps, stages) beside the default, from 16 rows; BM is the rows' power
 #: of two (16 to 64).
-GEMM_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (16, 256, 4, 4), (128, 128, 8, 3),
-              (32, 512, 4, 3)]
+GEMM_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (128, 128, 8, 3), (64, 128, 8, 5)]
 #: Bytes the weight copies of one path add up to: three times the H200's 50 MB of L2.
 COLD_BYTES = 150 << 20
 #: Calls a graph replays (over the copies in turn).
@@ -263,6 +261,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     timings: list[Timing] = []
+    path = args.json or (Path(os.environ["OUT"]) / "fp8_sweep.json" if os.environ.get("OUT") else None)
     for shape in SHAPES:
         _, n, k = shape
         w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
@@ -271,6 +270,8 @@ def main() -> None:
             sweep_shape(timings, shape, rows, weights, args.quick)
         del weights, w16
         torch.cuda.empty_cache()
+        if path is not None:  # the shapes so far, should the run be cut short
+            path.write_text(json.dumps({"partial": True, "timings": [asdict(t) for t in timings]}))
     table = summary(timings, rows_swept)
     print("\nbest of each path (vs_bf16: time over bf16's best at the same shape and rows)")
     print(f"{'shape':8s} {'rows':>4s} {'path':22s} {'config':26s} {'us':>9s} {'vs_bf16':>8s} {'GB/s':>6s}")
@@ -285,7 +286,6 @@ def main() -> None:
     print("\nfp8 GEMV winners as kernels.gemv.QUANT_TILES entries:")
     for where, entry in winners.items():
         print(f"    {entry:45s} # {where}")
-    path = args.json or (Path(os.environ["OUT"]) / "fp8_sweep.json" if os.environ.get("OUT") else None)
     if path is not None:
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                                     "timing": "cuda graph, cold weights", "timings": [asdict(t) for t in timings],
