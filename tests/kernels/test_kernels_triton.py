@@ -97,8 +97,9 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # few-row projection, its products (the first weight tile, as float and as stored, the norm's
 # tile, the products after the wait), its input and its norm, the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
-# step's inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM.
-NUM_KERNELS = 36
+# step's inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM (and its
+# transposed form).
+NUM_KERNELS = 37
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -536,11 +537,11 @@ class InterpretedCases:
         gen = torch.Generator().manual_seed(22)
         limit = 127 if qdtype == torch.int8 else 448
         # 37 rows over tiles of 16 (a partial one), 70 outputs over tiles of 32, 200 inputs in
-        # blocks of 64 (a partial one); then the default tiles.
+        # blocks of 64 (a partial one); then the default tiles; then the transposed product.
         weight = (torch.randn(70, 200, generator=gen) * limit / 3).clamp(-limit, limit).to(qdtype)
         scale = torch.rand(70, generator=gen) * 2e-3 + 1e-4
         bias = torch.randn(70, generator=gen).to(dtype)
-        for rows, config in ((37, GemmConfig(16, 32, 64)), (9, None)):
+        for rows, config in ((37, GemmConfig(16, 32, 64)), (9, None), (37, GemmConfig(16, 32, 64, swap=True))):
             x = torch.randn(rows, 200, generator=gen).to(dtype)
             out = weight_only_linear_triton(x, weight, scale, bias, config)
             assert_matches(out, linear_ref(x, weight, scale) + bias, *WEIGHT_ONLY_TOL[dtype])
