@@ -49,8 +49,9 @@ from pd_cluster.model.quant_linear import QuantLinear, quantize
 
 logger = logging.getLogger(__name__)
 
-#: (name, out features, in features) of one Llama-3-8B layer's projections.
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+#: (name, out features, in features) of one Llama-3-8B layer's projections; the two input widths
+#: first (each compiles its own kernels), should the run be cut short.
+SHAPES = [("qkv", 6144, 4096), ("down", 4096, 14336), ("o", 4096, 4096), ("gate_up", 28672, 4096)]
 ROWS = [1, 2, 4, 8, 16, 32, 64]
 #: 8-bit GEMV candidates ((BN, BK), warps) (BM: the rows' power of two), by whether a row fits a
 #: 4096-input block: all at one row (longer rows stream their blocks), the first two at more (the
