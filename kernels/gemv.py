@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from kernels._triton import (
     cdiv,
     last_dim_contiguous,
-    next_pow2,
     pdl_options,
     pdl_wait,
     require_triton,
@@ -25,13 +24,17 @@ from kernels._triton import (
     use_pdl,
     use_triton,
 )
+from kernels.gemv_tiles import (  # noqa: F401  # the tiles' choice, re-exported
+    MAX_ROWS,
+    ONE_BLOCK_ROWS,
+    QUANT_TILES,
+    projection_tiles,
+    quant_projection_config,
+    quant_projection_heuristic,
+)
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
 
-#: Rows one launch serves; more rows are a GEMM's job (tensor cores, cuBLAS).
-MAX_ROWS = 8
-#: Rows (up to 2048 inputs) whose whole input row a program reads in one block.
-ONE_BLOCK_ROWS = 4
 
 _PLAIN, _NORM, _SILU = 0, 1, 2
 
@@ -139,21 +142,34 @@ def first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
 
 
 @triton.jit
+def first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
+    """:func:`first_weight_tile` as stored (8-bit codes): a tile carried from one block of inputs
+    to the next (``STREAM``) holds a quarter of the registers it would as float32."""
+    rk = tl.arange(0, BK)
+    return tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
+                   other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def project_rows(
     x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    STREAM: tl.constexpr = False,
 ):
     """The float32 products ``[BN, BM]`` of weight rows ``rn`` with the (prologued) input rows:
     the first weight tile (and the norm's weight) read, the wait on the kernel before, then
     :func:`project_loaded`. Any set of weight rows works: ``rn`` need not be a range."""
-    w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
+    if STREAM:
+        w = first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK)
+    else:
+        w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
     g = first_norm_tile(norm_w_ptr, K, PROLOGUE, BK, ONE_BLOCK)
     pdl_wait(USE_PDL)
     return project_loaded(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
                           stride_x, stride_res, stride_sum, stride_w, eps,
-                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK)
+                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM)
 
 
 @triton.jit
@@ -172,6 +188,7 @@ def project_loaded(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    STREAM: tl.constexpr = False,
 ):
     """:func:`project_rows` after its wait, given the first weight tile ``w`` and norm tile ``g``.
 
@@ -182,7 +199,12 @@ def project_loaded(
     registers, and a lone row without a norm takes the path of longer rows. Longer rows go in
     blocks of ``BK``, the norm's sum taken over all of them first, so they are read twice. The
     rows' inputs are read by every program, cheap next to the weight for the few rows this serves.
-    Program 0 alone stores the residual sum (``sum_ptr``)."""
+    Program 0 alone stores the residual sum (``sum_ptr``).
+
+    ``STREAM`` (one row over blocks, 8-bit weights): ``w`` holds the codes; each block's load of
+    the next weight block is issued before its own products, and the products add up elementwise,
+    summed across the tile once at the end, so that no reduction (a barrier) between blocks holds
+    back the next block's load: two blocks a program stay in flight."""
     dtype = sum_ptr.dtype.element_ty
     rm = tl.arange(0, BM)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -222,9 +244,13 @@ def project_loaded(
                         xs = (xs + r).to(dtype).to(tl.float32)
                     sq += xs * xs
                 rstd = tl.where(rm == m, tl.rsqrt(tl.sum(sq, axis=0) / K + eps), rstd)
+        wide = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
-            if k0 > 0:
+            if STREAM:
+                w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rk[None, :],
+                                 mask=n_mask[:, None] & (rk[None, :] + BK < K), other=0.0, eviction_policy="evict_first")
+            elif k0 > 0:
                 w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
                             other=0.0, eviction_policy="evict_first").to(tl.float32)
             store = (rk * 0 + pid) == 0
@@ -236,8 +262,15 @@ def project_loaded(
                            stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
                 if PROLOGUE == 1:
                     a = _normed(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
-                part = tl.sum(w * a[None, :], axis=1)
-                acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+                if STREAM:
+                    wide += w.to(tl.float32) * a[None, :]
+                else:
+                    part = tl.sum(w * a[None, :], axis=1)
+                    acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+            if STREAM:
+                w = w_next
+        if STREAM:
+            acc += tl.where(rm[None, :] == 0, tl.sum(wide, axis=1)[:, None], 0.0)
     return acc
 
 
@@ -271,6 +304,7 @@ def _gemv_kernel(
     BK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    STREAM: tl.constexpr,
 ):
     # Program: BN output columns of all M rows (see ``project_rows``).
     pid = tl.program_id(0)
@@ -279,7 +313,7 @@ def _gemv_kernel(
     n_mask = rn < N
     acc = project_rows(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
-                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL)
+                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM)
     if HAS_SCALE:  # 8-bit weights: each output channel's scale
         acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
@@ -287,29 +321,6 @@ def _gemv_kernel(
     # Rounded to the input's dtype first, as the unfused product is, also into a wider output.
     out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], out, mask=n_mask[:, None] & (rm[None, :] < M))
-
-
-def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BM, BN, BK) as measured fastest on an H100. One row reads its whole weight tile (up to
-    2048 inputs) in one block, before waiting on the kernel before it (a dependent launch): the
-    default model's step replay 0.79 -> 0.56 ms; a few output columns a program there (more for a
-    vocabulary head, whose programs each redo the norm). Longer rows (an 8B shape's 4096 and
-    14336) go in blocks of 1024 over two to four columns a program, sixteen for the longest (the
-    down projection): each of an 8B layer's projections then streams its weights faster than
-    cuBLAS (qkv 20.7 against 23.0 us, gate/up 78.5 against 83.5, head 334 against 379). Up to
-    :data:`ONE_BLOCK_ROWS` rows of up to 2048 inputs tile as one row does; more rows keep blocks of
-    256, as their products need the registers. 8-bit weights keep these tiles: one row with blocks of 2048 inputs over half the columns made the fp8 8B decode step
-    slower on an H200 (1.101 against 0.913 of bf16's)."""
-    if rows == 1 and k > 2048:
-        return 1, 16 if k > 8192 else 2 if n <= 8192 else 4, 1024
-    if rows <= ONE_BLOCK_ROWS and k <= 2048:
-        # The default model's head and down projection: 8 columns 22.9 and 1.97 us, against
-        # 26.8 (16 columns) and 2.11 (4 columns); its gate/up (3072 x 576) 2.58 us with 4
-        # columns against 2.74 with 8 (an H200). A few rows tile as one does: each program reads
-        # its weight tile whole before its wait and multiplies it by every row.
-        return next_pow2(rows), 8 if n > 8192 or k > 1024 else 4, next_pow2(k)
-    bn = 16 if n > 16384 else 8 if n >= 2048 else 4
-    return next_pow2(rows), bn, 128 if n > 16384 else 256
 
 
 def _launch(
@@ -327,7 +338,11 @@ def _launch(
     weight_scale: torch.Tensor | None = None,
     tiles: tuple[int, int, int] | None = None,
     num_warps: int = 4,
+    stream: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
+    (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
+    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`)."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -346,7 +361,12 @@ def _launch(
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
         return out, new_residual
+    if tiles is None and weight_scale is not None:
+        tiles, num_warps = quant_projection_config(m, n, k)
     bm, bn, bk = tiles or projection_tiles(m, n, k)
+    if bm < m:
+        raise ValueError(f"tiles of {bm} rows for {m}")
+    stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # see project_loaded
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
@@ -377,6 +397,7 @@ def _launch(
         BK=bk,
         ONE_BLOCK=k <= bk,
         USE_PDL=pdl,
+        STREAM=stream,
         num_warps=num_warps,
         **pdl_options(pdl),
     )
@@ -413,10 +434,12 @@ def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
-                  tiles: tuple[int, int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
-    """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK) and
-    ``num_warps`` replace :func:`projection_tiles`' choice (for a sweep of them)."""
-    return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps)[0]
+                  tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
+                  stream: bool | None = None) -> torch.Tensor:
+    """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
+    ``num_warps`` and ``stream`` replace the default choice (for a sweep of them)."""
+    return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
+                   stream=stream)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:

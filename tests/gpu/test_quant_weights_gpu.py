@@ -29,7 +29,7 @@ def _methods() -> list[str]:
 
 
 @pytest.mark.parametrize("method", _methods())
-@pytest.mark.parametrize("rows, n, k", [(1, 4096, 4096), (4, 3072, 576), (8, 1024, 14336)])
+@pytest.mark.parametrize("rows, n, k", [(1, 4096, 4096), (4, 3072, 576), (8, 1024, 14336), (1, 1024, 14336)])
 def test_gemv_reads_8_bit_weights_as_the_reference(method, rows, n, k):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)

@@ -53,10 +53,13 @@ from kernels.kv_transfer import (
 )
 from kernels.gemv import MAX_ROWS as MAX_GEMV_ROWS
 from kernels.gemv import (
+    QUANT_TILES,
     linear_ref,
     linear_triton,
     norm_linear_ref,
     norm_linear_triton,
+    quant_projection_config,
+    quant_projection_heuristic,
     silu_linear_ref,
     silu_linear_triton,
 )
@@ -91,11 +94,12 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
 # helpers (the tile's sequence, its rows), decode split and merge,
 # the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
-# few-row projection, its products (the first weight tile, the norm's tile, the products after
-# the wait), its input and its norm, the qkv projection with rotary and KV store, the
+# few-row projection, its products (the first weight tile, as float and as stored, the norm's
+# tile, the products after the wait), its input and its norm, the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
-# step's inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM.
-NUM_KERNELS = 35
+# step's inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM (and its
+# transposed form).
+NUM_KERNELS = 37
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -533,16 +537,48 @@ class InterpretedCases:
         gen = torch.Generator().manual_seed(22)
         limit = 127 if qdtype == torch.int8 else 448
         # 37 rows over tiles of 16 (a partial one), 70 outputs over tiles of 32, 200 inputs in
-        # blocks of 64 (a partial one); then the default tiles.
+        # blocks of 64 (a partial one); then the default tiles; then the transposed product.
         weight = (torch.randn(70, 200, generator=gen) * limit / 3).clamp(-limit, limit).to(qdtype)
         scale = torch.rand(70, generator=gen) * 2e-3 + 1e-4
         bias = torch.randn(70, generator=gen).to(dtype)
-        for rows, config in ((37, GemmConfig(16, 32, 64)), (9, None)):
+        for rows, config in ((37, GemmConfig(16, 32, 64)), (9, None), (37, GemmConfig(16, 32, 64, swap=True))):
             x = torch.randn(rows, 200, generator=gen).to(dtype)
             out = weight_only_linear_triton(x, weight, scale, bias, config)
             assert_matches(out, linear_ref(x, weight, scale) + bias, *WEIGHT_ONLY_TOL[dtype])
         with pytest.raises(ValueError, match="scale"):
             weight_only_linear_triton(x, weight, scale.double())
+
+    @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+    def test_one_row_streams_8_bit_weights_over_long_inputs(self, qdtype: torch.dtype) -> None:
+        """One row over more inputs than a tile reads whole: 8-bit weight blocks streamed (the next
+        block's load before the current block's products, products summed across the tile once),
+        with the norm, the SiLU gate and neither; default tiles (9000 inputs: blocks of 2048, the
+        last partial) and small ones (1200 inputs in blocks of 512 over 3 channels a program)."""
+        gen = torch.Generator().manual_seed(16)
+        limit = 127 if qdtype == torch.int8 else 448
+        codes = lambda n, k: (torch.randn(n, k, generator=gen) * limit / 3).clamp(-limit, limit).to(qdtype)  # noqa: E731
+        for k, tiles in ((9000, None), (1200, (1, 4, 512))):
+            weight, w_scale = codes(23, k), torch.rand(23, generator=gen) * 2e-4 + 1e-5
+            x, residual = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
+            norm_weight = torch.rand(k, generator=gen) + 0.5
+            assert_matches(linear_triton(x, weight, w_scale, tiles=tiles), linear_ref(x, weight, w_scale),
+                           *QUANT_GEMV_TOL[torch.float32])
+            out, new_residual = norm_linear_triton(x, residual, norm_weight, 1e-5, weight, weight_scale=w_scale)
+            ref, ref_residual = norm_linear_ref(x, residual, norm_weight, 1e-5, weight, weight_scale=w_scale)
+            assert_matches(out, ref, *QUANT_GEMV_TOL[torch.float32])
+            assert_close_elementwise(new_residual, ref_residual)
+            gate_up = torch.randn(1, 2 * k, generator=gen)
+            assert_matches(silu_linear_triton(gate_up, weight, w_scale), silu_linear_ref(gate_up, weight, w_scale),
+                           *QUANT_GEMV_TOL[torch.float32])
+
+    def test_8_bit_weights_take_the_measured_tiles_before_the_heuristic(self, monkeypatch) -> None:
+        assert quant_projection_config(1, 4096, 14336) == quant_projection_heuristic(1, 4096, 14336)
+        monkeypatch.setitem(QUANT_TILES, (1, 23, 300), ((1, 8, 128), 4))
+        assert quant_projection_config(1, 23, 300) == ((1, 8, 128), 4)
+        gen = torch.Generator().manual_seed(17)
+        weight = (torch.randn(23, 300, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
+        w_scale, x = torch.rand(23, generator=gen) * 1e-3 + 1e-4, torch.randn(1, 300, generator=gen)
+        assert_matches(linear_triton(x, weight, w_scale), linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[torch.float32])
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third

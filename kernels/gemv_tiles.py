@@ -1,0 +1,69 @@
+"""The tiles of the few-row projections (:mod:`kernels.gemv`): for float weights as measured on an
+H100, for 8-bit weights per shape as the sweep measures them, else from the bytes in flight an SM
+a config keeps."""
+
+from __future__ import annotations
+
+from kernels._triton import next_pow2
+
+#: Rows one launch serves; more rows are a GEMM's job (tensor cores, cuBLAS).
+MAX_ROWS = 8
+#: Rows (up to 2048 inputs) whose whole input row a program reads in one block.
+ONE_BLOCK_ROWS = 4
+
+
+def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BM, BN, BK) as measured fastest on an H100. One row reads its whole weight tile (up to
+    2048 inputs) in one block, before waiting on the kernel before it (a dependent launch): the
+    default model's step replay 0.79 -> 0.56 ms; a few output columns a program there (more for a
+    vocabulary head, whose programs each redo the norm). Longer rows (an 8B shape's 4096 and
+    14336) go in blocks of 1024 over two to four columns a program, sixteen for the longest (the
+    down projection): each of an 8B layer's projections then streams its weights faster than
+    cuBLAS (qkv 20.7 against 23.0 us, gate/up 78.5 against 83.5, head 334 against 379). Up to
+    :data:`ONE_BLOCK_ROWS` rows of up to 2048 inputs tile as one row does; more rows keep blocks of
+    256, as their products need the registers. 8-bit weights take
+    :func:`quant_projection_config` (with these tiles, blocks of 2048 inputs over half the columns
+    made the fp8 8B decode step slower on an H200: 1.101 against 0.913 of bf16's)."""
+    if rows == 1 and k > 2048:
+        return 1, 16 if k > 8192 else 2 if n <= 8192 else 4, 1024
+    if rows <= ONE_BLOCK_ROWS and k <= 2048:
+        # The default model's head and down projection: 8 columns 22.9 and 1.97 us, against
+        # 26.8 (16 columns) and 2.11 (4 columns); its gate/up (3072 x 576) 2.58 us with 4
+        # columns against 2.74 with 8 (an H200). A few rows tile as one does: each program reads
+        # its weight tile whole before its wait and multiplies it by every row.
+        return next_pow2(rows), 8 if n > 8192 or k > 1024 else 4, next_pow2(k)
+    bn = 16 if n > 16384 else 8 if n >= 2048 else 4
+    return next_pow2(rows), bn, 128 if n > 16384 else 256
+
+
+#: 8-bit weights' GEMV configs ((BM, BN, BK), warps) by (rows' power of two, out features, in
+#: features), as the sweep (``pd_cluster.bench.gpu.fp8_sweep``, which prints its winners as
+#: entries) measures them fastest; a shape not here takes :func:`quant_projection_heuristic`.
+QUANT_TILES: dict[tuple[int, int, int], tuple[tuple[int, int, int], int]] = {}
+
+
+def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
+    """((BM, BN, BK), warps) for 8-bit weights, sized for memory parallelism: a decode projection
+    reads every weight byte once, and what bounds it is the bytes in flight an SM (at the copy
+    rate and a microsecond's latency, some 32 KiB or more), which the registers a program needs
+    bound in turn (counts of the sm_90 builds by ``ptxas -v``; estimates, not yet timed on the
+    GPU). One row of 2049-4096 inputs is read whole (one block: every load of the program's
+    weight tile issued before its first wait, the norm in registers), four channels a program
+    over eight warps: 16 KiB a program, 64 registers with the norm (4 programs an SM), 112
+    without (2). Longer rows (14336) stream blocks of 512 codes over eight channels (``STREAM``:
+    the next block's load issued before the current block's products): 80-96 registers, 5
+    programs of two 4 KiB blocks an SM. Two to four rows over long inputs take blocks of 512 over
+    eight channels (72-96 registers: 5-7 programs of 4 KiB). Inputs of up to 2048 (the default
+    model) and more rows keep the float tiles, measured there."""
+    if rows == 1 and 2048 < k <= 4096:
+        return (1, 4, next_pow2(k)), 8
+    if rows == 1 and k > 4096:
+        return (1, 8, 512), 4
+    if rows <= ONE_BLOCK_ROWS and k > 2048:
+        return (next_pow2(rows), 8, 512), 4
+    return projection_tiles(rows, n, k), 4
+
+
+def quant_projection_config(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
+    """((BM, BN, BK), warps) for 8-bit weights: :data:`QUANT_TILES`' entry, else the heuristic."""
+    return QUANT_TILES.get((next_pow2(rows), n, k)) or quant_projection_heuristic(rows, n, k)
