@@ -39,7 +39,26 @@ def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
 #: 8-bit weights' GEMV configs ((BM, BN, BK), warps) by (rows' power of two, out features, in
 #: features), as the sweep (``pd_cluster.bench.gpu.fp8_sweep``, which prints its winners as
 #: entries) measures them fastest; a shape not here takes :func:`quant_projection_heuristic`.
-QUANT_TILES: dict[tuple[int, int, int], tuple[tuple[int, int, int], int]] = {}
+QUANT_TILES: dict[tuple[int, int, int], tuple[tuple[int, int, int], int]] = {
+    # One H200, the 8B shape's projections, each timed in a CUDA graph over cold weights
+    # (``fp8-sweep-nvidia-h200-x1-2026-11-29-graphs.json``).
+    (1, 6144, 4096): ((1, 8, 512), 4),  # qkv: 9.3 us against 12.5 with the tiles before
+    (2, 6144, 4096): ((2, 2, 4096), 8),
+    (4, 6144, 4096): ((4, 8, 512), 4),
+    (8, 6144, 4096): ((8, 8, 512), 4),
+    (1, 4096, 14336): ((1, 2, 2048), 4),  # down
+    (2, 4096, 14336): ((2, 4, 512), 4),
+    (4, 4096, 14336): ((4, 16, 512), 4),
+    (8, 4096, 14336): ((8, 16, 512), 4),
+    (1, 4096, 4096): ((1, 2, 4096), 4),  # o
+    (2, 4096, 4096): ((2, 2, 4096), 8),
+    (4, 4096, 4096): ((4, 2, 4096), 8),
+    (8, 4096, 4096): ((8, 8, 512), 4),
+    (1, 28672, 4096): ((1, 8, 512), 4),  # gate_up
+    (2, 28672, 4096): ((2, 8, 512), 4),
+    (4, 28672, 4096): ((4, 8, 512), 4),
+    (8, 28672, 4096): ((8, 8, 512), 4),
+}
 
 
 def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
