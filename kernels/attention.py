@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _tiles
-from kernels.kv_quant import QUANT_CODES, dequantize_rows
+from kernels.kv_quant import QUANT_CODES, ROW_ALIGN, dequantize_rows
 from kernels._triton import (
     cdiv,
     dot_precision,
@@ -39,11 +39,15 @@ def _kv_rows(cache: torch.Tensor, index: torch.Tensor, quant: str | None, head_d
 
 
 def _quant_code(quant: str | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
-    """The kernels' ``QUANT`` for caches holding ``quant`` rows; packed rows must be uint8."""
+    """The kernels' ``QUANT`` for caches holding ``quant`` rows: uint8, their slot and head strides
+    multiples of 16 bytes (the kernels read rows in 16-byte units, :mod:`kernels.kv_quant`)."""
     if quant not in QUANT_CODES:
         raise ValueError(f"unknown quantized KV kind {quant!r}")
     if quant is not None and (k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8):
-        raise ValueError(f"{quant} KV caches hold packed uint8 rows, got {k_cache.dtype}")
+        raise ValueError(f"{quant} KV caches hold uint8 rows, got {k_cache.dtype}")
+    if quant is not None and any(c.stride(i) % ROW_ALIGN for c in (k_cache, v_cache) for i in (0, 1)):
+        raise ValueError(f"{quant} KV rows must start at multiples of {ROW_ALIGN} bytes, got strides "
+                         f"{k_cache.stride()[:2]} and {v_cache.stride()[:2]}")
     return QUANT_CODES[quant]
 
 
