@@ -32,19 +32,19 @@ class Variant:
     float16_codes: bool | None = None
     block_n: int | None = None
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None
     num_splits: int | None = None
 
     @property
     def label(self) -> str:
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         return (f"{self.kind:8s} {f16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
-                f"st={self.num_stages} sp={self.num_splits or 'd'}")
+                f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}")
 
 
 def variants() -> list[Variant]:
     """bfloat16 at its default and two widths; fp8 with q as float16 or bfloat16 over tile widths and
-    pipeline depths; int8 over widths; splits for the quantized defaults."""
+    pipeline depths; int8 over widths and depths; splits for the quantized defaults."""
     out = [Variant("bf16"), Variant("bf16", block_n=32), Variant("bf16", block_n=64), Variant("fp8_e4m3"),
            Variant("int8")]
     for f16 in (False, True):
@@ -55,6 +55,7 @@ def variants() -> list[Variant]:
     out += [Variant("fp8_e4m3", True, 128, 4, 2, splits) for splits in (1, 4, 8)]
     out += [Variant("int8", False, block_n, 4, 2) for block_n in (32, 64, 128)]
     out += [Variant("int8", True, 128, 4, 2), Variant("int8", False, 128, 4, 3)]
+    out += [Variant("int8", False, block_n, 4, 1) for block_n in (64, 128)] + [Variant("int8", True, 128, 4, 1)]
     return out
 
 
