@@ -22,9 +22,10 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
     float8 and the scales ``[BLOCK_N]`` float32, 0 where ``row_ok`` (None: every row) is false.
     """
     if QUANT:
-        # Offsets in 4-byte words times 4: the compiler sees every row start 4-byte aligned.
-        k_rows = (slots * (stride_ks // 4) + kv_head * (stride_kh // 4)) * 4
-        v_rows = (slots * (stride_vs // 4) + kv_head * (stride_vh // 4)) * 4
+        # Offsets in 16-byte units times 16 (the strides are multiples of 16, kernels.kv_quant):
+        # the compiler sees every row start 16-byte aligned and loads the codes 16 at a time.
+        k_rows = (slots * (stride_ks // 16) + kv_head * (stride_kh // 16)) * 16
+        v_rows = (slots * (stride_vs // 16) + kv_head * (stride_vh // 16)) * 16
         k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, QUANT)
         v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
         return k, v, k_scale, v_scale
@@ -39,8 +40,8 @@ def load_quant_rows(cache_ptr, rows, d, mask, row_ok, HEAD_DIM: tl.constexpr, QU
     """Packed rows starting at byte offsets ``rows`` of ``cache_ptr`` (uint8): their codes
     ``[N, BLOCK_D]`` (int8 for ``QUANT`` 1, float8 e4m3 for 2) and float32 scales ``[N]``.
 
-    Rows start at multiples of 4 bytes (``row_bytes`` is one), so the codes load four at a time;
-    a row's scale is the float32 word after its codes padded to 4 bytes."""
+    Rows start at multiples of 16 bytes (``row_bytes`` is one), so the codes load sixteen at a
+    time; a row's scale is the float32 word after its codes padded to 4 bytes."""
     codes = tl.load(cache_ptr + rows[:, None] + d[None, :], mask=mask, other=0)
     scale_ptrs = (cache_ptr + rows + ((HEAD_DIM + 3) // 4) * 4).to(tl.pointer_type(tl.float32))
     if row_ok is not None:
@@ -184,8 +185,8 @@ def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, 
 
 @triton.jit
 def store_quant_rows(row_ptrs, x, h_ok, d, QUANT: tl.constexpr, SCALE_AT: tl.constexpr):
-    """Rows ``x`` ``[BLOCK_H, BLOCK_D]`` (float32, zero past head_dim) quantized into the packed rows
-    at ``row_ptrs``: codes and padding in bytes ``[0, SCALE_AT)``, the float32 scale after them."""
+    """Rows ``x`` ``[BLOCK_H, BLOCK_D]`` (float32, zero past head_dim) quantized into the rows at
+    ``row_ptrs``: codes and padding in bytes ``[0, SCALE_AT)``, the float32 scale after them."""
     codes, scale = quantize_rows(x, QUANT)
     tl.store(row_ptrs[:, None] + d[None, :], codes, mask=h_ok[:, None] & (d < SCALE_AT)[None, :])
     tl.store((row_ptrs + SCALE_AT).to(tl.pointer_type(tl.float32)), scale, mask=h_ok)

@@ -1,4 +1,10 @@
-"""Gather KV slots into one contiguous buffer for transfer, and scatter it back."""
+"""Gather KV slots into one contiguous buffer for transfer, and scatter it back.
+
+A buffer's rows may be narrower than the caches': a quantized cache's rows are padded to 16
+bytes for the attention kernels (:mod:`kernels.kv_quant`), and a handover moves only their
+first bytes (values and scale). Gathering takes the width to read; scattering writes each
+buffer row into the first bytes of its cache row, leaving the padding as it is.
+"""
 
 from __future__ import annotations
 
@@ -23,20 +29,34 @@ def convert_kv(buffer: torch.Tensor, src_kind: str, dst_kind: str, head_dim: int
     return convert_rows(buffer, src_kind, dst_kind, head_dim, model_dtype).contiguous()
 
 
-def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Copy the slots of every layer into ``[2, L, N, Hkv, D]`` (keys, then values).
+def _narrow(cache: torch.Tensor, width: int | None) -> torch.Tensor:
+    """The first ``width`` elements of each row of ``cache`` (a view; all of them for None)."""
+    if width is None or width == cache.shape[-1]:
+        return cache
+    if width > cache.shape[-1]:
+        raise ValueError(f"rows of {width} elements do not fit a cache's rows of {cache.shape[-1]}")
+    return cache[..., :width]
 
-    Caches: ``[L, S, Hkv, D]``; slots: ``[N]`` int64.
+
+def gather_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  width: int | None = None) -> torch.Tensor:
+    """Copy the slots of every layer into ``[2, L, N, Hkv, W]`` (keys, then values).
+
+    Caches: ``[L, S, Hkv, D]``; slots: ``[N]`` int64; ``width``: the first ``W`` elements of
+    each row (None: all ``D``).
     """
+    k_cache, v_cache = _narrow(k_cache, width), _narrow(v_cache, width)
     return torch.stack((k_cache[:, slots], v_cache[:, slots]))
 
 
 def scatter_kv_ref(
     buffer: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Inverse of :func:`gather_kv_ref`: write ``buffer`` into the slots, in place."""
-    k_cache[:, slots] = buffer[0]
-    v_cache[:, slots] = buffer[1]
+    """Inverse of :func:`gather_kv_ref`: write ``buffer`` into the slots (the first
+    ``buffer.shape[-1]`` elements of their rows), in place."""
+    width = buffer.shape[-1]
+    _narrow(k_cache, width)[:, slots] = buffer[0]
+    _narrow(v_cache, width)[:, slots] = buffer[1]
 
 
 @triton.jit
@@ -119,9 +139,11 @@ def _launch_copy(
     )
 
 
-def gather_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     width: int | None = None) -> torch.Tensor:
     """Triton version of :func:`gather_kv_ref`."""
     require_triton()
+    k_cache, v_cache = _narrow(k_cache, width), _narrow(v_cache, width)
     num_layers, _, num_heads, head_dim = k_cache.shape
     buffer = torch.empty(
         (2, num_layers, slots.shape[0], num_heads, head_dim), dtype=k_cache.dtype, device=k_cache.device
@@ -135,14 +157,16 @@ def scatter_kv_triton(
 ) -> None:
     """Triton version of :func:`scatter_kv_ref` (the buffer is cast to the caches' dtype)."""
     require_triton()
-    _launch_copy(buffer, k_cache, v_cache, slots, to_buffer=False)
+    width = buffer.shape[-1]
+    _launch_copy(buffer, _narrow(k_cache, width), _narrow(v_cache, width), slots, to_buffer=False)
 
 
-def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              width: int | None = None) -> torch.Tensor:
     """Triton on CUDA tensors when Triton is installed, else :func:`gather_kv_ref`."""
     if use_triton(k_cache, v_cache):
-        return gather_kv_triton(k_cache, v_cache, slots)
-    return gather_kv_ref(k_cache, v_cache, slots)
+        return gather_kv_triton(k_cache, v_cache, slots, width)
+    return gather_kv_ref(k_cache, v_cache, slots, width)
 
 
 def scatter_kv(buffer: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kernels import _tiles
-from kernels.kv_quant import QUANT_CODES, SCALE_BYTES, is_quantized, quantize_rows, row_bytes
+from kernels.kv_quant import QUANT_CODES, is_quantized, packed_row_bytes, quantize_rows, row_bytes, scale_offset
 from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton, use_triton_kv
 
 
@@ -20,12 +20,14 @@ def store_kv_ref(
     """``k_cache[slots[i]] = k[i]`` (same for v), in place.
 
     k, v: ``[T, kv_heads, head_dim]``; caches: ``[num_slots, kv_heads, head_dim]``;
-    slots: ``[T]`` int64. ``quant`` (int8, fp8_e4m3): the caches hold packed quantized rows
-    (:mod:`kernels.kv_quant`) and each new row is quantized with its own scale.
+    slots: ``[T]`` int64. ``quant`` (int8, fp8_e4m3): the caches hold quantized rows
+    (:mod:`kernels.kv_quant`) and each new row is quantized with its own scale; as the Triton
+    store, it writes a row's values and scale, never its alignment padding.
     """
     if quant is not None:
-        k_cache[slots] = quantize_rows(k, quant)
-        v_cache[slots] = quantize_rows(v, quant)
+        width = packed_row_bytes(k.shape[-1])
+        k_cache[slots, :, :width] = quantize_rows(k, quant, width)
+        v_cache[slots, :, :width] = quantize_rows(v, quant, width)
         return
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
@@ -60,7 +62,8 @@ def _store_kv_kernel(
     m = (h < num_heads)[:, None] & (d < head_dim)[None, :]
     slot = tl.load(slots_ptr + tok).to(tl.int64)
     if QUANT:
-        # Packed rows (strides in bytes): the codes and the zero padding up to the scale, then the scale.
+        # Quantized rows (strides in bytes): the codes and the zero padding up to the scale, then
+        # the scale; the row's alignment padding after it is never written (it stays zero).
         k = tl.load(k_ptr + tok * stride_kt + h[:, None] * stride_kh + d[None, :], mask=m, other=0.0)
         v = tl.load(v_ptr + tok * stride_vt + h[:, None] * stride_vh + d[None, :], mask=m, other=0.0)
         h_ok = h < num_heads
@@ -119,7 +122,7 @@ def store_kv_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         QUANT=QUANT_CODES[quant],
-        SCALE_AT=row_bytes(head_dim) - SCALE_BYTES if quant is not None else 0,
+        SCALE_AT=scale_offset(head_dim) if quant is not None else 0,
         num_warps=4,
     )
 

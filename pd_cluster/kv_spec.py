@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kernels.kv_quant import is_quantized, row_bytes
+from kernels.kv_quant import is_quantized, packed_row_bytes, row_bytes
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -42,8 +42,14 @@ class KVSpec(BaseModel):
 
     @property
     def row_width(self) -> int:
-        """Elements of one (token, head) row of the cache: ``head_dim`` values, or a quantized
-        row's bytes (values, padding, scale)."""
+        """Elements of one (token, head) row as a handover moves it: ``head_dim`` values, or a
+        quantized row's bytes (values, padding to 4 bytes, scale)."""
+        return packed_row_bytes(self.head_dim) if self.quantized else self.head_dim
+
+    @property
+    def pool_row_width(self) -> int:
+        """Elements of one (token, head) row as a pool stores it: :attr:`row_width`, a quantized
+        row padded to 16 bytes for the attention kernels' loads (:mod:`kernels.kv_quant`)."""
         return row_bytes(self.head_dim) if self.quantized else self.head_dim
 
     @property
@@ -53,9 +59,19 @@ class KVSpec(BaseModel):
 
     @property
     def bytes_per_token(self) -> int:
-        """Keys and values of every layer for one token (quantized: values plus scales)."""
-        element = 1 if self.quantized else _DTYPE_BYTES[self.kv_dtype]
-        return 2 * self.num_layers * self.num_kv_heads * self.row_width * element
+        """Keys and values of every layer for one token as a handover moves them (quantized:
+        values plus scales)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self._element_bytes
+
+    @property
+    def pool_bytes_per_token(self) -> int:
+        """Keys and values of every layer for one token as a pool stores them (quantized: with
+        the rows' alignment padding)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.pool_row_width * self._element_bytes
+
+    @property
+    def _element_bytes(self) -> int:
+        return 1 if self.quantized else _DTYPE_BYTES[self.kv_dtype]
 
     @property
     def bytes_per_block(self) -> int:

@@ -26,9 +26,10 @@ class KVPool:
     Any free slot serves any token, so memory never fragments; a request maps its tokens to
     slots through its own slot list. Freeing a slot that is already free is a bug and raises.
 
-    A quantized pool (``spec.kv_dtype`` int8 or fp8_e4m3) holds packed rows
-    ``[num_layers, num_slots, kv_heads, row_bytes]`` uint8, each with its float32 scale
-    (:mod:`kernels.kv_quant`); :attr:`k_scale` and :attr:`v_scale` view those scales.
+    A quantized pool (``spec.kv_dtype`` int8 or fp8_e4m3) holds rows
+    ``[num_layers, num_slots, kv_heads, row_bytes]`` uint8, each with its float32 scale and
+    padded to 16 bytes (:mod:`kernels.kv_quant`); :attr:`k_scale` and :attr:`v_scale` view
+    those scales. A handover moves each row's first ``spec.row_width`` bytes.
     """
 
     def __init__(self, spec: KVSpec, num_slots: int, device: torch.device | str = "cpu") -> None:
@@ -36,7 +37,7 @@ class KVPool:
             raise ValueError("num_slots must be positive")
         self.spec = spec
         self.device = torch.device(device)
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.row_width)
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.pool_row_width)
         dtype = torch_dtype(spec.storage_dtype)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -60,12 +61,12 @@ class KVPool:
     @property
     def k_scale(self) -> torch.Tensor | None:
         """Keys' scales ``[num_layers, num_slots, kv_heads, 1]`` float32 (a view), None unquantized."""
-        return row_scales(self.k_cache) if self.spec.quantized else None
+        return row_scales(self.k_cache, self.spec.head_dim) if self.spec.quantized else None
 
     @property
     def v_scale(self) -> torch.Tensor | None:
         """Values' scales, as :attr:`k_scale`."""
-        return row_scales(self.v_cache) if self.spec.quantized else None
+        return row_scales(self.v_cache, self.spec.head_dim) if self.spec.quantized else None
 
     @property
     def capacity(self) -> int:

@@ -161,7 +161,7 @@ class LLMEngine:
         logger.info(
             "engine ready: model %s on %s (%s, weights %s), %d KV slots (%.1f MiB a rank, of %d), block size %d, prefix cache %s",
             self.model_config.name, self.device, self.dtype_name, config.quantization, num_slots,
-            num_slots * self.rank_kv_spec.bytes_per_token / 2**20, config.tp, config.block_size,
+            num_slots * self.rank_kv_spec.pool_bytes_per_token / 2**20, config.tp, config.block_size,
             "on" if config.enable_prefix_cache else "off",
         )
 
@@ -259,7 +259,7 @@ class LLMEngine:
             held = torch.cuda.memory_reserved(self.device)
             budget = min(int(fraction * total) - held, free) - headroom
         # Each rank sizes its pool for its own heads: the budget is one GPU's, like every rank's.
-        return max(budget // self.rank_kv_spec.bytes_per_token, 1024)
+        return max(budget // self.rank_kv_spec.pool_bytes_per_token, 1024)
 
     # ---- requests --------------------------------------------------------------------------
 

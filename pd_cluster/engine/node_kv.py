@@ -47,9 +47,10 @@ class NodeKV:
         return self._tp is None
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """Every head's KV at ``slots`` (int64 on the device), ``[2, L, n, heads, head_dim]``."""
+        """Every head's KV at ``slots`` (int64 on the device), ``[2, L, n, heads, row_width]``
+        (rows as a handover moves them, :attr:`KVSpec.row_width`)."""
         if self._tp is None or self._heads is None:
-            return kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, slots)
+            return kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, slots, self.spec.row_width)
         if not slots.numel():
             spec = self.spec
             return self.pool.k_cache.new_empty((2, spec.num_layers, 0, spec.num_kv_heads, spec.row_width))

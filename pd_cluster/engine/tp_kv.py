@@ -46,7 +46,7 @@ class KVHeads:
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Every head's KV at ``slots`` (device int64), ``[2, L, n, heads, head_dim]``; the
         result is rank 0's to use (the others take part in the all-gather)."""
-        own = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, slots)
+        own = kernels.gather_kv(self.pool.k_cache, self.pool.v_cache, slots, self.pool.spec.row_width)
         if own.shape[3] < self.max_heads:
             pad = list(own.shape)
             pad[3] = self.max_heads - own.shape[3]

@@ -180,7 +180,7 @@ class KVReceiver:
         if held is None:
             return PushAck(ok=False, error=f"lease {msg.lease_id} expired before the KV arrived")
         pool = self.engine.pool
-        if buffer.dtype != pool.k_cache.dtype or msg.shape[-1] != pool.k_cache.shape[-1]:
+        if buffer.dtype != pool.k_cache.dtype or msg.shape[-1] != pool.spec.row_width:
             await self.worker.call(self.reservations.cancel, msg.lease_id)
             return PushAck(ok=False, error=f"KV rows of {msg.shape[-1]} {msg.dtype} do not fit this node's "
                                            f"{self.engine.kv_spec.kv_dtype} cache")

@@ -82,7 +82,8 @@ class LayerStream:
         after_compute(self._side)
         with on_side(self._side):
             n = self._slots.numel()
-            k_cache, v_cache = self.pool.layer(layer)
+            # Rows as they move: a quantized row without its alignment padding.
+            k_cache, v_cache = (c[..., : self.spec.row_width] for c in self.pool.layer(layer))
             torch.index_select(k_cache, 0, self._slots, out=self.buffer[layer, 0, :n])
             torch.index_select(v_cache, 0, self._slots, out=self.buffer[layer, 1, :n])
             if self._side is not None:

@@ -32,6 +32,8 @@ async def test_a_quantized_d_receives_its_own_rows_and_continues_the_stream(kind
             sent_tokens = moved // d_spec.bytes_per_token
             assert moved == sent_tokens * d_spec.bytes_per_token > 0  # D's rows, never P's float32 ones
             assert moved < sent_tokens * p_spec.bytes_per_token / 3
+            # Values and scales, one byte a value and four a scale: a stored row's padding never moves.
+            assert moved == sent_tokens * 2 * d_spec.num_layers * d_spec.num_kv_heads * (d_spec.head_dim + 4)
             same += sum(a == b for a, b in zip(got, expected))
             total += len(expected)
         print(f"{kind} KV on D ({'loopback' if loopback else 'gloo'}): {same}/{total} greedy tokens as the single "

@@ -42,7 +42,7 @@ from kernels.attention import (
     decode_attention_ref,
     decode_attention_triton,
 )
-from kernels.kv_quant import QUANT_MAX, quantize_rows, row_bytes
+from kernels.kv_quant import QUANT_MAX, packed_row_bytes, quantize_rows, row_bytes
 from kernels.kv_transfer import (
     copy_kv_slots_ref,
     copy_kv_slots_triton,
@@ -688,6 +688,28 @@ class InterpretedCases:
         scatter_kv_ref(buffer, expected[0], expected[1], dst_slots)
         assert torch.equal(dst[0], expected[0]) and torch.equal(dst[1], expected[1])
 
+    @pytest.mark.parametrize("triton_path", [True, False], ids=["triton", "reference"])
+    def test_gather_and_scatter_kv_move_quantized_rows_without_their_alignment_padding(self, triton_path: bool) -> None:
+        # Stored rows of head_dim 22 are 32 bytes (values, scale at 24, padding from 28); a
+        # handover moves 28 of them, and writing them back leaves the target's padding as it was.
+        gen = torch.Generator().manual_seed(7)
+        stored, moved = row_bytes(22), packed_row_bytes(22)
+        assert (stored, moved) == (32, 28)
+        src = [torch.randint(0, 256, (3, 30, 5, stored), generator=gen, dtype=torch.uint8) for _ in range(2)]
+        slots = torch.randperm(30, generator=gen)[:7]
+        gather, scatter = (gather_kv_triton, scatter_kv_triton) if triton_path else (gather_kv_ref, scatter_kv_ref)
+        buffer = gather(src[0], src[1], slots, moved)
+        assert buffer.shape == (2, 3, 7, 5, moved)
+        assert torch.equal(buffer[0], src[0][:, slots, :, :moved]) and torch.equal(buffer[1], src[1][:, slots, :, :moved])
+        dst = [torch.full((3, 12, 5, stored), 255, dtype=torch.uint8) for _ in range(2)]
+        dst_slots = torch.randperm(12, generator=gen)[:7]
+        scatter(buffer, dst[0], dst[1], dst_slots)
+        for cache, part in zip(dst, buffer):
+            assert torch.equal(cache[:, dst_slots, :, :moved], part)
+            assert (cache[..., moved:] == 255).all()  # the padding is never written
+        with pytest.raises(ValueError, match="do not fit"):
+            gather(src[0], src[1], slots, stored + 4)
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_copy_kv_slots_triton_matches_reference(self, dtype: torch.dtype) -> None:
         gen = torch.Generator().manual_seed(6)
@@ -830,6 +852,19 @@ class InterpretedCases:
         with pytest.raises(ValueError, match="uint8"):
             decode_attention_triton(batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25,
                                     quant="int8")
+
+    @pytest.mark.parametrize("decode", [True, False], ids=["decode", "context"])
+    def test_attention_triton_refuses_quantized_rows_not_16_byte_aligned(self, decode: bool) -> None:
+        # The kernels address rows in 16-byte units: rows without their alignment padding (a
+        # handover's 20 bytes for head_dim 16) would be read at the wrong places, so they raise.
+        batch = _quantized(make_paged_batch([9], [1], 4, 2, 16, seed=3), "int8")
+        k, v = (c[..., : packed_row_bytes(16)].contiguous() for c in (batch.k_cache, batch.v_cache))
+        with pytest.raises(ValueError, match="multiples of 16"):
+            if decode:
+                decode_attention_triton(batch.q, k, v, batch.slot_table, batch.ctx_lens, 0.25, quant="int8")
+            else:
+                context_attention_triton(batch.q, k, v, batch.slot_table, batch.ctx_lens, batch.q_lens,
+                                         batch.q_start_loc, 0.25, quant="int8")
 
     @pytest.mark.parametrize("decode", [True, False], ids=["decode", "context"])
     def test_attention_reads_a_request_table_in_place_through_rows(self, decode: bool) -> None:

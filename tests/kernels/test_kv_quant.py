@@ -84,7 +84,7 @@ def test_handover_conversion_writes_what_ds_own_store_would(kind: str) -> None:
     moved = convert_kv(kernels.gather_kv(p_pool.k_cache, p_pool.v_cache, slots), "float32", kind, HEAD_DIM)
     assert moved.dtype == torch.uint8
     assert moved.numel() == 3 * d_pool.spec.bytes_per_token
-    assert torch.equal(moved, kernels.gather_kv(d_pool.k_cache, d_pool.v_cache, slots))
+    assert torch.equal(moved, kernels.gather_kv(d_pool.k_cache, d_pool.v_cache, slots, d_pool.spec.row_width))
     back = convert_kv(moved, kind, "float32", HEAD_DIM)
     want = kernels.gather_kv(p_pool.k_cache, p_pool.v_cache, slots)
     assert (back - want).abs().max() <= TOLERANCE[kind] * want.abs().max()
@@ -96,5 +96,8 @@ def test_quantized_spec_counts_values_and_scales() -> None:
     assert spec.bytes_per_token == 2 * 30 * 3 * 64 * 4
     assert spec.with_kv_dtype("int8").bytes_per_token == 2 * 30 * 3 * (64 + 4)
     assert spec.with_kv_dtype("fp8_e4m3").bytes_per_token == 2 * 30 * 3 * (64 + 4)
+    # A pool stores each row padded to 16 bytes (the attention's loads); a handover moves 68.
+    assert spec.with_kv_dtype("int8").pool_bytes_per_token == 2 * 30 * 3 * 80
+    assert spec.pool_bytes_per_token == spec.bytes_per_token
     assert spec.mismatch(spec.with_kv_dtype("int8")) == []
     assert spec.mismatch(spec.model_copy(update={"head_dim": 32})) == ["head_dim"]

@@ -5,7 +5,8 @@ tokens of context, Llama-3-8B's 32 q heads over 8 kv heads of 128).
 A quantized tile reads half the bytes of a bfloat16 one, but its codes must become the products'
 dtype; which conversions, tile width, pipeline depth and split count make the read the bound is
 measured here, not guessed. Each line: microseconds a launch pair (median between CUDA events),
-effective GB/s of KV read, the ratio to bfloat16's default, and the relative error against the
+effective GB/s of KV read (values and scales: a quantized row's 132 bytes of head_dim 128, not
+the padding to 144 that aligns stored rows to 16 bytes), the ratio to bfloat16's default, and the relative error against the
 torch reference on the same bytes (a broken variant shows there). The short table of the best
 tiling of each kind comes last.
 """
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels.attention import decode_attention_ref, decode_attention_triton
-from kernels.kv_quant import quantize_rows
+from kernels.kv_quant import packed_row_bytes, quantize_rows
 from pd_cluster.bench.gpu.timing import cuda_ms
 
 
@@ -31,19 +32,19 @@ class Variant:
     float16_codes: bool | None = None
     block_n: int | None = None
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None
     num_splits: int | None = None
 
     @property
     def label(self) -> str:
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         return (f"{self.kind:8s} {f16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
-                f"st={self.num_stages} sp={self.num_splits or 'd'}")
+                f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}")
 
 
 def variants() -> list[Variant]:
     """bfloat16 at its default and two widths; fp8 with q as float16 or bfloat16 over tile widths and
-    pipeline depths; int8 over widths; splits for the quantized defaults."""
+    pipeline depths; int8 over widths and depths; splits for the quantized defaults."""
     out = [Variant("bf16"), Variant("bf16", block_n=32), Variant("bf16", block_n=64), Variant("fp8_e4m3"),
            Variant("int8")]
     for f16 in (False, True):
@@ -54,12 +55,13 @@ def variants() -> list[Variant]:
     out += [Variant("fp8_e4m3", True, 128, 4, 2, splits) for splits in (1, 4, 8)]
     out += [Variant("int8", False, block_n, 4, 2) for block_n in (32, 64, 128)]
     out += [Variant("int8", True, 128, 4, 2), Variant("int8", False, 128, 4, 3)]
+    out += [Variant("int8", False, block_n, 4, 1) for block_n in (64, 128)] + [Variant("int8", True, 128, 4, 1)]
     return out
 
 
 def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.device,
               gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The same keys and values as bfloat16 caches and as packed int8 and fp8 rows."""
+    """The same keys and values as bfloat16 caches and as int8 and fp8 rows as a pool stores them."""
     slots = batch * ctx
     k = torch.randn(slots, kv_heads, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
     v = torch.randn(slots, kv_heads, head_dim, device=device, generator=gen, dtype=torch.bfloat16)
@@ -87,7 +89,8 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
     ref = refs[variant.kind]
     err = ((out.float() - ref).norm() / ref.norm()).item()
     ms = cuda_ms(launch, device, warmup=3, reps=reps)
-    kv_bytes = 2 * int(ctx_lens.sum()) * k_cache.shape[1] * k_cache.shape[2] * k_cache.element_size()
+    row = q.shape[-1] * k_cache.element_size() if quant is None else packed_row_bytes(q.shape[-1])
+    kv_bytes = 2 * int(ctx_lens.sum()) * k_cache.shape[1] * row
     return {"us": ms * 1e3, "gb_per_s": kv_bytes / (ms * 1e-3) / 1e9, "rel_err": err}
 
 

@@ -85,7 +85,7 @@ async def transfer_row(pair: PDPair, raw: RawNccl | None, n: int, p_dev: torch.d
     row["handover_layers_ms"] = statistics.median(streams[1:])
     pool = pair.p_engine.pool
     slots = torch.randperm(pool.capacity - 1, device=p_dev)[:n]
-    row["gather_ms"] = cuda_ms(lambda: kernels.gather_kv(pool.k_cache, pool.v_cache, slots), p_dev)
+    row["gather_ms"] = cuda_ms(lambda: kernels.gather_kv(pool.k_cache, pool.v_cache, slots, spec.row_width), p_dev)
     row["channel_vs_nccl"] = row["raw_nccl_ms"] / row["channel_ms"]
     row["handover_whole_vs_nccl"] = row["raw_nccl_ms"] / row["handover_whole_ms"]
     row["handover_layers_vs_nccl"] = row["raw_nccl_ms"] / row["handover_layers_ms"]
