@@ -572,7 +572,8 @@ class InterpretedCases:
                            *QUANT_GEMV_TOL[torch.float32])
 
     def test_8_bit_weights_take_the_measured_tiles_before_the_heuristic(self, monkeypatch) -> None:
-        assert quant_projection_config(1, 4096, 14336) == quant_projection_heuristic(1, 4096, 14336)
+        assert quant_projection_config(1, 4096, 11008) == quant_projection_heuristic(1, 4096, 11008)
+        assert quant_projection_config(1, 4096, 14336) == QUANT_TILES[(1, 4096, 14336)]
         monkeypatch.setitem(QUANT_TILES, (1, 23, 300), ((1, 8, 128), 4))
         assert quant_projection_config(1, 23, 300) == ((1, 8, 128), 4)
         gen = torch.Generator().manual_seed(17)
