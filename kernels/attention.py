@@ -647,12 +647,11 @@ def _decode_config(dtype: torch.dtype, pairs: int, head_dim: int) -> tuple[int, 
 
 
 def _decode_stages(quant: str | None) -> int:
-    """Pipeline depth of the decode kernel's key loop. Quantized tiles load without one (1): on
-    sm_90 the pipelined copy of a value tile, a non-K-major 8-bit dot operand, moves 8 bytes at a
-    time (Triton's shared layout for it), while a plain load of the 16-byte aligned rows moves 16
-    for keys and values alike. Measured on an H200 over 132-byte rows (8B heads, batch 64 x 4k
-    context, fp8, q as float16, 128 keys a tile): 415 us at depth 1, 493 at 2, 550 at 3."""
-    return 2 if quant is None else 1
+    """Pipeline depth of the decode kernel's key loop: 2 for every cache kind. Measured on an H200
+    over 16-byte aligned quantized rows (8B heads, batch 64 x 4k context, fp8 met by q as float16,
+    128 keys a tile, ``kv_attn_sweep``): 357 us at depth 2 against 385 at 1 and 442 at 3 (over
+    132-byte rows, which no load could read 16 bytes at a time, depth 1 had measured best)."""
+    return 2
 
 
 #: Most splits of one sequence's context. The count is fixed by shapes (the slot table is as wide
@@ -669,14 +668,17 @@ MAX_SPLITS = 32
 PREFETCH_MAX_HEADS = 128
 
 
-def _decode_num_splits(batch: int, num_kv_heads: int, max_ctx: int, block_n: int, device: torch.device) -> int:
-    """Enough splits for ~4 programs per multiprocessor, never a split shorter than one tile, at
-    most :data:`MAX_SPLITS`."""
+def _decode_num_splits(batch: int, num_kv_heads: int, max_ctx: int, block_n: int, device: torch.device,
+                       per_sm: int = 4) -> int:
+    """Enough splits for ~``per_sm`` programs per multiprocessor, never a split shorter than one
+    tile, at most :data:`MAX_SPLITS`. Quantized caches ask for 2: their programs read half the
+    bytes a tile, and the merge's pass costs more than a second program an SM gains (an H200,
+    8B heads, batch 64 x 4k context, fp8: one split 328 us against 357 with two)."""
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
     else:
         sms = 4
-    wanted = cdiv(4 * sms, max(1, batch * num_kv_heads))
+    wanted = cdiv(per_sm * sms, max(1, batch * num_kv_heads))
     return max(1, min(wanted, cdiv(max_ctx, block_n), MAX_SPLITS))
 
 
@@ -721,7 +723,8 @@ def decode_attention_triton(
     block_n, num_warps = block_n or default_n, num_warps or default_warps
     num_stages = num_stages or _decode_stages(quant)
     if num_splits is None:
-        num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device)
+        num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device,
+                                        per_sm=4 if quant is None else 2)
     block_d = next_pow2(head_dim)
     part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
