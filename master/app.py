@@ -30,6 +30,7 @@ from master.rejections import RejectionLogMiddleware
 from master.relay import Relay
 from master.request_log import RequestIdMiddleware, RequestLog
 from master.routing import make_policy
+from master.server_send import MasterApp
 from master.tokenization import Tokenizer
 from pd_cluster import protocol
 from pd_cluster.default_model import resolve_model_path
@@ -130,7 +131,7 @@ def create_app(settings: MasterSettings, tokenizer: Any = None) -> FastAPI:
             registry.remove(node_id, "master shutting down", CLOSE_GOING_AWAY)
         tok.close()
 
-    app = FastAPI(title="pd-cluster master", lifespan=lifespan, docs_url=None, redoc_url=None,
+    app = MasterApp(title="pd-cluster master", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url="/openapi.json")
     app.openapi = lambda: openai_api.openapi_document(app)  # type: ignore[method-assign]
     app.state.ctx = ctx

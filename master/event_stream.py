@@ -6,6 +6,7 @@ and, when the client leaves, calls ``on_disconnect`` so the answer stops and rel
 requests at once. Starlette's ``StreamingResponse`` does the same with a task group and an
 iterator step per event. A single choice's plain tokens take a shorter path: the node's frame
 handler writes them through :class:`~master.direct_send.DirectSend`, with no wake-up of this task.
+Body messages go to the server's own ``send`` (:mod:`master.server_send`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from master.direct_send import DirectSend
 from master.relay_request import ClientDisconnected
+from master.server_send import body_send
 
 
 class EventStreamResponse(Response):
@@ -39,12 +41,13 @@ class EventStreamResponse(Response):
         watcher = asyncio.create_task(self._watch(receive))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            body = body_send(scope, send)  # past the middleware: they read a 200 answer's start only
             if self.direct is not None:
-                self.direct.bind(send)
+                self.direct.bind(body)
             async with contextlib.aclosing(self.events) as events:
                 async for text in events:
-                    await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    await body({"type": "http.response.body", "body": text.encode(), "more_body": True})
+            await body({"type": "http.response.body", "body": b"", "more_body": False})
         except ClientDisconnected:
             pass  # the answer was released; there is nobody to tell
         finally:

@@ -152,9 +152,13 @@ def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> 
     if plain is not None:  # the hot frame, most of the time (see master.delta_frames)
         for delta in plain:
             try:
-                ctx.relay.on_plain_delta(record, delta)
+                if isinstance(delta, protocol.TokenDelta):  # a first delta with its prefill report
+                    ctx.relay.on_token_delta(record, delta)
+                else:
+                    ctx.relay.on_plain_delta(record, delta)
             except Exception as exc:
-                _not_applied(ctx, record, "token_delta", delta[0], exc)
+                request_id = delta.request_id if isinstance(delta, protocol.TokenDelta) else delta[0]
+                _not_applied(ctx, record, "token_delta", request_id, exc)
         return
     try:
         msg = protocol.parse_node_message(frame)

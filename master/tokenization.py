@@ -40,6 +40,11 @@ _SEGMENT_CACHE_CHARS = 16 * 1024 * 1024
 # Most uncached characters of a chat encoded on the event loop (a few hundred tokens of text, well
 # under a millisecond for common words); more go to the tokenizer thread.
 INLINE_ENCODE_CHARS = 2048
+# Most characters in all of texts encoded one at a time on the calling thread (the loop's inline
+# encodes are all such). A batch call hands its texts to the tokenizer's own thread pool: waking it
+# cost three short chat pieces ~4 ms at p99 on a busy host (16 us one at a time), and on the event
+# loop every stream's next token waited for it. Longer batches (on the tokenizer thread) keep the pool.
+SERIAL_ENCODE_CHARS = INLINE_ENCODE_CHARS
 # Longest conversation (characters of its messages) rendered and split on the event loop: a few
 # hundred microseconds; a longer one (up to the body limit) goes to the thread whole.
 INLINE_RENDER_CHARS = 256 * 1024
@@ -296,6 +301,8 @@ class Tokenizer:
         backend = self._backend
         if backend is None:
             return [list(ids) for ids in self.hf(texts, add_special_tokens=add_special_tokens)["input_ids"]]
+        if sum(len(text) for text in texts) <= SERIAL_ENCODE_CHARS:
+            return [backend.encode(text, add_special_tokens=add_special_tokens).ids for text in texts]
         return [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
 
     @functools.cached_property
@@ -304,17 +311,21 @@ class Tokenizer:
         ``hf(texts)`` gives: transformers' call wraps it in about as much Python again (a later
         turn's two new messages: 2.0 against 1.0 ms) and computes offsets no one here reads. None
         (use ``hf``) for slow tokenizers, a backend with truncation or padding configured (the
-        call turns them off), one without ``encode_batch_fast``, or one whose ids differ on a probe."""
+        call turns them off), one without ``encode_batch_fast`` and ``encode``, or one whose ids
+        differ on a probe (batched or one text at a time)."""
         backend = getattr(self.hf, "_tokenizer", None)
-        if not getattr(self.hf, "is_fast", False) or not hasattr(backend, "encode_batch_fast"):
+        if (not getattr(self.hf, "is_fast", False) or not hasattr(backend, "encode_batch_fast")
+                or not hasattr(backend, "encode")):
             return None
         try:
             if backend.truncation is not None or backend.padding is not None:
                 return None
             probe = ["  Hi there, 12345 tokens!\n\n\tcafé 😀", "x", ""]
             for special in (False, True):
-                ours = [e.ids for e in backend.encode_batch_fast(probe, add_special_tokens=special)]
-                if ours != [list(ids) for ids in self.hf(probe, add_special_tokens=special)["input_ids"]]:
+                theirs = [list(ids) for ids in self.hf(probe, add_special_tokens=special)["input_ids"]]
+                batched = [e.ids for e in backend.encode_batch_fast(probe, add_special_tokens=special)]
+                serial = [backend.encode(text, add_special_tokens=special).ids for text in probe]
+                if batched != theirs or serial != theirs:
                     return None
         except Exception:  # an unusual backend: keep the wrapper's path
             logger.warning("encoding through the tokenizer's wrapper: its backend could not be checked", exc_info=True)

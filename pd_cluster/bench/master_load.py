@@ -214,8 +214,11 @@ class MasterProcess:
         self.pythonpath = pythonpath
         #: The cores it (and every process it starts) runs on; None: any.
         self.cpus = cpus
-        self.args = [sys.executable, "-m", "pd_cluster.cli", "master", "--host", "127.0.0.1", "--port", str(port),
-                     "--model", model, "--served-model-name", SERVED_NAME, *extra]
+        # ``-m`` puts the working directory first on the path: run from a checkout, its own master
+        # would be imported whatever PYTHONPATH says. ``-P`` leaves it out (another build's is measured).
+        isolated = ["-P"] if pythonpath is not None else []
+        self.args = [sys.executable, *isolated, "-m", "pd_cluster.cli", "master", "--host", "127.0.0.1",
+                     "--port", str(port), "--model", model, "--served-model-name", SERVED_NAME, *extra]
         self.proc: subprocess.Popen | None = None
 
     @property

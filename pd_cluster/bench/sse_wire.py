@@ -7,6 +7,12 @@ token. Here one keep-alive HTTP/1.1 connection is an ``asyncio.Protocol``: ``dat
 takes ``time.monotonic()`` first, before any parsing, and every token found in those bytes gets
 that stamp, so a token's time is when its bytes reached the client's socket buffer and the event
 loop read them. The chunked body is then decoded and split into SSE lines here.
+
+The parse itself waits for the end of the loop's round of reads (``call_soon``): a client process
+holds hundreds of connections, and when a master writes a step's tokens to many of them at once
+the loop reads them in one round. Parsed at once, each read would wait for the parsing of all
+the reads before it in that round, and the last connection's stamp would carry the client's own
+queue. Deferred, every read of the round is stamped first, each at the cost of a copy.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ class SSEConnection(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        #: Reads not parsed yet, each with its stamp (parsed once the loop's round of reads is done).
+        self._reads: list[tuple[bytes, float]] = []
         self._buffer = bytearray()
         self._lines = bytearray()
         self._state = "idle"
@@ -56,6 +64,7 @@ class SSEConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._parse_reads()  # what arrived before the close still counts
         self.closed = True
         for fut in (self._head_seen, self._done):
             if fut is not None and not fut.done():
@@ -64,11 +73,20 @@ class SSEConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         now = time.monotonic()  # before any parsing: the stamp of every token in these bytes
-        self._buffer += data
-        try:
-            self._parse(now)
-        except WireError as exc:
-            self._abort(exc)
+        if not self._reads:
+            asyncio.get_running_loop().call_soon(self._parse_reads)
+        self._reads.append((data, now))
+
+    def _parse_reads(self) -> None:
+        """Parse the reads taken since the last call, in order, each with its own stamp."""
+        reads, self._reads = self._reads, []
+        for data, now in reads:
+            self._buffer += data
+            try:
+                self._parse(now)
+            except WireError as exc:
+                self._abort(exc)
+                return
 
     # ---- one request ----------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ with ``--concurrency``, closed-loop streams through one or several masters."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,25 @@ def test_the_relay_path_bench_sends_every_token_as_its_sse_event():
     result = asyncio.run(measure(streams=3, steps=5, nodes=2, settle_heap=False))
     assert result["cpu_us_per_token"] > 0 and result["wall_us_per_token"] > 0
     assert result["sse_bytes"] > 3 * 5 * len('data: {"choices":[{"delta":{"content":"0.000000"}}]}\n\n')
+
+
+def test_a_master_from_another_checkout_imports_that_checkouts_code(tmp_path, monkeypatch):
+    """``--master-pythonpath``: the child imports the master package from there, even when the
+    bench runs from a checkout of its own (``-m`` would put the working directory first)."""
+    import subprocess
+    import sys
+
+    from pd_cluster.bench.master_load import MasterProcess
+
+    other = tmp_path / "other"
+    (other / "master").mkdir(parents=True)
+    (other / "master" / "__init__.py").write_text("")
+    (other / "probe_master.py").write_text("import master\nprint(master.__file__)\n")
+    process = MasterProcess("default", 1, tmp_path / "log", [], pythonpath=str(other))
+    head = process.args[:process.args.index("-m")]
+    here = Path(__file__).resolve().parents[2]  # a checkout with a master package of its own
+    monkeypatch.chdir(here)
+    found = subprocess.run([*head, "-m", "probe_master"], env={**os.environ, "PYTHONPATH": str(other)},
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert found == str(other / "master" / "__init__.py")
+    assert MasterProcess("default", 1, tmp_path / "log", []).args[1] == "-m"  # this checkout's: as before

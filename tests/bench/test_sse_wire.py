@@ -109,3 +109,40 @@ async def test_an_error_answer_gives_its_status_and_body():
         assert (await asyncio.wait_for(done, 5.0)).body == body
     finally:
         server.close()
+
+
+class _Wire:
+    """A transport that takes the request and nothing else."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def test_reads_of_one_round_are_all_stamped_before_any_is_parsed():
+    """Two connections read in the same round: the second's stamp does not wait for the first's
+    (slow) line handler."""
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    stamps: dict[str, float] = {}
+    handled: dict[str, float] = {}
+    conns = {}
+    for name in ("a", "b"):
+        conn = SSEConnection()
+        conn.connection_made(_Wire())  # type: ignore[arg-type]
+
+        def on_line(line: bytes, now: float, name: str = name) -> None:
+            stamps[name] = now
+            busy_until = time.monotonic() + 0.02
+            while time.monotonic() < busy_until:
+                pass
+            handled[name] = time.monotonic()
+
+        conn.request(chat_request("x", "/", b"{}"), on_line)
+        conns[name] = conn
+    for conn in conns.values():  # one round of reads
+        conn.data_received(head + chunked(EVENTS[0], [len(EVENTS[0])])[:-5])
+    assert not stamps  # nothing parsed inside the reads
+    await _until(lambda: len(handled) == 2)
+    assert stamps["b"] < handled["a"] and stamps["b"] - stamps["a"] < 0.01

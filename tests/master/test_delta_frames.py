@@ -27,7 +27,8 @@ def _frame(*deltas: dict[str, Any]) -> str:
 
 
 PLAIN = {"type": "token_delta", "request_id": "a-1", "token_ids": [5, 6], "text": "hé\n", "finish_reason": None}
-#: Frames the model takes: all but the last four are plain.
+#: Frames the model takes: all but the last three are read the fast way (plain, or plain but for a
+#: first delta's prefill report).
 VALID = [
     _frame(PLAIN),
     protocol.encode(protocol.TokenDeltas(deltas=[protocol.TokenDelta(request_id="x", token_ids=[1], text="😀"),
@@ -38,10 +39,11 @@ VALID = [
     json.dumps({"type": "token_deltas", "deltas": [PLAIN]}),  # ASCII escapes of é
     json.dumps({"type": "token_deltas", "deltas": [{**PLAIN, "text": "😀"}]}),  # a surrogate pair escaped
     _frame({**PLAIN, "cached_tokens": 0, "node_ttft_s": 0.01}),
+    _frame({**PLAIN, "request_id": "b", "cached_tokens": 7}, PLAIN, {**PLAIN, "node_ttft_s": 0, "logprobs": None}),
     _frame({**PLAIN, "token_ids": [1.0]}),  # the model takes a whole float as an int
     _frame({**PLAIN, "logprobs": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1.0}]}),
 ]
-PLAIN_COUNT = 6
+PLAIN_COUNT = 8
 MALFORMED = [
     _frame(),
     _frame({**PLAIN, "token_ids": ["eleven"]}),
@@ -58,6 +60,9 @@ MALFORMED = [
     _frame(PLAIN, {**PLAIN, "token_ids": [-1.5]}),
     _frame({**PLAIN, "cached_tokens": -1}),
     _frame({**PLAIN, "node_ttft_s": float("nan")}),
+    _frame({**PLAIN, "node_ttft_s": -0.5}),
+    _frame({**PLAIN, "cached_tokens": 1.5}),
+    _frame({**PLAIN, "cached_tokens": "3"}) + "]",
     _frame(PLAIN).replace('"hé\\n"', '"\\ud800"'),  # half a surrogate pair
     json.dumps({"type": "token_deltas", "deltas": [PLAIN], "more": 1}),
     json.dumps({"type": "token_deltas", "deltas": {"0": PLAIN}}),
@@ -76,9 +81,14 @@ def test_a_frame_the_model_takes_gives_the_models_values_or_goes_its_way(frame: 
     plain = plain_deltas(frame)
     assert (plain is not None) == (VALID.index(frame) < PLAIN_COUNT)
     if plain is not None:
-        assert [delta_model(d) for d in plain] == model.deltas
-        assert plain == [
-            (d.request_id, d.token_ids, d.text, d.finish_reason) for d in model.deltas]
+        assert [d if isinstance(d, protocol.TokenDelta) else delta_model(d) for d in plain] == model.deltas
+        # only a delta with a prefill report is a model; the rest are plain tuples
+        assert [d for d in plain if not isinstance(d, protocol.TokenDelta)] == [
+            (d.request_id, d.token_ids, d.text, d.finish_reason) for d in model.deltas
+            if d.cached_tokens is None and d.node_ttft_s is None]
+        for d in plain:
+            if isinstance(d, protocol.TokenDelta):
+                assert type(d.node_ttft_s) is not int  # seconds as the model holds them
 
 
 @pytest.mark.parametrize("frame", MALFORMED, ids=range(len(MALFORMED)))
@@ -134,7 +144,7 @@ async def test_a_stream_gets_the_same_bytes_through_the_fast_path_as_through_the
     fast, general = [Client() for _ in range(12)], [Client() for _ in range(12)]
     plain = await _answer(ctx, fast, handle_frame)
     await _answer(create_app(MasterSettings()).state.ctx, general, _by_model)
-    assert plain[:2] == [False, False] and all(plain[2:])  # the first deltas carry the prefill report
+    assert all(plain)  # the first deltas, with their prefill report, too
     for f, g in zip(fast, general):
         assert bytes(f.body) == bytes(g.body)
         assert bytes(f.body).endswith(b"data: [DONE]\n\n") and bytes(f.body).count(b"data: ") == STEPS + 2

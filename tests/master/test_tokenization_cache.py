@@ -267,8 +267,11 @@ def test_texts_are_encoded_through_the_backend_with_the_wrappers_ids(default_mod
     assert t._backend is hf._tokenizer
     calls = []
     monkeypatch.setattr(t, "hf", _CallCounter(hf, calls))
-    for special in (False, True):
-        assert t._encode_texts(texts, special) == [list(i) for i in hf(texts, add_special_tokens=special)["input_ids"]]
+    long = texts + [_text(rng, 600)]  # past SERIAL_ENCODE_CHARS: one batched call
+    assert sum(map(len, texts)) <= tokenization.SERIAL_ENCODE_CHARS < sum(map(len, long))
+    for batch in (texts, long):
+        for special in (False, True):
+            assert t._encode_texts(batch, special) == [list(i) for i in hf(batch, add_special_tokens=special)["input_ids"]]
     assert t._encode_prompt(texts[0]) == list(hf(texts[0], add_special_tokens=True)["input_ids"])
     assert calls == []  # none went through the wrapper
 
@@ -292,3 +295,36 @@ class _CallCounter:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._hf, name)
+
+
+class _PoolWatch:
+    """A backend whose batch calls (the ones that wake its thread pool) are counted."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend, self.batches = backend, 0
+
+    def encode_batch_fast(self, *args: Any, **kwargs: Any) -> Any:
+        self.batches += 1
+        return self._backend.encode_batch_fast(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+async def test_a_chat_encoded_on_the_loop_never_wakes_the_tokenizers_thread_pool(tokenizer):
+    """The loop's inline encodes go one text at a time (a batch call's pool wake-up held the loop
+    for milliseconds at times); the ids are those of the chat template."""
+    t = Tokenizer(tokenizer)
+    await t.encode_chat([{"role": "user", "content": "warm up"}])  # sets up the split on the thread
+    watch = _PoolWatch(t._backend)
+    t.__dict__["_backend"] = watch
+    try:
+        for messages in _conversations()[:40]:
+            assert (await t.encode_chat(messages)).ids == _reference(tokenizer, messages)
+        assert watch.batches < 40  # only the long new parts, on the tokenizer thread
+        short = [{"role": "user", "content": "a short question"}, {"role": "assistant", "content": "an answer"}]
+        before = watch.batches
+        assert (await t.encode_chat(short)).ids == _reference(tokenizer, short)
+        assert watch.batches == before
+    finally:
+        t.close()
