@@ -139,7 +139,8 @@ def _keep(values: torch.Tensor, indices: torch.Tensor, ask: SelectionAsk, vocab:
     if ask.stop_ids is None:
         chosen, sums = indices[:keep], values[:keep]
     else:
-        ends = torch.isin(indices % vocab, ask.stop_ids).to(torch.int32)
+        # A compare against each of the few stop ids (torch.isin may pick a path that syncs).
+        ends = ((indices % vocab)[:, None] == ask.stop_ids[None, :]).any(dim=1).to(torch.int32)
         order = torch.sort(ends, stable=True).indices[:keep]
         chosen, sums = indices.index_select(0, order), values.index_select(0, order)
         parts.append(order)
