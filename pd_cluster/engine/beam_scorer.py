@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_cluster.engine.beam_select import Candidates, SelectionAsk
+from pd_cluster.engine.beam_select import Candidates
 from pd_cluster.protocol import TokenLogprob
 
 #: transformers' stand-in for "minus infinity" in beam scores.
@@ -80,14 +80,13 @@ class BeamScorer:
         """Tokens each live beam has generated (all the same)."""
         return len(self.running[0].token_ids)
 
-    def ask(self) -> SelectionAsk:
-        """What this step's selection (:func:`~pd_cluster.engine.beam_select.select`) takes from
-        the live beams' rows."""
-        k = max(2, 1 + len(self.stop_ids)) * self.width
-        return SelectionAsk([b.cum_logprob for b in self.running], k, self.top_logprobs or 0)
+    @property
+    def k(self) -> int:
+        """Continuations ranked a step: enough that ``width`` survive whatever ends."""
+        return max(2, 1 + len(self.stop_ids)) * self.width
 
     def advance(self, chosen: Candidates) -> list[Beam]:
-        """Take one step's best continuations (the selection of :meth:`ask`) and return the new
+        """Take one step's best continuations (ranked :attr:`k` deep) and return the new
         live beams (empty once :attr:`done`)."""
         length = self.generated + 1
         at_limit = length >= self.max_tokens
@@ -95,6 +94,8 @@ class BeamScorer:
                       for p, t, v in zip(chosen.parents, chosen.token_ids, chosen.cum_logprobs)]
         extended = [self._extend(c, own, chosen.top[c.parent]) for c, own in zip(candidates, chosen.logprobs)]
         kept = sorted(range(len(candidates)), key=lambda i: (candidates[i].ends, -candidates[i].cum_logprob))
+        if chosen.kept and chosen.kept != kept[: self.width]:
+            raise RuntimeError(f"beam search: the device kept continuations {chosen.kept}, the rule {kept[: self.width]}")
         self._offer_finished(candidates[: self.width], extended, length)
         self.running = [extended[i] for i in kept[: self.width]]
         self._check_can_improve(length)

@@ -4,12 +4,15 @@ A search starts from its prompt in one row: computed here (:meth:`BeamSearches.a
 over by a prefill node (:meth:`BeamSearches.start_from_kv`: the row lists the prompt's KV but for
 its last token, which the first step computes again, so that step has the logits every first
 continuation is drawn from; P sends KV only, never logits). Each step runs every live beam of every
-search as one decode row of one forward, ranks every search's continuations on the device
-(:mod:`pd_cluster.engine.beam_select`: one small read-back a step) and lets
-:class:`~pd_cluster.engine.beam_scorer.BeamScorer` pick among them. A continuation gets a row of
-its own whose table lists its parent's slots (the pool counts one more holder of each,
-:meth:`KVPool.share`): nothing is copied. The parents' rows are then freed, which returns only the
-slots no other beam holds. A search reserves the KV it may need at its peak (``width`` rows of
+search as one decode row of one forward and ranks every search's continuations on the device
+(:mod:`pd_cluster.engine.beam_select`), which also keeps the next beams there: the next step's
+rows list their parents' slots by a gather on the device (:mod:`pd_cluster.engine.beam_rows`:
+nothing is copied but the row of slot numbers) and read their tokens there. So, as the engine's
+greedy steps are, the steps are pipelined where the engine pipelines (a GPU): a call launches the
+next step before it reads the last one back, and
+:class:`~pd_cluster.engine.beam_scorer.BeamScorer` picks among that step's continuations, and the
+books follow, while the device runs. A search found ended then has launched one step too many,
+whose result is dropped. A search reserves the KV it may need at its peak (``width`` rows of
 prompt + max_tokens, the prompt counted once), so the scheduler never admits past it.
 """
 
@@ -21,8 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pd_cluster.engine.beam_scorer import Beam, BeamScorer, FinishedBeam
-from pd_cluster.engine.beam_select import select
+from pd_cluster.engine.beam_rows import BeamRows
+from pd_cluster.engine.beam_scorer import BeamScorer, FinishedBeam
+from pd_cluster.engine.beam_select import DeviceSelection, KeptBeams, SelectionAsk, select_on_device
+from pd_cluster.engine.device_copy import tensor_on
 from pd_cluster.engine.kv_pool import KVPool
 from pd_cluster.engine.model_runner import ModelRunner
 from pd_cluster.engine.req_table import ReqSlotTable
@@ -50,39 +55,70 @@ class BeamResult:
 
 @dataclass(eq=False)
 class BeamGroup:
-    """One beam search: its scorer and the rows of its live beams (in the scorer's order)."""
+    """One beam search: its scorer, its rows and where its steps stand."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     scorer: BeamScorer
-    rows: list[Request] = field(default_factory=list)
-    #: Request-table rows it holds and no beam uses now.
-    spare_rows: list[int] = field(default_factory=list)
+    #: Its rows and slots, from admission on (None while it waits).
+    books: BeamRows | None = None
     #: KV slots counted against the scheduler's admission while it runs.
     reserved: int = 0
+    #: Steps launched so far.
+    steps: int = 0
+    #: The beams the last step launched keeps, on the device (None: no step launched yet).
+    kept: KeptBeams | None = None
+    #: Its last step (at the length limit) is launched: it takes no more.
+    last_launched: bool = False
+    #: The ids that end a beam, on the device (None: none).
+    stop_ids: torch.Tensor | None = None
+    #: Ended or aborted: a step in flight drops its part.
+    closed: bool = False
 
     @property
     def peak_kv(self) -> int:
         width, prompt = self.params.beam_width, len(self.prompt_token_ids)
         return width * (prompt + self.params.max_tokens) - (width - 1) * prompt
 
+    @property
+    def rows(self) -> list[Request]:
+        """The rows of its live beams (as of the last step launched)."""
+        return self.books.requests[: self.books.running] if self.books is not None else []
+
+
+@dataclass
+class _Launched:
+    """A beam step whose forward and selection are queued: its searches, in step order."""
+
+    groups: list[BeamGroup]
+    selection: DeviceSelection
+
 
 class BeamSearches:
     """The engine's beam searches: waiting for room, then one step each per :meth:`step`."""
 
     def __init__(self, pool: KVPool, table: ReqSlotTable, scheduler: Scheduler, runner: ModelRunner,
-                 make_row: RowFactory) -> None:
+                 make_row: RowFactory, pipelined: bool = False) -> None:
+        """``pipelined``: leave each step in flight until the next call (the engine's overlap
+        scheduling, where no other copy of the table follows this one's host writes)."""
         self.pool = pool
         self.table = table
         self.scheduler = scheduler
         self.runner = runner
         self.make_row = make_row
+        self.pipelined = pipelined
         self.waiting: list[BeamGroup] = []
         self.running: list[BeamGroup] = []
+        self.vocab = runner.model.config.vocab_size
+        self._in_flight: _Launched | None = None
+        self._no_sum = torch.zeros(1, dtype=torch.float32, device=runner.device)
+        #: (KV frees, row frees) when the step in flight was launched (None: none in flight): a
+        #: free since may be of a slot it still writes (a search found ended as it ran).
+        self.frees_at_launch: tuple[int, int] | None = None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     def add(self, group: BeamGroup) -> None:
         """Queue a search (its prompt is computed when it is admitted)."""
@@ -108,44 +144,23 @@ class BeamSearches:
             self.pool.free(slots)
             raise ValueError(f"no room for a beam search of width {width} ({need} KV slots at its peak, "
                              f"{self.pool.num_free} free)")
-        group.spare_rows = [self.table.alloc_row() for _ in range(width)]
-        row = self.make_row(group.request_id, group.prompt_token_ids)
-        row.row = group.spare_rows.pop()
-        self.table.write(row.row, 0, slots[: n - 1])
+        self._start(group)
+        assert group.books is not None
+        group.books.start_from(slots[: n - 1])
         self.pool.free(slots[n - 1 :])
-        row.num_computed = n - 1
-        group.rows = [row]
-        group.reserved = need
-        self.scheduler.external_held += need
-        self.running.append(group)
 
     def step(self) -> list[BeamResult]:
-        """Admit what fits, run one step of every running search; the searches that ended."""
+        """Admit what fits, launch one step of every running search, and read back the step
+        before (pipelined) or this one; the searches that ended."""
         self._admit()
-        if not self.running:
-            return []
-        step = ScheduledStep()
-        for group in self.running:
-            for row in group.rows:
-                q_len = row.num_tokens - row.num_computed
-                slots = self.pool.take(q_len)
-                if slots is None:  # reserved at admission: cannot happen unless the books are wrong
-                    raise RuntimeError("beam search ran out of its reserved KV slots")
-                step.add(row, q_len, slots, True)
-        logits = self.runner.run(step)
-        for row, q_len in zip(step.requests, step.q_lens):
-            row.num_computed += q_len
-        running = list(self.running)
-        chosen = select(logits, [group.scorer.ask() for group in running])
-        ended: list[BeamResult] = []
-        for group, candidates in zip(running, chosen):
-            beams = group.scorer.advance(candidates)
-            self._fork(group, beams)
-            if group.scorer.done:
-                self.running.remove(group)
-                self._finish(group)
-                ended.append(BeamResult(group.request_id, group.prompt_token_ids,
-                                        group.scorer.best(group.params.beam_outputs), params=group.params))
+        launched = self._launch()
+        ended = self._read_back(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = launched
+        if launched is not None and not self.pipelined:
+            self._in_flight = None
+            ended += self._read_back(launched)
+        if self._in_flight is None:
+            self.frees_at_launch = None
         return ended
 
     def _admit(self) -> None:
@@ -158,56 +173,96 @@ class BeamSearches:
             if need > self.pool.num_free or not self.scheduler.fits(need, 0) or self.table.num_free_rows < width:
                 return
             self.waiting.pop(0)
-            group.spare_rows = [self.table.alloc_row() for _ in range(width)]
-            row = self.make_row(group.request_id, group.prompt_token_ids)
-            row.row = group.spare_rows.pop()
-            group.rows = [row]
-            group.reserved = need
-            self.scheduler.external_held += need
-            self.running.append(group)
+            self._start(group)
 
-    def _fork(self, group: BeamGroup, beams: list[Beam]) -> None:
-        """A parent's first child goes on in its row; each other child gets a row listing the
-        parent's slots (shared, not copied). A parent with no child frees its row first, and with
-        it the slots no other beam holds."""
-        parents = group.rows
-        children_of: dict[int, list[int]] = {}
-        for i, beam in enumerate(beams):
-            children_of.setdefault(beam.parent, []).append(i)
-        for index, parent in enumerate(parents):
-            if index not in children_of:
-                self._free_row(group, parent)
-        rows: list[Request | None] = [None] * len(beams)
-        for index, kids in children_of.items():
-            parent = parents[index]
-            for i in kids[1:]:
-                rows[i] = self._share_row(group, parent, beams[i])
-            parent.sampling.output_token_ids[:] = beams[kids[0]].token_ids
-            rows[kids[0]] = parent
-        group.rows = [row for row in rows if row is not None]
+    def _start(self, group: BeamGroup) -> None:
+        """Give a search its rows and its reservation, and run it from the next step."""
+        requests = [self.make_row(group.request_id, group.prompt_token_ids) for _ in range(group.params.beam_width)]
+        group.books = BeamRows.allocate(self.table, self.pool, requests)
+        stop_ids = sorted(group.scorer.stop_ids)
+        group.stop_ids = tensor_on(stop_ids, torch.int64, self.runner.device) if stop_ids else None
+        group.reserved = group.peak_kv
+        self.scheduler.external_held += group.reserved
+        self.running.append(group)
 
-    def _share_row(self, group: BeamGroup, parent: Request, beam: Beam) -> Request:
-        slots = self.table.read(parent.row, parent.num_computed)
-        child = self.make_row(group.request_id, group.prompt_token_ids)
-        child.sampling.output_token_ids.extend(beam.token_ids)
-        child.row = group.spare_rows.pop()
-        self.pool.share(slots)
-        self.table.write(child.row, 0, slots)
-        child.num_computed = parent.num_computed
-        return child
+    def _launch(self) -> _Launched | None:
+        """Queue one step of every search that takes one: its forward, then its selection."""
+        groups = [g for g in self.running if not g.last_launched]
+        if not groups:
+            return None
+        step = ScheduledStep()
+        asks: list[SelectionAsk] = []
+        sums: list[torch.Tensor] = []
+        tokens: list[torch.Tensor] = []
+        for group in groups:
+            rows = self._add_rows(group, step, tokens)
+            sums.append(group.kept.cum_logprobs if group.kept is not None else self._no_sum)
+            group.steps += 1
+            scorer = group.scorer
+            keep = 0 if group.steps >= group.params.max_tokens else min(scorer.width, scorer.k, rows * self.vocab)
+            group.last_launched = keep == 0
+            asks.append(SelectionAsk(rows, scorer.k, scorer.top_logprobs or 0, keep, group.stop_ids))
+        device_tokens = (tokens[0] if len(tokens) == 1 else torch.cat(tokens)) if tokens else None
+        logits = self.runner.run(step, None, device_tokens)
+        for row, q_len in zip(step.requests, step.q_lens):
+            row.num_computed += q_len
+        selection = select_on_device(logits, sums[0] if len(sums) == 1 else torch.cat(sums), asks)
+        for group, kept in zip(groups, selection.kept):
+            group.kept = kept
+        if self.pipelined:
+            self.frees_at_launch = (self.pool.frees, self.table.frees)
+        return _Launched(groups, selection)
 
-    def _free_row(self, group: BeamGroup, row: Request) -> None:
-        self.pool.free(self.table.read(row.row, row.num_computed))
-        group.spare_rows.append(row.row)
-        row.row = -1
+    def _add_rows(self, group: BeamGroup, step: ScheduledStep, tokens: list[torch.Tensor]) -> int:
+        """Add a search's rows to ``step``: its prompt's row first, then its beams, each row
+        listing its parent's slots (forked on the device) and reading its token there, from
+        ``tokens`` (the device tokens of the rows before it); how many rows."""
+        books = group.books
+        assert books is not None
+        if group.kept is None:
+            row = books.requests[0]
+            q_len = row.num_tokens - row.num_computed
+            slots = books.take_step(1, q_len)
+            if slots is None:  # reserved at admission: cannot happen unless the books are wrong
+                raise RuntimeError("beam search ran out of its reserved KV slots")
+            step.add(row, q_len, slots[0], True)
+            return 1
+        rows = group.kept.tokens.numel()
+        computed = books.requests[0].num_computed
+        books.fork_on_device(group.kept.parents, computed)
+        books.pend(rows, computed)
+        slots = books.take_step(rows, 1)
+        if slots is None:
+            raise RuntimeError("beam search ran out of its reserved KV slots")
+        first = sum(t.numel() for t in tokens)
+        for i, row in enumerate(books.requests[:rows]):
+            row.pending_index = first + i
+            step.add(row, 1, slots[i], True)
+        tokens.append(group.kept.tokens)
+        return rows
+
+    def _read_back(self, launched: _Launched) -> list[BeamResult]:
+        """Take a launched step's continuations: each search's scorer picks its beams and its
+        books follow (or it ends: its rows and slots go back)."""
+        ended: list[BeamResult] = []
+        for group, candidates in zip(launched.groups, launched.selection.fetch()):
+            if group.closed:
+                continue
+            beams = group.scorer.advance(candidates)
+            if group.scorer.done:
+                self.running.remove(group)
+                self._finish(group)
+                ended.append(BeamResult(group.request_id, group.prompt_token_ids,
+                                        group.scorer.best(group.params.beam_outputs), params=group.params))
+            else:
+                assert group.books is not None
+                group.books.fork([beam.parent for beam in beams])
+        return ended
 
     def _finish(self, group: BeamGroup) -> None:
         """Free the search's slots (those no other holder keeps), its rows and its reservation."""
-        for row in group.rows:
-            if row.row >= 0:
-                self._free_row(group, row)
-        for index in group.spare_rows:
-            self.table.free_row(index)
-        group.rows, group.spare_rows = [], []
+        group.closed = True
+        if group.books is not None:
+            group.books.release()
         self.scheduler.external_held -= group.reserved
         group.reserved = 0

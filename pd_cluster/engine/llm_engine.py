@@ -223,7 +223,10 @@ class LLMEngine:
         self.stats = EngineStats()
         self.postprocessor = Postprocessor(self.scheduler, self.penalties, self.predictor, self.requests, self.stats)
         #: Beam searches (:meth:`add_beam_request`), stepped after the batch's own step.
-        self.beams = BeamSearches(self.pool, self.table, self.scheduler, self.runner, self._beam_row)
+        # Pipelined as the batch's steps are, unless another copy of the table follows this one's
+        # host writes (a tensor-parallel rank's): those learn a fork only once it is read back.
+        self.beams = BeamSearches(self.pool, self.table, self.scheduler, self.runner, self._beam_row,
+                                  pipelined=self.pipelined and self.table.journal is None)
         #: Ended beam searches not yet taken (:meth:`take_beam_results`).
         self.beam_results: dict[str, BeamResult] = {}
         #: Prefills started on the side stream (:meth:`add_request` with ``prefill_now``).
@@ -411,11 +414,16 @@ class LLMEngine:
         prefill node): those freed since the pipelined step in flight was launched (a request
         found finished as it ran; its slots freed or cached without waiting for the device) may
         still be written by that step, so wait for it. Nothing to wait for otherwise."""
-        if self._frees_at_launch is None or self._frees_at_launch == (self.pool.frees, self.table.frees):
+        frees = (self.pool.frees, self.table.frees)
+        # The batch's step in flight, and the beam searches' (a search found ended as it ran).
+        marks = (self._frees_at_launch, self.beams.frees_at_launch)
+        if all(mark is None or mark == frees for mark in marks):
             return
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._frees_at_launch = (self.pool.frees, self.table.frees)
+        self._frees_at_launch = frees if self._frees_at_launch is not None else None
+        if self.beams.frees_at_launch is not None:
+            self.beams.frees_at_launch = frees
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)
@@ -507,7 +515,7 @@ class LLMEngine:
         """Whether the next step may launch before the last one's tokens are read back: not while
         a layer hook streams KV (a prefill node), nor with a prefill-only or held request (whose
         end a prefill node acts on at once), nor while beam searches run (their steps follow the
-        batch's, with nothing in flight)."""
+        batch's, and pipeline on their own: :mod:`pd_cluster.engine.beam_search`)."""
         if self._layer_hooks is not None or self.beams.has_work():
             return False
         sched = self.scheduler

@@ -61,6 +61,25 @@ class ReqSlotTable:
             self.journal.append(np.stack((np.full(n, row, dtype=np.int64), np.arange(start, start + n, dtype=np.int64),
                                           slots.cpu().numpy().astype(np.int64, copy=False))))
 
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+        """Rows ``dst`` list the first ``length`` slots of rows ``src`` (index tensors on the
+        table's device; a beam forked from its parent), on the device only: queued, nothing read
+        back. The host's mirror learns them by :meth:`mirror_rows`."""
+        if length:
+            view = self.table[:, :length]
+            view.index_copy_(0, dst, view.index_select(0, src))
+
+    def mirror_rows(self, rows: Sequence[int], slots: np.ndarray) -> None:
+        """Rows ``rows`` list ``slots`` ``[len(rows), n]`` from position 0, as the device table
+        already does (:meth:`copy_rows`): the host's mirror and the journal take them."""
+        n = slots.shape[1]
+        if self._host is not None:
+            self._host[list(rows), :n] = slots
+        if self.journal is not None and n and len(rows):
+            self.journal.append(np.stack((np.repeat(np.asarray(rows, dtype=np.int64), n),
+                                          np.tile(np.arange(n, dtype=np.int64), len(rows)),
+                                          slots.astype(np.int64, copy=False).reshape(-1))))
+
     def take_journal(self) -> torch.Tensor:
         """The writes kept since the last call, ``[3, n]`` int64 on the host (rows, positions,
         slots); the journal starts again empty."""

@@ -348,7 +348,7 @@ def sample_on_device(logits: torch.Tensor, states: Sequence[SamplingState],
     return _queue_host_copy(DeviceSample(tokens, logprobs, rows))
 
 
-class _HostCopies:
+class HostCopies:
     """Pinned buffers and events for sampled batches' copies to the host, reused once a batch is
     read: allocating pinned memory and an event cost a step's host more than the copy."""
 
@@ -372,7 +372,7 @@ class _HostCopies:
             free.append((host, event))
 
 
-_HOST_COPIES = _HostCopies()
+_HOST_COPIES = HostCopies()
 
 
 def _logprobs(logits: torch.Tensor, rows: _Batch) -> torch.Tensor | None:

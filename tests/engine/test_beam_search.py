@@ -163,3 +163,40 @@ def test_a_handed_over_search_without_room_gives_its_slots_back(llm, beam_prompt
     assert engine.pool.num_free == len(prompt) + 8 and not engine.beams.has_work()
     engine.pool.free(hold)
     assert engine.pool.num_free == free and engine.scheduler.external_held == 0
+
+
+@pytest.fixture(scope="module")
+def pipelined_llm(default_model_dir) -> LLM:
+    return LLM(str(default_model_dir), max_total_tokens=4096, overlap_schedule=True)
+
+
+def test_pipelined_searches_equal_the_step_by_step_ones(pipelined_llm, beam_prompts, searched):
+    """With overlap scheduling (a GPU's default) a call launches each search's next step, its rows
+    forked on the device from the beams the device kept, before it reads the step before back:
+    the same beams and scores, and every slot and row back at the end."""
+    engine = pipelined_llm.engine
+    assert engine.beams.pipelined
+    free, rows = engine.pool.num_free, engine.table.num_free_rows
+    got = run_all(pipelined_llm, beam_prompts[:6], beam_params())
+    for i in range(6):
+        expected = searched["results"][f"beam-{i}"].beams
+        assert [b.token_ids for b in got[f"beam-{i}"].beams] == [b.token_ids for b in expected]
+        assert [b.score for b in got[f"beam-{i}"].beams] == pytest.approx([b.score for b in expected], abs=1e-4)
+    assert (engine.pool.num_free, engine.table.num_free_rows) == (free, rows)
+    assert engine.scheduler.external_held == 0
+
+
+def test_a_search_aborted_with_its_step_in_flight_gives_everything_back(pipelined_llm, beam_prompts):
+    engine = pipelined_llm.engine
+    free, rows = engine.pool.num_free, engine.table.num_free_rows
+    for i, prompt in enumerate(beam_prompts[:2]):
+        engine.add_beam_request(f"cut-{i}", prompt, beam_params(max_tokens=24, early_stopping=False))
+    for _ in range(4):
+        engine.step()
+    assert engine.beams.frees_at_launch is not None  # a step is in flight
+    assert engine.abort("cut-0")
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.request_id for r in engine.take_beam_results()] == ["cut-1"]
+    assert (engine.pool.num_free, engine.table.num_free_rows) == (free, rows)
+    assert engine.beams.frees_at_launch is None and engine.scheduler.external_held == 0

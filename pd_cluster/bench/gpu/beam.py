@@ -1,6 +1,7 @@
 """(i) Beam search: one step of a width-4 search (its four live beams run as rows of one forward,
-their continuations ranked on the device, then the few chosen read back and forked on the host)
-against a greedy step of four independent rows at the same context, on the same engine."""
+their continuations ranked and the next beams kept and forked on the device, the few chosen read
+back a step later where the engine pipelines) against a greedy step of four independent rows at
+the same context, on the same engine, each timed as the engine runs it."""
 
 from __future__ import annotations
 
@@ -50,28 +51,43 @@ def time_greedy(engine: LLMEngine, plan: Plan, gen: torch.Generator) -> dict:
 
 
 def time_beam_steps(engine: LLMEngine, plan: Plan, gen: torch.Generator) -> dict:
-    """Engine steps while one beam search (and nothing else) runs: each is one whole beam step,
-    its chosen continuations read back and forked before the call returns."""
-    steps = plan.beam_skip_steps + plan.beam_steps
+    """Engine steps while one beam search (and nothing else) runs. Pipelined (as the greedy steps
+    are), a call launches the next step before it reads the last one back, so the steps are timed
+    back to back, their mean (a sync between them would stop the pipeline); otherwise each call
+    is one whole step, its chosen continuations read back before it returns."""
     params = SamplingParams(use_beam_search=True, beam_width=WIDTH, beam_outputs=WIDTH, temperature=0.0,
-                            max_tokens=steps + 2, ignore_eos=True)
+                            max_tokens=plan.beam_skip_steps + plan.beam_steps + 2, ignore_eos=True)
     request_id = f"beam-{uuid.uuid4().hex}"
     group = engine.add_beam_request(request_id, random_prompt(engine.model_config.vocab_size, plan.beam_ctx, gen),
                                     params)
     times, contexts = [], []
+
+    def context() -> float:
+        if len(group.rows) != WIDTH:
+            raise RuntimeError(f"{len(group.rows)} live beams, expected {WIDTH}")
+        return statistics.mean(r.num_computed + 1 for r in group.rows)
+
     try:
-        for step in range(steps):
-            timed = step >= plan.beam_skip_steps
-            if timed:
-                if len(group.rows) != WIDTH:
-                    raise RuntimeError(f"{len(group.rows)} live beams, expected {WIDTH}")
-                contexts.append(statistics.mean(r.num_computed + 1 for r in group.rows))
+        for _ in range(plan.beam_skip_steps):
+            engine.step()
+        if engine.pipelined:
             sync(engine.device)
             start = time.perf_counter()
-            engine.step()
-            if timed:
+            for _ in range(plan.beam_steps):
+                contexts.append(context())
+                engine.step()
+            sync(engine.device)
+            times.append((time.perf_counter() - start) * 1e3 / plan.beam_steps)
+        else:
+            for _ in range(plan.beam_steps):
+                contexts.append(context())
+                sync(engine.device)
+                start = time.perf_counter()
+                engine.step()
                 times.append((time.perf_counter() - start) * 1e3)
     finally:
         engine.abort(request_id)
+        while engine.beams.has_work():  # the step left in flight
+            engine.step()
         engine.take_beam_results()
     return {"step_ms": statistics.median(times), "step_ms_min": min(times), "mean_ctx": statistics.mean(contexts)}
