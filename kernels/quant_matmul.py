@@ -94,9 +94,6 @@ class GemmConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
-    #: The product transposed (:func:`_weight_only_gemm_swapped_kernel`): the weight tile the
-    #: tensor cores' 64-row side, the few input rows the narrow one.
-    swap: bool = False
 
 
 #: Rows the weight-only GEMM serves: beyond them the products, not the weight's bytes, bound the
@@ -150,38 +147,6 @@ def _weight_only_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@triton.jit
-def _weight_only_gemm_swapped_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w,
-                                     stride_out, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    # Program: the transposed BN x BM tile of the output (W x^T), over all of K. A Hopper
-    # product's first operand may come from registers, where the 8-bit tile is converted; its
-    # side is 64 rows a warp group, which BN output channels fill and a decode batch's few rows
-    # would not.
-    pid_m = tl.program_id(1)
-    pid_n = tl.program_id(0)
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    m_mask = rm < M
-    n_mask = rn < N
-    dtype = x_ptr.dtype.element_ty
-    x_cols = x_ptr + rm[None, :].to(tl.int64) * stride_x
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_mask = (k0 + rk) < K
-        w = tl.load(w_rows + k0 + rk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        xt = tl.load(x_cols + k0 + rk[:, None], mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        acc = tl.dot(w.to(dtype), xt, acc, input_precision=DOT_PRECISION)
-    acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_out + rn[:, None], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[None, :] & n_mask[:, None])
-
-
 def weight_only_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                               bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """``F.linear(x, weight * scale[:, None], bias)`` for an 8-bit (int8 or float8 e4m3)
@@ -199,8 +164,7 @@ def weight_only_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale: torc
     if m and n:
         cfg = config or weight_only_config(m, n, k)
         grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m))
-        kernel = _weight_only_gemm_swapped_kernel if cfg.swap else _weight_only_gemm_kernel
-        kernel[grid](
+        _weight_only_gemm_kernel[grid](
             x2, weight, scale.contiguous(), bias if bias is not None else scale, out, m, n, k,
             x2.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

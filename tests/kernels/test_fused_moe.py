@@ -10,10 +10,6 @@ here; bfloat16 is covered by ``tests/gpu/test_fused_moe_gpu.py``.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +23,8 @@ from pd_cluster.model.config import MoEConfig
 from pd_cluster.model.moe import route, routed_experts_ref
 from pd_cluster.model.quant_linear import quantize
 from pd_cluster.model.weights import ExpertWeights
+from tests.kernels.interpreted import INTERPRETER, run_in_interpreter
 
-INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: The two sum in other orders (K blocks; a token's top_k outputs in k order, not expert order).
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -161,12 +156,4 @@ if INTERPRETER:
 else:
 
     def test_fused_moe_matches_the_reference_in_the_interpreter() -> None:
-        import triton  # noqa: F401  # a test dependency: its absence must fail, not skip
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-        report = proc.stdout[-6000:] + proc.stderr[-2000:]
-        assert proc.returncode == 0, report
-        summary = proc.stdout.strip().splitlines()[-1]
-        passed = re.search(r"(\d+) passed", summary)
-        assert passed and int(passed.group(1)) >= 20 and "skipped" not in summary, report
+        run_in_interpreter(__file__)

@@ -61,10 +61,9 @@ GEMV_CANDIDATES = {
            ((4, 4096), 4)],
     False: [((4, 512), 4), ((16, 512), 4), ((2, 2048), 4), ((8, 1024), 4), ((4, 2048), 8), ((8, 256), 4)],
 }
-#: Weight-only GEMM (BN, BK, warps, stages, transposed) beside the default, from 16 rows; BM is
+#: Weight-only GEMM (BN, BK, warps, stages) beside the default, from 16 rows; BM is
 #: the rows' power of two (16 to 64).
-GEMM_TILES = [(32, 128, 4, 4, False), (64, 128, 4, 4, False), (16, 256, 4, 4, False), (64, 128, 8, 5, False),
-              (64, 128, 4, 4, True), (128, 128, 8, 4, True), (64, 256, 4, 3, True)]
+GEMM_TILES = [(32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (64, 128, 8, 5)]
 #: Bytes the weight copies of one path add up to: three times the H200's 50 MB of L2.
 COLD_BYTES = 150 << 20
 #: Calls a graph replays (over the copies in turn).
@@ -197,12 +196,12 @@ def sweep_shape(out: list[Timing], shape: tuple[str, int, int], rows: int, weigh
     if rows > 1:
         bm = max(16, next_pow2(rows))
         default = weight_only_config(rows, n, k)
-        tiles = [(default.block_n, default.block_k, default.num_warps, default.num_stages, default.swap)]
+        tiles = [(default.block_n, default.block_k, default.num_warps, default.num_stages)]
         if rows >= 16:  # fewer rows share the 16-row tiles: the default alone
             tiles += [t for t in (GEMM_TILES[:2] if quick else GEMM_TILES) if t not in tiles]
-        for bn, bk, warps, stages, swap in tiles:
-            cfg = GemmConfig(bm, bn, bk, warps, stages, swap)
-            record(out, shape, rows, "fp8 weight-only", f"{bn}x{bk} w{warps} s{stages}{' T' if swap else ''}", [
+        for bn, bk, warps, stages in tiles:
+            cfg = GemmConfig(bm, bn, bk, warps, stages)
+            record(out, shape, rows, "fp8 weight-only", f"{bn}x{bk} w{warps} s{stages}", [
                 lambda q=q, c=cfg: weight_only_linear_triton(x, q.qweight, q.scale, config=c) for q in fp8], 1)
         record(out, shape, rows, "int8 weight-only", "default", [
             lambda q=q: weight_only_linear_triton(x, q.qweight, q.scale) for q in int8], 1)
