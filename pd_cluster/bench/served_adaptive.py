@@ -43,6 +43,11 @@ def parse_static(items: list[str]) -> dict[str, str]:
     return configs
 
 
+def key_name(gpus: int) -> str:
+    """The key's name for a machine of ``gpus`` GPUs (``_cpu`` without one)."""
+    return f"adaptive_vs_best_static_saturation_{gpus}gpu" if gpus else "adaptive_vs_best_static_saturation_cpu"
+
+
 def summarize(runs: dict[str, list[float]], gpus: int) -> dict[str, Any]:
     """Each configuration's median and spread of saturation (req/s) and the default's ratio to
     the best static median; the key is absent until the default and a static one both ran."""
@@ -56,7 +61,7 @@ def summarize(runs: dict[str, list[float]], gpus: int) -> dict[str, Any]:
     if DEFAULT in medians and statics:
         best = max(statics, key=statics.__getitem__)
         doc["best_static"] = best
-        doc[f"adaptive_vs_best_static_saturation_{gpus}gpu"] = medians[DEFAULT] / statics[best]
+        doc[key_name(gpus)] = medians[DEFAULT] / statics[best]
     return doc
 
 
@@ -113,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(1, args.runs + 1):
         for name, flags in configs.items():
             runs[name].append(run_one(args, name, flags, run))
-            path.write_text(json.dumps({**head, **summarize(runs, max(gpus, 1))}, indent=2) + "\n")
+            path.write_text(json.dumps({**head, **summarize(runs, gpus)}, indent=2) + "\n")
     doc = json.loads(path.read_text())
     sys.stdout.write("\nconfiguration   saturation req/s (median [min, max])\n")
     for name in configs:
         low, high = doc["saturation_spread"][name]
         sys.stdout.write(f"{name:<15} {doc['saturation_median'][name]:.2f} [{low:.2f}, {high:.2f}]\n")
-    key = f"adaptive_vs_best_static_saturation_{max(gpus, 1)}gpu"
+    key = key_name(gpus)
     sys.stdout.write(f"{key} = {doc.get(key, float('nan')):.3f} (best static: {doc.get('best_static')})\n")
     return 0
 

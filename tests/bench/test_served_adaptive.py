@@ -22,6 +22,10 @@ def test_the_key_is_the_defaults_median_over_the_best_static_median():
     assert doc["saturation_spread"]["default"] == [20.0, 30.0]
 
 
+def test_a_machine_without_gpus_names_its_key_so():
+    assert "adaptive_vs_best_static_saturation_cpu" in summarize({"default": [1.0], "pd": [2.0]}, gpus=0)
+
+
 def test_no_key_before_both_sides_ran():
     assert "adaptive_vs_best_static_saturation_2gpu" not in summarize({"default": [1.0], "pd": []}, gpus=2)
     assert "adaptive_vs_best_static_saturation_2gpu" not in summarize({"default": [], "pd": [3.0]}, gpus=2)
