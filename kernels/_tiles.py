@@ -7,7 +7,7 @@ count those).
 
 from __future__ import annotations
 
-from kernels._triton import tl, triton
+from kernels._triton import INTERPRETED, tl, triton
 
 
 @triton.jit
@@ -20,14 +20,19 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
     for keys of the model dtype. ``QUANT`` 1 (int8) or 2 (fp8 e4m3): the caches hold packed rows
     (:mod:`kernels.kv_quant`, strides in bytes); ``k`` and ``v`` are the one-byte codes as int8 or
     float8 and the scales ``[BLOCK_N]`` float32, 0 where ``row_ok`` (None: every row) is false.
+    ``QUANT`` 3: fp8 e4m3 rows as 2, but ``v`` its codes already as float16
+    (:func:`load_e4m3_rows_f16`), for a ``q`` met as float16.
     """
     if QUANT:
         # Offsets in 16-byte units times 16 (the strides are multiples of 16, kernels.kv_quant):
         # the compiler sees every row start 16-byte aligned and loads the codes 16 at a time.
         k_rows = (slots * (stride_ks // 16) + kv_head * (stride_kh // 16)) * 16
         v_rows = (slots * (stride_vs // 16) + kv_head * (stride_vh // 16)) * 16
-        k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, QUANT)
-        v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
+        k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, min(QUANT, 2))
+        if QUANT == 3:
+            v, v_scale = load_e4m3_rows_f16(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
+        else:
+            v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
         return k, v, k_scale, v_scale
     else:
         k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=mask, other=0.0)
@@ -52,6 +57,54 @@ def load_quant_rows(cache_ptr, rows, d, mask, row_ok, HEAD_DIM: tl.constexpr, QU
         return codes.to(tl.int8, bitcast=True), scale
     else:
         return codes.to(tl.float8e4nv, bitcast=True), scale
+
+
+@triton.jit
+def load_e4m3_rows_f16(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
+    """Packed fp8 e4m3 rows (as :func:`load_quant_rows`) as their codes converted to float16
+    ``[N, BLOCK_D]`` and float32 scales ``[N]``; rows where ``row_ok`` (None: every row) is false
+    read 0.
+
+    Why: a tile whose one-byte codes meet the tensor cores as the second operand of ``p @ v``
+    must be read from shared memory transposed, which Triton does one byte at a time (128 loads
+    a thread for a 128 x 128 tile on sm_90, and the registers they hold). Loaded as 32-bit words
+    and converted where they land, the tile reaches shared memory as float16, which the
+    transposing matrix loads read 16 bytes at a time. The conversion sits behind a reshape, so
+    the compiler cannot move it past the layout change back onto the bytes."""
+    words_per_row: tl.constexpr = d.shape[0] // 4
+    w = tl.arange(0, words_per_row)
+    w_ok = w < (HEAD_DIM + 3) // 4
+    ptrs = (cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, None] + w[None, :]
+    scale_ptrs = (cache_ptr + rows + ((HEAD_DIM + 3) // 4) * 4).to(tl.pointer_type(tl.float32))
+    if row_ok is not None:
+        words = tl.load(ptrs, mask=row_ok[:, None] & w_ok[None, :], other=0)
+        scale = tl.load(scale_ptrs, mask=row_ok, other=0.0)
+    else:
+        words = tl.load(ptrs, mask=w_ok[None, :], other=0)
+        scale = tl.load(scale_ptrs)
+    c0, c1, c2, c3 = e4m3_word_to_f16(words)
+    # Element 4 * w + 2 * i + j of a row is code 2 * i + j of word w.
+    codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(codes, (rows.shape[0], d.shape[0])), scale
+
+
+@triton.jit
+def e4m3_word_to_f16(words):
+    """The four fp8 e4m3 codes of each int32 word (lowest byte first) as four float16 tensors:
+    two conversions of a code pair each, one instruction apiece on sm_89+. Interpreted, through
+    Triton's own conversion of each byte."""
+    if INTERPRETED:
+        c0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return c0, c1, c2, c3
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
 
 
 @triton.jit
@@ -115,7 +168,8 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     With codes, ``scale_log2`` may be a column ``[M, 1]``: the unit of each row of a ``q`` that
     :func:`float16_rows` made float16 times the softmax scale.
     """
-    if k.dtype == tl.int8 or k.dtype == tl.float8e4nv:
+    quantized: tl.constexpr = k.dtype == tl.int8 or k.dtype == tl.float8e4nv
+    if quantized:
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * k_scale[None, :] * scale_log2
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -132,7 +186,7 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if v.dtype != tl.int8 and v.dtype != tl.float8e4nv:
+    if not quantized:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     elif q.dtype == tl.float16:
         # Weights times small scales would fall below float16's normal range (6e-5): each weight

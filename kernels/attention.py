@@ -60,6 +60,15 @@ def _q_float16(quant: str | None, q: torch.Tensor, float16_codes: bool | None) -
     return quant == "fp8_e4m3" if float16_codes is None else float16_codes
 
 
+def _decode_quant_code(quant: str | None, q_float16: bool, values_float16: bool | None) -> int:
+    """The decode kernel's ``QUANT``: 3 (fp8 values converted to float16 as they load,
+    :func:`kernels._tiles.load_e4m3_rows_f16`) for fp8 met by a float16 q (``q_float16``) unless
+    ``values_float16`` is False (for measuring), else the cache kind's code."""
+    if quant == "fp8_e4m3" and q_float16 and values_float16 is not False:
+        return 3
+    return QUANT_CODES[quant]
+
+
 def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """The tensor a kernel writes: ``out`` when given (q's shape and dtype, head_dim contiguous)."""
     if out is None:
@@ -698,9 +707,11 @@ def decode_attention_triton(
     table_rows: torch.Tensor | None = None,
     quant: str | None = None,
     float16_codes: bool | None = None,
+    values_float16: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out``,
-    ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
+    ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`;
+    ``values_float16`` as in :func:`_decode_quant_code`. Each sequence's keys but its newest (the last of its
     context) must have been stored before the kernel launched before this one: with dependent
     launches they are read while that kernel (the one storing the newest key) still runs.
 
@@ -729,6 +740,7 @@ def decode_attention_triton(
     part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q)
+    q_f16 = _q_float16(quant, q, float16_codes)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -761,8 +773,8 @@ def decode_attention_triton(
         PREFETCH=batch * num_kv_heads <= PREFETCH_MAX_HEADS,
         HAS_ROWS=table_rows is not None,
         USE_PDL=pdl,
-        QUANT=quant_code,
-        Q_F16=_q_float16(quant, q, float16_codes),
+        QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16),
+        Q_F16=q_f16,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),

@@ -805,12 +805,16 @@ class InterpretedCases:
         out, ref = _context(batch, quant=kind, block_m=16, block_n=16, num_splits=num_splits)
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
 
-    @pytest.mark.parametrize(("kind", "dtype"), [("int8", torch.float32), ("fp8_e4m3", torch.float16)])
+    @pytest.mark.parametrize(("kind", "dtype", "values_float16"), [("int8", torch.float32, None),
+                                                                   ("fp8_e4m3", torch.float16, None),
+                                                                   ("fp8_e4m3", torch.float16, False)])
     @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
     def test_decode_attention_triton_reads_quantized_kv_as_the_reference(
-        self, kind: str, dtype: torch.dtype, prefetch: bool, monkeypatch: pytest.MonkeyPatch,
+        self, kind: str, dtype: torch.dtype, values_float16: bool | None, prefetch: bool,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        # As the engine calls it: the request table read in place through each sequence's row.
+        # As the engine calls it: the request table read in place through each sequence's row;
+        # fp8 values converted to float16 as they load (the default) or met as codes by the product.
         import kernels.attention
 
         monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
@@ -821,7 +825,7 @@ class InterpretedCases:
         table[rows] = batch.slot_table
         common = (batch.q, batch.k_cache, batch.v_cache)
         out = decode_attention_triton(*common, table, batch.ctx_lens, 0.25, block_n=16, num_splits=3,
-                                      table_rows=rows, quant=kind)
+                                      table_rows=rows, quant=kind, values_float16=values_float16)
         ref = decode_attention_ref(*common, batch.slot_table, batch.ctx_lens, 0.25, quant=kind)
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
 
