@@ -709,7 +709,7 @@ def decode_attention_triton(
     float16_codes: bool | None = None,
     values_float16: bool | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out``,
+    """Triton version of :func:`decode_attention_ref` (split-K: two launches, one at one split); ``out``,
     ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`;
     ``values_float16`` as in :func:`_decode_quant_code`. Each sequence's keys but its newest (the last of its
     context) must have been stored before the kernel launched before this one: with dependent
@@ -737,7 +737,12 @@ def decode_attention_triton(
         num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device,
                                         per_sm=4 if quant is None else 2)
     block_d = next_pow2(head_dim)
-    part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        # One split's normalised partial is the output: stored there, no merge launch (which,
+        # launched as a dependent, also held multiprocessor slots while it waited).
+        part_out = out.unsqueeze(2)
+    else:
+        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q)
     q_f16 = _q_float16(quant, q, float16_codes)
@@ -779,6 +784,8 @@ def decode_attention_triton(
         num_stages=num_stages,
         **pdl_options(pdl),
     )
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(batch, num_q_heads)](
         part_out,
         part_lse,
