@@ -13,6 +13,25 @@ from kernels._triton import INTERPRETED, tl, triton
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh, stride_vs, stride_vh,
                  row_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """:func:`load_kv_raw` with ``QUANT`` 3's value words converted (:func:`tile_values`)."""
+    k, v, k_scale, v_scale = load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh,
+                                         stride_vs, stride_vh, row_ok, HEAD_DIM, QUANT)
+    return k, tile_values(v, d, QUANT), k_scale, v_scale
+
+
+@triton.jit
+def tile_values(v, d, QUANT: tl.constexpr):
+    """The values of a tile :func:`load_kv_raw` read, as :func:`attend_tile` takes them: ``QUANT``
+    3's words as float16 (:func:`e4m3_words_f16`), others as read."""
+    if QUANT == 3:
+        return e4m3_words_f16(v, d.shape[0])
+    else:
+        return v
+
+
+@triton.jit
+def load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh, stride_vs, stride_vh,
+                row_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
     """Keys and values ``[BLOCK_N, BLOCK_D]`` of one kv head at ``slots``; masked elements read 0.
 
     Returns ``(k, v, k_scale, v_scale)``. ``QUANT`` 0: the caches hold the model dtype, the scales
@@ -20,8 +39,8 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
     for keys of the model dtype. ``QUANT`` 1 (int8) or 2 (fp8 e4m3): the caches hold packed rows
     (:mod:`kernels.kv_quant`, strides in bytes); ``k`` and ``v`` are the one-byte codes as int8 or
     float8 and the scales ``[BLOCK_N]`` float32, 0 where ``row_ok`` (None: every row) is false.
-    ``QUANT`` 3: fp8 e4m3 rows as 2, but ``v`` its codes already as float16
-    (:func:`load_e4m3_rows_f16`), for a ``q`` met as float16.
+    ``QUANT`` 3: fp8 e4m3 rows as 2, but ``v`` their codes as 32-bit words
+    (:func:`load_e4m3_words`), for a ``q`` met as float16.
     """
     if QUANT:
         # Offsets in 16-byte units times 16 (the strides are multiples of 16, kernels.kv_quant):
@@ -30,7 +49,7 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
         v_rows = (slots * (stride_vs // 16) + kv_head * (stride_vh // 16)) * 16
         k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, min(QUANT, 2))
         if QUANT == 3:
-            v, v_scale = load_e4m3_rows_f16(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
+            v, v_scale = load_e4m3_words(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
         else:
             v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
         return k, v, k_scale, v_scale
@@ -60,17 +79,16 @@ def load_quant_rows(cache_ptr, rows, d, mask, row_ok, HEAD_DIM: tl.constexpr, QU
 
 
 @triton.jit
-def load_e4m3_rows_f16(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
-    """Packed fp8 e4m3 rows (as :func:`load_quant_rows`) as their codes converted to float16
-    ``[N, BLOCK_D]`` and float32 scales ``[N]``; rows where ``row_ok`` (None: every row) is false
-    read 0.
+def load_e4m3_words(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
+    """Packed fp8 e4m3 rows (as :func:`load_quant_rows`) as 32-bit words of four codes
+    ``[N, BLOCK_D // 4]`` and float32 scales ``[N]``; rows where ``row_ok`` (None: every row) is
+    false read 0. :func:`e4m3_words_f16` converts the words.
 
     Why: a tile whose one-byte codes meet the tensor cores as the second operand of ``p @ v``
     must be read from shared memory transposed, which Triton does one byte at a time (128 loads
-    a thread for a 128 x 128 tile on sm_90, and the registers they hold). Loaded as 32-bit words
-    and converted where they land, the tile reaches shared memory as float16, which the
-    transposing matrix loads read 16 bytes at a time. The conversion sits behind a reshape, so
-    the compiler cannot move it past the layout change back onto the bytes."""
+    a thread for a 128 x 128 tile on sm_90, and the registers they hold). Loaded as words and
+    converted where they land, the tile reaches shared memory as float16, which the transposing
+    matrix loads read 16 bytes at a time."""
     words_per_row: tl.constexpr = d.shape[0] // 4
     w = tl.arange(0, words_per_row)
     w_ok = w < (HEAD_DIM + 3) // 4
@@ -82,10 +100,18 @@ def load_e4m3_rows_f16(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
     else:
         words = tl.load(ptrs, mask=w_ok[None, :], other=0)
         scale = tl.load(scale_ptrs)
+    return words, scale
+
+
+@triton.jit
+def e4m3_words_f16(words, BLOCK_D: tl.constexpr):
+    """Words of four fp8 e4m3 codes ``[N, BLOCK_D // 4]`` as the float16 tile ``[N, BLOCK_D]``.
+    The conversion sits before a reshape, so the compiler cannot move it past the layout change
+    to the product's operand (back onto the bytes)."""
     c0, c1, c2, c3 = e4m3_word_to_f16(words)
     # Element 4 * w + 2 * i + j of a row is code 2 * i + j of word w.
     codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    return tl.reshape(codes, (rows.shape[0], d.shape[0])), scale
+    return tl.reshape(codes, (words.shape[0], BLOCK_D))
 
 
 @triton.jit
@@ -234,6 +260,38 @@ def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, 
                                               stride_vh, n_ok, HEAD_DIM, QUANT)
         acc, m_i, l_i = attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION,
                                     k_scale, v_scale)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attend_keys_ahead(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end,
+                      scale_log2, stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """:func:`attend_keys` with the loads a tile ahead, into registers: each iteration reads the
+    next tile (and the slots of the one after) before computing its own, so one program keeps a
+    tile's bytes in flight while it computes (a kernel compiled with one pipeline stage; Triton's
+    own pipelining waits for a tile at the top of the iteration that uses it)."""
+    n_offs = tl.arange(0, BLOCK_N)
+    n = start + n_offs
+    n_ok = n < end
+    slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+    k, v, k_scale, v_scale = load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
+                                         stride_ks, stride_kh, stride_vs, stride_vh, n_ok, HEAD_DIM, QUANT)
+    n_after = n + BLOCK_N
+    slots_after = tl.load(table_row + n_after, mask=n_after < end, other=0).to(tl.int64)
+    for first in range(start, end, BLOCK_N):
+        n = first + n_offs
+        n_ok = n < end
+        n_next = n + BLOCK_N
+        next_ok = n_next < end
+        k_next, v_next, k_scale_next, v_scale_next = load_kv_raw(
+            k_cache_ptr, v_cache_ptr, slots_after, kv_head, d, next_ok[:, None] & d_ok[None, :], stride_ks,
+            stride_kh, stride_vs, stride_vh, next_ok, HEAD_DIM, QUANT)
+        n_after = n_next + BLOCK_N
+        slots_after = tl.load(table_row + n_after, mask=n_after < end, other=0).to(tl.int64)
+        acc, m_i, l_i = attend_tile(q, k, tile_values(v, d, QUANT), acc, m_i, l_i, scale_log2, n, n_ok, None,
+                                    DOT_PRECISION, k_scale, v_scale)
+        k, v, k_scale, v_scale = k_next, v_next, k_scale_next, v_scale_next
     return acc, m_i, l_i
 
 

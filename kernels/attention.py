@@ -62,7 +62,7 @@ def _q_float16(quant: str | None, q: torch.Tensor, float16_codes: bool | None) -
 
 def _decode_quant_code(quant: str | None, q_float16: bool, values_float16: bool | None) -> int:
     """The decode kernel's ``QUANT``: 3 (fp8 values converted to float16 as they load,
-    :func:`kernels._tiles.load_e4m3_rows_f16`) for fp8 met by a float16 q (``q_float16``) unless
+    :func:`kernels._tiles.load_e4m3_words`) for fp8 met by a float16 q (``q_float16``) unless
     ``values_float16`` is False (for measuring), else the cache kind's code."""
     if quant == "fp8_e4m3" and q_float16 and values_float16 is not False:
         return 3
@@ -527,6 +527,7 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,
     Q_F16: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -588,6 +589,10 @@ def _decode_split_kernel(
             acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                                lo + BLOCK_N, hi, scale_log2, stride_ks, stride_kh, stride_vs,
                                                stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
+    elif AHEAD:
+        acc, m_i, l_i = _tiles.attend_keys_ahead(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d,
+                                                 d_ok, lo, hi, scale_log2, stride_ks, stride_kh, stride_vs,
+                                                 stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
     else:
         acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                            lo, hi, scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
@@ -708,10 +713,13 @@ def decode_attention_triton(
     quant: str | None = None,
     float16_codes: bool | None = None,
     values_float16: bool | None = None,
+    ahead: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K: two launches, one at one split); ``out``,
     ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`;
-    ``values_float16`` as in :func:`_decode_quant_code`. Each sequence's keys but its newest (the last of its
+    ``values_float16`` as in :func:`_decode_quant_code`; ``ahead``: each program reads its next
+    tile while computing one (:func:`kernels._tiles.attend_keys_ahead`; with ``num_stages`` 1),
+    where no tile is read before the wait. Each sequence's keys but its newest (the last of its
     context) must have been stored before the kernel launched before this one: with dependent
     launches they are read while that kernel (the one storing the newest key) still runs.
 
@@ -780,6 +788,7 @@ def decode_attention_triton(
         USE_PDL=pdl,
         QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16),
         Q_F16=q_f16,
+        AHEAD=bool(ahead),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),

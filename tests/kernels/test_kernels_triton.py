@@ -829,6 +829,23 @@ class InterpretedCases:
         ref = decode_attention_ref(*common, batch.slot_table, batch.ctx_lens, 0.25, quant=kind)
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
 
+    @pytest.mark.parametrize(("kind", "dtype"), [(None, torch.float32), ("int8", torch.float32),
+                                                 ("fp8_e4m3", torch.float16)])
+    def test_decode_attention_triton_reading_a_tile_ahead_matches_the_reference(
+        self, kind: str | None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # Each program reads its next tile while computing one: contexts of one token (the loop's
+        # first read is its last), a tile and a token past it, several tiles a split.
+        import kernels.attention
+
+        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 0)
+        batch = make_paged_batch([1, 17, 64, 33], [1] * 4, 8, 2, 16, layout="shuffled", dtype=dtype, seed=12)
+        if kind is not None:
+            batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=2, num_stages=1, quant=kind, ahead=True)
+        assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[dtype])
+
     def test_attention_triton_takes_bfloat16_q_as_float16_over_fp8_kv(self) -> None:
         # bfloat16 q meets e4m3 codes as float16 (a power of two a row): the kernels upcast q
         # before any product, so the interpreter computes this path as the GPU does; the output's

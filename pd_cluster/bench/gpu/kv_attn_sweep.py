@@ -35,27 +35,32 @@ class Variant:
     num_stages: int | None = None
     num_splits: int | None = None
     values_float16: bool | None = None
+    ahead: bool | None = None
 
     @property
     def label(self) -> str:
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         return (f"{self.kind:8s} {f16}{v16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
-                f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}")
+                f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}")
 
 
 def variants() -> list[Variant]:
     """bfloat16 at its default and two widths; the quantized defaults; fp8 values met by the
     product as codes (the path before float16 values) at its former best; fp8 values converted to
-    float16 as they load over tile widths, warps, pipeline depths and splits."""
+    float16 as they load over tile widths, warps, pipeline depths and splits, and read a tile
+    ahead into registers (one stage)."""
     out = [Variant("bf16"), Variant("bf16", block_n=64), Variant("bf16", num_splits=1), Variant("fp8_e4m3"),
-           Variant("int8"), Variant("fp8_e4m3", True, 128, 4, 2, 1, values_float16=False)]
-    for block_n, warps in ((64, 4), (128, 4), (128, 8), (64, 8), (32, 4)):
-        for stages in (2, 3):
-            for splits in (1, 2, 3, 4):
-                if block_n == 32 and (stages == 3 or splits == 3):
-                    continue
-                out.append(Variant("fp8_e4m3", True, block_n, warps, stages, splits))
+           Variant("int8"), Variant("fp8_e4m3", True, 128, 4, 2, 1, values_float16=False),
+           Variant("fp8_e4m3", True, 128, 4, 2, 2, values_float16=False)]
+    for block_n, warps, stages in ((128, 4, 2), (64, 4, 2), (128, 8, 2), (64, 8, 2), (64, 4, 1), (128, 8, 1),
+                                   (32, 4, 2)):
+        for splits in (1, 2, 3):
+            out.append(Variant("fp8_e4m3", True, block_n, warps, stages, splits))
+    out += [Variant("fp8_e4m3", True, 128, 4, 3, splits) for splits in (1, 2)]
+    for block_n, warps in ((64, 4), (32, 4), (64, 8), (128, 8)):
+        for splits in (1, 2):
+            out.append(Variant("fp8_e4m3", True, block_n, warps, 1, splits, ahead=True))
     return out
 
 
@@ -80,6 +85,7 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
     if quant is not None:
         kwargs["float16_codes"] = variant.float16_codes
         kwargs["values_float16"] = variant.values_float16
+        kwargs["ahead"] = variant.ahead
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
 
