@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
         except Exception as exc:  # a tiling that does not compile or fit is reported, not fatal
             result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
         rows.append({**asdict(variant), "label": variant.label, **result})
+        if args.json:  # after every row: a sweep cut short by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"shape": vars(args), "rows": rows}, f, indent=1)
         if "error" in result:
             print(f"{variant.label}  {result['error']}", flush=True)
         else:
@@ -153,9 +156,6 @@ def main(argv: list[str] | None = None) -> None:
                 r = pick[0]
                 print(f"  {kind:8s} {name:7s} {r['us']:8.1f} us {r['gb_per_s']:7.0f} GB/s  "
                       f"ratio {r['us'] / base:.3f}  [{r['label']}]")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shape": vars(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
