@@ -22,9 +22,9 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
 @triton.jit
 def tile_values(v, d, QUANT: tl.constexpr):
     """The values of a tile :func:`load_kv_raw` read, as :func:`attend_tile` takes them: ``QUANT``
-    3's words as float16 (:func:`e4m3_words_f16`), others as read."""
-    if QUANT == 3:
-        return e4m3_words_f16(v, d.shape[0])
+    3's and 4's words as float16 (:func:`code_words_f16`), others as read."""
+    if QUANT >= 3:
+        return code_words_f16(v, d.shape[0], QUANT)
     else:
         return v
 
@@ -39,18 +39,22 @@ def load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, st
     for keys of the model dtype. ``QUANT`` 1 (int8) or 2 (fp8 e4m3): the caches hold packed rows
     (:mod:`kernels.kv_quant`, strides in bytes); ``k`` and ``v`` are the one-byte codes as int8 or
     float8 and the scales ``[BLOCK_N]`` float32, 0 where ``row_ok`` (None: every row) is false.
-    ``QUANT`` 3: fp8 e4m3 rows as 2, but ``v`` their codes as 32-bit words
-    (:func:`load_e4m3_words`), for a ``q`` met as float16.
+    ``QUANT`` 3 and 4: fp8 e4m3 (3) or int8 (4) rows as 2 and 1, but ``v`` their codes as 32-bit
+    words (:func:`load_code_words`), for a ``q`` met as float16.
     """
     if QUANT:
         # Offsets in 16-byte units times 16 (the strides are multiples of 16, kernels.kv_quant):
         # the compiler sees every row start 16-byte aligned and loads the codes 16 at a time.
         k_rows = (slots * (stride_ks // 16) + kv_head * (stride_kh // 16)) * 16
         v_rows = (slots * (stride_vs // 16) + kv_head * (stride_vh // 16)) * 16
-        k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, min(QUANT, 2))
         if QUANT == 3:
-            v, v_scale = load_e4m3_words(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
+            k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, 2)
+            v, v_scale = load_code_words(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
+        elif QUANT == 4:
+            k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, 1)
+            v, v_scale = load_code_words(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
         else:
+            k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, QUANT)
             v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
         return k, v, k_scale, v_scale
     else:
@@ -79,10 +83,10 @@ def load_quant_rows(cache_ptr, rows, d, mask, row_ok, HEAD_DIM: tl.constexpr, QU
 
 
 @triton.jit
-def load_e4m3_words(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
-    """Packed fp8 e4m3 rows (as :func:`load_quant_rows`) as 32-bit words of four codes
+def load_code_words(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
+    """Packed rows (as :func:`load_quant_rows`) as 32-bit words of four codes
     ``[N, BLOCK_D // 4]`` and float32 scales ``[N]``; rows where ``row_ok`` (None: every row) is
-    false read 0. :func:`e4m3_words_f16` converts the words.
+    false read 0. :func:`code_words_f16` converts the words.
 
     Why: a tile whose one-byte codes meet the tensor cores as the second operand of ``p @ v``
     must be read from shared memory transposed, which Triton does one byte at a time (128 loads
@@ -104,11 +108,14 @@ def load_e4m3_words(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def e4m3_words_f16(words, BLOCK_D: tl.constexpr):
-    """Words of four fp8 e4m3 codes ``[N, BLOCK_D // 4]`` as the float16 tile ``[N, BLOCK_D]``.
-    The conversion sits before a reshape, so the compiler cannot move it past the layout change
-    to the product's operand (back onto the bytes)."""
-    c0, c1, c2, c3 = e4m3_word_to_f16(words)
+def code_words_f16(words, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    """Words of four codes ``[N, BLOCK_D // 4]``, fp8 e4m3 (``QUANT`` 3) or int8 (4), as the
+    float16 tile ``[N, BLOCK_D]`` (exact). The conversion sits before a reshape, so the compiler
+    cannot move it past the layout change to the product's operand (back onto the bytes)."""
+    if QUANT == 3:
+        c0, c1, c2, c3 = e4m3_word_to_f16(words)
+    else:
+        c0, c1, c2, c3 = int8_word_to_f16(words)
     # Element 4 * w + 2 * i + j of a row is code 2 * i + j of word w.
     codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
     return tl.reshape(codes, (words.shape[0], BLOCK_D))
@@ -129,6 +136,27 @@ def e4m3_word_to_f16(words):
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
             "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
+
+
+@triton.jit
+def int8_word_to_f16(words):
+    """The four int8 codes of each int32 word (lowest byte first) as four float16 tensors: each
+    code's bits flipped into 128 + code and placed under float16's exponent of 1024 (two byte
+    permutes a word), 1152 subtracted from a pair at a time. Interpreted, through Triton's own
+    conversion of each byte."""
+    if INTERPRETED:
+        c0 = (words & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        c1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        c2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        c3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        return c0, c1, c2, c3
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, a, b, e, m; xor.b32 t, $4, 0x80808080; mov.b32 e, 0x64646464; "
+            "mov.b32 m, 0x64806480; prmt.b32 a, t, e, 0x4140; prmt.b32 b, t, e, 0x4342; "
+            "sub.f16x2 a, a, m; sub.f16x2 b, b, m; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
             "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
             pack=1)
 

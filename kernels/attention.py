@@ -61,11 +61,12 @@ def _q_float16(quant: str | None, q: torch.Tensor, float16_codes: bool | None) -
 
 
 def _decode_quant_code(quant: str | None, q_float16: bool, values_float16: bool | None) -> int:
-    """The decode kernel's ``QUANT``: 3 (fp8 values converted to float16 as they load,
-    :func:`kernels._tiles.load_e4m3_words`) for fp8 met by a float16 q (``q_float16``) unless
-    ``values_float16`` is False (for measuring), else the cache kind's code."""
-    if quant == "fp8_e4m3" and q_float16 and values_float16 is not False:
-        return 3
+    """The decode kernel's ``QUANT``: for a quantized cache met by a float16 q (``q_float16``),
+    3 (fp8) or 4 (int8): values converted to float16 as they load
+    (:func:`kernels._tiles.code_words_f16`), unless ``values_float16`` is False (for measuring);
+    else the cache kind's code."""
+    if quant is not None and q_float16 and values_float16 is not False:
+        return 3 if quant == "fp8_e4m3" else 4
     return QUANT_CODES[quant]
 
 

@@ -806,6 +806,8 @@ class InterpretedCases:
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
 
     @pytest.mark.parametrize(("kind", "dtype", "values_float16"), [("int8", torch.float32, None),
+                                                                   ("int8", torch.float16, None),
+                                                                   ("int8", torch.float16, False),
                                                                    ("fp8_e4m3", torch.float16, None),
                                                                    ("fp8_e4m3", torch.float16, False)])
     @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
@@ -830,7 +832,7 @@ class InterpretedCases:
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
 
     @pytest.mark.parametrize(("kind", "dtype"), [(None, torch.float32), ("int8", torch.float32),
-                                                 ("fp8_e4m3", torch.float16)])
+                                                 ("int8", torch.float16), ("fp8_e4m3", torch.float16)])
     def test_decode_attention_triton_reading_a_tile_ahead_matches_the_reference(
         self, kind: str | None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
     ) -> None:

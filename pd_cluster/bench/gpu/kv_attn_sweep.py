@@ -49,15 +49,19 @@ def variants() -> list[Variant]:
     """bfloat16 at its default and two widths; the quantized defaults; fp8 values met by the
     product as codes (the path before float16 values) at its former best; fp8 values converted to
     float16 as they load over tile widths, warps, pipeline depths and splits, and read a tile
-    ahead into registers (one stage)."""
+    ahead into registers (one stage); int8 values converted to float16 (q as float16) against
+    int8 met as codes by a bfloat16 q."""
     out = [Variant("bf16"), Variant("bf16", block_n=64), Variant("bf16", num_splits=1), Variant("fp8_e4m3"),
            Variant("int8"), Variant("fp8_e4m3", True, 128, 4, 2, 1, values_float16=False),
            Variant("fp8_e4m3", True, 128, 4, 2, 2, values_float16=False)]
     for block_n, warps, stages in ((128, 4, 2), (64, 4, 2), (128, 8, 2), (64, 8, 2), (64, 4, 1), (128, 8, 1),
                                    (32, 4, 2)):
-        for splits in (1, 2, 3):
+        for splits in (1, 2, 3) if block_n != 32 else (1, 2):
             out.append(Variant("fp8_e4m3", True, block_n, warps, stages, splits))
     out += [Variant("fp8_e4m3", True, 128, 4, 3, splits) for splits in (1, 2)]
+    out += [Variant("int8", True, block_n, warps, 2, splits) for block_n, warps in ((128, 4), (64, 4), (128, 8))
+            for splits in (1, 2)]
+    out += [Variant("int8", False, 128, 4, 2, 1)]
     for block_n, warps in ((64, 4), (32, 4), (64, 8), (128, 8)):
         for splits in (1, 2):
             out.append(Variant("fp8_e4m3", True, block_n, warps, 1, splits, ahead=True))
