@@ -529,9 +529,14 @@ def _decode_split_kernel(
     QUANT: tl.constexpr,
     Q_F16: tl.constexpr,
     AHEAD: tl.constexpr,
+    HEADS_TOGETHER: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    if HEADS_TOGETHER:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
+    else:
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(ctx_lens_ptr + seq).to(tl.int32)
     # Per-sequence split length, a whole number of tiles, so short contexts get short splits.
@@ -669,6 +674,15 @@ def _decode_stages(quant: str | None) -> int:
     return 2
 
 
+def _decode_heads_together(quant: str | None) -> bool:
+    """Whether the split kernel's grid walks kv heads before sequences, so that the programs
+    running at once read every head's row of the same slots. A slot's rows of all heads lie
+    side by side (``[slots, heads, row]``); one head's row alone is an isolated 144 bytes of a
+    quantized cache (256 in bfloat16), the sectors it shares with its neighbours fetched twice
+    when their programs run apart. Off until measured."""
+    return False
+
+
 #: Most splits of one sequence's context. The count is fixed by shapes (the slot table is as wide
 #: as the longest context), so at batch 1 a typical context leaves most splits empty; measured on
 #: an H100 with the default model's heads at batch 1 and 1k tokens of context: 64 splits 4.75 us
@@ -715,12 +729,14 @@ def decode_attention_triton(
     float16_codes: bool | None = None,
     values_float16: bool | None = None,
     ahead: bool | None = None,
+    heads_together: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K: two launches, one at one split); ``out``,
     ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`;
     ``values_float16`` as in :func:`_decode_quant_code`; ``ahead``: each program reads its next
     tile while computing one (:func:`kernels._tiles.attend_keys_ahead`; with ``num_stages`` 1),
-    where no tile is read before the wait. Each sequence's keys but its newest (the last of its
+    where no tile is read before the wait; ``heads_together``: the programs of one sequence's kv
+    heads launch next to each other (:func:`_decode_heads_together`). Each sequence's keys but its newest (the last of its
     context) must have been stored before the kernel launched before this one: with dependent
     launches they are read while that kernel (the one storing the newest key) still runs.
 
@@ -755,7 +771,10 @@ def decode_attention_triton(
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q)
     q_f16 = _q_float16(quant, q, float16_codes)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    if heads_together is None:
+        heads_together = _decode_heads_together(quant)
+    grid = (num_kv_heads, batch, num_splits) if heads_together else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -790,6 +809,7 @@ def decode_attention_triton(
         QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16),
         Q_F16=q_f16,
         AHEAD=bool(ahead),
+        HEADS_TOGETHER=heads_together,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),

@@ -848,6 +848,21 @@ class InterpretedCases:
         out = decode_attention_triton(*args, block_n=16, num_splits=2, num_stages=1, quant=kind, ahead=True)
         assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[dtype])
 
+    @pytest.mark.parametrize("kind", [None, "fp8_e4m3"])
+    @pytest.mark.parametrize("heads_together", [True, False], ids=["heads-first", "sequences-first"])
+    def test_decode_attention_triton_in_either_grid_order_matches_the_reference(
+        self, kind: str | None, heads_together: bool,
+    ) -> None:
+        # The split kernel's grid walks kv heads or sequences first: each program still finds its
+        # own sequence, head and split.
+        batch = make_paged_batch([1, 17, 64, 33, 5], [1] * 5, 6, 3, 16, layout="shuffled", dtype=torch.float16,
+                                 seed=13)
+        if kind is not None:
+            batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=2, quant=kind, heads_together=heads_together)
+        assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[torch.float16])
+
     def test_attention_triton_takes_bfloat16_q_as_float16_over_fp8_kv(self) -> None:
         # bfloat16 q meets e4m3 codes as float16 (a power of two a row): the kernels upcast q
         # before any product, so the interpreter computes this path as the GPU does; the output's

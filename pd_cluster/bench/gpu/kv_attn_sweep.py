@@ -36,35 +36,36 @@ class Variant:
     num_splits: int | None = None
     values_float16: bool | None = None
     ahead: bool | None = None
+    heads_together: bool | None = None
 
     @property
     def label(self) -> str:
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         return (f"{self.kind:8s} {f16}{v16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
-                f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}")
+                f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
+                f"{' heads' if self.heads_together else ''}")
 
 
 def variants() -> list[Variant]:
-    """bfloat16 at its default and two widths; the quantized defaults; fp8 values met by the
+    """bfloat16 at its default and two variants; the quantized defaults; fp8 values met by the
     product as codes (the path before float16 values) at its former best; fp8 values converted to
-    float16 as they load over tile widths, warps, pipeline depths and splits, and read a tile
-    ahead into registers (one stage); int8 values converted to float16 (q as float16) against
-    int8 met as codes by a bfloat16 q."""
-    out = [Variant("bf16"), Variant("bf16", block_n=64), Variant("bf16", num_splits=1), Variant("fp8_e4m3"),
-           Variant("int8"), Variant("fp8_e4m3", True, 128, 4, 2, 1, values_float16=False),
-           Variant("fp8_e4m3", True, 128, 4, 2, 2, values_float16=False)]
-    for block_n, warps, stages in ((128, 4, 2), (64, 4, 2), (128, 8, 2), (64, 8, 2), (64, 4, 1), (128, 8, 1),
-                                   (32, 4, 2)):
-        for splits in (1, 2, 3) if block_n != 32 else (1, 2):
-            out.append(Variant("fp8_e4m3", True, block_n, warps, stages, splits))
-    out += [Variant("fp8_e4m3", True, 128, 4, 3, splits) for splits in (1, 2)]
-    out += [Variant("int8", True, block_n, warps, 2, splits) for block_n, warps in ((128, 4), (64, 4), (128, 8))
-            for splits in (1, 2)]
-    out += [Variant("int8", False, 128, 4, 2, 1)]
-    for block_n, warps in ((64, 4), (32, 4), (64, 8), (128, 8)):
-        for splits in (1, 2):
-            out.append(Variant("fp8_e4m3", True, block_n, warps, 1, splits, ahead=True))
+    float16 as they load over tile widths, warps, pipeline depths and splits, a tile read ahead
+    into registers (one stage), and the grid walking kv heads first; int8 values converted to
+    float16 (q as float16) against int8 met as codes by a bfloat16 q."""
+    fp8, int8 = "fp8_e4m3", "int8"
+    out = [Variant("bf16"), Variant("bf16", block_n=64), Variant("bf16", num_splits=1),
+           Variant("bf16", heads_together=True), Variant(fp8), Variant(int8),
+           Variant(fp8, True, 128, 4, 2, 1, values_float16=False),
+           Variant(fp8, True, 128, 4, 2, 1, values_float16=False, heads_together=True)]
+    grid = [(128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 3), (64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 3),
+            (64, 4, 1, 1), (64, 4, 1, 2), (32, 4, 2, 1), (32, 4, 2, 2), (32, 4, 1, 2), (128, 8, 2, 2),
+            (128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 2, 2), (128, 4, 3, 1), (128, 4, 3, 2)]
+    out += [Variant(fp8, True, *config) for config in grid]
+    out += [Variant(fp8, True, *config, heads_together=True) for config in grid[:11]]
+    out += [Variant(int8, True, *config) for config in ((128, 4, 2, 1), (64, 4, 2, 2), (64, 4, 1, 1))]
+    out += [Variant(int8, True, 64, 4, 2, 2, heads_together=True), Variant(int8, False, 128, 4, 2, 1)]
+    out += [Variant(fp8, True, *config, ahead=True) for config in ((64, 4, 1, 1), (32, 4, 1, 2), (128, 8, 1, 1))]
     return out
 
 
@@ -90,6 +91,7 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
         kwargs["float16_codes"] = variant.float16_codes
         kwargs["values_float16"] = variant.values_float16
         kwargs["ahead"] = variant.ahead
+    kwargs["heads_together"] = variant.heads_together
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
 
