@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from dataclasses import asdict, dataclass
 
 import torch
@@ -69,6 +70,12 @@ def variants() -> list[Variant]:
     return out
 
 
+def default_variants() -> list[Variant]:
+    """Each kind's default launch, and fp8 values met by the product as codes at its former best."""
+    return [Variant("bf16"), Variant("fp8_e4m3"), Variant("int8"),
+            Variant("fp8_e4m3", True, 128, 4, 2, 1, values_float16=False)]
+
+
 def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.device,
               gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The same keys and values as bfloat16 caches and as int8 and fp8 rows as a pool stores them."""
@@ -118,13 +125,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda", help="cpu: the interpreter (TRITON_INTERPRET=1), a smoke run")
     parser.add_argument("--reps", type=int, default=20, help="timed launches a variant (after 3 untimed)")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--slots", choices=("shuffled", "contiguous"), default="shuffled",
+                        help="each sequence's slots: shuffled over the pool (after churn) or one run")
+    parser.add_argument("--set", choices=("full", "defaults"), default="full",
+                        help="defaults: each kind's default launch (and fp8 values as codes), --repeat times")
+    parser.add_argument("--repeat", type=int, default=1, help="times each variant is measured (defaults set)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     caches = kv_caches(args.batch, args.ctx, args.kv_heads, args.head_dim, device, gen)
     q = torch.randn(args.batch, args.q_heads, args.head_dim, device=device, generator=gen, dtype=torch.bfloat16)
-    # Shuffled slots, as a pool hands them out after some churn.
-    table = torch.randperm(args.batch * args.ctx, device=device, generator=gen).view(args.batch, args.ctx)
+    # Shuffled slots, as a pool hands them out after some churn, or one run a sequence.
+    if args.slots == "shuffled":
+        table = torch.randperm(args.batch * args.ctx, device=device, generator=gen).view(args.batch, args.ctx)
+    else:
+        table = torch.arange(args.batch * args.ctx, device=device).view(args.batch, args.ctx)
     ctx_lens = torch.full((args.batch,), args.ctx, dtype=torch.int32, device=device)
     sm_scale = args.head_dim ** -0.5
     refs = {}
@@ -134,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
             k_cache, v_cache = k_cache.float(), v_cache.float()
         refs[kind] = decode_attention_ref(q.float(), k_cache, v_cache, table, ctx_lens, sm_scale, quant)
     rows = []
-    for variant in variants():
+    chosen = variants() if args.set == "full" else default_variants() * args.repeat
+    for variant in chosen:
         try:
             result = run_variant(variant, q, caches, table, ctx_lens, refs, device, args.reps)
         except Exception as exc:  # a tiling that does not compile or fit is reported, not fatal
@@ -148,15 +164,35 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(f"{variant.label}  {result['us']:8.1f} us  {result['gb_per_s']:7.0f} GB/s  "
                   f"err {result['rel_err']:.1e} max {result['max_abs_err']:.1e}", flush=True)
-    base = next(r["us"] for r in rows if r["label"] == Variant("bf16").label and "us" in r)
+    summarize(rows)
+
+
+def summarize(rows: list[dict]) -> None:
+    """The short table: each variant measured more than once as its median and spread, then the
+    default and the best of each kind, as ratios to bfloat16's default (its median)."""
+    by_label: dict[str, list[dict]] = {}
+    for r in rows:
+        if "us" in r:
+            by_label.setdefault(r["label"], []).append(r)
+    bf16 = by_label.get(Variant("bf16").label)
+    if not bf16:
+        print("bf16 default did not run")
+        return
+    base = statistics.median(r["us"] for r in bf16)
+    repeated = {label: rs for label, rs in by_label.items() if len(rs) > 1}
+    if repeated:
+        print(f"\nmedian (min-max) of repeats, ratio to bf16 default's median {base:.1f} us:")
+        for label, rs in repeated.items():
+            us = [r["us"] for r in rs]
+            print(f"  {label}  {statistics.median(us):8.1f} us ({min(us):.1f}-{max(us):.1f})  "
+                  f"ratio {statistics.median(us) / base:.3f}  err {rs[0]['rel_err']:.1e}")
     print("\nbest of each kind (ratio to bf16 default):")
     for kind in ("bf16", "int8", "fp8_e4m3"):
         ok = [r for r in rows if r["kind"] == kind and "us" in r and r["rel_err"] < 5e-2]
         if not ok:
             print(f"  {kind:8s} none ran")
             continue
-        for name, pick in (("default", [r for r in ok if r["block_n"] is None and r["float16_codes"] is None
-                                         and r["num_splits"] is None]),
+        for name, pick in (("default", [r for r in ok if r["label"] == Variant(kind).label]),
                            ("best", [min(ok, key=lambda r: r["us"])])):
             if pick:
                 r = pick[0]
