@@ -206,7 +206,7 @@ def quantize_rows(x, QUANT: tl.constexpr):
 
 @triton.jit
 def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION: tl.constexpr, k_scale,
-                v_scale):
+                v_scale, V_IN_SHIFT: tl.constexpr = False):
     """One online-softmax step of flash attention (base 2): the rows of ``q`` attend to the K/V
     tile of key positions ``n``; returns the updated ``(acc, m_i, l_i)``.
 
@@ -221,12 +221,22 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     products run on the tensor cores as in the model dtype, and the tile is never dequantized.
     With codes, ``scale_log2`` may be a column ``[M, 1]``: the unit of each row of a ``q`` that
     :func:`float16_rows` made float16 times the softmax scale.
+
+    ``V_IN_SHIFT`` (codes met by a float16 q, no causal mask): each value's scale enters its
+    key's score as its log2, so the weights the product takes are the scaled ones, normalised by
+    their row's largest as the softmax normalises (no tile-wide maximum of the scales, a
+    reduction across warps); the sum of weights divides each by its scale back. ``m_i`` then
+    holds that shift, and ``m_i + log2(l_i)`` is still the row's log-sum-exp.
     """
     quantized: tl.constexpr = k.dtype == tl.int8 or k.dtype == tl.float8e4nv
+    in_shift: tl.constexpr = quantized and V_IN_SHIFT and q.dtype == tl.float16
     if quantized:
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * k_scale[None, :] * scale_log2
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if in_shift:
+        v_log = tl.log2(v_scale)  # a row not read has scale 0: -inf
+        s = s + v_log[None, :]
     if q_pos is not None:
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -239,9 +249,14 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
         m_shift = m_new
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if in_shift:
+        l_i = l_i * alpha + tl.sum(p * tl.where(v_scale > 0.0, tl.exp2(-v_log), 0.0)[None, :], axis=1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
     if not quantized:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    elif in_shift:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     elif q.dtype == tl.float16:
         # Weights times small scales would fall below float16's normal range (6e-5): each weight
         # takes its value's scale relative to the tile's largest, the product that one.
@@ -274,7 +289,7 @@ def float16_rows(q):
 @triton.jit
 def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end, scale_log2,
                 stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, V_IN_SHIFT: tl.constexpr = False):
     """:func:`attend_tile` over key positions ``[start, end)`` of one sequence, ``BLOCK_N`` at a
     time, each tile's slots read from its request-table row ``table_row``; ``QUANT`` as in
     :func:`load_kv_tile`."""
@@ -287,14 +302,15 @@ def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, 
                                               n_ok[:, None] & d_ok[None, :], stride_ks, stride_kh, stride_vs,
                                               stride_vh, n_ok, HEAD_DIM, QUANT)
         acc, m_i, l_i = attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION,
-                                    k_scale, v_scale)
+                                    k_scale, v_scale, V_IN_SHIFT)
     return acc, m_i, l_i
 
 
 @triton.jit
 def attend_keys_ahead(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end,
                       scale_log2, stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+                      V_IN_SHIFT: tl.constexpr = False):
     """:func:`attend_keys` with the loads a tile ahead, into registers: each iteration reads the
     next tile (and the slots of the one after) before computing its own, so one program keeps a
     tile's bytes in flight while it computes (a kernel compiled with one pipeline stage; Triton's
@@ -318,7 +334,7 @@ def attend_keys_ahead(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_
         n_after = n_next + BLOCK_N
         slots_after = tl.load(table_row + n_after, mask=n_after < end, other=0).to(tl.int64)
         acc, m_i, l_i = attend_tile(q, k, tile_values(v, d, QUANT), acc, m_i, l_i, scale_log2, n, n_ok, None,
-                                    DOT_PRECISION, k_scale, v_scale)
+                                    DOT_PRECISION, k_scale, v_scale, V_IN_SHIFT)
         k, v, k_scale, v_scale = k_next, v_next, k_scale_next, v_scale_next
     return acc, m_i, l_i
 

@@ -530,6 +530,7 @@ def _decode_split_kernel(
     Q_F16: tl.constexpr,
     AHEAD: tl.constexpr,
     HEADS_TOGETHER: tl.constexpr,
+    V_IN_SHIFT: tl.constexpr,
 ):
     if HEADS_TOGETHER:
         kv_head = tl.program_id(0)
@@ -586,7 +587,7 @@ def _decode_split_kernel(
             v_scale = tl.where(newest, v_new_scale, v_scale)
         if lo < hi:
             acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION,
-                                               k_scale, v_scale)
+                                               k_scale, v_scale, V_IN_SHIFT)
         # The rest of the split only where there is one: at batch 1 up to 2k tokens of context a
         # split is its prefetched tile, and a pipelined loop's prologue costs even when the loop
         # runs no iteration (the default model's layer at batch 1, H100: 11.72 -> 11.20 us). The
@@ -594,15 +595,15 @@ def _decode_split_kernel(
         if lo + BLOCK_N < hi:
             acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                                lo + BLOCK_N, hi, scale_log2, stride_ks, stride_kh, stride_vs,
-                                               stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
+                                               stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
     elif AHEAD:
         acc, m_i, l_i = _tiles.attend_keys_ahead(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d,
                                                  d_ok, lo, hi, scale_log2, stride_ks, stride_kh, stride_vs,
-                                                 stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
+                                                 stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
     else:
         acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                            lo, hi, scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                                           BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
+                                           BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
@@ -730,15 +731,19 @@ def decode_attention_triton(
     values_float16: bool | None = None,
     ahead: bool | None = None,
     heads_together: bool | None = None,
+    values_in_shift: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K: two launches, one at one split); ``out``,
     ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`;
     ``values_float16`` as in :func:`_decode_quant_code`; ``ahead``: each program reads its next
     tile while computing one (:func:`kernels._tiles.attend_keys_ahead`; with ``num_stages`` 1),
     where no tile is read before the wait; ``heads_together``: the programs of one sequence's kv
-    heads launch next to each other (:func:`_decode_heads_together`). Each sequence's keys but its newest (the last of its
-    context) must have been stored before the kernel launched before this one: with dependent
-    launches they are read while that kernel (the one storing the newest key) still runs.
+    heads launch next to each other (:func:`_decode_heads_together`); ``values_in_shift``: value
+    scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`).
+
+    Each sequence's keys but its newest (the last of its context) must have been stored before
+    the kernel launched before this one: with dependent launches they are read while that kernel
+    (the one storing the newest key) still runs.
 
     ``num_splits`` defaults to a count picked from the batch, the kv heads, the slot table's
     width and the GPU's multiprocessors; it depends on shapes only. Unset tile sizes come from
@@ -810,6 +815,7 @@ def decode_attention_triton(
         Q_F16=q_f16,
         AHEAD=bool(ahead),
         HEADS_TOGETHER=heads_together,
+        V_IN_SHIFT=bool(values_in_shift),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),

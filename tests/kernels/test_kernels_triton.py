@@ -863,6 +863,28 @@ class InterpretedCases:
         out = decode_attention_triton(*args, block_n=16, num_splits=2, quant=kind, heads_together=heads_together)
         assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[torch.float16])
 
+    @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+    @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
+    def test_decode_attention_triton_with_value_scales_in_the_scores_matches_the_reference(
+        self, kind: str, prefetch: bool, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # Value scales entered as logs into the scores (the weights carry them); values spanning
+        # 1e-3..1e3 from token to token, so a scale applied twice or not at all shows.
+        import kernels.attention
+
+        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
+        batch = make_paged_batch([1, 17, 64, 33], [1] * 4, 8, 2, 16, layout="shuffled", dtype=torch.float16,
+                                 seed=14)
+        spread = torch.logspace(-3, 3, batch.v_cache.shape[0], dtype=torch.float32)
+        batch.v_cache.copy_((batch.v_cache.float() * spread[torch.randperm(spread.numel())].view(-1, 1, 1)).half())
+        batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=3, quant=kind, float16_codes=True,
+                                      values_in_shift=True)
+        ref = decode_attention_ref(*args, quant=kind)
+        rel, max_abs = ATTENTION_TOL[torch.float16]
+        assert_matches(out, ref, rel, max_abs * float(ref.abs().max()))  # outputs up to ~1e3: float16's ulp
+
     def test_attention_triton_takes_bfloat16_q_as_float16_over_fp8_kv(self) -> None:
         # bfloat16 q meets e4m3 codes as float16 (a power of two a row): the kernels upcast q
         # before any product, so the interpreter computes this path as the GPU does; the output's

@@ -38,6 +38,7 @@ class Variant:
     values_float16: bool | None = None
     ahead: bool | None = None
     heads_together: bool | None = None
+    values_in_shift: bool | None = None
 
     @property
     def label(self) -> str:
@@ -45,14 +46,15 @@ class Variant:
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         return (f"{self.kind:8s} {f16}{v16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
                 f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
-                f"{' heads' if self.heads_together else ''}")
+                f"{' heads' if self.heads_together else ''}{' vshift' if self.values_in_shift else ''}")
 
 
 def variants() -> list[Variant]:
     """bfloat16 at its default and two variants; the quantized defaults; fp8 values met by the
     product as codes (the path before float16 values) at its former best; fp8 values converted to
-    float16 as they load over tile widths, warps, pipeline depths and splits, a tile read ahead
-    into registers (one stage), and the grid walking kv heads first; int8 values converted to
+    float16 as they load over tile widths, warps, pipeline depths and splits, value scales in the
+    scores, a tile read ahead into registers (one stage), and the grid walking kv heads first;
+    int8 values converted to
     float16 (q as float16) against int8 met as codes by a bfloat16 q."""
     fp8, int8 = "fp8_e4m3", "int8"
     out = [Variant("bf16"), Variant("bf16", block_n=64), Variant("bf16", num_splits=1),
@@ -63,7 +65,9 @@ def variants() -> list[Variant]:
             (64, 4, 1, 1), (64, 4, 1, 2), (32, 4, 2, 1), (32, 4, 2, 2), (32, 4, 1, 2), (128, 8, 2, 2),
             (128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 2, 2), (128, 4, 3, 1), (128, 4, 3, 2)]
     out += [Variant(fp8, True, *config) for config in grid]
-    out += [Variant(fp8, True, *config, heads_together=True) for config in grid[:11]]
+    few = [(128, 4, 2, 1), (128, 4, 2, 2), (64, 4, 2, 3), (64, 4, 1, 1), (64, 4, 1, 2), (32, 4, 2, 2)]
+    out += [Variant(fp8, True, *config, values_in_shift=True) for config in few[:5]]
+    out += [Variant(fp8, True, *config, heads_together=True) for config in few]
     out += [Variant(int8, True, *config) for config in ((128, 4, 2, 1), (64, 4, 2, 2), (64, 4, 1, 1))]
     out += [Variant(int8, True, 64, 4, 2, 2, heads_together=True), Variant(int8, False, 128, 4, 2, 1)]
     out += [Variant(fp8, True, *config, ahead=True) for config in ((64, 4, 1, 1), (32, 4, 1, 2), (128, 8, 1, 1))]
@@ -98,6 +102,7 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
         kwargs["float16_codes"] = variant.float16_codes
         kwargs["values_float16"] = variant.values_float16
         kwargs["ahead"] = variant.ahead
+        kwargs["values_in_shift"] = variant.values_in_shift
     kwargs["heads_together"] = variant.heads_together
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
