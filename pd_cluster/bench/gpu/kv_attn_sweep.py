@@ -54,18 +54,22 @@ def variants() -> list[Variant]:
     product as codes (the path before float16 values) at its former best; fp8 values converted to
     float16 as they load over tile widths, warps, pipeline depths and splits, value scales in the
     scores, a tile read ahead into registers (one stage), and the grid walking kv heads first;
-    int8 values converted to
-    float16 (q as float16) against int8 met as codes by a bfloat16 q."""
+    int8 values converted to float16 (q as float16) against int8 met as codes by a bfloat16 q."""
     fp8, int8 = "fp8_e4m3", "int8"
     out = [Variant("bf16"), Variant("bf16", block_n=64), Variant("bf16", num_splits=1),
            Variant("bf16", heads_together=True), Variant(fp8), Variant(int8),
            Variant(fp8, True, 128, 4, 2, 1, values_float16=False),
            Variant(fp8, True, 128, 4, 2, 1, values_float16=False, heads_together=True)]
+    # Depth 5 and 7: the slot and code loads are a two-level chain, so Triton gives each load
+    # (stages - 1) // 2 stages: 2 code buffers (3 at 7), a program's next tiles in flight.
     grid = [(128, 4, 2, 1), (128, 4, 2, 2), (128, 4, 2, 3), (64, 4, 2, 1), (64, 4, 2, 2), (64, 4, 2, 3),
+            (64, 4, 5, 1), (64, 4, 5, 2), (64, 4, 5, 3), (32, 4, 5, 1), (32, 4, 5, 2), (128, 4, 5, 1),
+            (128, 4, 5, 2), (64, 4, 7, 2), (32, 4, 7, 2),
             (64, 4, 1, 1), (64, 4, 1, 2), (32, 4, 2, 1), (32, 4, 2, 2), (32, 4, 1, 2), (128, 8, 2, 2),
             (128, 8, 1, 1), (128, 8, 1, 2), (64, 8, 2, 2), (128, 4, 3, 1), (128, 4, 3, 2)]
     out += [Variant(fp8, True, *config) for config in grid]
-    few = [(128, 4, 2, 1), (128, 4, 2, 2), (64, 4, 2, 3), (64, 4, 1, 1), (64, 4, 1, 2), (32, 4, 2, 2)]
+    few = [(128, 4, 2, 1), (64, 4, 5, 2), (64, 4, 2, 3), (64, 4, 1, 1), (32, 4, 5, 2), (128, 4, 2, 2),
+           (64, 4, 1, 2)]
     out += [Variant(fp8, True, *config, values_in_shift=True) for config in few[:5]]
     out += [Variant(fp8, True, *config, heads_together=True) for config in few]
     out += [Variant(int8, True, *config) for config in ((128, 4, 2, 1), (64, 4, 2, 2), (64, 4, 1, 1))]
@@ -135,7 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", choices=("full", "defaults"), default="full",
                         help="defaults: each kind's default launch (and fp8 values as codes), --repeat times")
     parser.add_argument("--repeat", type=int, default=1, help="times each variant is measured (defaults set)")
+    parser.add_argument("--report", help="print the short table of this JSON (a sweep cut short) and exit")
     args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            summarize(json.load(f)["rows"])
+        return
     device = torch.device(args.device)
     gen = torch.Generator(device=device).manual_seed(0)
     caches = kv_caches(args.batch, args.ctx, args.kv_heads, args.head_dim, device, gen)
