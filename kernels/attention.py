@@ -567,9 +567,9 @@ def _decode_split_kernel(
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
         newest = n_ok & (n == ctx_len - 1)
-        k, v, k_scale, v_scale = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
-                                                     (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh,
-                                                     stride_vs, stride_vh, n_ok & ~newest, HEAD_DIM, QUANT)
+        k, v, k_scale, v_scale = _tiles.load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
+                                                    (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh,
+                                                    stride_vs, stride_vh, n_ok & ~newest, HEAD_DIM, QUANT)
     pdl_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
@@ -577,11 +577,11 @@ def _decode_split_kernel(
         q, q_unit = _tiles.float16_rows(q)
         scale_log2 = scale_log2 * q_unit[:, None]
     if PREFETCH:
-        k_new, v_new, k_new_scale, v_new_scale = _tiles.load_kv_tile(
+        k_new, v_new, k_new_scale, v_new_scale = _tiles.load_kv_raw(
             k_cache_ptr, v_cache_ptr, slots, kv_head, d, newest[:, None] & d_ok[None, :], stride_ks, stride_kh,
             stride_vs, stride_vh, newest, HEAD_DIM, QUANT)
         k = tl.where(newest[:, None], k_new, k)
-        v = tl.where(newest[:, None], v_new, v)
+        v = _tiles.tile_values(tl.where(newest[:, None], v_new, v), d, QUANT)
         if QUANT:
             k_scale = tl.where(newest, k_new_scale, k_scale)
             v_scale = tl.where(newest, v_new_scale, v_scale)
