@@ -13,7 +13,7 @@ from kernels._triton import INTERPRETED, tl, triton
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh, stride_vs, stride_vh,
                  row_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
-    """:func:`load_kv_raw` with ``QUANT`` 3's value words converted (:func:`tile_values`)."""
+    """:func:`load_kv_raw` with ``QUANT`` 3's and 4's value words converted (:func:`tile_values`)."""
     k, v, k_scale, v_scale = load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh,
                                          stride_vs, stride_vh, row_ok, HEAD_DIM, QUANT)
     return k, tile_values(v, d, QUANT), k_scale, v_scale
