@@ -865,8 +865,9 @@ class InterpretedCases:
 
     @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
     @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
+    @pytest.mark.parametrize("in_shift", [True, False], ids=["scales-in-scores", "scales-tile-max"])
     def test_decode_attention_triton_with_value_scales_in_the_scores_matches_the_reference(
-        self, kind: str, prefetch: bool, monkeypatch: pytest.MonkeyPatch,
+        self, kind: str, prefetch: bool, in_shift: bool, monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         # Value scales entered as logs into the scores (the weights carry them); values spanning
         # 1e-3..1e3 from token to token, so a scale applied twice or not at all shows.
@@ -880,7 +881,7 @@ class InterpretedCases:
         batch = _quantized(batch, kind)
         args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
         out = decode_attention_triton(*args, block_n=16, num_splits=3, quant=kind, float16_codes=True,
-                                      values_in_shift=True)
+                                      values_in_shift=in_shift)
         ref = decode_attention_ref(*args, quant=kind)
         rel, max_abs = ATTENTION_TOL[torch.float16]
         assert_matches(out, ref, rel, max_abs * float(ref.abs().max()))  # outputs up to ~1e3: float16's ulp
