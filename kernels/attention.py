@@ -680,8 +680,10 @@ def _decode_heads_together(quant: str | None) -> bool:
     running at once read every head's row of the same slots. A slot's rows of all heads lie
     side by side (``[slots, heads, row]``); one head's row alone is an isolated 144 bytes of a
     quantized cache (256 in bfloat16), the sectors it shares with its neighbours fetched twice
-    when their programs run apart. Off until measured."""
-    return False
+    when their programs run apart. Quantized caches: measured on an H200 (8B heads, batch 64 x 4k
+    context, shuffled slots, fp8, 128 keys a tile) 347 / 337 us at one / two splits against
+    406 / 400 sequences first (one run each); bfloat16 312 against 316, kept as it was."""
+    return quant is not None
 
 
 def _decode_values_in_shift(quant: str | None) -> bool:
