@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernels._triton import HAS_TRITON
-from kernels.fused_moe import align_ref, align_triton, fused_moe_triton, max_padded_rows
+from kernels.fused_moe import MoeGemmConfig, align_ref, align_triton, fused_moe_triton, max_padded_rows
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import sparse_config
 from pd_cluster.model.config import MoEConfig
@@ -105,6 +105,23 @@ class InterpretedCases:
         experts, weights = route(x, w.router, moe)
         got = fused_moe_triton(x, w.gate_up, w.down, experts, weights, num_experts)
         torch.testing.assert_close(got, routed_experts_ref(x, w, moe, experts, weights), **TOL[dtype])
+
+    @pytest.mark.parametrize("method", [None, "int8"])
+    @pytest.mark.parametrize("config", [
+        MoeGemmConfig(16, 32, 32, group_m=2, sorted_rows=True),  # gated output kept in sorted order
+        MoeGemmConfig(16, 32, 16, group_m=3, interleaved=True, sorted_rows=True),  # a group cut short
+        MoeGemmConfig(8, 16, 32, interleaved=True),  # gate and up as one product of 32 columns
+    ])
+    def test_prompt_tile_options_match_the_reference(self, config: MoeGemmConfig, method: str | None) -> None:
+        w = _experts(6, 64, 40, torch.float32, seed=7)  # 40 columns: the last column tile is cut short
+        if method:
+            w = ExpertWeights(w.router, quantize(w.gate_up, method), quantize(w.down, method))
+        moe = _moe(6, 2, 40)
+        x = torch.randn(45, 64, generator=torch.Generator().manual_seed(8))
+        experts, weights = route(x, w.router, moe)
+        got = fused_moe_triton(x, w.gate_up, w.down, experts, weights, 6, configs=(config, config))
+        tol = TOL[torch.float32] if method is None else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, routed_experts_ref(x, w, moe, experts, weights), **tol)
 
     @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"), [
         (1, 8, 2, 16), (5, 4, 2, 1), (64, 128, 8, 16), (3, 6, 1, 4), (128, 128, 8, 16), (50, 6, 2, 64)])

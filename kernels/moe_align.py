@@ -1,0 +1,125 @@
+"""The (token, expert) pairs of a routed step sorted by expert and padded per expert to the
+grouped GEMM's row tile, on the device (no host reads: the step stays capturable in a CUDA graph).
+
+Each expert's run starts on a tile boundary, so every row tile of the GEMMs belongs to one expert;
+the buffers have their static upper bound (``pairs + min(experts, pairs) * (BLOCK_M - 1)`` rows)
+and the tiles past the used ones hold -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels._triton import _INTERPRETED, HAS_TRITON, cdiv, next_pow2, require_triton, tl, triton
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """(token, expert) pairs sorted by expert and padded per expert to ``block_m`` rows."""
+
+    #: ``[max_padded]`` int32: each row's pair index ``token * top_k + k``, ``num_pairs`` on padding.
+    pairs: torch.Tensor
+    #: ``[max_padded // block_m]`` int32: each row tile's expert (-1 past the used tiles).
+    block_experts: torch.Tensor
+    #: ``[1]`` int32: the rows in use (a multiple of ``block_m``); later tiles do nothing.
+    num_padded: torch.Tensor
+    block_m: int
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most rows an alignment of ``num_pairs`` pairs can use: every expert that gets a pair
+    (at most ``min(experts, pairs)``) pads its run by fewer than ``block_m`` rows."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return cdiv(bound, block_m) * block_m
+
+
+#: Pairs up to which :func:`align` is one Triton program (a decode step's: one launch where the
+#: torch ops take a dozen, each a few microseconds in a graph, on every sparse layer).
+ALIGN_ONE_PROGRAM_PAIRS = 1024
+#: Pairs a step of the one-program alignment takes (its one-hot tile: 64 by the experts).
+ALIGN_CHUNK = 64
+
+
+def align(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the pairs of ``experts`` ``[T, top_k]`` by expert (a token's pairs in token order
+    within each expert) and pad each expert's run to ``block_m`` rows, all on the device: no value
+    is read on the host, so the step that calls it can be captured in a CUDA graph. Few pairs on
+    Triton's device: :func:`align_triton` (the same layout)."""
+    if (experts.is_cuda or _INTERPRETED) and HAS_TRITON and 0 < experts.numel() <= ALIGN_ONE_PROGRAM_PAIRS:
+        return align_triton(experts, num_experts, block_m)
+    return align_ref(experts, num_experts, block_m)
+
+
+def align_ref(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """:func:`align` in torch ops (a dozen launches)."""
+    flat = experts.reshape(-1).long()
+    num_pairs = flat.numel()
+    device = flat.device
+    rows = max_padded_rows(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    pad_start = pad_end - padded
+    start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    dest = pad_start[sorted_experts] + torch.arange(num_pairs, device=device) - start[sorted_experts]
+    pairs = torch.full((rows,), num_pairs, dtype=torch.int32, device=device)
+    pairs.scatter_(0, dest, order.to(torch.int32))
+    tile_starts = torch.arange(0, rows, block_m, device=device)
+    block_experts = torch.searchsorted(pad_end, tile_starts, right=True)
+    used = pad_end[-1:]
+    block_experts = torch.where(tile_starts < used, block_experts, -1).to(torch.int32)
+    return Alignment(pairs, block_experts, used.to(torch.int32), block_m)
+
+
+@triton.jit
+def _align_kernel(experts_ptr, pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs, num_experts, rows,
+                  BM: tl.constexpr, E_BLOCK: tl.constexpr, CHUNK: tl.constexpr, R_BLOCK: tl.constexpr):
+    # One program, over the pairs in chunks of a [CHUNK, experts] one-hot matrix: first each
+    # expert's count, then each pair's rank among its expert's pairs (the count before its chunk
+    # plus a cumulative sum down the chunk) and its row.
+    e = tl.arange(0, E_BLOCK)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        flat = tl.load(experts_ptr + p0 + c, mask=p0 + c < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((flat[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    for r0 in range(0, rows, R_BLOCK):
+        r = r0 + tl.arange(0, R_BLOCK)
+        tl.store(pairs_ptr + r, tl.zeros((R_BLOCK,), dtype=tl.int32) + num_pairs, mask=r < rows)
+    tl.debug_barrier()  # the padding first, then the pairs over it
+    before = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for p0 in range(0, num_pairs, CHUNK):
+        flat = tl.load(experts_ptr + p0 + c, mask=p0 + c < num_pairs, other=-1).to(tl.int32)
+        hot = (flat[:, None] == e[None, :]).to(tl.int32)
+        row = (pad_start + before)[None, :] + tl.cumsum(hot, axis=0) - 1
+        tl.store(pairs_ptr + tl.sum(hot * row, axis=1), p0 + c, mask=p0 + c < num_pairs)
+        before += tl.sum(hot, axis=0)
+    used = tl.sum(padded, axis=0)
+    for t0 in range(0, rows // BM, CHUNK):
+        starts = (t0 + c) * BM
+        owner = tl.sum(((pad_end[None, :] <= starts[:, None]) & (e[None, :] < num_experts)).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + t0 + c, tl.where(starts < used, owner, -1), mask=starts < rows)
+    tl.store(num_padded_ptr, used)
+
+
+def align_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """:func:`align` as one program (up to :data:`ALIGN_ONE_PROGRAM_PAIRS` pairs)."""
+    require_triton()
+    flat = experts.reshape(-1).contiguous()
+    num_pairs = flat.numel()
+    if num_pairs > ALIGN_ONE_PROGRAM_PAIRS:
+        raise ValueError(f"{num_pairs} pairs: one program aligns at most {ALIGN_ONE_PROGRAM_PAIRS}")
+    rows = max_padded_rows(num_pairs, num_experts, block_m)
+    pairs = torch.empty(rows, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(rows // block_m, dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, pairs, block_experts, num_padded, num_pairs, num_experts, rows, BM=block_m,
+                        E_BLOCK=next_pow2(max(num_experts, 16)), CHUNK=ALIGN_CHUNK, R_BLOCK=1024, num_warps=4)
+    return Alignment(pairs, block_experts, num_padded, block_m)
