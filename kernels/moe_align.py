@@ -45,10 +45,13 @@ ALIGN_CHUNK = 64
 def align(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """Sort the pairs of ``experts`` ``[T, top_k]`` by expert (a token's pairs in token order
     within each expert) and pad each expert's run to ``block_m`` rows, all on the device: no value
-    is read on the host, so the step that calls it can be captured in a CUDA graph. Few pairs on
-    Triton's device: :func:`align_triton` (the same layout)."""
-    if (experts.is_cuda or _INTERPRETED) and HAS_TRITON and 0 < experts.numel() <= ALIGN_ONE_PROGRAM_PAIRS:
-        return align_triton(experts, num_experts, block_m)
+    is read on the host, so the step that calls it can be captured in a CUDA graph. On Triton's
+    device (the same layout): few pairs :func:`align_triton`, more :func:`align_chunked` (two
+    launches where the torch ops take some thirty, a radix sort among them)."""
+    if (experts.is_cuda or _INTERPRETED) and HAS_TRITON and experts.numel() > 0:
+        if experts.numel() <= ALIGN_ONE_PROGRAM_PAIRS:
+            return align_triton(experts, num_experts, block_m)
+        return align_chunked(experts, num_experts, block_m)
     return align_ref(experts, num_experts, block_m)
 
 
@@ -122,4 +125,91 @@ def align_triton(experts: torch.Tensor, num_experts: int, block_m: int) -> Align
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat, pairs, block_experts, num_padded, num_pairs, num_experts, rows, BM=block_m,
                         E_BLOCK=next_pow2(max(num_experts, 16)), CHUNK=ALIGN_CHUNK, R_BLOCK=1024, num_warps=4)
+    return Alignment(pairs, block_experts, num_padded, block_m)
+
+
+#: Pairs a program of the chunked alignment takes (its one-hot tile: this many by the experts).
+CHUNK_PAIRS = 128
+#: Chunks' counts summed a step by each program of the chunked alignment's second launch.
+CHUNK_ROWS = 16
+
+
+@triton.jit
+def _count_chunks_kernel(experts_ptr, counts_ptr, pairs_ptr, num_pairs, rows, rows_per_program,
+                         E_BLOCK: tl.constexpr, CHUNK: tl.constexpr, R_BLOCK: tl.constexpr):
+    # Program c: chunk c's count of each expert (a row of counts_ptr), and its share of the pair
+    # rows set to the padding value (the second launch writes the real pairs over it).
+    c = tl.program_id(0)
+    e = tl.arange(0, E_BLOCK)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    flat = tl.load(experts_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    hot = (flat[:, None] == e[None, :]).to(tl.int32)
+    tl.store(counts_ptr + c * E_BLOCK + e, tl.sum(hot, axis=0))
+    first = c * rows_per_program
+    for r0 in range(first, first + rows_per_program, R_BLOCK):
+        r = r0 + tl.arange(0, R_BLOCK)
+        tl.store(pairs_ptr + r, tl.zeros((R_BLOCK,), dtype=tl.int32) + num_pairs,
+                 mask=(r < rows) & (r < first + rows_per_program))
+
+
+@triton.jit
+def _place_chunks_kernel(experts_ptr, counts_ptr, pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs,
+                         num_chunks, num_experts, rows, BM: tl.constexpr, E_BLOCK: tl.constexpr,
+                         CHUNK: tl.constexpr, CHUNK_ROWS: tl.constexpr, TILES: tl.constexpr):
+    # Program c: every expert's total and the pairs of the chunks before c (from the first
+    # launch's counts), so each of chunk c's pairs gets its row: its expert's padded start, the
+    # earlier chunks' pairs of that expert, then its rank within the chunk. Program 0 also writes
+    # each row tile's expert and the rows in use.
+    c = tl.program_id(0)
+    e = tl.arange(0, E_BLOCK)
+    ch = tl.arange(0, CHUNK_ROWS)
+    total = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    before = tl.zeros((E_BLOCK,), dtype=tl.int32)
+    for c0 in range(0, num_chunks, CHUNK_ROWS):
+        idx = c0 + ch
+        counts = tl.load(counts_ptr + idx[:, None] * E_BLOCK + e[None, :], mask=(idx < num_chunks)[:, None], other=0)
+        total += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where((idx < c)[:, None], counts, 0), axis=0)
+    padded = (total + BM - 1) // BM * BM
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    flat = tl.load(experts_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+    hot = (flat[:, None] == e[None, :]).to(tl.int32)
+    row = (pad_start + before)[None, :] + tl.cumsum(hot, axis=0) - 1
+    tl.store(pairs_ptr + tl.sum(hot * row, axis=1), p, mask=p < num_pairs)
+    if c == 0:
+        used = tl.sum(padded, axis=0)
+        t = tl.arange(0, TILES)
+        for t0 in range(0, rows // BM, TILES):
+            starts = (t0 + t) * BM
+            owner = tl.sum(((pad_end[None, :] <= starts[:, None]) & (e[None, :] < num_experts)).to(tl.int32), axis=1)
+            tl.store(block_experts_ptr + t0 + t, tl.where(starts < used, owner, -1), mask=starts < rows)
+        tl.store(num_padded_ptr, used)
+
+
+def align_chunked(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """:func:`align` in two launches of :data:`CHUNK_PAIRS` pairs a program (any number of pairs):
+    each chunk's counts of each expert, then each chunk's pairs placed after the earlier chunks'."""
+    require_triton()
+    flat = experts.reshape(-1).contiguous()
+    num_pairs = flat.numel()
+    rows = max_padded_rows(num_pairs, num_experts, block_m)
+    device = flat.device
+    pairs = torch.empty(rows, dtype=torch.int32, device=device)
+    block_experts = torch.empty(rows // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        pairs.fill_(0)
+        block_experts.fill_(-1)
+        num_padded.fill_(0)
+        return Alignment(pairs, block_experts, num_padded, block_m)
+    e_block = next_pow2(max(num_experts, 16))
+    num_chunks = cdiv(num_pairs, CHUNK_PAIRS)
+    counts = torch.empty((num_chunks, e_block), dtype=torch.int32, device=device)
+    _count_chunks_kernel[(num_chunks,)](flat, counts, pairs, num_pairs, rows, cdiv(rows, num_chunks), E_BLOCK=e_block,
+                                        CHUNK=CHUNK_PAIRS, R_BLOCK=256, num_warps=8)
+    _place_chunks_kernel[(num_chunks,)](flat, counts, pairs, block_experts, num_padded, num_pairs, num_chunks,
+                                        num_experts, rows, BM=block_m, E_BLOCK=e_block, CHUNK=CHUNK_PAIRS,
+                                        CHUNK_ROWS=CHUNK_ROWS, TILES=64, num_warps=8)
     return Alignment(pairs, block_experts, num_padded, block_m)

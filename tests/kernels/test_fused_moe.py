@@ -17,6 +17,7 @@ import torch
 
 from kernels._triton import HAS_TRITON
 from kernels.fused_moe import MoeGemmConfig, align_ref, align_triton, fused_moe_triton, max_padded_rows
+from kernels.moe_align import align_chunked
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import sparse_config
 from pd_cluster.model.config import MoEConfig
@@ -130,7 +131,18 @@ class InterpretedCases:
         experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
         if tokens == 50:  # uneven: experts 2, 3 and 5 get nothing
             experts = torch.tensor([[4, 1]] * 47 + [[1, 4], [0, 4], [4, 0]])
-        want, got = align_ref(experts, num_experts, block_m), align_triton(experts, num_experts, block_m)
+        want = align_ref(experts, num_experts, block_m)
+        for got in (align_triton(experts, num_experts, block_m), align_chunked(experts, num_experts, block_m)):
+            for field in ("pairs", "block_experts", "num_padded"):
+                assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+    @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"), [
+        (300, 128, 8, 64), (257, 16, 2, 16), (1000, 4, 1, 128), (33, 128, 8, 128)])
+    def test_chunked_alignment_of_many_pairs_equals_the_torch_ops(self, tokens, num_experts, top_k, block_m) -> None:
+        gen = torch.Generator().manual_seed(tokens)
+        scores = torch.rand(tokens, num_experts, generator=gen) ** 3  # uneven: some experts get far more
+        experts = torch.topk(scores, top_k, dim=-1).indices
+        want, got = align_ref(experts, num_experts, block_m), align_chunked(experts, num_experts, block_m)
         for field in ("pairs", "block_experts", "num_padded"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
 

@@ -25,7 +25,10 @@ from typing import Callable
 
 import torch
 
-from kernels.fused_moe import MoeGemmConfig, align, align_ref, fused_moe_triton, moe_config, moe_gemm, sum_top_k
+from kernels.fused_moe import MoeGemmConfig, align_ref, align_triton, fused_moe_triton, moe_config, moe_gemm, sum_top_k
+from kernels.head_norm import head_rms_norm
+from kernels.moe_align import align, align_chunked
+from kernels.rms_norm import rms_norm
 from pd_cluster.model.config import MoEConfig
 from pd_cluster.model.moe import route, routed_experts_ref
 from pd_cluster.model.weights import ExpertWeights
@@ -155,9 +158,13 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
     ref = routed_experts_ref(x, w, moe, experts, weights)
     add("ref", "torch experts (eager)", eager_ms(lambda: routed_experts_ref(x, w, moe, experts, weights)), flops)
     for bm in (16, 64, 128):
-        add("align", f"torch ops bm{bm}", graph_ms(lambda: align_ref(experts, E, bm)))
-        add("align", f"default bm{bm}", graph_ms(lambda: align(experts, E, bm)),
-            padded_rows=int(align(experts, E, bm).num_padded))
+        want = align_ref(experts, E, bm)
+        add("align", f"torch ops bm{bm}", graph_ms(lambda: align_ref(experts, E, bm)), padded_rows=int(want.num_padded))
+        paths = [("chunked", align_chunked)] + ([("one program", align_triton)] if pairs <= 1024 else [])
+        for name, fn in paths:
+            got = fn(experts, E, bm)
+            same = all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("pairs", "block_experts", "num_padded"))
+            add("align", f"{name} bm{bm}", graph_ms(lambda: fn(experts, E, bm)), same=same)
     route_flat = weights.reshape(-1).contiguous()
     best: dict[tuple[str, int], tuple[float, MoeGemmConfig]] = {}
     gated = [moe_config(pairs, True)] + (GATED_CANDIDATES if pairs > 1024 else [])
@@ -201,6 +208,28 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
             configs=None if cfgs is None else [asdict(c) for c in cfgs])
 
 
+def time_head_norms(tokens: int, rows: list[dict]) -> None:
+    """Qwen3's q and k norms of a ``tokens``-token step (32 and 4 heads of 128, strided views of
+    the qkv projection): a contiguous copy and the row norm, against the strided head norm."""
+    qkv = torch.randn(tokens, 40 * 128, device="cuda", dtype=torch.bfloat16)
+    q, k = qkv[:, :4096].view(tokens, 32, 128), qkv[:, 4096:4608].view(tokens, 4, 128)
+    weight = torch.rand(128, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def rows_norm() -> list[torch.Tensor]:
+        return [rms_norm(h.reshape(-1, 128).contiguous(), weight, 1e-6)[0].view(h.shape) for h in (q, k)]
+
+    def heads_norm() -> list[torch.Tensor]:
+        return [head_rms_norm(h, weight, 1e-6) for h in (q, k)]
+
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(rows_norm(), heads_norm()))
+    old, new = graph_ms(rows_norm), graph_ms(heads_norm)
+    moved = 2 * 2 * tokens * 36 * 128 / new / 1e9
+    rows.append({"tokens": tokens, "part": "qk_norm", "rows_ms": old, "heads_ms": new, "max_abs_diff": diff,
+                 "heads_tb_per_s": moved})
+    print(f"T={tokens:5d} q/k norm: copy + row norm {old:.4f} ms, strided head norm {new:.4f} ms ({old / new:.2f}x, "
+          f"{moved:.2f} TB/s read + written), max |diff| {diff:.3g}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="4096,1024,64")
@@ -218,17 +247,19 @@ def main() -> None:
     del a
     print(f"bf16 matmul 8192^3: {mm_tflops:.0f} TFLOP/s (the 'of mm' column's rate)", flush=True)
     rows: list[dict] = []
+    path = args.json or (Path(os.environ["OUT"]) / "moe_sweep.json" if os.environ.get("OUT") else None)
     for tokens in (int(t) for t in args.tokens.split(",")):
+        time_head_norms(tokens, rows)
         sweep_tokens(tokens, w, moe, mm_tflops, rows)
+        if path:  # after each token count: a run cut short keeps what it measured
+            path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "mm_tflops": mm_tflops, "rows": rows},
+                                       indent=1))
     print("\nwhole layer (experts only): ms, fraction of the 8192^3 matmul rate, error against the torch reference")
     for r in rows:
         if r["part"] == "layer":
             print(f"T={r['tokens']:5d} {r['config']:100s} {r['ms']:8.4f} ms  {r['of_mm']:.3f}  err {r['rel_err']:.2e}"
                   f" {'ok' if r['ok'] else 'WRONG'}")
-    path = args.json or (Path(os.environ["OUT"]) / "moe_sweep.json" if os.environ.get("OUT") else None)
     if path:
-        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "mm_tflops": mm_tflops, "rows": rows},
-                                   indent=1))
         print(f"wrote {path}")
 
 
