@@ -18,6 +18,7 @@ import torch
 from kernels._triton import HAS_TRITON
 from kernels.fused_moe import MoeGemmConfig, align_ref, align_triton, fused_moe_triton, max_padded_rows
 from kernels.moe_align import align_chunked
+from kernels.moe_route import route_topk_ref, route_topk_triton
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import sparse_config
 from pd_cluster.model.config import MoEConfig
@@ -145,6 +146,27 @@ class InterpretedCases:
         want, got = align_ref(experts, num_experts, block_m), align_chunked(experts, num_experts, block_m)
         for field in ("pairs", "block_experts", "num_padded"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+    @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "renormalize", "dtype"), [
+        (1, 128, 8, True, torch.float32), (37, 128, 8, False, torch.float16), (300, 6, 2, True, torch.float32),
+        (5, 60, 1, False, torch.float32)])
+    def test_fused_router_top_k_matches_torch(self, tokens, num_experts, top_k, renormalize, dtype) -> None:
+        logits = (torch.randn(tokens, num_experts, generator=torch.Generator().manual_seed(tokens)) * 2).to(dtype)
+        experts, weights = route_topk_triton(logits, top_k, renormalize, dtype)
+        want_experts, want_weights = route_topk_ref(logits, top_k, renormalize, dtype)
+        assert experts.dtype == torch.int64
+        if dtype == torch.float32:
+            assert torch.equal(experts, want_experts)
+        else:  # half-precision logits tie; any expert of the same probability, at the same rank
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            assert torch.equal(probs.gather(1, experts), probs.gather(1, want_experts))
+        torch.testing.assert_close(weights, want_weights, **TOL[dtype])
+
+    def test_fused_router_takes_the_lowest_expert_among_equal_probabilities(self) -> None:
+        logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 0.5]])
+        experts, weights = route_topk_triton(logits, 4, False, torch.float32)
+        assert experts.tolist() == [[1, 2, 4, 3]]
+        torch.testing.assert_close(weights, route_topk_ref(logits, 4, False, torch.float32)[1])
 
     def test_uneven_routing_with_experts_that_get_no_token(self) -> None:
         w = _experts(6, 64, 48, torch.float32, seed=3)

@@ -28,6 +28,7 @@ import torch
 from kernels.fused_moe import MoeGemmConfig, align_ref, align_triton, fused_moe_triton, moe_config, moe_gemm, sum_top_k
 from kernels.head_norm import head_rms_norm
 from kernels.moe_align import align, align_chunked
+from kernels.moe_route import route_topk_ref, route_topk_triton
 from kernels.rms_norm import rms_norm
 from pd_cluster.model.config import MoEConfig
 from pd_cluster.model.moe import route, routed_experts_ref
@@ -155,6 +156,15 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
     add("mm", "dense down rows", mm_down, down_flops)
     add("mm", "dense both", mm_up + mm_down, flops)
     del a_rows, h_rows
+    logits = torch.nn.functional.linear(x, w.router)
+    fused_route = route_topk_triton(logits, TOP_K, True, x.dtype)
+    torch_route = route_topk_ref(logits, TOP_K, True, x.dtype)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    add("route", "torch softmax + topk", graph_ms(lambda: route_topk_ref(logits, TOP_K, True, x.dtype)))
+    add("route", "fused softmax + top-k", graph_ms(lambda: route_topk_triton(logits, TOP_K, True, x.dtype)),
+        same_experts=bool(torch.equal(fused_route[0], torch_route[0])),
+        same_probs=bool(torch.equal(probs.gather(1, fused_route[0]), probs.gather(1, torch_route[0]))),
+        weight_diff=float((fused_route[1].float() - torch_route[1].float()).abs().max()))
     ref = routed_experts_ref(x, w, moe, experts, weights)
     add("ref", "torch experts (eager)", eager_ms(lambda: routed_experts_ref(x, w, moe, experts, weights)), flops)
     for bm in (16, 64, 128):
@@ -230,6 +240,23 @@ def time_head_norms(tokens: int, rows: list[dict]) -> None:
           f"{moved:.2f} TB/s read + written), max |diff| {diff:.3g}", flush=True)
 
 
+def summarize(rows: list[dict]) -> None:
+    """The table to read: each part's fastest candidate and the whole layer's configs."""
+    print("\nsummary: fastest of each part (ms; 'of mm': fraction of the 8192^3 matmul rate)")
+    for tokens in sorted({r["tokens"] for r in rows}, reverse=True):
+        mine = [r for r in rows if r["tokens"] == tokens and r.get("ms") == r.get("ms")]
+        for part in ("mm", "route", "align", "gated", "down", "sum"):
+            cands = sorted((r for r in mine if r["part"] == part), key=lambda r: r["ms"])
+            for r in cands[:3 if part in ("gated", "down", "align") else 2]:
+                rate = f"  {r['of_mm']:.3f} of mm" if "of_mm" in r else ""
+                print(f"T={tokens:5d} {part:6s} {r['config']:40s} {r['ms']:8.4f} ms{rate}")
+        for r in (r for r in rows if r["tokens"] == tokens and r["part"] == "qk_norm"):
+            print(f"T={tokens:5d} qk_norm rows {r['rows_ms']:.4f} ms -> heads {r['heads_ms']:.4f} ms")
+        for r in (r for r in mine if r["part"] == "layer"):
+            print(f"T={tokens:5d} layer  {r['config']:90s} {r['ms']:8.4f} ms  {r['of_mm']:.3f} of mm  "
+                  f"err {r['rel_err']:.2e} {'ok' if r['ok'] else 'WRONG'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="4096,1024,64")
@@ -254,11 +281,7 @@ def main() -> None:
         if path:  # after each token count: a run cut short keeps what it measured
             path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "mm_tflops": mm_tflops, "rows": rows},
                                        indent=1))
-    print("\nwhole layer (experts only): ms, fraction of the 8192^3 matmul rate, error against the torch reference")
-    for r in rows:
-        if r["part"] == "layer":
-            print(f"T={r['tokens']:5d} {r['config']:100s} {r['ms']:8.4f} ms  {r['of_mm']:.3f}  err {r['rel_err']:.2e}"
-                  f" {'ok' if r['ok'] else 'WRONG'}")
+    summarize(rows)
     if path:
         print(f"wrote {path}")
 
