@@ -22,6 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import cdiv, dot_precision, last_dim_contiguous, next_pow2, require_triton, tl, triton
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # no Triton, or one without host-side tensor descriptors: the pointer loads
+    TensorDescriptor = None
 from kernels.moe_align import (  # noqa: F401  (re-exported: the alignment is part of this API)
     ALIGN_CHUNK,
     ALIGN_ONE_PROGRAM_PAIRS,
@@ -40,7 +45,8 @@ class MoeGemmConfig:
     (0: each column tile over all the row tiles, the decode order); ``interleaved``: a gated
     launch's gate and up columns as one product of ``2 * block_n`` columns (one wide MMA) split in
     the epilogue; ``sorted_rows`` (read from the gated launch's config): the gated output kept in
-    padded sorted order for the down projection."""
+    padded sorted order for the down projection; ``tma``: the weight tiles (not interleaved ones)
+    and sorted input rows loaded by the tensor memory accelerator."""
 
     block_m: int
     block_n: int
@@ -50,6 +56,7 @@ class MoeGemmConfig:
     group_m: int = 0
     interleaved: bool = False
     sorted_rows: bool = False
+    tma: bool = False
 
 
 #: Pairs up to which a step counts as decode-sized: tiles of 16 rows (a decode batch spreads its
@@ -84,11 +91,12 @@ def _moe_gemm_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, pairs_ptr, block_experts_
                      num_pairs, N, K, num_m_tiles, stride_a, stride_we, stride_wn, stride_se, stride_out,
                      A_DIV: tl.constexpr, A_SORTED: tl.constexpr, OUT_SORTED: tl.constexpr, GATED: tl.constexpr,
                      INTERLEAVED: tl.constexpr, WEIGHTED: tl.constexpr, SCALED: tl.constexpr,
-                     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     TMA_A: tl.constexpr, TMA_W: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     GROUP_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     # Program: one expert's BM sorted pairs by BN output columns (and the matching up columns N
     # further on when GATED), over all of K. Input row of a pair: pair // A_DIV, or the sorted row
-    # itself (A_SORTED); output row: the pair, or the sorted row (OUT_SORTED).
+    # itself (A_SORTED); output row: the pair, or the sorted row (OUT_SORTED). TMA_A / TMA_W: a_ptr
+    # / w_ptr are tensor descriptors (sorted rows ``[rows, K]``; weights ``[experts * out, K]``).
     pid_m, pid_n = _tile(num_m_tiles, tl.cdiv(N, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded_ptr):
         return
@@ -96,13 +104,14 @@ def _moe_gemm_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, pairs_ptr, block_experts_
     rows = pid_m * BM + tl.arange(0, BM)
     pairs = tl.load(pairs_ptr + rows)
     valid = pairs < num_pairs
-    if A_SORTED:
-        a_rows = rows.to(tl.int64)
-    else:
-        a_rows = tl.where(valid, pairs // A_DIV, 0).to(tl.int64)
     rk = tl.arange(0, BK)
-    dtype = a_ptr.dtype.element_ty
-    a_ptrs = a_ptr + a_rows[:, None] * stride_a + rk[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if not TMA_A:
+        if A_SORTED:
+            a_rows = rows.to(tl.int64)
+        else:
+            a_rows = tl.where(valid, pairs // A_DIV, 0).to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_a + rk[None, :]
     if INTERLEAVED:
         # Column j of the product: gate column j // 2 (even j) or its up column (odd j).
         j = tl.arange(0, 2 * BN)
@@ -113,21 +122,32 @@ def _moe_gemm_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, pairs_ptr, block_experts_
         rn = pid_n * BN + tl.arange(0, BN)
         n_mask = rn < N
         w_rows = rn
-    w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + rk[:, None]
-    up_ptrs = w_ptrs + N * stride_wn
+    if TMA_W:
+        w_row = (expert * (stride_we // stride_wn) + pid_n * BN).to(tl.int32)
+    else:
+        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + rk[:, None]
+        up_ptrs = w_ptrs + N * stride_wn
     acc = tl.zeros((BM, 2 * BN if INTERLEAVED else BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
-        if EVEN_K:
+        k_mask = (k0 + rk) < K
+        if TMA_A:
+            a = a_ptr.load([pid_m * BM, k0])
+        elif EVEN_K:
             a = tl.load(a_ptrs + k0, mask=valid[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        if TMA_W:
+            w = w_ptr.load([w_row, k0]).T
+        elif EVEN_K:
             w = tl.load(w_ptrs + k0, mask=n_mask[None, :], other=0.0, eviction_policy="evict_first")
         else:
-            k_mask = (k0 + rk) < K
-            a = tl.load(a_ptrs + k0, mask=valid[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0, eviction_policy="evict_first")
         acc = tl.dot(a, w.to(dtype), acc, input_precision=DOT_PRECISION)
         if GATED and not INTERLEAVED:
-            if EVEN_K:
+            if TMA_W:
+                u = w_ptr.load([w_row + N, k0]).T
+            elif EVEN_K:
                 u = tl.load(up_ptrs + k0, mask=n_mask[None, :], other=0.0, eviction_policy="evict_first")
             else:
                 u = tl.load(up_ptrs + k0, mask=k_mask[:, None] & n_mask[None, :], other=0.0,
@@ -153,6 +173,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, pairs_ptr, block_experts_
     out_rows = rows.to(tl.int64) if OUT_SORTED else pairs.to(tl.int64)
     out_ptrs = out_ptr + out_rows[:, None] * stride_out + rn[None, :]
     tl.store(out_ptrs, res.to(out_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s rows (all but its last dimension flattened) can be a tensor descriptor's."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0
 
 
 def _weight(w) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -185,12 +210,17 @@ def moe_gemm(a: torch.Tensor, weight, alignment: Alignment, num_pairs: int, a_di
         return out
     num_m_tiles = alignment.block_experts.numel()
     grid = (num_m_tiles * cdiv(n, cfg.block_n),)
+    tma = cfg.tma and TensorDescriptor is not None
+    tma_a = tma and a_sorted and _describable(a)
+    tma_w = tma and not (gated and cfg.interleaved) and _describable(w)
+    a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k]) if tma_a else a
+    w_arg = TensorDescriptor.from_tensor(w.reshape(-1, k), [cfg.block_n, cfg.block_k]) if tma_w else w
     _moe_gemm_kernel[grid](
-        a, w, scale if scale is not None else a, out, alignment.pairs, alignment.block_experts,
+        a_arg, w_arg, scale if scale is not None else a, out, alignment.pairs, alignment.block_experts,
         alignment.num_padded, route if route is not None else a, num_pairs, n, k, num_m_tiles, a.stride(0),
         w.stride(0), w.stride(1), scale.stride(0) if scale is not None else 0, out.stride(0),
         A_DIV=a_div, A_SORTED=a_sorted, OUT_SORTED=out_sorted, GATED=gated, INTERLEAVED=gated and cfg.interleaved,
-        WEIGHTED=route is not None, SCALED=scale is not None, EVEN_K=k % cfg.block_k == 0,
+        WEIGHTED=route is not None, SCALED=scale is not None, TMA_A=tma_a, TMA_W=tma_w, EVEN_K=k % cfg.block_k == 0,
         DOT_PRECISION=dot_precision(a.dtype), GROUP_M=cfg.group_m, BM=cfg.block_m, BN=cfg.block_n,
         BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

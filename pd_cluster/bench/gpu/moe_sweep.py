@@ -49,10 +49,12 @@ GATED_CANDIDATES = [
     C(128, 128, 64, 8, 3, group_m=16, interleaved=True, sorted_rows=True),
     C(128, 128, 64, 8, 4, group_m=16, interleaved=False, sorted_rows=True),
     C(128, 128, 64, 8, 4, group_m=0, interleaved=True, sorted_rows=True),
-    C(128, 128, 64, 8, 4, group_m=1, interleaved=True, sorted_rows=True),
     C(128, 128, 64, 8, 4, group_m=4, interleaved=True, sorted_rows=True),
     C(128, 64, 128, 8, 3, group_m=16, interleaved=True, sorted_rows=True),
-    C(128, 128, 32, 8, 6, group_m=16, interleaved=True, sorted_rows=True),
+    C(128, 128, 64, 8, 4, group_m=16, sorted_rows=True, tma=True),
+    C(128, 64, 64, 8, 4, group_m=8, sorted_rows=True, tma=True),
+    C(64, 128, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
+    C(64, 64, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
 ]
 #: Down-projection candidates (``sorted_rows``: reads the gated output in padded sorted order).
 DOWN_CANDIDATES = [
@@ -66,7 +68,10 @@ DOWN_CANDIDATES = [
     C(128, 256, 64, 8, 4, group_m=0, sorted_rows=True),
     C(128, 256, 64, 8, 4, group_m=4, sorted_rows=True),
     C(128, 256, 64, 8, 4, group_m=16, sorted_rows=False),
-    C(128, 128, 128, 8, 3, group_m=16, sorted_rows=True),
+    C(128, 256, 64, 8, 4, group_m=16, sorted_rows=True, tma=True),
+    C(128, 128, 64, 8, 4, group_m=8, sorted_rows=True, tma=True),
+    C(64, 256, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
+    C(64, 128, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
 ]
 
 
@@ -120,7 +125,7 @@ def eager_ms(fn: Callable[[], object], reps: int = 3) -> float:
 
 def label(cfg: MoeGemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}s{cfg.num_stages} g{cfg.group_m}"
-            f"{' il' if cfg.interleaved else ''}{' sorted' if cfg.sorted_rows else ''}")
+            f"{' il' if cfg.interleaved else ''}{' sorted' if cfg.sorted_rows else ''}{' tma' if cfg.tma else ''}")
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
