@@ -55,6 +55,7 @@ GATED_CANDIDATES = [
     C(128, 64, 64, 8, 4, group_m=8, sorted_rows=True, tma=True),
     C(64, 128, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
     C(64, 64, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
+    C(32, 128, 64, 4, 4, group_m=8, interleaved=True, sorted_rows=True),
 ]
 #: Down-projection candidates (``sorted_rows``: reads the gated output in padded sorted order).
 DOWN_CANDIDATES = [
@@ -72,6 +73,7 @@ DOWN_CANDIDATES = [
     C(128, 128, 64, 8, 4, group_m=8, sorted_rows=True, tma=True),
     C(64, 256, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
     C(64, 128, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
+    C(32, 256, 64, 4, 4, group_m=8, sorted_rows=True),
 ]
 
 
