@@ -27,7 +27,16 @@ from typing import Callable
 
 import torch
 
-from kernels.fused_moe import MoeGemmConfig, align_ref, align_triton, fused_moe_triton, moe_config, moe_gemm, sum_top_k
+from kernels.fused_moe import (
+    MoeGemmConfig,
+    align_ref,
+    align_triton,
+    fused_moe_triton,
+    gather_rows,
+    moe_config,
+    moe_gemm,
+    sum_top_k,
+)
 from kernels.head_norm import head_rms_norm
 from kernels.moe_align import align, align_chunked
 from kernels.moe_route import route_topk_ref, route_topk_triton
@@ -48,6 +57,7 @@ GATED_CANDIDATES = [
     C(128, 128, 64, 8, 4, group_m=16, sorted_rows=True),
     C(128, 128, 64, 8, 4, group_m=16, sorted_rows=True, tma=True),
     C(64, 128, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
+    C(128, 128, 64, 8, 4, group_m=16, sorted_rows=True, tma=True, gather_rows=True),
 ]
 #: Down-projection candidates (``sorted_rows``: reads the gated output in padded sorted order).
 DOWN_CANDIDATES = [
@@ -95,6 +105,12 @@ def graph_ms(fn: Callable[[], object], calls: int = 10, replays: int = 7) -> flo
     return statistics.median(times)
 
 
+def gathered_gemm(x: torch.Tensor, weight: torch.Tensor, alignment, pairs: int, cfg: MoeGemmConfig) -> torch.Tensor:
+    """The gated launch of ``gather_rows``: the copy into sorted order, then whole row tiles."""
+    return moe_gemm(gather_rows(x, alignment, pairs, TOP_K), weight, alignment, pairs, 1, True, config=cfg,
+                    a_sorted=True, out_sorted=cfg.sorted_rows)
+
+
 def compile_in_parallel(fns: list[Callable[[], object]]) -> None:
     """Call each of ``fns`` once from a pool of threads, so that their kernels compile side by side
     (a compile is mostly the assembler's process); a failure shows again when it is timed."""
@@ -123,7 +139,8 @@ def eager_ms(fn: Callable[[], object], reps: int = 3) -> float:
 
 def label(cfg: MoeGemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}s{cfg.num_stages} g{cfg.group_m}"
-            f"{' il' if cfg.interleaved else ''}{' sorted' if cfg.sorted_rows else ''}{' tma' if cfg.tma else ''}")
+            f"{' il' if cfg.interleaved else ''}{' sorted' if cfg.sorted_rows else ''}{' tma' if cfg.tma else ''}"
+            f"{' gather' if cfg.gather_rows else ''}")
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -186,7 +203,9 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
     for kind, cands in (("gated", gated), ("down", down)):
         for cfg in cands:
             alignment = align(experts, E, cfg.block_m)
-            if kind == "gated":
+            if kind == "gated" and cfg.gather_rows:  # timed with the copy into sorted order
+                fn = partial(gathered_gemm, x, w.gate_up, alignment, pairs, cfg)
+            elif kind == "gated":
                 fn = partial(moe_gemm, x, w.gate_up, alignment, pairs, TOP_K, True, config=cfg, out_sorted=cfg.sorted_rows)
             else:
                 hidden = torch.randn(alignment.pairs.numel() if cfg.sorted_rows else pairs, INTER, device=dev,
