@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.fused_moe import MoeGemmConfig, align_ref, fused_moe_triton
-from kernels.moe_align import align_chunked, align_triton
+from kernels.moe_align import align_chunked
 from kernels.moe_route import route_topk_ref, route_topk_triton
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import LLMEngine
@@ -87,17 +87,17 @@ def test_fused_router_picks_the_experts_torch_picks(tokens: int) -> None:
 
 @pytest.mark.parametrize("tokens", [64, 4096])
 @pytest.mark.parametrize("block_m", [16, 64, 128])
-def test_triton_alignments_equal_the_torch_ops(tokens: int, block_m: int) -> None:
+def test_triton_alignment_equals_the_torch_ops(tokens: int, block_m: int) -> None:
     probs = torch.rand(tokens, 128, device="cuda") ** 4  # uneven loads
     experts = torch.topk(probs, 8, dim=-1).indices
     want = align_ref(experts, 128, block_m)
-    for got in [align_chunked(experts, 128, block_m)] + ([align_triton(experts, 128, block_m)] if tokens <= 128 else []):
-        for field in ("pairs", "block_experts", "num_padded"):
-            assert torch.equal(getattr(got, field), getattr(want, field)), field
+    got = align_chunked(experts, 128, block_m)
+    for field in ("pairs", "block_experts", "num_padded"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
 @pytest.mark.parametrize("method", ["int8", "fp8"])
-@pytest.mark.parametrize("tokens", [5, 2000])
+@pytest.mark.parametrize("tokens", [5, 2048])  # 2048 x top 4: the long-prompt tiles
 def test_eight_bit_experts_match_the_reference(method: str, tokens: int) -> None:
     w = _experts(16, 1024, 512, seed=1)
     q = ExpertWeights(w.router, quantize(w.gate_up, method), quantize(w.down, method))

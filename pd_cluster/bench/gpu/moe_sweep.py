@@ -30,7 +30,6 @@ import torch
 from kernels.fused_moe import (
     MoeGemmConfig,
     align_ref,
-    align_triton,
     fused_moe_triton,
     gather_rows,
     moe_config,
@@ -190,8 +189,7 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
     for bm in (16,) if pairs <= 1024 else (64, 128):
         want = align_ref(experts, E, bm)
         add("align", f"torch ops bm{bm}", graph_ms(lambda: align_ref(experts, E, bm)), padded_rows=int(want.num_padded))
-        paths = [("chunked", align_chunked)] + ([("one program", align_triton)] if pairs <= 1024 else [])
-        for name, fn in paths:
+        for name, fn in (("chunked", align_chunked),):
             got = fn(experts, E, bm)
             same = all(torch.equal(getattr(got, f), getattr(want, f)) for f in ("pairs", "block_experts", "num_padded"))
             add("align", f"{name} bm{bm}", graph_ms(lambda: fn(experts, E, bm)), same=same)
