@@ -74,7 +74,7 @@ def align_ref(experts: torch.Tensor, num_experts: int, block_m: int) -> Alignmen
 #: Pairs a program of the chunked alignment takes (its one-hot tile: this many by the experts).
 CHUNK_PAIRS = 128
 #: Chunks' counts summed a step by each program of the chunked alignment's second launch.
-CHUNK_ROWS = 16
+CHUNK_ROWS = 64
 
 
 @triton.jit

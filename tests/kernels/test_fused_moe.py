@@ -139,7 +139,7 @@ class InterpretedCases:
             assert torch.equal(getattr(got, field), getattr(want, field)), field
 
     @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"), [
-        (300, 128, 8, 64), (257, 16, 2, 16), (1000, 4, 1, 128), (33, 128, 8, 128)])
+        (300, 128, 8, 64), (257, 16, 2, 16), (1000, 4, 1, 128), (33, 128, 8, 128), (1100, 16, 8, 64)])  # 69 chunks
     def test_chunked_alignment_of_many_pairs_equals_the_torch_ops(self, tokens, num_experts, top_k, block_m) -> None:
         gen = torch.Generator().manual_seed(tokens)
         scores = torch.rand(tokens, num_experts, generator=gen) ** 3  # uneven: some experts get far more

@@ -204,7 +204,8 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
             if kind == "gated" and cfg.gather_rows:  # timed with the copy into sorted order
                 fn = partial(gathered_gemm, x, w.gate_up, alignment, pairs, cfg)
             elif kind == "gated":
-                fn = partial(moe_gemm, x, w.gate_up, alignment, pairs, TOP_K, True, config=cfg, out_sorted=cfg.sorted_rows)
+                fn = partial(moe_gemm, x, w.gate_up, alignment, pairs, TOP_K, True, config=cfg,
+                             out_sorted=cfg.sorted_rows)
             else:
                 hidden = torch.randn(alignment.pairs.numel() if cfg.sorted_rows else pairs, INTER, device=dev,
                                      dtype=torch.bfloat16)
