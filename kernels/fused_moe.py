@@ -44,8 +44,7 @@ class MoeGemmConfig:
     launch's gate and up columns as one product of ``2 * block_n`` columns (one wide MMA) split in
     the epilogue; ``sorted_rows`` (read from the gated launch's config): the gated output kept in
     padded sorted order for the down projection; ``tma``: the weight tiles (not interleaved ones)
-    and sorted input rows loaded by the tensor memory accelerator; ``gather_rows`` (gated): the
-    input rows first copied into sorted order, so that the gated launch reads whole tiles too."""
+    and sorted input rows loaded by the tensor memory accelerator."""
 
     block_m: int
     block_n: int
@@ -56,7 +55,6 @@ class MoeGemmConfig:
     interleaved: bool = False
     sorted_rows: bool = False
     tma: bool = False
-    gather_rows: bool = False
 
 
 #: Pairs up to which a step counts as decode-sized: tiles of 16 rows (a decode batch spreads its
@@ -260,12 +258,6 @@ def sum_top_k(outs: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
-def gather_rows(x: torch.Tensor, alignment: Alignment, num_pairs: int, top_k: int) -> torch.Tensor:
-    """``x``'s row of each pair in the alignment's padded sorted order (padding rows: a copy of the
-    last pair's row, finite, never stored): contiguous row tiles, loadable by descriptor."""
-    return x.index_select(0, alignment.pairs.clamp(max=num_pairs - 1) // top_k)
-
-
 def fused_moe_triton(x: torch.Tensor, gate_up, down, experts: torch.Tensor, weights: torch.Tensor,
                      num_experts: int, configs: tuple[MoeGemmConfig, MoeGemmConfig] | None = None) -> torch.Tensor:
     """The routed experts' output ``[T, hidden]`` for ``x`` ``[T, hidden]``, each token's
@@ -279,11 +271,7 @@ def fused_moe_triton(x: torch.Tensor, gate_up, down, experts: torch.Tensor, weig
     if up_cfg.block_m != down_cfg.block_m:
         raise ValueError("both projections must take the same row tiles (one alignment)")
     alignment = align(experts, num_experts, up_cfg.block_m)
-    if up_cfg.gather_rows:
-        hidden = moe_gemm(gather_rows(x, alignment, num_pairs, top_k), gate_up, alignment, num_pairs, 1, True,
-                          config=up_cfg, a_sorted=True, out_sorted=up_cfg.sorted_rows)
-    else:
-        hidden = moe_gemm(x, gate_up, alignment, num_pairs, top_k, True, config=up_cfg, out_sorted=up_cfg.sorted_rows)
+    hidden = moe_gemm(x, gate_up, alignment, num_pairs, top_k, True, config=up_cfg, out_sorted=up_cfg.sorted_rows)
     route = weights.reshape(-1).contiguous()
     outs = moe_gemm(hidden, down, alignment, num_pairs, 1, False, route=route, config=down_cfg,
                     a_sorted=up_cfg.sorted_rows)

@@ -31,7 +31,6 @@ from kernels.fused_moe import (
     MoeGemmConfig,
     align_ref,
     fused_moe_triton,
-    gather_rows,
     moe_config,
     moe_gemm,
     sum_top_k,
@@ -56,7 +55,6 @@ GATED_CANDIDATES = [
     C(128, 128, 64, 8, 4, group_m=16, sorted_rows=True),
     C(128, 128, 64, 8, 4, group_m=16, sorted_rows=True, tma=True),
     C(64, 128, 64, 4, 4, group_m=8, sorted_rows=True, tma=True),
-    C(128, 128, 64, 8, 4, group_m=16, sorted_rows=True, tma=True, gather_rows=True),
 ]
 #: Down-projection candidates (``sorted_rows``: reads the gated output in padded sorted order).
 DOWN_CANDIDATES = [
@@ -104,12 +102,6 @@ def graph_ms(fn: Callable[[], object], calls: int = 10, replays: int = 7) -> flo
     return statistics.median(times)
 
 
-def gathered_gemm(x: torch.Tensor, weight: torch.Tensor, alignment, pairs: int, cfg: MoeGemmConfig) -> torch.Tensor:
-    """The gated launch of ``gather_rows``: the copy into sorted order, then whole row tiles."""
-    return moe_gemm(gather_rows(x, alignment, pairs, TOP_K), weight, alignment, pairs, 1, True, config=cfg,
-                    a_sorted=True, out_sorted=cfg.sorted_rows)
-
-
 def compile_in_parallel(fns: list[Callable[[], object]]) -> None:
     """Call each of ``fns`` once from a pool of threads, so that their kernels compile side by side
     (a compile is mostly the assembler's process); a failure shows again when it is timed."""
@@ -138,8 +130,7 @@ def eager_ms(fn: Callable[[], object], reps: int = 3) -> float:
 
 def label(cfg: MoeGemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}s{cfg.num_stages} g{cfg.group_m}"
-            f"{' il' if cfg.interleaved else ''}{' sorted' if cfg.sorted_rows else ''}{' tma' if cfg.tma else ''}"
-            f"{' gather' if cfg.gather_rows else ''}")
+            f"{' il' if cfg.interleaved else ''}{' sorted' if cfg.sorted_rows else ''}{' tma' if cfg.tma else ''}")
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -201,9 +192,7 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
     for kind, cands in (("gated", gated), ("down", down)):
         for cfg in cands:
             alignment = align(experts, E, cfg.block_m)
-            if kind == "gated" and cfg.gather_rows:  # timed with the copy into sorted order
-                fn = partial(gathered_gemm, x, w.gate_up, alignment, pairs, cfg)
-            elif kind == "gated":
+            if kind == "gated":
                 fn = partial(moe_gemm, x, w.gate_up, alignment, pairs, TOP_K, True, config=cfg,
                              out_sorted=cfg.sorted_rows)
             else:
