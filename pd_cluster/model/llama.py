@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import kernels
 from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
 from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.fp8_fused import norm_then_linear, silu_then_linear
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
 from pd_cluster.model.quant_linear import QuantLinear, linear, weight_args
@@ -143,16 +144,16 @@ class LlamaModel:
         kv: KVLayers,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
-        x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual)
-        q = self._rotary_store(index, w, linear(x, w.qkv, w.qkv_bias), batch, kv)
+        qkv, residual = norm_then_linear(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias)
+        q = self._rotary_store(index, w, qkv, batch, kv)
         k_cache, v_cache = kv.layer(index)
         attn = self._attention(q, k_cache, v_cache, batch, prefill, kv.quant)
         hidden = self._reduce(linear(attn.reshape(-1, self._q_size), w.o))
-        x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
         if w.experts is not None:
+            x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
             return routed_experts(x, w.experts, cfg.moe), residual
-        hidden = self._reduce(linear(kernels.silu_mul(linear(x, w.gate_up)), w.down))
-        return hidden, residual
+        gate_up, residual = norm_then_linear(hidden, residual, w.post_norm, cfg.rms_norm_eps, w.gate_up)
+        return self._reduce(silu_then_linear(gate_up, w.down)), residual
 
     def _rotary_store(self, index: int, w: LayerWeights, qkv: torch.Tensor, batch: ForwardBatch,
                       kv: KVLayers) -> torch.Tensor:
