@@ -205,8 +205,13 @@ def _context_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     QUANT: tl.constexpr,
     Q_F16: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
     tile = tl.program_id(0)
+    if HEAVY_FIRST:
+        # A sequence's later tiles see more keys: launched first, the longest programs do not
+        # trail the launch's last wave.
+        tile = tl.num_programs(0) - 1 - tile
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = _context_tile_seq(tile, tile_ends_ptr, num_seqs, BLOCK_B)
@@ -382,6 +387,7 @@ def context_attention_triton(
     num_splits: int | None = None,
     quant: str | None = None,
     float16_codes: bool | None = None,
+    heavy_first: bool = True,
 ) -> torch.Tensor:
     """Triton version of :func:`context_attention_ref`; ``out`` (shaped like ``q``, any row stride)
     receives the result when given. ``table_rows``: ``slot_table`` is a request table read in
@@ -393,7 +399,8 @@ def context_attention_triton(
     of one kv head. Unset tile sizes come from :func:`_context_config`. Rows of ``q`` that belong
     to no sequence are left unwritten. ``quant``: the caches hold packed rows of that kind
     (:mod:`kernels.kv_quant`), read as codes and scaled in the kernel; ``float16_codes`` as in
-    :func:`_q_float16`.
+    :func:`_q_float16`. ``heavy_first``: programs take the tiles in reverse order, the
+    sequences' last (longest) tiles first.
     """
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -463,6 +470,7 @@ def context_attention_triton(
         NUM_SPLITS=splits,
         QUANT=quant_code,
         Q_F16=_q_float16(quant, q, float16_codes),
+        HEAVY_FIRST=heavy_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )
