@@ -19,6 +19,7 @@ from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.fp8_fused import norm_then_linear, silu_then_linear
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
+from pd_cluster.model.prefill_sdpa import fresh_attention, fresh_spans, sdpa_applies
 from pd_cluster.model.quant_linear import QuantLinear, linear, weight_args
 from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import LayerWeights, ModelWeights
@@ -219,6 +220,10 @@ class LlamaModel:
             kernels.decode_attention(q[:nd], k_cache, v_cache, batch.slot_table if rows is not None else
                                      batch.slot_table[:nd], batch.ctx_lens[:nd], self.sm_scale, out=out[:nd],
                                      table_rows=rows[:nd] if rows is not None else None, quant=quant)
+        fresh = fresh_spans(batch.host_spans, nd)
+        if fresh is not None and sdpa_applies(q, k_cache, quant):
+            fresh_attention(q, k_cache, v_cache, batch.out_slots, fresh, self.sm_scale, out)
+            return out
         kernels.context_attention(q[nd:], k_cache, v_cache, prefill.slot_table, prefill.ctx_lens, prefill.q_lens,
                                   prefill.q_start_loc, self.sm_scale, out=out[nd:], table_rows=prefill.table_rows,
                                   quant=quant)

@@ -66,8 +66,9 @@ class InterpretedCases:
     @pytest.mark.parametrize("dtype", DTYPES)
     def test_silu_codes_are_the_unfused_kernels(self, dtype: torch.dtype) -> None:
         gen = torch.Generator().manual_seed(32)
-        # One block (300 outputs), blocks of 128 (a partial one: amax, then codes), the default.
-        for cols, block in ((300, None), (300, 128), (9000, None)):
+        # One block (300 outputs), blocks of 128 (a partial one: amax, then codes), the defaults (one
+        # block; past 16384 blocks of 2048).
+        for cols, block in ((300, None), (300, 128), (9000, None), (17000, None)):
             gate_up = (torch.randn(5, 2 * cols, generator=gen) * 3).to(dtype)
             gate_up[1] = 0
             codes, scale = silu_mul_quant_fp8_triton(gate_up, block=block)
