@@ -123,6 +123,7 @@ class ModelRunner:
             logits_indices=tensor_on(logits_indices, torch.int64, dev),
             is_decode=not layout.prefill,
             num_decode=layout.num_decode,
+            host_spans=list(zip(q_start, q_lens, ctx_lens)),
         )
 
     def run(self, step: ScheduledStep, layer_hooks: StepHook | None = None,

@@ -37,6 +37,9 @@ class ForwardBatch:
     #: ``hidden_out`` beside the logits (a prompt's logprobs are scored from them a block at a time).
     hidden_rows: torch.Tensor | None = None  # [R] int64
     hidden_out: torch.Tensor | None = None  # [R, hidden], set by the forward
+    #: Each sequence's ``(q_start, q_len, ctx_len)`` on the host, where the step's builder knows
+    #: them (an eager step): long fresh prompts then take the library's attention.
+    host_spans: list[tuple[int, int, int]] | None = None
 
     def prefill_part(self) -> PrefillPart:
         """The sequences after the first ``num_decode``, their token offsets rebased to that part."""

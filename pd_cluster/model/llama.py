@@ -16,8 +16,10 @@ import torch.nn.functional as F
 import kernels
 from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
 from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.fp8_fused import norm_then_linear, silu_then_linear
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
+from pd_cluster.model.prefill_sdpa import fresh_attention, fresh_spans, sdpa_applies
 from pd_cluster.model.quant_linear import QuantLinear, linear, weight_args
 from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import LayerWeights, ModelWeights
@@ -143,16 +145,16 @@ class LlamaModel:
         kv: KVLayers,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
-        x, residual = kernels.rms_norm(hidden, w.input_norm, cfg.rms_norm_eps, residual)
-        q = self._rotary_store(index, w, linear(x, w.qkv, w.qkv_bias), batch, kv)
+        qkv, residual = norm_then_linear(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias)
+        q = self._rotary_store(index, w, qkv, batch, kv)
         k_cache, v_cache = kv.layer(index)
         attn = self._attention(q, k_cache, v_cache, batch, prefill, kv.quant)
         hidden = self._reduce(linear(attn.reshape(-1, self._q_size), w.o))
-        x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
         if w.experts is not None:
+            x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
             return routed_experts(x, w.experts, cfg.moe), residual
-        hidden = self._reduce(linear(kernels.silu_mul(linear(x, w.gate_up)), w.down))
-        return hidden, residual
+        gate_up, residual = norm_then_linear(hidden, residual, w.post_norm, cfg.rms_norm_eps, w.gate_up)
+        return self._reduce(silu_then_linear(gate_up, w.down)), residual
 
     def _rotary_store(self, index: int, w: LayerWeights, qkv: torch.Tensor, batch: ForwardBatch,
                       kv: KVLayers) -> torch.Tensor:
@@ -217,6 +219,10 @@ class LlamaModel:
             kernels.decode_attention(q[:nd], k_cache, v_cache, batch.slot_table if rows is not None else
                                      batch.slot_table[:nd], batch.ctx_lens[:nd], self.sm_scale, out=out[:nd],
                                      table_rows=rows[:nd] if rows is not None else None, quant=quant)
+        fresh = fresh_spans(batch.host_spans, nd)
+        if fresh is not None and sdpa_applies(q, k_cache, quant):
+            fresh_attention(q, k_cache, v_cache, batch.out_slots, fresh, self.sm_scale, out)
+            return out
         kernels.context_attention(q[nd:], k_cache, v_cache, prefill.slot_table, prefill.ctx_lens, prefill.q_lens,
                                   prefill.q_start_loc, self.sm_scale, out=out[nd:], table_rows=prefill.table_rows,
                                   quant=quant)

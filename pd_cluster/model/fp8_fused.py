@@ -1,0 +1,53 @@
+"""RMSNorm or the SiLU gate, then a projection: where the projection is an FP8 scaled product
+(float8 weights, more rows than the weight-only kernels take), the kernel before it writes the
+activations' e4m3 codes and row scales directly (:mod:`kernels.fp8_act`), so its 16-bit output is
+never written and read back by a separate quantization. Elsewhere the plain ops, as unfused.
+
+The codes are those the unfused path quantizes, so the products are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from kernels._triton import use_triton
+from kernels.fp8_act import rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
+from pd_cluster.model.quant_linear import FP8, QuantLinear, Weight, linear, scaled_mm_supported, weight_only_supported
+
+
+def fused_fp8(x: torch.Tensor, weight: Weight) -> bool:
+    """Whether ``linear(x, weight)`` would quantize ``x`` for ``torch._scaled_mm`` (an input
+    shaped and typed as ``x``), which the kernel making ``x`` can do instead."""
+    return (isinstance(weight, QuantLinear) and weight.qweight.dtype == FP8 and weight.qweight.dim() == 2
+            and use_triton(x) and not weight_only_supported(x, weight) and scaled_mm_supported(x, weight))
+
+
+def scaled_product(codes: torch.Tensor, scale: torch.Tensor, weight: QuantLinear, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(codes * scale) @ (qweight * weight.scale).T`` on FP8 tensor cores, in ``out_dtype``."""
+    out = torch._scaled_mm(codes, weight.qweight.t(), scale_a=scale, scale_b=weight.scale[None, :],
+                           out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
+def norm_then_linear(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: Weight, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(rms_norm(hidden + residual), weight, bias)`` and the new residual stream."""
+    same_dtype = norm_weight.dtype == hidden.dtype and (residual is None or residual.dtype == hidden.dtype)
+    if same_dtype and fused_fp8(hidden, weight):
+        codes, scale, residual = rms_norm_quant_fp8_triton(hidden, norm_weight, eps, residual)
+        out = scaled_product(codes, scale, weight, hidden.dtype, bias)
+        return out.reshape(*hidden.shape[:-1], out.shape[-1]), residual
+    x, residual = kernels.rms_norm(hidden, norm_weight, eps, residual)
+    return linear(x, weight, bias), residual
+
+
+def silu_then_linear(gate_up: torch.Tensor, weight: Weight) -> torch.Tensor:
+    """``linear(silu_mul(gate_up), weight)``."""
+    half = gate_up[..., : gate_up.shape[-1] // 2]
+    if fused_fp8(half, weight):
+        codes, scale = silu_mul_quant_fp8_triton(gate_up)
+        out = scaled_product(codes, scale, weight, gate_up.dtype)
+        return out.reshape(*gate_up.shape[:-1], out.shape[-1])
+    return linear(kernels.silu_mul(gate_up), weight)
