@@ -10,6 +10,8 @@ float32-accumulated ``F.linear``), so the result differs from them only by the o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -362,7 +364,7 @@ def _launch(
     if m == 0 or n == 0:
         return out, new_residual
     if tiles is None and weight_scale is not None:
-        tiles, num_warps = quant_projection_config(m, n, k)
+        tiles, num_warps = quant_projection_config(m, n, k, prologue)
     bm, bn, bk = tiles or projection_tiles(m, n, k)
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
@@ -414,23 +416,26 @@ def norm_linear_triton(
     rows: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     weight_scale: torch.Tensor | None = None,
+    **config: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows."""
+    """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows; ``config``:
+    ``tiles``, ``num_warps`` and ``stream`` as :func:`linear_triton` takes them."""
     k = x.shape[-1]
     out, new_residual = _launch(_NORM, x, weight, k, residual=residual, rows=rows, norm_weight=norm_weight,
-                                eps=eps, bias=bias, out_dtype=out_dtype, weight_scale=weight_scale)
+                                eps=eps, bias=bias, out_dtype=out_dtype, weight_scale=weight_scale, **config)
     if new_residual is None:  # No residual to add: the stream is the input (its picked rows).
         new_residual = x.reshape(-1, k)
         new_residual = new_residual[rows] if rows is not None else new_residual
     return out, new_residual
 
 
-def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,
-                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`silu_linear_ref`, for at most :data:`MAX_ROWS` rows."""
+def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                       **config: Any) -> torch.Tensor:
+    """Triton version of :func:`silu_linear_ref`, for at most :data:`MAX_ROWS` rows (``config``:
+    as :func:`norm_linear_triton`'s)."""
     if gate_up.shape[-1] % 2:
         raise ValueError("gate_up's last dimension must be even")
-    return _launch(_SILU, gate_up, weight, gate_up.shape[-1] // 2, weight_scale=weight_scale)[0]
+    return _launch(_SILU, gate_up, weight, gate_up.shape[-1] // 2, weight_scale=weight_scale, **config)[0]
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,

@@ -83,6 +83,16 @@ def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, in
     return projection_tiles(rows, n, k), 4
 
 
-def quant_projection_config(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
-    """((BM, BN, BK), warps) for 8-bit weights: :data:`QUANT_TILES`' entry, else the heuristic."""
-    return QUANT_TILES.get((next_pow2(rows), n, k)) or quant_projection_heuristic(rows, n, k)
+#: The fused projections' own 8-bit configs, by (prologue: 1 the norm, 2 the SiLU gate; rows' power
+#: of two, out features, in features): a prologue changes what a program does between its weight
+#: loads (the input re-read and normalised, or gated, every block), so its best tiles differ from
+#: the plain projection's; a shape not here takes the plain one's.
+QUANT_FUSED_TILES: dict[tuple[int, int, int, int], tuple[tuple[int, int, int], int]] = {}
+
+
+def quant_projection_config(rows: int, n: int, k: int, prologue: int = 0) -> tuple[tuple[int, int, int], int]:
+    """((BM, BN, BK), warps) for 8-bit weights: the fused projection's entry
+    (:data:`QUANT_FUSED_TILES`), the plain one's (:data:`QUANT_TILES`), else the heuristic."""
+    rows = next_pow2(rows)
+    return (QUANT_FUSED_TILES.get((prologue, rows, n, k)) if prologue else None) or QUANT_TILES.get((rows, n, k)) \
+        or quant_projection_heuristic(rows, n, k)

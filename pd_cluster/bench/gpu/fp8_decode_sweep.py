@@ -1,0 +1,213 @@
+"""A sweep of what an fp8-weight decode step runs beyond the plain projections: the fused
+projections' 8-bit tiles at one row (the norm before qkv, gate/up and the vocabulary head, the
+SiLU gate before down), the head in bf16 against fp8, and at 16 to 64 rows the FP8 GEMM
+(:mod:`kernels.fp8_gemm`) over its tiles against ``torch._scaled_mm`` and cuBLAS bf16.
+
+Timing as :mod:`pd_cluster.bench.gpu.fp8_sweep`'s: each path in a CUDA graph over weight copies
+three times L2. The GEMM paths include the activations' quantization before them (a decode step
+runs it before each product). Winners print as table entries: ``QUANT_FUSED_TILES`` (one row) and
+``FP8_GEMM_CONFIGS``; the JSON goes to ``$OUT/fp8_decode_sweep.json`` (``--json`` elsewhere).
+
+    python -m pd_cluster.bench.gpu.fp8_decode_sweep [--part fused|gemm|all] [--rows 16,32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import cdiv, next_pow2
+from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
+from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, silu_linear_triton
+from kernels.quant_matmul import act_quant_fp8_triton
+from pd_cluster.bench.gpu.fp8_sweep import SHAPES, Timing, copies, record
+from pd_cluster.model.quant_linear import quantize
+
+logger = logging.getLogger(__name__)
+
+#: The vocabulary head of the 8B shape (out, in): the fused norm before it.
+HEAD = ("head", 128256, 4096)
+#: The prologue each shape's fused op runs (1 the norm, 2 the SiLU gate, 0 none).
+PROLOGUE = {"qkv": 1, "gate_up": 1, "down": 2, "o": 0, "head": 1}
+#: One-row tiles ((BN, BK), warps) the fused ops try, by whether a row is 4096 inputs or longer;
+#: each with and without streaming where BK is below the row.
+FUSED_CANDIDATES = {
+    True: [((8, 512), 4), ((4, 512), 4), ((16, 512), 4), ((8, 256), 4), ((16, 256), 4), ((4, 1024), 4),
+           ((8, 1024), 8), ((2, 4096), 4), ((4, 4096), 8)],
+    False: [((2, 2048), 4), ((4, 2048), 8), ((16, 512), 4), ((8, 512), 4), ((8, 1024), 4), ((4, 1024), 4),
+            ((16, 1024), 8), ((2, 4096), 8)],
+}
+#: FP8 GEMM (BN, BK, warps, stages); BM is the rows' power of two (16 to 64), the split-K the
+#: one that makes at least 128 programs, and none (and twice that split for 64 x 256 tiles).
+GEMM_CANDIDATES = [(64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 256, 8, 3), (32, 256, 4, 5),
+                   (64, 256, 4, 3)]
+GEMM_ROWS = [16, 32, 64]
+
+
+def fused_call(name: str, n: int, k: int, rows: int = 1):
+    """A call of ``name``'s decode op at ``rows`` rows: ``fn(weight, scale, **config)``."""
+    if PROLOGUE[name] == 2:
+        gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
+        return lambda w, s=None, **c: silu_linear_triton(gate_up, w, s, **c)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    if PROLOGUE[name] == 0:
+        return lambda w, s=None, **c: linear_triton(x, w, s, **c)
+    residual, norm_w = torch.randn_like(x), torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    return lambda w, s=None, **c: norm_linear_triton(x, residual, norm_w, 1e-5, w, weight_scale=s, **c)
+
+
+def sweep_fused(out: list[Timing], shape: tuple[str, int, int]) -> None:
+    """One row: the bf16 fused op, the fp8 one as it is chosen now, then each candidate."""
+    name, n, k = shape
+    w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    fp8 = copies(quantize(w16, "fp8"))
+    bf16 = copies(w16)
+    del w16
+    call = fused_call(name, n, k)
+    record(out, shape, 1, "bf16 fused", "default", [lambda w=w: call(w) for w in bf16], 2)
+    del bf16
+    now = quant_projection_config(1, n, k, PROLOGUE[name])
+    record(out, shape, 1, "fp8 fused", f"now {now[0]} w{now[1]}",
+           [lambda q=q: call(q.qweight, q.scale) for q in fp8], 1)
+    for (bn, bk), warps in FUSED_CANDIDATES[k <= 4096]:
+        bk = min(bk, next_pow2(k))
+        for stream in ((True, False) if bk < k else (None,)):
+            label = f"{(1, bn, bk)} w{warps}" + (" nostream" if stream is False else "")
+            record(out, shape, 1, "fp8 fused", label, [lambda q=q, t=(1, bn, bk), nw=warps, st=stream: call(
+                q.qweight, q.scale, tiles=t, num_warps=nw, stream=st) for q in fp8], 1)
+    del fp8
+    torch.cuda.empty_cache()
+
+
+def gemm_configs(rows: int, n: int, k: int) -> list[Fp8GemmConfig]:
+    bm = min(64, max(16, next_pow2(rows)))
+    found = [fp8_gemm_config(rows, n, k)]
+    for bn, bk, warps, stages in GEMM_CANDIDATES:
+        tiles = cdiv(n, bn) * cdiv(rows, bm)
+        split = 1
+        while tiles * split < 128 and k // (2 * split) >= 1024:
+            split *= 2
+        more = (2 * split,) if (bn, bk) == (64, 256) and split > 1 and k // (2 * split) >= 1024 else ()
+        for s in sorted({1, split, *more}):
+            cfg = Fp8GemmConfig(bm, bn, bk, s, warps, stages)
+            if cfg not in found:
+                found.append(cfg)
+    return found
+
+
+def sweep_gemm(out: list[Timing], shape: tuple[str, int, int], rows_swept: list[int]) -> None:
+    """At each rows: cuBLAS bf16, the scaled product and the FP8 GEMM configs (each after the
+    activations' quantization)."""
+    name, n, k = shape
+    w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    fp8 = copies(quantize(w16, "fp8"))
+    bf16 = copies(w16)
+    del w16
+    for rows in rows_swept:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        record(out, shape, rows, "bf16 F.linear", "cublas", [lambda w=w: F.linear(x, w) for w in bf16], 2)
+        record(out, shape, rows, "act quant triton", "default", [lambda: act_quant_fp8_triton(x)], 0)
+
+        def scaled(q):
+            xq, s = act_quant_fp8_triton(x)
+            return torch._scaled_mm(xq, q.qweight.t(), scale_a=s, scale_b=q.scale[None, :], out_dtype=torch.bfloat16)
+        record(out, shape, rows, "scaled_mm+triton quant", "", [lambda q=q: scaled(q) for q in fp8], 1)
+
+        def gemm(q, cfg):
+            xq, s = act_quant_fp8_triton(x)
+            return fp8_gemm_triton(xq, s, q.qweight, q.scale, torch.bfloat16, config=cfg)
+        for cfg in gemm_configs(rows, n, k):
+            record(out, shape, rows, "fp8 gemm+triton quant", cfg.label(),
+                   [lambda q=q, c=cfg: gemm(q, c) for q in fp8], 1)
+    del fp8, bf16
+    torch.cuda.empty_cache()
+
+
+def best(timings: list[Timing]) -> list[dict]:
+    """Per shape and rows, each path's best and its ratio to bf16's best."""
+    rows_out = []
+    for key in sorted({(t.shape, t.rows) for t in timings}):
+        here = [t for t in timings if (t.shape, t.rows) == key]
+        base = [t.us for t in here if t.path.startswith("bf16")]
+        top: dict[str, Timing] = {}
+        for t in here:
+            if t.path not in top or t.us < top[t.path].us:
+                top[t.path] = t
+        for t in sorted(top.values(), key=lambda t: t.us):
+            rows_out.append({"shape": t.shape, "rows": t.rows, "path": t.path, "config": t.config,
+                             "us": round(t.us, 2), "vs_bf16": round(t.us / min(base), 3) if base else None,
+                             "gb_per_s": round(t.gb_per_s)})
+    return rows_out
+
+
+def entries(table: list[dict]) -> list[str]:
+    """The winners as source entries of ``QUANT_FUSED_TILES`` and ``FP8_GEMM_CONFIGS``."""
+    dims = {name: (n, k) for name, n, k in SHAPES + [HEAD]}
+    out = []
+    for r in table:
+        n, k = dims[r["shape"]]
+        v = [int(d) for d in re.findall(r"\d+", r["config"])]
+        note = f"  # {r['shape']} {r['us']} us, {r['vs_bf16']} of bf16" + (" NOSTREAM" if "nostream" in r["config"] else "")
+        if r["path"] == "fp8 fused" and PROLOGUE[r["shape"]]:
+            out.append(f"({PROLOGUE[r['shape']]}, 1, {n}, {k}): (({v[0]}, {v[1]}, {v[2]}), {v[3]}),{note}")
+        elif r["path"] == "fp8 gemm+triton quant":
+            out.append(f"({next_pow2(r['rows'])}, {n}, {k}): Fp8GemmConfig({', '.join(map(str, v))}),{note}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("fused", "gemm", "all"), default="all")
+    parser.add_argument("--rows", default=",".join(map(str, GEMM_ROWS)), help="the GEMM's row counts")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--report", action="store_true", help="print the table of the (partial) --json only")
+    args = parser.parse_args()
+    if args.report:
+        report([Timing(**t) for t in json.loads(args.json.read_text())["timings"]])
+        return
+    logging.basicConfig(level=logging.INFO)
+    torch.manual_seed(0)
+    path = args.json or (Path(os.environ["OUT"]) / f"fp8_decode_sweep_{args.part}.json" if os.environ.get("OUT")
+                         else None)
+    timings: list[Timing] = []
+    shapes = [s for s in SHAPES if s[0] != "o"]
+    work = ([(sweep_fused, s) for s in shapes + [HEAD]] if args.part != "gemm" else []) + \
+        ([(sweep_gemm, s) for s in SHAPES] if args.part != "fused" else [])
+    rows = [int(r) for r in args.rows.split(",") if r]
+    for fn, shape in work:
+        if fn is sweep_fused:
+            sweep_fused(timings, shape)
+        else:
+            sweep_gemm(timings, shape, rows)
+        if path is not None:
+            path.write_text(json.dumps({"partial": True, "timings": [asdict(t) for t in timings]}))
+    table, winners = report(timings)
+    if path is not None:
+        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "timing": "cuda graph, cold weights", "timings": [asdict(t) for t in timings],
+                                    "best": table, "winners": winners}, indent=1))
+        print(f"wrote {path}")
+
+
+def report(timings: list[Timing]) -> tuple[list[dict], list[str]]:
+    """Print each path's best per shape and rows, then the winners as table entries."""
+    table = best(timings)
+    print(f"\n{'shape':8s} {'rows':>4s} {'path':24s} {'config':30s} {'us':>8s} {'vs_bf16':>8s} {'GB/s':>6s}")
+    for r in table:
+        print(f"{r['shape']:8s} {r['rows']:4d} {r['path']:24s} {r['config']:30s} {r['us']:8.2f} "
+              f"{r['vs_bf16'] or 0:8.3f} {r['gb_per_s']:6d}")
+    winners = entries(table)
+    print("\nwinners:\n    " + "\n    ".join(winners))
+    return table, winners
+
+
+if __name__ == "__main__":
+    main()
