@@ -34,6 +34,8 @@ from kernels.gemv_tiles import (  # noqa: F401  # the tiles' choice, re-exported
     quant_projection_config,
     quant_projection_heuristic,
 )
+from kernels._tiles import normed_input, prologue_input
+from kernels.gemv_fp8 import fits_words, fp8_words_launch
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
 
@@ -100,36 +102,6 @@ def silu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor,
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     return scaled_linear_ref(x, weight, weight_scale)
-
-
-@triton.jit
-def _input(
-    x_ptr, res_ptr, sum_ptr, row, m, rk, mask, stride_x, stride_res, stride_sum, K, store,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):
-    """Input rows ``row`` at columns ``rk`` before the norm, in float32: the SiLU product (prologue
-    2), the residual sum, stored to row ``m`` of ``sum_ptr`` where ``store`` (prologue 1), or as
-    read. The offsets broadcast: one row, or a tile of rows (``row`` and ``m`` columns of them)."""
-    dtype = sum_ptr.dtype.element_ty
-    if PROLOGUE == 2:
-        gate = tl.load(x_ptr + row * stride_x + rk, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + K + rk, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        return (act * up).to(dtype).to(tl.float32)
-    a = tl.load(x_ptr + row * stride_x + rk, mask=mask, other=0.0).to(tl.float32)
-    if PROLOGUE == 1 and HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + rk, mask=mask, other=0.0).to(tl.float32)
-        s = (a + r).to(dtype)
-        tl.store(sum_ptr + m * stride_sum + rk, s, mask=mask & store)
-        a = s.to(tl.float32)
-    return a
-
-
-@triton.jit
-def _normed(a, rstd, g, dtype: tl.constexpr):
-    """The RMSNorm of ``a`` (float32) by its rows' ``rstd`` and the norm's weight ``g``, rounded
-    as the unfused op rounds it."""
-    return ((a * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -215,11 +187,11 @@ def project_loaded(
         store = ((rk * 0 + pid) == 0)[None, :]
         rows = tl.load(rows_ptr + tl.minimum(rm, M - 1)).to(tl.int64) if HAS_ROWS else rm.to(tl.int64)
         mask = (rk[None, :] < K) & (rm[:, None] < M)
-        a = _input(x_ptr, res_ptr, sum_ptr, rows[:, None], rm[:, None], rk[None, :], mask, stride_x, stride_res,
-                   stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+        a = prologue_input(x_ptr, res_ptr, sum_ptr, rows[:, None], rm[:, None], rk[None, :], mask, stride_x,
+                           stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
         if PROLOGUE == 1:
             rstd = tl.rsqrt(tl.sum(a * a, axis=1) / K + eps)
-            a = _normed(a, rstd[:, None], g[None, :], dtype)
+            a = normed_input(a, rstd[:, None], g[None, :], dtype)
         for m in tl.static_range(BM):
             row_input = tl.sum(tl.where(rm[:, None] == m, a, 0.0), axis=0)  # row m exactly: the rest add zeros
             part = tl.sum(w * row_input[None, :], axis=1)
@@ -227,9 +199,9 @@ def project_loaded(
     elif PROLOGUE == 1 and ONE_BLOCK:  # one row (as a tile of one it costs a step 2%)
         rk = tl.arange(0, BK)
         row = tl.load(rows_ptr).to(tl.int64) if HAS_ROWS else 0
-        a = _input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
-                   (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
-        a = _normed(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
+        a = prologue_input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
+                           (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
+        a = normed_input(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
         acc += tl.where(rm[None, :] == 0, tl.sum(w * a[None, :], axis=1)[:, None], 0.0)
     else:
         rstd = tl.zeros((BM,), dtype=tl.float32)
@@ -260,10 +232,10 @@ def project_loaded(
                 g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
             for m in tl.static_range(BM):
                 row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-                a = _input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x, stride_res,
-                           stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+                a = prologue_input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x,
+                                   stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
                 if PROLOGUE == 1:
-                    a = _normed(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
+                    a = normed_input(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
                 if STREAM:
                     wide += w.to(tl.float32) * a[None, :]
                 else:
@@ -341,10 +313,13 @@ def _launch(
     tiles: tuple[int, int, int] | None = None,
     num_warps: int = 4,
     stream: bool | None = None,
+    words: tuple[tuple[int, int], int] | bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
     (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
-    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`)."""
+    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`). One row over
+    float8 weights reads them as words (:mod:`kernels.gemv_fp8`) unless ``tiles`` are given or
+    ``words`` is False; ``words`` ((BN, BW), warps) picks that kernel's tiles."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -362,6 +337,10 @@ def _launch(
     res2 = last_dim_contiguous(residual.reshape(-1, k)) if residual is not None else x2
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
+        return out, new_residual
+    if words is not False and tiles is None and weight_scale is not None and fits_words(weight, m, k):
+        fp8_words_launch(prologue, x2, res2, rows, norm_weight, new_residual, weight, weight_scale, bias, out, k, eps,
+                         words or None)
         return out, new_residual
     if tiles is None and weight_scale is not None:
         tiles, num_warps = quant_projection_config(m, n, k, prologue)
@@ -440,11 +419,11 @@ def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                   tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-                  stream: bool | None = None) -> torch.Tensor:
+                  stream: bool | None = None, words: tuple[tuple[int, int], int] | bool | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
-    ``num_warps`` and ``stream`` replace the default choice (for a sweep of them)."""
+    ``num_warps``, ``stream`` and ``words`` replace the default choice (for a sweep of them)."""
     return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
-                   stream=stream)[0]
+                   stream=stream, words=words)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:

@@ -1,14 +1,17 @@
 """A sweep of what an fp8-weight decode step runs beyond the plain projections: the fused
 projections' 8-bit tiles at one row (the norm before qkv, gate/up and the vocabulary head, the
 SiLU gate before down), the head in bf16 against fp8, and at 16 to 64 rows the FP8 GEMM
-(:mod:`kernels.fp8_gemm`) over its tiles against ``torch._scaled_mm`` and cuBLAS bf16.
+(:mod:`kernels.fp8_gemm`) over its tiles against ``torch._scaled_mm`` and cuBLAS bf16. The one-row
+ops run both kernels that serve them: the GEMV over its tiles and the float8 word kernel
+(:mod:`kernels.gemv_fp8`) over its own; a chain of a whole step's projections (32 layers and the
+head, cold) compares bf16, fp8 through each kernel, and fp8 with a float8 head.
 
 Timing as :mod:`pd_cluster.bench.gpu.fp8_sweep`'s: each path in a CUDA graph over weight copies
 three times L2. The GEMM paths include the activations' quantization before them (a decode step
-runs it before each product). Winners print as table entries: ``QUANT_FUSED_TILES`` (one row) and
-``FP8_GEMM_CONFIGS``; the JSON goes to ``$OUT/fp8_decode_sweep.json`` (``--json`` elsewhere).
+runs it before each product). Winners print as table entries: ``QUANT_FUSED_TILES`` and
+``FP8_WORD_TILES`` (one row), ``FP8_GEMM_CONFIGS``; the JSON goes to ``$OUT/fp8_decode_sweep.json`` (``--json`` elsewhere).
 
-    python -m pd_cluster.bench.gpu.fp8_decode_sweep [--part fused|gemm|all] [--rows 16,32,64]
+    python -m pd_cluster.bench.gpu.fp8_decode_sweep [--part fused|chain|gemm|all] [--rows 16,32,64]
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kernels._triton import cdiv, next_pow2
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
 from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, silu_linear_triton
 from kernels.quant_matmul import act_quant_fp8_triton
-from pd_cluster.bench.gpu.fp8_sweep import SHAPES, Timing, copies, record
+from pd_cluster.bench.gpu.fp8_sweep import SHAPES, Timing, copies, graph_us, record
 from pd_cluster.model.quant_linear import quantize
 
 logger = logging.getLogger(__name__)
@@ -37,19 +40,22 @@ logger = logging.getLogger(__name__)
 HEAD = ("head", 128256, 4096)
 #: The prologue each shape's fused op runs (1 the norm, 2 the SiLU gate, 0 none).
 PROLOGUE = {"qkv": 1, "gate_up": 1, "down": 2, "o": 0, "head": 1}
-#: One-row tiles ((BN, BK), warps) the fused ops try, by whether a row is 4096 inputs or longer;
-#: each with and without streaming where BK is below the row.
+#: One-row tiles of the GEMV ((BN, BK), warps) the fused ops try beside the chosen ones, by whether
+#: a row is 4096 inputs or longer (each streamed where BK is below the row).
 FUSED_CANDIDATES = {
-    True: [((8, 512), 4), ((4, 512), 4), ((16, 512), 4), ((8, 256), 4), ((16, 256), 4), ((4, 1024), 4),
-           ((8, 1024), 8), ((2, 4096), 4), ((4, 4096), 8)],
-    False: [((2, 2048), 4), ((4, 2048), 8), ((16, 512), 4), ((8, 512), 4), ((8, 1024), 4), ((4, 1024), 4),
-            ((16, 1024), 8), ((2, 4096), 8)],
+    True: [((8, 512), 4), ((16, 512), 4), ((4, 1024), 4), ((2, 4096), 4)],
+    False: [((2, 2048), 4), ((16, 512), 4), ((8, 1024), 4)],
 }
+#: One-row tiles ((BN, BW), warps) of the float8 word kernel (:mod:`kernels.gemv_fp8`).
+WORD_CANDIDATES = [((4, 128), 4), ((16, 128), 4), ((8, 64), 4), ((16, 64), 4), ((32, 64), 8), ((4, 256), 4),
+                   ((8, 256), 8), ((32, 32), 4)]
 #: FP8 GEMM (BN, BK, warps, stages); BM is the rows' power of two (16 to 64), the split-K the
 #: one that makes at least 128 programs, and none (and twice that split for 64 x 256 tiles).
 GEMM_CANDIDATES = [(64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 256, 8, 3), (32, 256, 4, 5),
                    (64, 256, 4, 3)]
 GEMM_ROWS = [16, 32, 64]
+#: The fused sweep's shapes, the most bytes first (should the run be cut short).
+FUSED_ORDER = [SHAPES[3], SHAPES[1], HEAD, SHAPES[0], SHAPES[2]]
 
 
 def fused_call(name: str, n: int, k: int, rows: int = 1):
@@ -75,14 +81,17 @@ def sweep_fused(out: list[Timing], shape: tuple[str, int, int]) -> None:
     record(out, shape, 1, "bf16 fused", "default", [lambda w=w: call(w) for w in bf16], 2)
     del bf16
     now = quant_projection_config(1, n, k, PROLOGUE[name])
-    record(out, shape, 1, "fp8 fused", f"now {now[0]} w{now[1]}",
-           [lambda q=q: call(q.qweight, q.scale) for q in fp8], 1)
+    record(out, shape, 1, "fp8 fused gemv", f"now {now[0]} w{now[1]}", [lambda q=q, t=now[0], nw=now[1]: call(
+        q.qweight, q.scale, tiles=t, num_warps=nw) for q in fp8], 1)
     for (bn, bk), warps in FUSED_CANDIDATES[k <= 4096]:
         bk = min(bk, next_pow2(k))
-        for stream in ((True, False) if bk < k else (None,)):
-            label = f"{(1, bn, bk)} w{warps}" + (" nostream" if stream is False else "")
-            record(out, shape, 1, "fp8 fused", label, [lambda q=q, t=(1, bn, bk), nw=warps, st=stream: call(
-                q.qweight, q.scale, tiles=t, num_warps=nw, stream=st) for q in fp8], 1)
+        label = f"{(1, bn, bk)} w{warps}"
+        record(out, shape, 1, "fp8 fused gemv", label, [lambda q=q, t=(1, bn, bk), nw=warps: call(
+            q.qweight, q.scale, tiles=t, num_warps=nw) for q in fp8], 1)
+    record(out, shape, 1, "fp8 fused words", "default", [lambda q=q: call(q.qweight, q.scale) for q in fp8], 1)
+    for words in WORD_CANDIDATES:
+        record(out, shape, 1, "fp8 fused words", f"{words[0]} w{words[1]}", [lambda q=q, c=words: call(
+            q.qweight, q.scale, words=c) for q in fp8], 1)
     del fp8
     torch.cuda.empty_cache()
 
@@ -131,12 +140,59 @@ def sweep_gemm(out: list[Timing], shape: tuple[str, int, int], rows_swept: list[
     torch.cuda.empty_cache()
 
 
+def chain_us(layers: list[dict], head: tuple, rows: int, **config) -> float:
+    """One decode step's projections at ``rows`` rows in a CUDA graph: each layer's four fused ops
+    (the attention's output stands in by the queries' columns of qkv), then the head with its norm."""
+    k = layers[0]["o"][0].shape[1]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    res0, norm_w = torch.randn_like(x), torch.ones(k, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        h, res = x, res0
+        for w in layers:
+            qkv, res = norm_linear_triton(h, res, norm_w, 1e-5, w["qkv"][0], weight_scale=w["qkv"][1], **config)
+            o = linear_triton(qkv[:, :k].contiguous(), *w["o"], **config)
+            gate_up, res = norm_linear_triton(o, res, norm_w, 1e-5, w["gate_up"][0], weight_scale=w["gate_up"][1],
+                                              **config)
+            h = silu_linear_triton(gate_up, *w["down"], **config)
+        return norm_linear_triton(h, res, norm_w, 1e-5, head[0], weight_scale=head[1], out_dtype=torch.float32,
+                                  **config)[0]
+    return graph_us([step], rounds=3)
+
+
+def sweep_chain(out: list[Timing], num_layers: int) -> None:
+    """The whole step's projections (``num_layers`` layers, cold: every weight read once a step):
+    bf16, fp8 by the default kernels, fp8 through the GEMV (no words), fp8 with an fp8 head."""
+    dims = {name: (n, k) for name, n, k in SHAPES}
+    bf16_layers, fp8_layers = [], []
+    for _ in range(num_layers):
+        w16 = {name: (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16) for name, (n, k) in dims.items()}
+        bf16_layers.append({name: (w, None) for name, w in w16.items()})
+        fp8_layers.append({name: tuple(quantize(w, "fp8").tensors()) for name, w in w16.items()})
+    head16 = (torch.randn(HEAD[1], HEAD[2], device="cuda") * 0.02).to(torch.bfloat16)
+    head8 = tuple(quantize(head16, "fp8").tensors())
+    weight_bytes = sum(n * k for n, k in dims.values()) * num_layers
+    head_elems = HEAD[1] * HEAD[2]
+    cases = [("bf16", bf16_layers, (head16, None), {}, 2 * weight_bytes + 2 * head_elems),
+             ("fp8 words, bf16 head", fp8_layers, (head16, None), {}, weight_bytes + 2 * head_elems),
+             ("fp8 gemv, bf16 head", fp8_layers, (head16, None), {"words": False}, weight_bytes + 2 * head_elems),
+             ("fp8 words, fp8 head", fp8_layers, head8, {}, weight_bytes + head_elems)]
+    for label, layers, head, config, moved in cases:
+        try:
+            us = chain_us(layers, head, 1, **config)
+        except Exception as exc:  # noqa: BLE001  # shown, not fatal
+            logger.warning("chain %s failed: %s", label, str(exc)[:300])
+            continue
+        out.append(Timing("step", 1, f"chain {label}", f"{num_layers} layers", us, moved / us / 1e3, 0.0))
+        print(f"step chain {label:24s} {us:9.1f} us {moved / us / 1e3:7.0f} GB/s", flush=True)
+
+
 def best(timings: list[Timing]) -> list[dict]:
     """Per shape and rows, each path's best and its ratio to bf16's best."""
     rows_out = []
     for key in sorted({(t.shape, t.rows) for t in timings}):
         here = [t for t in timings if (t.shape, t.rows) == key]
-        base = [t.us for t in here if t.path.startswith("bf16")]
+        base = [t.us for t in here if "bf16" in t.path and "fp8" not in t.path]
         top: dict[str, Timing] = {}
         for t in here:
             if t.path not in top or t.us < top[t.path].us:
@@ -153,19 +209,26 @@ def entries(table: list[dict]) -> list[str]:
     dims = {name: (n, k) for name, n, k in SHAPES + [HEAD]}
     out = []
     for r in table:
+        if r["shape"] not in dims:
+            continue
         n, k = dims[r["shape"]]
         v = [int(d) for d in re.findall(r"\d+", r["config"])]
-        note = f"  # {r['shape']} {r['us']} us, {r['vs_bf16']} of bf16" + (" NOSTREAM" if "nostream" in r["config"] else "")
-        if r["path"] == "fp8 fused" and PROLOGUE[r["shape"]]:
-            out.append(f"({PROLOGUE[r['shape']]}, 1, {n}, {k}): (({v[0]}, {v[1]}, {v[2]}), {v[3]}),{note}")
+        note = f"  # {r['shape']} {r['us']} us, {r['vs_bf16']} of bf16"
+        if r["path"] == "fp8 fused gemv" and PROLOGUE[r["shape"]]:
+            out.append(f"QUANT_FUSED_TILES ({PROLOGUE[r['shape']]}, 1, {n}, {k}): "
+                       f"(({v[0]}, {v[1]}, {v[2]}), {v[3]}),{note}")
+        elif r["path"] == "fp8 fused words" and len(v) == 3:
+            out.append(f"FP8_WORD_TILES ({PROLOGUE[r['shape']]}, {n}, {k}): (({v[0]}, {v[1]}), {v[2]}),{note}")
         elif r["path"] == "fp8 gemm+triton quant":
-            out.append(f"({next_pow2(r['rows'])}, {n}, {k}): Fp8GemmConfig({', '.join(map(str, v))}),{note}")
+            out.append(f"FP8_GEMM_CONFIGS ({next_pow2(r['rows'])}, {n}, {k}): "
+                       f"Fp8GemmConfig({', '.join(map(str, v))}),{note}")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("fused", "gemm", "all"), default="all")
+    parser.add_argument("--part", choices=("fused", "chain", "gemm", "all"), default="all")
+    parser.add_argument("--layers", type=int, default=32, help="the chain's layers")
     parser.add_argument("--rows", default=",".join(map(str, GEMM_ROWS)), help="the GEMM's row counts")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--report", action="store_true", help="print the table of the (partial) --json only")
@@ -178,15 +241,12 @@ def main() -> None:
     path = args.json or (Path(os.environ["OUT"]) / f"fp8_decode_sweep_{args.part}.json" if os.environ.get("OUT")
                          else None)
     timings: list[Timing] = []
-    shapes = [s for s in SHAPES if s[0] != "o"]
-    work = ([(sweep_fused, s) for s in shapes + [HEAD]] if args.part != "gemm" else []) + \
-        ([(sweep_gemm, s) for s in SHAPES] if args.part != "fused" else [])
     rows = [int(r) for r in args.rows.split(",") if r]
-    for fn, shape in work:
-        if fn is sweep_fused:
-            sweep_fused(timings, shape)
-        else:
-            sweep_gemm(timings, shape, rows)
+    work = ([lambda s=s: sweep_fused(timings, s) for s in FUSED_ORDER] if args.part in ("fused", "all") else []) + \
+        ([lambda: sweep_chain(timings, args.layers)] if args.part in ("chain", "all") else []) + \
+        ([lambda s=s: sweep_gemm(timings, s, rows) for s in SHAPES] if args.part in ("gemm", "all") else [])
+    for run in work:
+        run()
         if path is not None:
             path.write_text(json.dumps({"partial": True, "timings": [asdict(t) for t in timings]}))
     table, winners = report(timings)
