@@ -42,6 +42,9 @@ class Fp8GemmConfig:
 #: (``pd_cluster.bench.gpu.fp8_gemm_sweep``); other shapes take :func:`fp8_gemm_heuristic`.
 FP8_GEMM_CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {}
 
+#: Rows up to which FP8 weights take this GEMM rather than ``torch._scaled_mm`` (past the
+#: weight-only GEMM's rows, ``kernels.quant_matmul.FP8_WEIGHT_ONLY_MAX_ROWS``).
+FP8_GEMM_MAX_ROWS = 64
 #: SMs the tiles should cover (an H100 or H200 has 132).
 TARGET_PROGRAMS = 128
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from kernels._triton import cdiv, next_pow2
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
 from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, silu_linear_triton
-from kernels.quant_matmul import act_quant_fp8_triton
+from kernels.quant_matmul import act_quant_fp8_triton, weight_only_linear_triton
 from pd_cluster.bench.gpu.fp8_sweep import SHAPES, Timing, copies, graph_us, record
 from pd_cluster.model.quant_linear import quantize
 
@@ -133,6 +133,9 @@ def sweep_gemm(out: list[Timing], shape: tuple[str, int, int], rows_swept: list[
         def gemm(q, cfg):
             xq, s = act_quant_fp8_triton(x)
             return fp8_gemm_triton(xq, s, q.qweight, q.scale, torch.bfloat16, config=cfg)
+        if rows <= 32:
+            record(out, shape, rows, "fp8 weight-only", "default", [
+                lambda q=q: weight_only_linear_triton(x, q.qweight, q.scale) for q in fp8], 1)
         for cfg in gemm_configs(rows, n, k):
             record(out, shape, rows, "fp8 gemm+triton quant", cfg.label(),
                    [lambda q=q, c=cfg: gemm(q, c) for q in fp8], 1)
