@@ -124,6 +124,10 @@ def sweep_gemm(out: list[Timing], shape: tuple[str, int, int], rows_swept: list[
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         record(out, shape, rows, "bf16 F.linear", "cublas", [lambda w=w: F.linear(x, w) for w in bf16], 2)
         record(out, shape, rows, "act quant triton", "default", [lambda: act_quant_fp8_triton(x)], 0)
+        if k > 8192:  # a long row in one block (read once) against the default's two passes
+            for warps in (8, 16):
+                record(out, shape, rows, "act quant triton", f"one block w{warps}", [
+                    lambda w=warps: act_quant_fp8_triton(x, block=next_pow2(k), num_warps=w)], 0)
 
         def scaled(q):
             xq, s = act_quant_fp8_triton(x)
