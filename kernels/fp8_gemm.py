@@ -20,7 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton
+from kernels._triton import (
+    cdiv,
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+)
 
 
 @dataclass(frozen=True)
@@ -71,8 +81,9 @@ def fp8_gemm_config(rows: int, n: int, k: int) -> Fp8GemmConfig:
 def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
                      stride_x, stride_w, stride_out, stride_part,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program: a BM x BN tile of the output over inputs [pid_k * k_part, (pid_k + 1) * k_part).
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -106,8 +117,9 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
 
 @triton.jit
 def _split_sum_kernel(part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, stride_part, stride_out,
-                      HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program: BLOCK outputs of one row, the parts added in their order, then scaled.
+    pdl_wait(USE_PDL)
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -148,14 +160,16 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     split = cdiv(k, k_part)
     grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m), split)
     target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
+    pdl = use_pdl(xq)  # each launch waits for the one before at its start
     _fp8_gemm_kernel[grid](
         xq, x_scale, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
         xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
         HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k,
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(pdl))
     if split > 1:
         block = min(1024, next_pow2(n))
         _split_sum_kernel[(cdiv(n, block), m)](target, x_scale, w_scale, bias if bias is not None else w_scale, out,
                                                m, n, m * n, out.stride(0), HAS_BIAS=bias is not None, SPLITS=split,
-                                               BLOCK=block, num_warps=4)
+                                               BLOCK=block, USE_PDL=pdl, num_warps=4, **pdl_options(pdl))
     return out

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton
+from kernels._triton import (
+    cdiv,
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+)
 
 #: The largest float8 e4m3 magnitude: each row's amax maps onto it.
 FP8_MAX = 448.0
@@ -36,8 +46,9 @@ def act_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, AMAX_MIN: tl.constexpr,
-                      QMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                      QMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program: one row. A row that fits one block is read once; a longer one twice (amax, codes).
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
@@ -80,8 +91,10 @@ def act_quant_fp8_triton(x: torch.Tensor, block: int | None = None,
         return q, scale.fill_(AMAX_FLOOR / FP8_MAX)
     default_block, default_warps = act_quant_block(k)
     block = block or default_block
+    pdl = use_pdl(x2)  # a dependent launch: it waits for the kernel before it at its start
     _act_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
-                            BLOCK=block, ONE_BLOCK=k <= block, num_warps=num_warps or default_warps)
+                            BLOCK=block, ONE_BLOCK=k <= block, USE_PDL=pdl, num_warps=num_warps or default_warps,
+                            **pdl_options(pdl))
     return q, scale
 
 

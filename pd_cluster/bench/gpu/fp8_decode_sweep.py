@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import cdiv, next_pow2
+from kernels._triton import cdiv, next_pow2, set_pdl
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
 from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, silu_linear_triton
 from kernels.quant_matmul import act_quant_fp8_triton, weight_only_linear_triton
@@ -143,6 +143,11 @@ def sweep_gemm(out: list[Timing], shape: tuple[str, int, int], rows_swept: list[
         for cfg in gemm_configs(rows, n, k):
             record(out, shape, rows, "fp8 gemm+triton quant", cfg.label(),
                    [lambda q=q, c=cfg: gemm(q, c) for q in fp8], 1)
+        set_pdl(False)  # the default config without dependent launches (quantization and GEMM)
+        try:
+            record(out, shape, rows, "fp8 gemm no pdl", "default", [lambda q=q: gemm(q, None) for q in fp8], 1)
+        finally:
+            set_pdl(True)
     del fp8, bf16
     torch.cuda.empty_cache()
 
