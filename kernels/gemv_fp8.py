@@ -65,17 +65,17 @@ def _codes_f32(words, J: tl.constexpr):
 
 
 @triton.jit
-def _fp8_words_kernel(
-    x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
-    N, K, stride_x, stride_res, stride_w_words, eps,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+def project_words(
+    x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, K, stride_x, stride_res,
+    stride_w_words, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BN: tl.constexpr, BW: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # Program: BN output channels of the one row.
-    pid = tl.program_id(0)
+    """The float32 sums ``[BN]`` of weight rows ``rn`` (any set of them) with the one (prologued)
+    input row, before the channels' scales: the first weight block read, the wait on the kernel
+    before, the norm's sum over the row, then the blocks (see the module's docstring). Program 0
+    stores the residual sum."""
     dtype = sum_ptr.dtype.element_ty
-    rn = pid * BN + tl.arange(0, BN)
-    n_mask = rn < N
     rw = tl.arange(0, BW)
     k_words = K // 4
     words = w_ptr.to(tl.pointer_type(tl.uint32)) + rn[:, None].to(tl.int64) * stride_w_words
@@ -103,13 +103,29 @@ def _fp8_words_kernel(
             rk = 4 * (w0 + rw) + j
             k_mask = rk < K
             a = prologue_input(x_ptr, res_ptr, sum_ptr, row, 0, rk, k_mask, stride_x, stride_res, 0, K,
-                       (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
+                               (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
             if PROLOGUE == 1:
                 g = tl.load(norm_w_ptr + rk, mask=k_mask, other=0.0).to(tl.float32)
                 a = normed_input(a, rstd, g, dtype)
             wide += _codes_f32(w, j) * (a * INPUT_SCALE)[None, :]
         w = w_next
-    acc = tl.sum(wide, axis=1) * SUM_SCALE
+    return tl.sum(wide, axis=1) * SUM_SCALE
+
+
+@triton.jit
+def _fp8_words_kernel(
+    x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    N, K, stride_x, stride_res, stride_w_words, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BN: tl.constexpr, BW: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # Program: BN output channels of the one row.
+    pid = tl.program_id(0)
+    rn = pid * BN + tl.arange(0, BN)
+    n_mask = rn < N
+    acc = project_words(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, K, stride_x,
+                        stride_res, stride_w_words, eps, PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BN, BW, NORM_BLOCK,
+                        USE_PDL)
     acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)

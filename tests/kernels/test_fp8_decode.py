@@ -1,6 +1,7 @@
 """The fp8-weight decode kernels against float references, run by Triton's interpreter: the one-row
 projection over float8 codes read as words (:mod:`kernels.gemv_fp8`; its code conversion exact on
-every e4m3 value) and the FP8 GEMM of decode batches (:mod:`kernels.fp8_gemm`, split-K included).
+every e4m3 value; the qkv projection with rotary and the KV store on it) and the FP8 GEMM of
+decode batches (:mod:`kernels.fp8_gemm`, split-K included).
 
 As in ``test_kernels_triton.py``, ``TRITON_INTERPRET=1`` must be set before Triton is imported:
 with it set the interpreted cases are collected, else one test runs this file in a child pytest.
@@ -21,9 +22,17 @@ from kernels.gemv import (
     silu_linear_triton,
 )
 from kernels.gemv_fp8 import fits_words
+from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.quant_matmul import act_quant_fp8_ref
+from kernels.rotary import rotary_cos_sin
 from tests.kernels.interpreted import INTERPRETER, run_in_interpreter
-from tests.kernels.test_kernels_triton import GEMV_TOL, QUANT_GEMV_TOL, assert_close_elementwise, assert_matches
+from tests.kernels.test_kernels_triton import (
+    GEMV_TOL,
+    QKV_ROTARY_TOL,
+    QUANT_GEMV_TOL,
+    assert_close_elementwise,
+    assert_matches,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -82,6 +91,35 @@ class InterpretedCases:
         weight, scale, x = _codes(9, 40, gen), torch.rand(9, generator=gen) * 1e-3, torch.randn(1, 40, generator=gen)
         assert_matches(linear_triton(x, weight, scale), linear_ref(x, weight, scale), *GEMV_TOL[torch.float32])
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize(("head_dim", "with_bias"), [(16, False), (64, True)])
+    def test_qkv_rotary_over_words_matches_the_unfused_ops(self, dtype: torch.dtype, head_dim: int,
+                                                           with_bias: bool) -> None:
+        """One row's qkv projection over float8 words with the rotation and the KV store folded in,
+        against the projection then ``rotary_store_kv``: 3 q heads over 1 kv head, 96 inputs."""
+        hq, hkv, hidden = 3, 1, 96
+        gen = torch.Generator().manual_seed(35)
+        x = (torch.randn(1, hidden, generator=gen) * 2).to(dtype)
+        residual = torch.randn(1, hidden, generator=gen).to(dtype)
+        norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
+        weight = _codes((hq + 2 * hkv) * head_dim, hidden, gen)
+        scale = torch.rand(weight.shape[0], generator=gen) * 2e-4 + 1e-5
+        bias = torch.randn(weight.shape[0], generator=gen).to(dtype) if with_bias else None
+        cos, sin = rotary_cos_sin(head_dim, 64, 10000.0)
+        positions, slots = torch.tensor([37]), torch.tensor([5])
+        caches = [torch.full((8, hkv, head_dim), float("nan"), dtype=dtype) for _ in range(4)]
+        args = (x, residual, norm_weight, 1e-5, weight, bias, positions, cos, sin)
+        q, new_residual = norm_qkv_rotary_triton(*args, caches[0], caches[1], slots, hq, hkv, scale)
+        q_ref, ref_residual = norm_qkv_rotary_ref(*args, caches[2], caches[3], slots, hq, hkv, scale)
+        assert_matches(q, q_ref, *QKV_ROTARY_TOL[dtype])
+        assert_close_elementwise(new_residual, ref_residual)
+        for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+            assert torch.isnan(got[torch.arange(8) != 5]).all()
+            assert_matches(got[5], want[5], *QKV_ROTARY_TOL[dtype])
+        with pytest.raises(ValueError, match="one row"):
+            norm_qkv_rotary_triton(x.repeat(2, 1), None, *args[2:6], positions.repeat(2), cos, sin, caches[0],
+                                   caches[1], torch.tensor([1, 2]), hq, hkv, scale)
+
     @pytest.mark.parametrize("config", [Fp8GemmConfig(16, 32, 64), Fp8GemmConfig(32, 16, 32, split_k=3),
                                         Fp8GemmConfig(16, 64, 32, split_k=2, num_stages=2), None])
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
@@ -127,4 +165,4 @@ if INTERPRETER:
 else:
 
     def test_fp8_decode_kernels_match_references_in_the_interpreter() -> None:
-        run_in_interpreter(__file__, min_passed=12)
+        run_in_interpreter(__file__, min_passed=16)

@@ -92,8 +92,9 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # tile, the products after the wait), the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
 # step's inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the one-row
-# float8 projection over words and its code conversion, the FP8 GEMM and its split-K sum.
-NUM_KERNELS = 38
+# float8 projection over words, its products and its code conversion, the qkv projection with
+# rotary over float8 words, the FP8 GEMM and its split-K sum.
+NUM_KERNELS = 40
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
