@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from kernels._triton import cdiv, next_pow2, set_pdl
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
 from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, silu_linear_triton
+from kernels.qkv_rotary import norm_qkv_rotary_triton
 from kernels.quant_matmul import act_quant_fp8_triton, weight_only_linear_triton
+from kernels.rotary import rotary_cos_sin
 from pd_cluster.bench.gpu.fp8_sweep import SHAPES, Timing, copies, graph_us, record
 from pd_cluster.model.quant_linear import quantize
 
@@ -79,6 +81,7 @@ def sweep_fused(out: list[Timing], shape: tuple[str, int, int]) -> None:
     del w16
     call = fused_call(name, n, k)
     record(out, shape, 1, "bf16 fused", "default", [lambda w=w: call(w) for w in bf16], 2)
+    bf16_copy = bf16[0]  # (a single bf16 matrix: its bf16 op, cold or not, is the baseline above)
     del bf16
     now = quant_projection_config(1, n, k, PROLOGUE[name])
     record(out, shape, 1, "fp8 fused gemv", f"now {now[0]} w{now[1]}", [lambda q=q, t=now[0], nw=now[1]: call(
@@ -92,8 +95,26 @@ def sweep_fused(out: list[Timing], shape: tuple[str, int, int]) -> None:
     for words in WORD_CANDIDATES:
         record(out, shape, 1, "fp8 fused words", f"{words[0]} w{words[1]}", [lambda q=q, c=words: call(
             q.qweight, q.scale, words=c) for q in fp8], 1)
+    if name == "qkv":
+        sweep_qkv_rotary(out, shape, bf16_copy, fp8)
     del fp8
     torch.cuda.empty_cache()
+
+
+def sweep_qkv_rotary(out: list[Timing], shape: tuple[str, int, int], w16: torch.Tensor, fp8: list) -> None:
+    """The qkv op the decode layer runs: with the rotation and the KV store (32 q and 8 kv heads of
+    128), bf16 against fp8 over words."""
+    _, n, k = shape
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    residual, norm_w = torch.randn_like(x), torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    cos, sin = rotary_cos_sin(128, 4096, 500000.0, device="cuda")
+    positions, slots = torch.tensor([1000], device="cuda"), torch.tensor([7], device="cuda")
+    caches = [torch.zeros(64, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+
+    def call(w, s=None):
+        return norm_qkv_rotary_triton(x, residual, norm_w, 1e-5, w, None, positions, cos, sin, *caches, slots, 32, 8, s)
+    record(out, shape, 1, "bf16 qkv+rotary", "default", [lambda: call(w16)], 2)
+    record(out, shape, 1, "fp8 qkv+rotary words", "default", [lambda q=q: call(q.qweight, q.scale) for q in fp8], 1)
 
 
 def gemm_configs(rows: int, n: int, k: int) -> list[Fp8GemmConfig]:
