@@ -179,6 +179,18 @@ def fp8_gemm(x: torch.Tensor, weight: QuantLinear, bias: torch.Tensor | None = N
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
+def fp8_codes_product(codes: torch.Tensor, scale: torch.Tensor, weight: QuantLinear, out_dtype: torch.dtype,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(codes * scale) @ (qweight * weight.scale).T (+ bias)`` for activations a kernel before
+    already quantized per row (e4m3 ``codes`` ``[M, K]``, float32 ``scale`` ``[M, 1]``): the Triton
+    GEMM up to ``FP8_GEMM_MAX_ROWS`` rows, ``torch._scaled_mm`` beyond."""
+    if codes.shape[0] <= FP8_GEMM_MAX_ROWS and use_triton(codes) and weight.qweight.dim() == 2:
+        return fp8_gemm_triton(codes, scale, weight.qweight, weight.scale, out_dtype, bias)
+    out = torch._scaled_mm(codes, weight.qweight.t(), scale_a=scale, scale_b=weight.scale[None, :],
+                           out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` over a float or 8-bit weight (see the module's docstring for which path)."""
     if not isinstance(weight, QuantLinear):

@@ -18,7 +18,8 @@ from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.quant_matmul import FP8_WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS, act_quant_fp8_ref, act_quant_fp8_triton
 from kernels.quant_matmul import weight_only_linear_triton
 from kernels.rotary import rotary_cos_sin
-from pd_cluster.model.quant_linear import fp8_gemm, fp8_gemm_supported, fp8_scaled_mm, linear, quantize
+from pd_cluster.model.quant_linear import fp8_codes_product, fp8_gemm, fp8_gemm_supported, fp8_scaled_mm, linear
+from pd_cluster.model.quant_linear import quantize
 from pd_cluster.model.quant_linear import weight_only_supported
 
 pytestmark = [
@@ -90,6 +91,7 @@ def test_fp8_gemm_matches_the_scaled_product_and_serves_decode_batches(rows, n, 
     assert out.dtype == torch.bfloat16 and _rel(out, ref) < 4e-3
     assert fp8_gemm_supported(x, q) and torch.equal(linear(x, q, bias), out)
     xq, x_scale = act_quant_fp8_triton(x)
+    assert torch.equal(fp8_codes_product(xq, x_scale, q, torch.bfloat16, bias), out)  # codes made before
     for split in (1, 3):
         cfg = Fp8GemmConfig(64, 64, 256, split, 4, 3)
         assert _rel(fp8_gemm_triton(xq, x_scale, q.qweight, q.scale, torch.bfloat16, bias, cfg), ref) < 4e-3
