@@ -50,10 +50,27 @@ class Fp8GemmConfig:
 
 #: Configs by (rows' power of two, out features, in features), as measured fastest on an H200
 #: (``pd_cluster.bench.gpu.fp8_gemm_sweep``); other shapes take :func:`fp8_gemm_heuristic`.
-FP8_GEMM_CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {}
+FP8_GEMM_CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {
+    # One H200, the 8B shape's projections after the activations' quantization, each in a CUDA graph
+    # over cold weights (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``); a layer's four at 64
+    # rows 85.8 us against _scaled_mm's 125.5 and cuBLAS bf16's 127.3, at 16 rows 87.2 against the
+    # weight-only GEMM's 113.2.
+    (16, 6144, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # qkv 11.88 us
+    (32, 6144, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 14.40
+    (64, 6144, 4096): Fp8GemmConfig(64, 64, 256, 1, 4, 4),  # 11.84
+    (16, 4096, 14336): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # down 29.11
+    (32, 4096, 14336): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 32.82
+    (64, 4096, 14336): Fp8GemmConfig(64, 64, 256, 2, 4, 4),  # 27.92
+    (16, 4096, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # o 10.89
+    (32, 4096, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 12.96
+    (64, 4096, 4096): Fp8GemmConfig(64, 32, 256, 1, 4, 5),  # 9.67
+    (16, 28672, 4096): Fp8GemmConfig(16, 32, 256, 1, 4, 5),  # gate_up 35.29
+    (32, 28672, 4096): Fp8GemmConfig(32, 64, 256, 1, 4, 3),  # 35.86
+    (64, 28672, 4096): Fp8GemmConfig(64, 128, 128, 1, 4, 4),  # 36.36
+}
 
 #: Rows up to which FP8 weights take this GEMM rather than ``torch._scaled_mm`` (past the
-#: weight-only GEMM's rows, ``kernels.quant_matmul.FP8_WEIGHT_ONLY_MAX_ROWS``).
+#: weight-only GEMM's rows, ``kernels.quant_matmul.FP8_WEIGHT_ONLY_MAX_ROWS``): measured to 64.
 FP8_GEMM_MAX_ROWS = 64
 #: SMs the tiles should cover (an H100 or H200 has 132).
 TARGET_PROGRAMS = 128

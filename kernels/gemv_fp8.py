@@ -31,19 +31,28 @@ from kernels._triton import cdiv, next_pow2, pdl_options, pdl_wait, tl, triton, 
 INPUT_SCALE = tl.constexpr(2.0**100)
 SUM_SCALE = tl.constexpr(2.0**20)
 
-#: ((BN, BW), warps) by (prologue, out features, in features) as measured fastest on an H200
-#: (``pd_cluster.bench.gpu.fp8_decode_sweep``); other shapes take :func:`fp8_word_heuristic`.
+#: ((BN, BW), warps) by (prologue, out features, in features) where this kernel is measured
+#: faster than the 8-bit GEMV (``pd_cluster.bench.gpu.fp8_decode_sweep``); only those shapes take
+#: it by default. On an H200 it was not (the 8B shape, ``fp8-decode-sweep-nvidia-h200-x1-2026-11-29``):
+#: at its best tiles 1-4% faster alone on down and gate/up, slower on qkv, and a whole step's
+#: projections 4347 against 3792 us at its default tiles; the one-row GEMV is not bound by its
+#: conversions alone.
 FP8_WORD_TILES: dict[tuple[int, int, int], tuple[tuple[int, int], int]] = {}
 
 
 def fp8_word_heuristic(prologue: int, n: int, k: int) -> tuple[tuple[int, int], int]:
-    """Eight channels a program over blocks of 128 words (512 inputs): 4 KiB of weight a block,
-    two blocks in flight a program, as the best byte-wise tiles of the 8-bit GEMV."""
-    return (8, 128), 4
+    """Eight channels a program over blocks of 256 words (1024 inputs) on eight warps: the tiles
+    best on three of the 8B shape's four projections."""
+    return (8, 256), 8
 
 
 def fp8_word_config(prologue: int, n: int, k: int) -> tuple[tuple[int, int], int]:
     return FP8_WORD_TILES.get((prologue, n, k)) or fp8_word_heuristic(prologue, n, k)
+
+
+def words_by_default(prologue: int, n: int, k: int) -> bool:
+    """Whether a shape takes this kernel without being asked: where :data:`FP8_WORD_TILES` has it."""
+    return (prologue, n, k) in FP8_WORD_TILES
 
 
 def fits_words(weight: torch.Tensor, rows: int, k: int) -> bool:

@@ -39,7 +39,7 @@ from kernels.gemv import (
     project_loaded,
     projection_tiles,
 )
-from kernels.gemv_fp8 import fits_words, fp8_word_config, project_words
+from kernels.gemv_fp8 import fits_words, fp8_word_config, project_words, words_by_default
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
 
 
@@ -376,7 +376,9 @@ def norm_qkv_rotary(
 
 def fits_qkv_rotary(x: torch.Tensor, rows: int, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
     """Whether one launch serves these rows: float weights where the few-row projections do, 8-bit
-    ones where they do over one row of float8 words."""
+    ones where they do over one row of float8 words and the word kernel serves the shape by
+    default (:func:`kernels.gemv_fp8.words_by_default`)."""
     if weight_scale is None:
         return fits(x, rows)
-    return fits(x, rows, weight) and fits_words(weight, rows, x.shape[-1])
+    n, k = weight.shape
+    return fits(x, rows, weight) and fits_words(weight, rows, k) and words_by_default(1, n, k)

@@ -73,10 +73,13 @@ def _act_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, AMAX_MIN: 
 
 
 def act_quant_block(k: int) -> tuple[int, int]:
-    """(BLOCK, warps): a row of up to 8192 inputs in one block (read once), longer rows in blocks
-    of 4096."""
-    block = min(next_pow2(k), 8192) if k <= 8192 else 4096
-    return block, 8 if block >= 4096 else 4
+    """(BLOCK, warps): a row of up to 16384 inputs in one block (read once; 8B's down rows of
+    14336 over 16 warps: 4.9 against 6.5 us in blocks of 4096 at 64 rows, one H200), longer rows
+    in blocks of 4096."""
+    if k > 16384:
+        return 4096, 8
+    block = next_pow2(k)
+    return block, 16 if block > 8192 else 8 if block >= 4096 else 4
 
 
 def act_quant_fp8_triton(x: torch.Tensor, block: int | None = None,
@@ -112,13 +115,13 @@ class GemmConfig:
 #: Rows the weight-only GEMM serves: beyond them the products, not the weight's bytes, bound the
 #: step, and the FP8 tensor cores (or cuBLAS) win.
 WEIGHT_ONLY_MAX_ROWS = 128
-#: Rows up to which FP8 weights take the weight-only GEMM rather than ``torch._scaled_mm`` behind
-#: the fused activation quantization: one H200, a layer's four 8B projections, 16 rows 130 against
-#: 150 us, 64 rows 196 against 138 us (``pd_cluster.bench.gpu.fp8_sweep``). int8 has no scaled
-#: product to hand over to, so it keeps the GEMM up to WEIGHT_ONLY_MAX_ROWS. (That sweep timed each
-#: call with its Python launch, which for small kernels took longer than the kernel; the sweep now
-#: times them in a CUDA graph, as a decode step runs them: its layer sums re-pick this limit.)
-FP8_WEIGHT_ONLY_MAX_ROWS = 16
+#: Rows up to which FP8 weights take the weight-only GEMM; past them the FP8 GEMM of
+#: :mod:`kernels.fp8_gemm` (then ``torch._scaled_mm``). One H200, a layer's four 8B projections in
+#: CUDA graphs over cold weights: at 16 rows the FP8 GEMM 87.2 us against the weight-only 113.2
+#: (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``); below 16 rows the two were not compared,
+#: and both run tiles of 16 rows. int8 has no FP8 product to hand over to, so it keeps the GEMM up
+#: to WEIGHT_ONLY_MAX_ROWS.
+FP8_WEIGHT_ONLY_MAX_ROWS = 8
 
 
 def weight_only_config(rows: int, n: int, k: int) -> GemmConfig:

@@ -5,7 +5,7 @@ Decode reads every weight byte each step, so halving the bytes (against bfloat16
 quantized weights buy. Decode's few-row projections read the 8-bit weights directly
 (:mod:`kernels.gemv`); larger products run ``torch._scaled_mm`` on a GPU with FP8 tensor cores
 (dynamic per-token activation scales, quantized by one kernel). Decode batches on Hopper GPUs
-take Triton GEMMs made for reading the weight: up to 128 rows of int8 (16 of fp8) the weight-only
+take Triton GEMMs made for reading the weight: up to 128 rows of int8 (8 of fp8) the weight-only
 GEMM of :mod:`kernels.quant_matmul`, fp8 batches of up to 64 rows the scaled product's own
 numbers by :mod:`kernels.fp8_gemm`. Elsewhere the input multiplies the 8-bit weight in the
 input's dtype (exact there) and the product is scaled per channel.

@@ -106,7 +106,8 @@ def test_one_row_words_take_every_float8_code_exactly_subnormals_included():
     values = codes[~torch.isnan(codes.float())]
     weight = torch.stack([values.roll(j) for j in range(16)], dim=1).contiguous().cuda()
     eye = torch.eye(16, device="cuda")
-    got = torch.cat([linear_triton(eye[j:j + 1], weight, torch.ones(values.numel(), device="cuda")) for j in range(16)])
+    got = torch.cat([linear_triton(eye[j:j + 1], weight, torch.ones(values.numel(), device="cuda"), words=True)
+                     for j in range(16)])
     assert torch.equal(got, weight.float().T)
 
 
