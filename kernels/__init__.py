@@ -10,6 +10,7 @@ token-major activations ``[T, heads, head_dim]`` and one KV cache per layer shap
 from kernels.argmax import argmax_rows, choose_ids
 from kernels.attention import context_attention, decode_attention
 from kernels.gemv import linear, norm_linear, silu_linear
+from kernels.head_norm import head_rms_norm
 from kernels.kv_transfer import convert_kv, copy_kv_slots, gather_kv, scatter_kv
 from kernels.qkv_rotary import norm_qkv_rotary
 from kernels.rms_norm import rms_norm
@@ -28,6 +29,7 @@ __all__ = [
     "decode_attention",
     "embed_step_inputs",
     "gather_kv",
+    "head_rms_norm",
     "linear",
     "norm_linear",
     "norm_qkv_rotary",

@@ -7,12 +7,31 @@ count those).
 
 from __future__ import annotations
 
-from kernels._triton import tl, triton
+from kernels._triton import INTERPRETED, tl, triton
 
 
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh, stride_vs, stride_vh,
                  row_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    """:func:`load_kv_raw` with ``QUANT`` 3's and 4's value words converted (:func:`tile_values`)."""
+    k, v, k_scale, v_scale = load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh,
+                                         stride_vs, stride_vh, row_ok, HEAD_DIM, QUANT)
+    return k, tile_values(v, d, QUANT), k_scale, v_scale
+
+
+@triton.jit
+def tile_values(v, d, QUANT: tl.constexpr):
+    """The values of a tile :func:`load_kv_raw` read, as :func:`attend_tile` takes them: ``QUANT``
+    3's and 4's words as float16 (:func:`code_words_f16`), others as read."""
+    if QUANT >= 3:
+        return code_words_f16(v, d.shape[0], QUANT)
+    else:
+        return v
+
+
+@triton.jit
+def load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, stride_kh, stride_vs, stride_vh,
+                row_ok, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
     """Keys and values ``[BLOCK_N, BLOCK_D]`` of one kv head at ``slots``; masked elements read 0.
 
     Returns ``(k, v, k_scale, v_scale)``. ``QUANT`` 0: the caches hold the model dtype, the scales
@@ -20,14 +39,23 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d, mask, stride_ks, s
     for keys of the model dtype. ``QUANT`` 1 (int8) or 2 (fp8 e4m3): the caches hold packed rows
     (:mod:`kernels.kv_quant`, strides in bytes); ``k`` and ``v`` are the one-byte codes as int8 or
     float8 and the scales ``[BLOCK_N]`` float32, 0 where ``row_ok`` (None: every row) is false.
+    ``QUANT`` 3 and 4: fp8 e4m3 (3) or int8 (4) rows as 2 and 1, but ``v`` their codes as 32-bit
+    words (:func:`load_code_words`), for a ``q`` met as float16.
     """
     if QUANT:
         # Offsets in 16-byte units times 16 (the strides are multiples of 16, kernels.kv_quant):
         # the compiler sees every row start 16-byte aligned and loads the codes 16 at a time.
         k_rows = (slots * (stride_ks // 16) + kv_head * (stride_kh // 16)) * 16
         v_rows = (slots * (stride_vs // 16) + kv_head * (stride_vh // 16)) * 16
-        k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, QUANT)
-        v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
+        if QUANT == 3:
+            k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, 2)
+            v, v_scale = load_code_words(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
+        elif QUANT == 4:
+            k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, 1)
+            v, v_scale = load_code_words(v_cache_ptr, v_rows, d, row_ok, HEAD_DIM)
+        else:
+            k, k_scale = load_quant_rows(k_cache_ptr, k_rows, d, mask, row_ok, HEAD_DIM, QUANT)
+            v, v_scale = load_quant_rows(v_cache_ptr, v_rows, d, mask, row_ok, HEAD_DIM, QUANT)
         return k, v, k_scale, v_scale
     else:
         k = tl.load(k_cache_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=mask, other=0.0)
@@ -52,6 +80,85 @@ def load_quant_rows(cache_ptr, rows, d, mask, row_ok, HEAD_DIM: tl.constexpr, QU
         return codes.to(tl.int8, bitcast=True), scale
     else:
         return codes.to(tl.float8e4nv, bitcast=True), scale
+
+
+@triton.jit
+def load_code_words(cache_ptr, rows, d, row_ok, HEAD_DIM: tl.constexpr):
+    """Packed rows (as :func:`load_quant_rows`) as 32-bit words of four codes
+    ``[N, BLOCK_D // 4]`` and float32 scales ``[N]``; rows where ``row_ok`` (None: every row) is
+    false read 0. :func:`code_words_f16` converts the words.
+
+    Why: a tile whose one-byte codes meet the tensor cores as the second operand of ``p @ v``
+    must be read from shared memory transposed, which Triton does one byte at a time (128 loads
+    a thread for a 128 x 128 tile on sm_90, and the registers they hold). Loaded as words and
+    converted where they land, the tile reaches shared memory as float16, which the transposing
+    matrix loads read 16 bytes at a time."""
+    words_per_row: tl.constexpr = d.shape[0] // 4
+    w = tl.arange(0, words_per_row)
+    w_ok = w < (HEAD_DIM + 3) // 4
+    ptrs = (cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, None] + w[None, :]
+    scale_ptrs = (cache_ptr + rows + ((HEAD_DIM + 3) // 4) * 4).to(tl.pointer_type(tl.float32))
+    if row_ok is not None:
+        words = tl.load(ptrs, mask=row_ok[:, None] & w_ok[None, :], other=0)
+        scale = tl.load(scale_ptrs, mask=row_ok, other=0.0)
+    else:
+        words = tl.load(ptrs, mask=w_ok[None, :], other=0)
+        scale = tl.load(scale_ptrs)
+    return words, scale
+
+
+@triton.jit
+def code_words_f16(words, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    """Words of four codes ``[N, BLOCK_D // 4]``, fp8 e4m3 (``QUANT`` 3) or int8 (4), as the
+    float16 tile ``[N, BLOCK_D]`` (exact). The conversion sits before a reshape, so the compiler
+    cannot move it past the layout change to the product's operand (back onto the bytes)."""
+    if QUANT == 3:
+        c0, c1, c2, c3 = e4m3_word_to_f16(words)
+    else:
+        c0, c1, c2, c3 = int8_word_to_f16(words)
+    # Element 4 * w + 2 * i + j of a row is code 2 * i + j of word w.
+    codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(codes, (words.shape[0], BLOCK_D))
+
+
+@triton.jit
+def e4m3_word_to_f16(words):
+    """The four fp8 e4m3 codes of each int32 word (lowest byte first) as four float16 tensors:
+    two conversions of a code pair each, one instruction apiece on sm_89+. Interpreted, through
+    Triton's own conversion of each byte."""
+    if INTERPRETED:
+        c0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        c3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        return c0, c1, c2, c3
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+            "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
+
+
+@triton.jit
+def int8_word_to_f16(words):
+    """The four int8 codes of each int32 word (lowest byte first) as four float16 tensors: each
+    code's bits flipped into 128 + code and placed under float16's exponent of 1024 (two byte
+    permutes a word), 1152 subtracted from a pair at a time. Interpreted, through Triton's own
+    conversion of each byte."""
+    if INTERPRETED:
+        c0 = (words & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        c1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        c2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        c3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.int8, bitcast=True).to(tl.float16)
+        return c0, c1, c2, c3
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, a, b, e, m; xor.b32 t, $4, 0x80808080; mov.b32 e, 0x64646464; "
+            "mov.b32 m, 0x64806480; prmt.b32 a, t, e, 0x4140; prmt.b32 b, t, e, 0x4342; "
+            "sub.f16x2 a, a, m; sub.f16x2 b, b, m; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
 
 
 @triton.jit
@@ -99,7 +206,7 @@ def quantize_rows(x, QUANT: tl.constexpr):
 
 @triton.jit
 def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISION: tl.constexpr, k_scale,
-                v_scale):
+                v_scale, V_IN_SHIFT: tl.constexpr = False):
     """One online-softmax step of flash attention (base 2): the rows of ``q`` attend to the K/V
     tile of key positions ``n``; returns the updated ``(acc, m_i, l_i)``.
 
@@ -114,11 +221,22 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
     products run on the tensor cores as in the model dtype, and the tile is never dequantized.
     With codes, ``scale_log2`` may be a column ``[M, 1]``: the unit of each row of a ``q`` that
     :func:`float16_rows` made float16 times the softmax scale.
+
+    ``V_IN_SHIFT`` (codes met by a float16 q, no causal mask): each value's scale enters its
+    key's score as its log2, so the weights the product takes are the scaled ones, normalised by
+    their row's largest as the softmax normalises (no tile-wide maximum of the scales, a
+    reduction across warps); the sum of weights divides each by its scale back. ``m_i`` then
+    holds that shift, and ``m_i + log2(l_i)`` is still the row's log-sum-exp.
     """
-    if k.dtype == tl.int8 or k.dtype == tl.float8e4nv:
+    quantized: tl.constexpr = k.dtype == tl.int8 or k.dtype == tl.float8e4nv
+    in_shift: tl.constexpr = quantized and V_IN_SHIFT and q.dtype == tl.float16
+    if quantized:
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * k_scale[None, :] * scale_log2
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if in_shift:
+        v_log = tl.log2(v_scale)  # a row not read has scale 0: -inf
+        s = s + v_log[None, :]
     if q_pos is not None:
         visible = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -131,9 +249,14 @@ def attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, q_pos, DOT_PRECISIO
         m_shift = m_new
     alpha = tl.exp2(m_i - m_shift)
     p = tl.exp2(s - m_shift[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if v.dtype != tl.int8 and v.dtype != tl.float8e4nv:
+    if in_shift:
+        l_i = l_i * alpha + tl.sum(p * tl.where(v_scale > 0.0, tl.exp2(-v_log), 0.0)[None, :], axis=1)
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+    if not quantized:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    elif in_shift:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     elif q.dtype == tl.float16:
         # Weights times small scales would fall below float16's normal range (6e-5): each weight
         # takes its value's scale relative to the tile's largest, the product that one.
@@ -166,7 +289,7 @@ def float16_rows(q):
 @triton.jit
 def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end, scale_log2,
                 stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, V_IN_SHIFT: tl.constexpr = False):
     """:func:`attend_tile` over key positions ``[start, end)`` of one sequence, ``BLOCK_N`` at a
     time, each tile's slots read from its request-table row ``table_row``; ``QUANT`` as in
     :func:`load_kv_tile`."""
@@ -179,7 +302,40 @@ def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, 
                                               n_ok[:, None] & d_ok[None, :], stride_ks, stride_kh, stride_vs,
                                               stride_vh, n_ok, HEAD_DIM, QUANT)
         acc, m_i, l_i = attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION,
-                                    k_scale, v_scale)
+                                    k_scale, v_scale, V_IN_SHIFT)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attend_keys_ahead(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end,
+                      scale_log2, stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+                      V_IN_SHIFT: tl.constexpr = False):
+    """:func:`attend_keys` with the loads a tile ahead, into registers: each iteration reads the
+    next tile (and the slots of the one after) before computing its own, so one program keeps a
+    tile's bytes in flight while it computes (a kernel compiled with one pipeline stage; Triton's
+    own pipelining waits for a tile at the top of the iteration that uses it)."""
+    n_offs = tl.arange(0, BLOCK_N)
+    n = start + n_offs
+    n_ok = n < end
+    slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+    k, v, k_scale, v_scale = load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d, n_ok[:, None] & d_ok[None, :],
+                                         stride_ks, stride_kh, stride_vs, stride_vh, n_ok, HEAD_DIM, QUANT)
+    n_after = n + BLOCK_N
+    slots_after = tl.load(table_row + n_after, mask=n_after < end, other=0).to(tl.int64)
+    for first in range(start, end, BLOCK_N):
+        n = first + n_offs
+        n_ok = n < end
+        n_next = n + BLOCK_N
+        next_ok = n_next < end
+        k_next, v_next, k_scale_next, v_scale_next = load_kv_raw(
+            k_cache_ptr, v_cache_ptr, slots_after, kv_head, d, next_ok[:, None] & d_ok[None, :], stride_ks,
+            stride_kh, stride_vs, stride_vh, next_ok, HEAD_DIM, QUANT)
+        n_after = n_next + BLOCK_N
+        slots_after = tl.load(table_row + n_after, mask=n_after < end, other=0).to(tl.int64)
+        acc, m_i, l_i = attend_tile(q, k, tile_values(v, d, QUANT), acc, m_i, l_i, scale_log2, n, n_ok, None,
+                                    DOT_PRECISION, k_scale, v_scale, V_IN_SHIFT)
+        k, v, k_scale, v_scale = k_next, v_next, k_scale_next, v_scale_next
     return acc, m_i, l_i
 
 

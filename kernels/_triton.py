@@ -83,6 +83,8 @@ _pdl_enabled = os.environ.get("PD_CLUSTER_PDL", "1") != "0"
 #: Triton decides at import whether kernels are interpreted; an interpreted kernel has no launch
 #: options, so the flag is read once here rather than on every launch.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: The same for jitted code: interpreted kernels take portable paths where compiled ones use PTX.
+INTERPRETED = tl.constexpr(_INTERPRETED) if HAS_TRITON else _INTERPRETED
 
 
 def set_pdl(enabled: bool) -> None:

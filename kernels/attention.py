@@ -60,6 +60,16 @@ def _q_float16(quant: str | None, q: torch.Tensor, float16_codes: bool | None) -
     return quant == "fp8_e4m3" if float16_codes is None else float16_codes
 
 
+def _decode_quant_code(quant: str | None, q_float16: bool, values_float16: bool | None) -> int:
+    """The decode kernel's ``QUANT``: for a quantized cache met by a float16 q (``q_float16``),
+    3 (fp8) or 4 (int8): values converted to float16 as they load
+    (:func:`kernels._tiles.code_words_f16`), unless ``values_float16`` is False (for measuring);
+    else the cache kind's code."""
+    if quant is not None and q_float16 and values_float16 is not False:
+        return 3 if quant == "fp8_e4m3" else 4
+    return QUANT_CODES[quant]
+
+
 def _output_for(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """The tensor a kernel writes: ``out`` when given (q's shape and dtype, head_dim contiguous)."""
     if out is None:
@@ -518,9 +528,16 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,
     Q_F16: tl.constexpr,
+    AHEAD: tl.constexpr,
+    HEADS_TOGETHER: tl.constexpr,
+    V_IN_SHIFT: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    if HEADS_TOGETHER:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1).to(tl.int64)
+    else:
+        seq = tl.program_id(0).to(tl.int64)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx_len = tl.load(ctx_lens_ptr + seq).to(tl.int32)
     # Per-sequence split length, a whole number of tiles, so short contexts get short splits.
@@ -550,9 +567,9 @@ def _decode_split_kernel(
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
         newest = n_ok & (n == ctx_len - 1)
-        k, v, k_scale, v_scale = _tiles.load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
-                                                     (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh,
-                                                     stride_vs, stride_vh, n_ok & ~newest, HEAD_DIM, QUANT)
+        k, v, k_scale, v_scale = _tiles.load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
+                                                    (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh,
+                                                    stride_vs, stride_vh, n_ok & ~newest, HEAD_DIM, QUANT)
     pdl_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
@@ -560,17 +577,17 @@ def _decode_split_kernel(
         q, q_unit = _tiles.float16_rows(q)
         scale_log2 = scale_log2 * q_unit[:, None]
     if PREFETCH:
-        k_new, v_new, k_new_scale, v_new_scale = _tiles.load_kv_tile(
+        k_new, v_new, k_new_scale, v_new_scale = _tiles.load_kv_raw(
             k_cache_ptr, v_cache_ptr, slots, kv_head, d, newest[:, None] & d_ok[None, :], stride_ks, stride_kh,
             stride_vs, stride_vh, newest, HEAD_DIM, QUANT)
         k = tl.where(newest[:, None], k_new, k)
-        v = tl.where(newest[:, None], v_new, v)
+        v = _tiles.tile_values(tl.where(newest[:, None], v_new, v), d, QUANT)
         if QUANT:
             k_scale = tl.where(newest, k_new_scale, k_scale)
             v_scale = tl.where(newest, v_new_scale, v_scale)
         if lo < hi:
             acc, m_i, l_i = _tiles.attend_tile(q, k, v, acc, m_i, l_i, scale_log2, n, n_ok, None, DOT_PRECISION,
-                                               k_scale, v_scale)
+                                               k_scale, v_scale, V_IN_SHIFT)
         # The rest of the split only where there is one: at batch 1 up to 2k tokens of context a
         # split is its prefetched tile, and a pipelined loop's prologue costs even when the loop
         # runs no iteration (the default model's layer at batch 1, H100: 11.72 -> 11.20 us). The
@@ -578,11 +595,15 @@ def _decode_split_kernel(
         if lo + BLOCK_N < hi:
             acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                                lo + BLOCK_N, hi, scale_log2, stride_ks, stride_kh, stride_vs,
-                                               stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
+                                               stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
+    elif AHEAD:
+        acc, m_i, l_i = _tiles.attend_keys_ahead(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d,
+                                                 d_ok, lo, hi, scale_log2, stride_ks, stride_kh, stride_vs,
+                                                 stride_vh, BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
     else:
         acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                            lo, hi, scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                                           BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT)
+                                           BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
@@ -654,6 +675,25 @@ def _decode_stages(quant: str | None) -> int:
     return 2
 
 
+def _decode_heads_together(quant: str | None) -> bool:
+    """Whether the split kernel's grid walks kv heads before sequences, so that the programs
+    running at once read every head's row of the same slots. A slot's rows of all heads lie
+    side by side (``[slots, heads, row]``); one head's row alone is an isolated 144 bytes of a
+    quantized cache (256 in bfloat16), the sectors it shares with its neighbours fetched twice
+    when their programs run apart. Quantized caches: measured on an H200 (8B heads, batch 64 x 4k
+    context, shuffled slots, fp8, 128 keys a tile) 347 / 337 us at one / two splits against
+    406 / 400 sequences first (one run each); bfloat16 312 against 316, kept as it was."""
+    return quant is not None
+
+
+def _decode_values_in_shift(quant: str | None) -> bool:
+    """Whether a quantized cache's value scales enter the decode scores as logs (where q meets the
+    codes as float16; ``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`): measured on an H200,
+    8B heads, batch 64 x 4k context over shuffled slots, fp8 values as float16, 128 keys a tile,
+    one split: 328 us against 406-421 with the tile-wide maximum of the scales (one run each)."""
+    return quant is not None
+
+
 #: Most splits of one sequence's context. The count is fixed by shapes (the slot table is as wide
 #: as the longest context), so at batch 1 a typical context leaves most splits empty; measured on
 #: an H100 with the default model's heads at batch 1 and 1k tokens of context: 64 splits 4.75 us
@@ -698,11 +738,22 @@ def decode_attention_triton(
     table_rows: torch.Tensor | None = None,
     quant: str | None = None,
     float16_codes: bool | None = None,
+    values_float16: bool | None = None,
+    ahead: bool | None = None,
+    heads_together: bool | None = None,
+    values_in_shift: bool | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`decode_attention_ref` (split-K, two launches); ``out``,
-    ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`. Each sequence's keys but its newest (the last of its
-    context) must have been stored before the kernel launched before this one: with dependent
-    launches they are read while that kernel (the one storing the newest key) still runs.
+    """Triton version of :func:`decode_attention_ref` (split-K: two launches, one at one split); ``out``,
+    ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`;
+    ``values_float16`` as in :func:`_decode_quant_code`; ``ahead``: each program reads its next
+    tile while computing one (:func:`kernels._tiles.attend_keys_ahead`; with ``num_stages`` 1),
+    where no tile is read before the wait; ``heads_together``: the programs of one sequence's kv
+    heads launch next to each other (:func:`_decode_heads_together`); ``values_in_shift``: value
+    scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`).
+
+    Each sequence's keys but its newest (the last of its context) must have been stored before
+    the kernel launched before this one: with dependent launches they are read while that kernel
+    (the one storing the newest key) still runs.
 
     ``num_splits`` defaults to a count picked from the batch, the kv heads, the slot table's
     width and the GPU's multiprocessors; it depends on shapes only. Unset tile sizes come from
@@ -726,10 +777,19 @@ def decode_attention_triton(
         num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device,
                                         per_sm=4 if quant is None else 2)
     block_d = next_pow2(head_dim)
-    part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        # One split's normalised partial is the output: stored there, no merge launch (which,
+        # launched as a dependent, also held multiprocessor slots while it waited).
+        part_out = out.unsqueeze(2)
+    else:
+        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     pdl = use_pdl(q)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    q_f16 = _q_float16(quant, q, float16_codes)
+    if heads_together is None:
+        heads_together = _decode_heads_together(quant)
+    grid = (num_kv_heads, batch, num_splits) if heads_together else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q,
         k_cache,
         v_cache,
@@ -761,12 +821,17 @@ def decode_attention_triton(
         PREFETCH=batch * num_kv_heads <= PREFETCH_MAX_HEADS,
         HAS_ROWS=table_rows is not None,
         USE_PDL=pdl,
-        QUANT=quant_code,
-        Q_F16=_q_float16(quant, q, float16_codes),
+        QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16),
+        Q_F16=q_f16,
+        AHEAD=bool(ahead),
+        HEADS_TOGETHER=heads_together,
+        V_IN_SHIFT=_decode_values_in_shift(quant) if values_in_shift is None else values_in_shift,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
     )
+    if num_splits == 1:
+        return out
     _decode_merge_kernel[(batch, num_q_heads)](
         part_out,
         part_lse,

@@ -118,6 +118,9 @@ class FanOut:
         """Admit every prompt's choice 0 (at once), then its other choices as it streams.
         Raises the first prompt's error (an APIError, or ClientDisconnected) when any could not
         be admitted; the caller then releases the fan-out."""
+        if len(self.prompts) == 1:  # in this task: a task of its own would start a loop round later
+            await self._admit_prompt(self.prompts[0])
+            return
         results = await asyncio.gather(*(self._admit_prompt(p) for p in self.prompts), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -21,6 +22,7 @@ from starlette.websockets import WebSocket
 from master.context import MasterContext
 from master.delta_frames import plain_deltas
 from master.node_auth import authenticate_node
+from master.node_frames import frame_reader
 from master.registry import CLOSE_NORMAL, CLOSE_POLICY_VIOLATION, CloseFrame, NodeRecord
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
@@ -99,9 +101,14 @@ async def node_socket(ws: WebSocket, ctx: MasterContext) -> None:
                                     masters=_worker_urls(ws, ctx)))
     if record.role == "prefill":
         record.send(ctx.registry.decode_peers())  # so it warms its channels before any request
+    reader = frame_reader(ws.scope)
+    if reader is not None:  # frames applied as they are read, ahead of the loop's other steps
+        reader.on_frame = functools.partial(_read_frame, ctx, record)
     try:
         await _read_loop(ws, record, ctx)
     finally:
+        if reader is not None:
+            reader.on_frame = None
         ctx.registry.discard(record, "connection closed")
         try:
             await wait_for(writer, _CLOSE_GRACE_S)
@@ -142,6 +149,19 @@ async def _read_loop(ws: WebSocket, record: NodeRecord, ctx: MasterContext) -> N
         if record.removed:
             return
         handle_frame(ctx, record, frame)
+
+
+def _read_frame(ctx: MasterContext, record: NodeRecord, frame: str) -> None:
+    """A frame handed over by the socket's read (:mod:`master.node_frames`): applied as
+    :func:`_read_loop` applies one, a frame of a removed node dropped; a frame whose handling
+    raises ends the node's link, as it ends the read loop."""
+    if record.removed:
+        return
+    try:
+        handle_frame(ctx, record, frame)
+    except Exception:
+        logger.exception("handling a frame from node %s failed", record.node_id)
+        ctx.registry.discard(record, "a frame could not be handled", CLOSE_POLICY_VIOLATION)
 
 
 def handle_frame(ctx: MasterContext, record: NodeRecord, frame: str | bytes) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from master.app import ConfigError, api_keys_from, check_secrets, create_app
 from master.config import MasterSettings
 from master.heap import settle
+from master.node_frames import NodeFrameProtocol
 from master.request_log import use_json_logs
 from master.workers import WorkerSupervisor, reuse_port_socket
 from pd_cluster import protocol
@@ -58,6 +59,8 @@ def uvicorn_options(settings: MasterSettings, tls: dict[str, str]) -> dict[str, 
         # Node frames uncompressed: deflating a job of a thousand token ids took ~0.3 ms of the
         # loop, and every token frame paid an inflate, to save bytes on the cluster's own network.
         "ws_per_message_deflate": False,
+        # Nodes' frames applied as they are read (master.node_frames).
+        "ws": NodeFrameProtocol,
         "timeout_graceful_shutdown": int(settings.shutdown_timeout_s),
         **tls,
     }

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from websockets.asyncio.client import ClientConnection, connect
 
 from master.config import MasterSettings
+from master.node_frames import NodeFrameProtocol
 from master.server import create_app
 from pd_cluster import protocol
 from pd_cluster.kv_spec import KVSpec
@@ -128,8 +129,10 @@ class LiveMaster:
         self.port = self._sock.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}{protocol.NODE_WS_PATH}"
+        # The master's own websocket protocol: nodes' frames applied as they are read.
         config = uvicorn.Config(
-            self.app, log_level="warning", lifespan="on", ws_max_size=protocol.MAX_MESSAGE_BYTES + 65536
+            self.app, log_level="warning", lifespan="on", ws_max_size=protocol.MAX_MESSAGE_BYTES + 65536,
+            ws=NodeFrameProtocol,
         )
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task | None = None

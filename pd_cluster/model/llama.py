@@ -169,10 +169,9 @@ class LlamaModel:
                                        kv.quant)
 
     def _head_norm(self, heads: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of each head ``[T, H, D]`` over its ``D`` values (Qwen3's q_norm and k_norm)."""
-        shape = heads.shape
-        normed, _ = kernels.rms_norm(heads.reshape(-1, shape[-1]).contiguous(), weight, self.config.rms_norm_eps)
-        return normed.view(shape)
+        """RMSNorm of each head ``[T, H, D]`` over its ``D`` values (Qwen3's q_norm and k_norm), read
+        from the strided view of the projection (no copy first)."""
+        return kernels.head_rms_norm(heads, weight, self.config.rms_norm_eps)
 
     def _fused_layer(
         self,

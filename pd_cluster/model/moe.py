@@ -19,18 +19,18 @@ import torch.nn.functional as F
 import kernels
 from kernels._triton import use_triton
 from kernels.fused_moe import fused_moe_triton
+from kernels.moe_route import route_topk_ref, route_topk_triton
 from pd_cluster.model.config import MoEConfig
 from pd_cluster.model.quant_linear import linear
 from pd_cluster.model.weights import ExpertWeights
 
 
 def route(x: torch.Tensor, router: torch.Tensor, moe: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's ``top_k`` experts ``[T, top_k]`` and their weights (in ``x``'s dtype)."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, moe.top_k, dim=-1)
-    if moe.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return experts, weights.to(x.dtype)
+    """Each token's ``top_k`` experts ``[T, top_k]`` and their weights (in ``x``'s dtype); the
+    softmax and top-k in one kernel where :func:`fused_available`."""
+    logits = F.linear(x, router)
+    pick = route_topk_triton if fused_available(logits) else route_topk_ref
+    return pick(logits, moe.top_k, moe.norm_topk_prob, x.dtype)
 
 
 def fused_available(x: torch.Tensor) -> bool:

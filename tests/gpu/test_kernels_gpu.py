@@ -26,6 +26,7 @@ from kernels.attention import (
     decode_attention_ref,
     decode_attention_triton,
 )
+from kernels.head_norm import head_rms_norm_triton
 from kernels.kv_transfer import gather_kv_ref, gather_kv_triton, scatter_kv_ref, scatter_kv_triton
 from kernels.rms_norm import rms_norm_ref, rms_norm_triton
 from kernels.rotary import apply_rotary_ref, apply_rotary_triton, rotary_cos_sin
@@ -140,6 +141,19 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
     ref_out, ref_residual = rms_norm_ref(x, weight, 1e-5, residual)
     assert rel_error(out, ref_out) < ELEMENTWISE_TOL[dtype]
     assert torch.equal(new_residual, ref_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm_on_a_split_qkv(dtype: torch.dtype) -> None:
+    tokens, hq, hkv, head_dim = 4096, 32, 4, 128
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, device="cuda").to(dtype)
+    q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hkv) * head_dim].view(tokens, hkv, head_dim)
+    weight = (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+    for heads in (q, k):
+        got = head_rms_norm_triton(heads, weight, 1e-6)
+        want, _ = rms_norm_triton(heads.reshape(-1, head_dim).contiguous(), weight, 1e-6)
+        assert got.is_contiguous() and rel_error(got.view(-1, head_dim), want) < ELEMENTWISE_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -357,6 +371,7 @@ def test_public_ops_dispatch_to_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) 
 
     for module, refs in {
         "kernels.attention": ["context_attention_ref", "decode_attention_ref"],
+        "kernels.head_norm": ["head_rms_norm_ref"],
         "kernels.kv_transfer": ["gather_kv_ref", "scatter_kv_ref"],
         "kernels.rms_norm": ["rms_norm_ref"],
         "kernels.rotary": ["apply_rotary_ref"],
@@ -369,6 +384,7 @@ def test_public_ops_dispatch_to_triton_on_cuda(monkeypatch: pytest.MonkeyPatch) 
     kernels.context_attention(*batch.context_args())
     kernels.decode_attention(batch.q[:2], *batch.decode_args()[1:])
     kernels.rms_norm(batch.q[:, 0], torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6, batch.q[:, 1])
+    kernels.head_rms_norm(batch.q, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)
     cos, sin = kernels.rotary_cos_sin(64, 64, 10000.0, device="cuda")
     kernels.apply_rotary(batch.q, batch.q[:, :2], torch.arange(41, device="cuda"), cos, sin)
     kernels.silu_mul(batch.q[:, 0])

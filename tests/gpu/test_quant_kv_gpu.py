@@ -136,6 +136,21 @@ def test_bfloat16_q_meets_the_codes_as_float16_or_bfloat16(kind: str, float16_co
     _assert_close(out, context_attention_ref(*context_args, quant=kind).to(torch.bfloat16), torch.bfloat16)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("values_float16", "ahead"), [(True, False), (False, False), (True, True)],
+                         ids=["values-float16", "values-as-codes", "values-float16-read-ahead"])
+def test_decode_values_float16_or_as_codes_and_read_ahead(kind: str, values_float16: bool, ahead: bool) -> None:
+    # The decode kernel's value paths with q met as float16: codes converted as they load (PTX of
+    # each kind) or met by the product as codes; a tile read ahead into registers; 8B heads.
+    gen = torch.Generator().manual_seed(11)
+    ctx_lens = torch.randint(1, 1500, (64,), generator=gen).tolist()
+    batch, k_cache, v_cache = _quantized_batch(kind, torch.bfloat16, ctx_lens, [1] * 64, (32, 8), 128)
+    args = (batch.q.cuda(), k_cache, v_cache, batch.slot_table.cuda(), batch.ctx_lens.cuda(), 128**-0.5)
+    out = decode_attention_triton(*args, quant=kind, float16_codes=True, values_float16=values_float16,
+                                  ahead=ahead, num_stages=1 if ahead else None, block_n=64 if ahead else None)
+    _assert_close(out, decode_attention_ref(*args, quant=kind).to(torch.bfloat16), torch.bfloat16)
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine, with CUDA graphs
 # ---------------------------------------------------------------------------------------------

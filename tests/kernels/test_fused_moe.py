@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from kernels._triton import HAS_TRITON
-from kernels.fused_moe import align_ref, align_triton, fused_moe_triton, max_padded_rows
+from kernels.fused_moe import MoeGemmConfig, align_chunked, align_ref, fused_moe_triton, max_padded_rows
+from kernels.moe_route import route_topk_ref, route_topk_triton
 from pd_cluster.config import EngineConfig
 from pd_cluster.engine.llm_engine import sparse_config
 from pd_cluster.model.config import MoEConfig
@@ -106,16 +107,66 @@ class InterpretedCases:
         got = fused_moe_triton(x, w.gate_up, w.down, experts, weights, num_experts)
         torch.testing.assert_close(got, routed_experts_ref(x, w, moe, experts, weights), **TOL[dtype])
 
+    @pytest.mark.parametrize("method", [None, "int8"])
+    @pytest.mark.parametrize("config", [
+        MoeGemmConfig(16, 32, 32, group_m=2, sorted_rows=True),  # gated output kept in sorted order
+        MoeGemmConfig(16, 32, 16, group_m=3, interleaved=True, sorted_rows=True),  # a group cut short
+        MoeGemmConfig(8, 16, 32, interleaved=True),  # gate and up as one product of 32 columns
+        MoeGemmConfig(16, 16, 16, group_m=2, sorted_rows=True, tma=True),  # descriptor loads
+        MoeGemmConfig(16, 32, 32, tma=True),  # weights by descriptor, rows gathered
+    ])
+    def test_prompt_tile_options_match_the_reference(self, config: MoeGemmConfig, method: str | None) -> None:
+        w = _experts(6, 64, 40, torch.float32, seed=7)  # 40 columns: the last column tile is cut short
+        if method:
+            w = ExpertWeights(w.router, quantize(w.gate_up, method), quantize(w.down, method))
+        moe = _moe(6, 2, 40)
+        x = torch.randn(45, 64, generator=torch.Generator().manual_seed(8))
+        experts, weights = route(x, w.router, moe)
+        got = fused_moe_triton(x, w.gate_up, w.down, experts, weights, 6, configs=(config, config))
+        tol = TOL[torch.float32] if method is None else dict(rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got, routed_experts_ref(x, w, moe, experts, weights), **tol)
+
     @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"), [
         (1, 8, 2, 16), (5, 4, 2, 1), (64, 128, 8, 16), (3, 6, 1, 4), (128, 128, 8, 16), (50, 6, 2, 64)])
-    def test_one_program_alignment_equals_the_torch_ops(self, tokens, num_experts, top_k, block_m) -> None:
+    def test_chunked_alignment_equals_the_torch_ops(self, tokens, num_experts, top_k, block_m) -> None:
         gen = torch.Generator().manual_seed(tokens)
         experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)])
         if tokens == 50:  # uneven: experts 2, 3 and 5 get nothing
             experts = torch.tensor([[4, 1]] * 47 + [[1, 4], [0, 4], [4, 0]])
-        want, got = align_ref(experts, num_experts, block_m), align_triton(experts, num_experts, block_m)
+        want, got = align_ref(experts, num_experts, block_m), align_chunked(experts, num_experts, block_m)
         for field in ("pairs", "block_experts", "num_padded"):
             assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+    @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"), [
+        (300, 128, 8, 64), (257, 16, 2, 16), (1000, 4, 1, 128), (33, 128, 8, 128), (1100, 16, 8, 64)])  # 69 chunks
+    def test_chunked_alignment_of_many_pairs_equals_the_torch_ops(self, tokens, num_experts, top_k, block_m) -> None:
+        gen = torch.Generator().manual_seed(tokens)
+        scores = torch.rand(tokens, num_experts, generator=gen) ** 3  # uneven: some experts get far more
+        experts = torch.topk(scores, top_k, dim=-1).indices
+        want, got = align_ref(experts, num_experts, block_m), align_chunked(experts, num_experts, block_m)
+        for field in ("pairs", "block_experts", "num_padded"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), field
+
+    @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "renormalize", "dtype"), [
+        (1, 128, 8, True, torch.float32), (37, 128, 8, False, torch.float16), (300, 6, 2, True, torch.float32),
+        (5, 60, 1, False, torch.float32)])
+    def test_fused_router_top_k_matches_torch(self, tokens, num_experts, top_k, renormalize, dtype) -> None:
+        logits = (torch.randn(tokens, num_experts, generator=torch.Generator().manual_seed(tokens)) * 2).to(dtype)
+        experts, weights = route_topk_triton(logits, top_k, renormalize, dtype)
+        want_experts, want_weights = route_topk_ref(logits, top_k, renormalize, dtype)
+        assert experts.dtype == torch.int64
+        if dtype == torch.float32:
+            assert torch.equal(experts, want_experts)
+        else:  # half-precision logits tie; any expert of the same probability, at the same rank
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            assert torch.equal(probs.gather(1, experts), probs.gather(1, want_experts))
+        torch.testing.assert_close(weights, want_weights, **TOL[dtype])
+
+    def test_fused_router_takes_the_lowest_expert_among_equal_probabilities(self) -> None:
+        logits = torch.tensor([[0.0, 1.0, 1.0, 0.5, 1.0, 0.5]])
+        experts, weights = route_topk_triton(logits, 4, False, torch.float32)
+        assert experts.tolist() == [[1, 2, 4, 3]]
+        torch.testing.assert_close(weights, route_topk_ref(logits, 4, False, torch.float32)[1])
 
     def test_uneven_routing_with_experts_that_get_no_token(self) -> None:
         w = _experts(6, 64, 48, torch.float32, seed=3)

@@ -807,12 +807,18 @@ class InterpretedCases:
         out, ref = _context(batch, quant=kind, block_m=16, block_n=16, num_splits=num_splits)
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
 
-    @pytest.mark.parametrize(("kind", "dtype"), [("int8", torch.float32), ("fp8_e4m3", torch.float16)])
+    @pytest.mark.parametrize(("kind", "dtype", "values_float16"), [("int8", torch.float32, None),
+                                                                   ("int8", torch.float16, None),
+                                                                   ("int8", torch.float16, False),
+                                                                   ("fp8_e4m3", torch.float16, None),
+                                                                   ("fp8_e4m3", torch.float16, False)])
     @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
     def test_decode_attention_triton_reads_quantized_kv_as_the_reference(
-        self, kind: str, dtype: torch.dtype, prefetch: bool, monkeypatch: pytest.MonkeyPatch,
+        self, kind: str, dtype: torch.dtype, values_float16: bool | None, prefetch: bool,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
-        # As the engine calls it: the request table read in place through each sequence's row.
+        # As the engine calls it: the request table read in place through each sequence's row;
+        # fp8 values converted to float16 as they load (the default) or met as codes by the product.
         import kernels.attention
 
         monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
@@ -823,9 +829,64 @@ class InterpretedCases:
         table[rows] = batch.slot_table
         common = (batch.q, batch.k_cache, batch.v_cache)
         out = decode_attention_triton(*common, table, batch.ctx_lens, 0.25, block_n=16, num_splits=3,
-                                      table_rows=rows, quant=kind)
+                                      table_rows=rows, quant=kind, values_float16=values_float16)
         ref = decode_attention_ref(*common, batch.slot_table, batch.ctx_lens, 0.25, quant=kind)
         assert_matches(out, ref, *ATTENTION_TOL[dtype])
+
+    @pytest.mark.parametrize(("kind", "dtype"), [(None, torch.float32), ("int8", torch.float32),
+                                                 ("int8", torch.float16), ("fp8_e4m3", torch.float16)])
+    def test_decode_attention_triton_reading_a_tile_ahead_matches_the_reference(
+        self, kind: str | None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # Each program reads its next tile while computing one: contexts of one token (the loop's
+        # first read is its last), a tile and a token past it, several tiles a split.
+        import kernels.attention
+
+        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 0)
+        batch = make_paged_batch([1, 17, 64, 33], [1] * 4, 8, 2, 16, layout="shuffled", dtype=dtype, seed=12)
+        if kind is not None:
+            batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=2, num_stages=1, quant=kind, ahead=True)
+        assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[dtype])
+
+    @pytest.mark.parametrize("kind", [None, "fp8_e4m3"])
+    @pytest.mark.parametrize("heads_together", [True, False], ids=["heads-first", "sequences-first"])
+    def test_decode_attention_triton_in_either_grid_order_matches_the_reference(
+        self, kind: str | None, heads_together: bool,
+    ) -> None:
+        # The split kernel's grid walks kv heads or sequences first: each program still finds its
+        # own sequence, head and split.
+        batch = make_paged_batch([1, 17, 64, 33, 5], [1] * 5, 6, 3, 16, layout="shuffled", dtype=torch.float16,
+                                 seed=13)
+        if kind is not None:
+            batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=2, quant=kind, heads_together=heads_together)
+        assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[torch.float16])
+
+    @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+    @pytest.mark.parametrize("prefetch", [True, False], ids=["first-tile-early", "all-after-wait"])
+    @pytest.mark.parametrize("in_shift", [True, False], ids=["scales-in-scores", "scales-tile-max"])
+    def test_decode_attention_triton_with_value_scales_in_the_scores_matches_the_reference(
+        self, kind: str, prefetch: bool, in_shift: bool, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # Value scales entered as logs into the scores (the weights carry them); values spanning
+        # 1e-3..1e3 from token to token, so a scale applied twice or not at all shows.
+        import kernels.attention
+
+        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
+        batch = make_paged_batch([1, 17, 64, 33], [1] * 4, 8, 2, 16, layout="shuffled", dtype=torch.float16,
+                                 seed=14)
+        spread = torch.logspace(-3, 3, batch.v_cache.shape[0], dtype=torch.float32)
+        batch.v_cache.copy_((batch.v_cache.float() * spread[torch.randperm(spread.numel())].view(-1, 1, 1)).half())
+        batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=3, quant=kind, float16_codes=True,
+                                      values_in_shift=in_shift)
+        ref = decode_attention_ref(*args, quant=kind)
+        rel, max_abs = ATTENTION_TOL[torch.float16]
+        assert_matches(out, ref, rel, max_abs * float(ref.abs().max()))  # outputs up to ~1e3: float16's ulp
 
     def test_attention_triton_takes_bfloat16_q_as_float16_over_fp8_kv(self) -> None:
         # bfloat16 q meets e4m3 codes as float16 (a power of two a row): the kernels upcast q
