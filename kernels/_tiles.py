@@ -362,3 +362,33 @@ def rotate_heads(src_ptr, dst_ptr, num_heads, stride_h, stride_oh, d, dmask, c1,
         x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
         tl.store(dst, x1 * c1 - x2 * s1, mask=m)
         tl.store(dst + HALF, x2 * c2 + x1 * s2, mask=m)
+
+
+@triton.jit
+def prologue_input(
+    x_ptr, res_ptr, sum_ptr, row, m, rk, mask, stride_x, stride_res, stride_sum, K, store,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """Input rows ``row`` at columns ``rk`` before the norm, in float32: the SiLU product (prologue
+    2), the residual sum, stored to row ``m`` of ``sum_ptr`` where ``store`` (prologue 1), or as
+    read. The offsets broadcast: one row, or a tile of rows (``row`` and ``m`` columns of them)."""
+    dtype = sum_ptr.dtype.element_ty
+    if PROLOGUE == 2:
+        gate = tl.load(x_ptr + row * stride_x + rk, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + K + rk, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (act * up).to(dtype).to(tl.float32)
+    a = tl.load(x_ptr + row * stride_x + rk, mask=mask, other=0.0).to(tl.float32)
+    if PROLOGUE == 1 and HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + rk, mask=mask, other=0.0).to(tl.float32)
+        s = (a + r).to(dtype)
+        tl.store(sum_ptr + m * stride_sum + rk, s, mask=mask & store)
+        a = s.to(tl.float32)
+    return a
+
+
+@triton.jit
+def normed_input(a, rstd, g, dtype: tl.constexpr):
+    """The RMSNorm of ``a`` (float32) by its rows' ``rstd`` and the norm's weight ``g``, rounded
+    as the unfused op rounds it."""
+    return ((a * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)

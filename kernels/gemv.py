@@ -10,6 +10,8 @@ float32-accumulated ``F.linear``), so the result differs from them only by the o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,8 @@ from kernels.gemv_tiles import (  # noqa: F401  # the tiles' choice, re-exported
     quant_projection_config,
     quant_projection_heuristic,
 )
+from kernels._tiles import normed_input, prologue_input
+from kernels.gemv_fp8 import fits_words, fp8_words_launch, words_by_default
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
 
@@ -98,36 +102,6 @@ def silu_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor,
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     return scaled_linear_ref(x, weight, weight_scale)
-
-
-@triton.jit
-def _input(
-    x_ptr, res_ptr, sum_ptr, row, m, rk, mask, stride_x, stride_res, stride_sum, K, store,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-):
-    """Input rows ``row`` at columns ``rk`` before the norm, in float32: the SiLU product (prologue
-    2), the residual sum, stored to row ``m`` of ``sum_ptr`` where ``store`` (prologue 1), or as
-    read. The offsets broadcast: one row, or a tile of rows (``row`` and ``m`` columns of them)."""
-    dtype = sum_ptr.dtype.element_ty
-    if PROLOGUE == 2:
-        gate = tl.load(x_ptr + row * stride_x + rk, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + K + rk, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        return (act * up).to(dtype).to(tl.float32)
-    a = tl.load(x_ptr + row * stride_x + rk, mask=mask, other=0.0).to(tl.float32)
-    if PROLOGUE == 1 and HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + rk, mask=mask, other=0.0).to(tl.float32)
-        s = (a + r).to(dtype)
-        tl.store(sum_ptr + m * stride_sum + rk, s, mask=mask & store)
-        a = s.to(tl.float32)
-    return a
-
-
-@triton.jit
-def _normed(a, rstd, g, dtype: tl.constexpr):
-    """The RMSNorm of ``a`` (float32) by its rows' ``rstd`` and the norm's weight ``g``, rounded
-    as the unfused op rounds it."""
-    return ((a * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -213,11 +187,11 @@ def project_loaded(
         store = ((rk * 0 + pid) == 0)[None, :]
         rows = tl.load(rows_ptr + tl.minimum(rm, M - 1)).to(tl.int64) if HAS_ROWS else rm.to(tl.int64)
         mask = (rk[None, :] < K) & (rm[:, None] < M)
-        a = _input(x_ptr, res_ptr, sum_ptr, rows[:, None], rm[:, None], rk[None, :], mask, stride_x, stride_res,
-                   stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+        a = prologue_input(x_ptr, res_ptr, sum_ptr, rows[:, None], rm[:, None], rk[None, :], mask, stride_x,
+                           stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
         if PROLOGUE == 1:
             rstd = tl.rsqrt(tl.sum(a * a, axis=1) / K + eps)
-            a = _normed(a, rstd[:, None], g[None, :], dtype)
+            a = normed_input(a, rstd[:, None], g[None, :], dtype)
         for m in tl.static_range(BM):
             row_input = tl.sum(tl.where(rm[:, None] == m, a, 0.0), axis=0)  # row m exactly: the rest add zeros
             part = tl.sum(w * row_input[None, :], axis=1)
@@ -225,9 +199,9 @@ def project_loaded(
     elif PROLOGUE == 1 and ONE_BLOCK:  # one row (as a tile of one it costs a step 2%)
         rk = tl.arange(0, BK)
         row = tl.load(rows_ptr).to(tl.int64) if HAS_ROWS else 0
-        a = _input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
-                   (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
-        a = _normed(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
+        a = prologue_input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
+                           (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
+        a = normed_input(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
         acc += tl.where(rm[None, :] == 0, tl.sum(w * a[None, :], axis=1)[:, None], 0.0)
     else:
         rstd = tl.zeros((BM,), dtype=tl.float32)
@@ -258,10 +232,10 @@ def project_loaded(
                 g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
             for m in tl.static_range(BM):
                 row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-                a = _input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x, stride_res,
-                           stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+                a = prologue_input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x,
+                                   stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
                 if PROLOGUE == 1:
-                    a = _normed(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
+                    a = normed_input(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
                 if STREAM:
                     wide += w.to(tl.float32) * a[None, :]
                 else:
@@ -339,10 +313,14 @@ def _launch(
     tiles: tuple[int, int, int] | None = None,
     num_warps: int = 4,
     stream: bool | None = None,
+    words: tuple[tuple[int, int], int] | bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
     (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
-    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`)."""
+    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`). One row over
+    float8 weights reads them as words (:mod:`kernels.gemv_fp8`) where ``words`` ((BN, BW), warps)
+    (or True: its default tiles) asks for it or that kernel's table has the shape (unless ``tiles``
+    are given)."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -361,8 +339,14 @@ def _launch(
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
         return out, new_residual
+    asked = words is not None and words is not False
+    if (asked or (words is None and words_by_default(prologue, n, k))) and tiles is None \
+            and weight_scale is not None and fits_words(weight, m, k):
+        fp8_words_launch(prologue, x2, res2, rows, norm_weight, new_residual, weight, weight_scale, bias, out, k, eps,
+                         words if isinstance(words, tuple) else None)
+        return out, new_residual
     if tiles is None and weight_scale is not None:
-        tiles, num_warps = quant_projection_config(m, n, k)
+        tiles, num_warps = quant_projection_config(m, n, k, prologue)
     bm, bn, bk = tiles or projection_tiles(m, n, k)
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
@@ -414,32 +398,35 @@ def norm_linear_triton(
     rows: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     weight_scale: torch.Tensor | None = None,
+    **config: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows."""
+    """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows; ``config``:
+    ``tiles``, ``num_warps`` and ``stream`` as :func:`linear_triton` takes them."""
     k = x.shape[-1]
     out, new_residual = _launch(_NORM, x, weight, k, residual=residual, rows=rows, norm_weight=norm_weight,
-                                eps=eps, bias=bias, out_dtype=out_dtype, weight_scale=weight_scale)
+                                eps=eps, bias=bias, out_dtype=out_dtype, weight_scale=weight_scale, **config)
     if new_residual is None:  # No residual to add: the stream is the input (its picked rows).
         new_residual = x.reshape(-1, k)
         new_residual = new_residual[rows] if rows is not None else new_residual
     return out, new_residual
 
 
-def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,
-                       weight_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton version of :func:`silu_linear_ref`, for at most :data:`MAX_ROWS` rows."""
+def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
+                       **config: Any) -> torch.Tensor:
+    """Triton version of :func:`silu_linear_ref`, for at most :data:`MAX_ROWS` rows (``config``:
+    as :func:`norm_linear_triton`'s)."""
     if gate_up.shape[-1] % 2:
         raise ValueError("gate_up's last dimension must be even")
-    return _launch(_SILU, gate_up, weight, gate_up.shape[-1] // 2, weight_scale=weight_scale)[0]
+    return _launch(_SILU, gate_up, weight, gate_up.shape[-1] // 2, weight_scale=weight_scale, **config)[0]
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                   tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-                  stream: bool | None = None) -> torch.Tensor:
+                  stream: bool | None = None, words: tuple[tuple[int, int], int] | bool | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
-    ``num_warps`` and ``stream`` replace the default choice (for a sweep of them)."""
+    ``num_warps``, ``stream`` and ``words`` replace the default choice (for a sweep of them)."""
     return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
-                   stream=stream)[0]
+                   stream=stream, words=words)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:

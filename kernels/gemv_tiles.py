@@ -83,6 +83,21 @@ def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, in
     return projection_tiles(rows, n, k), 4
 
 
-def quant_projection_config(rows: int, n: int, k: int) -> tuple[tuple[int, int, int], int]:
-    """((BM, BN, BK), warps) for 8-bit weights: :data:`QUANT_TILES`' entry, else the heuristic."""
-    return QUANT_TILES.get((next_pow2(rows), n, k)) or quant_projection_heuristic(rows, n, k)
+#: The fused projections' own 8-bit configs, by (prologue: 1 the norm, 2 the SiLU gate; rows' power
+#: of two, out features, in features): a prologue changes what a program does between its weight
+#: loads (the input re-read and normalised, or gated, every block), so its best tiles differ from
+#: the plain projection's; a shape not here takes the plain one's.
+QUANT_FUSED_TILES: dict[tuple[int, int, int, int], tuple[tuple[int, int, int], int]] = {
+    # One H200, the 8B shape, in a CUDA graph over cold weights
+    # (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``): against the plain projection's tiles.
+    (1, 1, 6144, 4096): ((1, 2, 4096), 4),  # norm + qkv: 12.86 us against 16.46
+    (2, 1, 4096, 14336): ((1, 16, 512), 4),  # SiLU + down: 31.79 us against 39.33
+}
+
+
+def quant_projection_config(rows: int, n: int, k: int, prologue: int = 0) -> tuple[tuple[int, int, int], int]:
+    """((BM, BN, BK), warps) for 8-bit weights: the fused projection's entry
+    (:data:`QUANT_FUSED_TILES`), the plain one's (:data:`QUANT_TILES`), else the heuristic."""
+    rows = next_pow2(rows)
+    return (QUANT_FUSED_TILES.get((prologue, rows, n, k)) if prologue else None) or QUANT_TILES.get((rows, n, k)) \
+        or quant_projection_heuristic(rows, n, k)

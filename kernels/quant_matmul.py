@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import cdiv, last_dim_contiguous, next_pow2, require_triton, tl, triton
+from kernels._triton import (
+    cdiv,
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    pdl_wait,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+)
 
 #: The largest float8 e4m3 magnitude: each row's amax maps onto it.
 FP8_MAX = 448.0
@@ -36,8 +46,9 @@ def act_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, AMAX_MIN: tl.constexpr,
-                      QMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                      QMAX: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program: one row. A row that fits one block is read once; a longer one twice (amax, codes).
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if ONE_BLOCK:
@@ -62,10 +73,13 @@ def _act_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, AMAX_MIN: 
 
 
 def act_quant_block(k: int) -> tuple[int, int]:
-    """(BLOCK, warps): a row of up to 8192 inputs in one block (read once), longer rows in blocks
-    of 4096."""
-    block = min(next_pow2(k), 8192) if k <= 8192 else 4096
-    return block, 8 if block >= 4096 else 4
+    """(BLOCK, warps): a row of up to 16384 inputs in one block (read once; 8B's down rows of
+    14336 over 16 warps: 4.9 against 6.5 us in blocks of 4096 at 64 rows, one H200), longer rows
+    in blocks of 4096."""
+    if k > 16384:
+        return 4096, 8
+    block = next_pow2(k)
+    return block, 16 if block > 8192 else 8 if block >= 4096 else 4
 
 
 def act_quant_fp8_triton(x: torch.Tensor, block: int | None = None,
@@ -80,8 +94,10 @@ def act_quant_fp8_triton(x: torch.Tensor, block: int | None = None,
         return q, scale.fill_(AMAX_FLOOR / FP8_MAX)
     default_block, default_warps = act_quant_block(k)
     block = block or default_block
+    pdl = use_pdl(x2)  # a dependent launch: it waits for the kernel before it at its start
     _act_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
-                            BLOCK=block, ONE_BLOCK=k <= block, num_warps=num_warps or default_warps)
+                            BLOCK=block, ONE_BLOCK=k <= block, USE_PDL=pdl, num_warps=num_warps or default_warps,
+                            **pdl_options(pdl))
     return q, scale
 
 
@@ -99,13 +115,13 @@ class GemmConfig:
 #: Rows the weight-only GEMM serves: beyond them the products, not the weight's bytes, bound the
 #: step, and the FP8 tensor cores (or cuBLAS) win.
 WEIGHT_ONLY_MAX_ROWS = 128
-#: Rows up to which FP8 weights take the weight-only GEMM rather than ``torch._scaled_mm`` behind
-#: the fused activation quantization: one H200, a layer's four 8B projections, 16 rows 130 against
-#: 150 us, 64 rows 196 against 138 us (``pd_cluster.bench.gpu.fp8_sweep``). int8 has no scaled
-#: product to hand over to, so it keeps the GEMM up to WEIGHT_ONLY_MAX_ROWS. (That sweep timed each
-#: call with its Python launch, which for small kernels took longer than the kernel; the sweep now
-#: times them in a CUDA graph, as a decode step runs them: its layer sums re-pick this limit.)
-FP8_WEIGHT_ONLY_MAX_ROWS = 16
+#: Rows up to which FP8 weights take the weight-only GEMM; past them the FP8 GEMM of
+#: :mod:`kernels.fp8_gemm` (then ``torch._scaled_mm``). One H200, a layer's four 8B projections in
+#: CUDA graphs over cold weights: at 16 rows the FP8 GEMM 87.2 us against the weight-only 113.2
+#: (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``); below 16 rows the two were not compared,
+#: and both run tiles of 16 rows. int8 has no FP8 product to hand over to, so it keeps the GEMM up
+#: to WEIGHT_ONLY_MAX_ROWS.
+FP8_WEIGHT_ONLY_MAX_ROWS = 8
 
 
 def weight_only_config(rows: int, n: int, k: int) -> GemmConfig:

@@ -13,7 +13,8 @@ import torch
 import kernels
 from kernels._triton import use_triton
 from kernels.fp8_act import rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
-from pd_cluster.model.quant_linear import FP8, QuantLinear, Weight, linear, scaled_mm_supported, weight_only_supported
+from pd_cluster.model.quant_linear import (FP8, QuantLinear, Weight, fp8_codes_product, linear, scaled_mm_supported,
+                                           weight_only_supported)
 
 
 def fused_fp8(x: torch.Tensor, weight: Weight) -> bool:
@@ -25,10 +26,9 @@ def fused_fp8(x: torch.Tensor, weight: Weight) -> bool:
 
 def scaled_product(codes: torch.Tensor, scale: torch.Tensor, weight: QuantLinear, out_dtype: torch.dtype,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(codes * scale) @ (qweight * weight.scale).T`` on FP8 tensor cores, in ``out_dtype``."""
-    out = torch._scaled_mm(codes, weight.qweight.t(), scale_a=scale, scale_b=weight.scale[None, :],
-                           out_dtype=out_dtype)
-    return out if bias is None else out + bias
+    """``(codes * scale) @ (qweight * weight.scale).T`` on FP8 tensor cores, in ``out_dtype``: the
+    FP8 GEMM for the few rows of a decode batch, ``torch._scaled_mm`` for more."""
+    return fp8_codes_product(codes, scale, weight, out_dtype, bias)
 
 
 def norm_then_linear(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

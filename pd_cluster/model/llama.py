@@ -20,7 +20,7 @@ from pd_cluster.model.fp8_fused import norm_then_linear, silu_then_linear
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
 from pd_cluster.model.prefill_sdpa import fresh_attention, fresh_spans, sdpa_applies
-from pd_cluster.model.quant_linear import QuantLinear, linear, weight_args
+from pd_cluster.model.quant_linear import linear, weight_args
 from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import LayerWeights, ModelWeights
 
@@ -190,14 +190,11 @@ class LlamaModel:
         projection (same math, four kernels fewer)."""
         cfg = self.config
         k_cache, v_cache = kv.layer(index)
-        if isinstance(w.qkv, QuantLinear):  # 8-bit weights: the projection, then rotary and the store
-            qkv, residual = kernels.norm_linear(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv.qweight,
-                                                w.qkv_bias, weight_scale=w.qkv.scale)
-            q = self._rotary_store(index, w, qkv, batch, kv)
-        else:
-            q, residual = kernels.norm_qkv_rotary(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv,
-                                                  w.qkv_bias, batch.positions, self.cos, self.sin, k_cache, v_cache,
-                                                  batch.out_slots, self.num_heads, self.num_kv_heads)
+        # (8-bit weights: one launch for one row of float8 ones, else the projection, rotary and the store)
+        qkv_weight, qkv_scale = weight_args(w.qkv)
+        q, residual = kernels.norm_qkv_rotary(hidden, residual, w.input_norm, cfg.rms_norm_eps, qkv_weight, w.qkv_bias,
+                                              batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots,
+                                              self.num_heads, self.num_kv_heads, weight_scale=qkv_scale)
         attn = self._attention(q, k_cache, v_cache, batch, prefill, None)
         hidden = self._reduce(kernels.linear(attn.reshape(-1, self._q_size), *weight_args(w.o)))
         gate_up_w, gate_up_scale = weight_args(w.gate_up)

@@ -3,11 +3,12 @@ output channel (symmetric), the weight being ``qweight * scale[:, None]``.
 
 Decode reads every weight byte each step, so halving the bytes (against bfloat16) is what the
 quantized weights buy. Decode's few-row projections read the 8-bit weights directly
-(:mod:`kernels.gemv`); larger products run ``torch._scaled_mm`` on a GPU with FP8 tensor
-cores (dynamic per-token activation scales, quantized by one kernel), decode batches of up
-to 128 rows on Hopper GPUs the weight-only GEMM of :mod:`kernels.quant_matmul`, and elsewhere multiply
-the input by the 8-bit weight in the input's dtype (exact there) and scale the product per
-channel.
+(:mod:`kernels.gemv`); larger products run ``torch._scaled_mm`` on a GPU with FP8 tensor cores
+(dynamic per-token activation scales, quantized by one kernel). Decode batches on Hopper GPUs
+take Triton GEMMs made for reading the weight: up to 128 rows of int8 (8 of fp8) the weight-only
+GEMM of :mod:`kernels.quant_matmul`, fp8 batches of up to 64 rows the scaled product's own
+numbers by :mod:`kernels.fp8_gemm`. Elsewhere the input multiplies the 8-bit weight in the
+input's dtype (exact there) and the product is scaled per channel.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import use_triton
+from kernels.fp8_gemm import FP8_GEMM_MAX_ROWS, fp8_gemm_triton
 from kernels.gemv import scaled_linear_ref
 from kernels.quant_matmul import (
     FP8_WEIGHT_ONLY_MAX_ROWS,
@@ -160,12 +162,43 @@ def fp8_scaled_mm(x: torch.Tensor, weight: QuantLinear, bias: torch.Tensor | Non
     return out.reshape(*shape[:-1], out.shape[-1])
 
 
+def fp8_gemm_supported(x: torch.Tensor, weight: QuantLinear) -> bool:
+    """The Triton FP8 GEMM (:mod:`kernels.fp8_gemm`) for decode batches past the weight-only GEMM's
+    rows, up to ``FP8_GEMM_MAX_ROWS``: there ``_scaled_mm``'s tiles, made for large products, read
+    the weight at well below the copy rate. Where the scaled product runs, on Triton."""
+    rows = x.numel() // max(1, x.shape[-1])
+    return rows <= FP8_GEMM_MAX_ROWS and use_triton(x) and scaled_mm_supported(x, weight) \
+        and weight.qweight.dim() == 2
+
+
+def fp8_gemm(x: torch.Tensor, weight: QuantLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`fp8_scaled_mm`'s product (the same per-token codes and scales) by the Triton GEMM."""
+    shape = x.shape
+    xq, x_scale = act_quant_fp8_triton(x.reshape(-1, shape[-1]))
+    out = fp8_gemm_triton(xq, x_scale, weight.qweight, weight.scale, x.dtype, bias)
+    return out.reshape(*shape[:-1], out.shape[-1])
+
+
+def fp8_codes_product(codes: torch.Tensor, scale: torch.Tensor, weight: QuantLinear, out_dtype: torch.dtype,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(codes * scale) @ (qweight * weight.scale).T (+ bias)`` for activations a kernel before
+    already quantized per row (e4m3 ``codes`` ``[M, K]``, float32 ``scale`` ``[M, 1]``): the Triton
+    GEMM up to ``FP8_GEMM_MAX_ROWS`` rows, ``torch._scaled_mm`` beyond."""
+    if codes.shape[0] <= FP8_GEMM_MAX_ROWS and use_triton(codes) and weight.qweight.dim() == 2:
+        return fp8_gemm_triton(codes, scale, weight.qweight, weight.scale, out_dtype, bias)
+    out = torch._scaled_mm(codes, weight.qweight.t(), scale_a=scale, scale_b=weight.scale[None, :],
+                           out_dtype=out_dtype)
+    return out if bias is None else out + bias
+
+
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` over a float or 8-bit weight (see the module's docstring for which path)."""
     if not isinstance(weight, QuantLinear):
         return F.linear(x, weight, bias)
     if weight_only_supported(x, weight):
         return weight_only_linear_triton(x, weight.qweight, weight.scale, bias)
+    if fp8_gemm_supported(x, weight):
+        return fp8_gemm(x, weight, bias)
     if scaled_mm_supported(x, weight):
         return fp8_scaled_mm(x, weight, bias)
     return scaled_linear_ref(x, weight.qweight, weight.scale, bias)

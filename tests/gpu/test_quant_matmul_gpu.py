@@ -1,7 +1,8 @@
 """The 8-bit projection kernels compiled on a GPU: the Triton activation quantization writes the
 torch one's codes and scales exactly, the weight-only GEMM matches the scaled product at decode
-batches (and ``linear`` takes it there), and the one-row GEMV's 8-bit tiles match the reference
-on Llama-3-8B's shapes.
+batches (and ``linear`` takes it there), the FP8 GEMM matches ``_scaled_mm`` at 17-64 rows (and
+``linear`` takes it there), and the one-row 8-bit projections match the reference on Llama-3-8B's
+shapes, the float8 word kernel exact on every code (and with the qkv's rotation and KV store).
 
     python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_matmul_gpu.py -s
 """
@@ -11,10 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.fp8_gemm import FP8_GEMM_MAX_ROWS, Fp8GemmConfig, fp8_gemm_triton
 from kernels.gemv import linear_ref, linear_triton
+from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.quant_matmul import FP8_WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS, act_quant_fp8_ref, act_quant_fp8_triton
 from kernels.quant_matmul import weight_only_linear_triton
-from pd_cluster.model.quant_linear import linear, quantize, weight_only_supported
+from kernels.rotary import rotary_cos_sin
+from pd_cluster.model.quant_linear import fp8_codes_product, fp8_gemm, fp8_gemm_supported, fp8_scaled_mm, linear
+from pd_cluster.model.quant_linear import quantize
+from pd_cluster.model.quant_linear import weight_only_supported
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,3 +73,57 @@ def test_one_row_gemv_reads_8_bit_weights_in_its_tiles(method, n, k):
     q = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, method)
     out, ref = linear_triton(x, q.qweight, q.scale), linear_ref(x.float(), q.qweight, q.scale)
     assert _rel(out, ref) < 4e-3
+
+
+@pytest.mark.skipif(not FP8 or torch.cuda.get_device_capability() < (9, 0), reason="FP8 products need sm_90")
+@pytest.mark.parametrize("rows", [17, 32, 64])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (28672, 4096)])
+def test_fp8_gemm_matches_the_scaled_product_and_serves_decode_batches(rows, n, k):
+    """The same codes and scales as ``_scaled_mm``: float32 sums in another order (promoted every
+    block, as cuBLAS without fast accumulation), one bfloat16 rounding; ``linear`` takes it from
+    past the weight-only GEMM's rows to ``FP8_GEMM_MAX_ROWS``, split-K configs included."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, "fp8")
+    bias = torch.randn(n, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ref = fp8_scaled_mm(x, q, bias)
+    out = fp8_gemm(x, q, bias)
+    assert out.dtype == torch.bfloat16 and _rel(out, ref) < 4e-3
+    assert fp8_gemm_supported(x, q) and torch.equal(linear(x, q, bias), out)
+    xq, x_scale = act_quant_fp8_triton(x)
+    assert torch.equal(fp8_codes_product(xq, x_scale, q, torch.bfloat16, bias), out)  # codes made before
+    for split in (1, 3):
+        cfg = Fp8GemmConfig(64, 64, 256, split, 4, 3)
+        assert _rel(fp8_gemm_triton(xq, x_scale, q.qweight, q.scale, torch.bfloat16, bias, cfg), ref) < 4e-3
+    assert not fp8_gemm_supported(torch.randn(FP8_GEMM_MAX_ROWS + 1, k, device="cuda", dtype=torch.bfloat16), q)
+
+
+@pytest.mark.skipif(not FP8, reason="float8 conversions need compute capability 8.9")
+def test_one_row_words_take_every_float8_code_exactly_subnormals_included():
+    """The word kernel's codes land on float32 subnormals for e4m3's subnormals: compiled, they
+    must not be flushed to zero (one-hot inputs read each weight alone)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    values = codes[~torch.isnan(codes.float())]
+    weight = torch.stack([values.roll(j) for j in range(16)], dim=1).contiguous().cuda()
+    eye = torch.eye(16, device="cuda")
+    got = torch.cat([linear_triton(eye[j:j + 1], weight, torch.ones(values.numel(), device="cuda"), words=True)
+                     for j in range(16)])
+    assert torch.equal(got, weight.float().T)
+
+
+@pytest.mark.skipif(not FP8, reason="float8 conversions need compute capability 8.9")
+def test_one_row_qkv_rotary_over_float8_words_matches_the_unfused_ops():
+    """The 8B shape's qkv (32 q and 8 kv heads of 128) with the rotation and the KV store folded
+    in, over float8 words, against the projection then ``rotary_store_kv``."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(1, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
+    residual, norm_w = torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    q8 = quantize(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.02, "fp8")
+    cos, sin = rotary_cos_sin(128, 2048, 500000.0, device="cuda")
+    positions, slots = torch.tensor([1234], device="cuda"), torch.tensor([3], device="cuda")
+    caches = [torch.zeros(8, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    args = (x, residual, norm_w, 1e-5, q8.qweight, None, positions, cos, sin)
+    q, new_res = norm_qkv_rotary_triton(*args, caches[0], caches[1], slots, 32, 8, q8.scale)
+    q_ref, ref_res = norm_qkv_rotary_ref(*args, caches[2], caches[3], slots, 32, 8, q8.scale)
+    assert _rel(q, q_ref) < 1e-2 and _rel(new_res, ref_res) < 1e-3
+    assert _rel(caches[0][3], caches[2][3]) < 1e-2 and _rel(caches[1][3], caches[3][3]) < 1e-2
