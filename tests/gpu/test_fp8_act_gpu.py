@@ -18,7 +18,7 @@ from kernels.rms_norm import rms_norm, rms_norm_triton
 from kernels.silu_mul import silu_mul, silu_mul_triton
 from pd_cluster import LLM, SamplingParams
 from pd_cluster.model import fp8_fused
-from pd_cluster.model.quant_linear import linear, quantize
+from pd_cluster.model.quant_linear import FP8_WEIGHT_ONLY_MAX_ROWS, linear, quantize
 
 pytestmark = [
     pytest.mark.gpu,
@@ -79,7 +79,7 @@ def test_fused_projections_are_the_unfused_products():
     x, want_residual = rms_norm(hidden, norm_w, 1e-5, residual)
     assert torch.equal(gate_up, linear(x, gate_up_w)) and torch.equal(new_residual, want_residual)
     assert torch.equal(fp8_fused.silu_then_linear(gate_up, down_w), linear(silu_mul(gate_up), down_w))
-    assert not fp8_fused.fused_fp8(hidden[:16], gate_up_w)  # few rows: the weight-only kernels
+    assert not fp8_fused.fused_fp8(hidden[:FP8_WEIGHT_ONLY_MAX_ROWS], gate_up_w)  # few rows: the weight-only kernels
 
 
 @pytest.mark.skipif(not SCALED_MM, reason="row-wise FP8 products need compute capability 9.0")
@@ -161,7 +161,10 @@ def test_greedy_tokens_with_sdpa_prefill_agree(small_model, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def run() -> list[list[int]]:
-        llm = LLM(model=str(small_model), device="cuda", dtype="bfloat16", max_total_tokens=8192)
+        # Whole prompts in one eager step: a node's default chunks are its mixed graphs' sizes,
+        # replayed through the Triton kernel they were captured with.
+        llm = LLM(model=str(small_model), device="cuda", dtype="bfloat16", max_total_tokens=8192,
+                  prefill_chunk_tokens=2048, mixed_graph_tokens=[])
         try:
             return [list(o.token_ids) for o in llm.generate(prompts, params)]
         finally:
