@@ -35,7 +35,6 @@ from kernels.gemv_tiles import (  # noqa: F401  # the tiles' choice, re-exported
     quant_projection_heuristic,
 )
 from kernels._tiles import normed_input, prologue_input
-from kernels.gemv_fp8 import fits_words, fp8_words_launch, words_by_default
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
 
@@ -313,14 +312,10 @@ def _launch(
     tiles: tuple[int, int, int] | None = None,
     num_warps: int = 4,
     stream: bool | None = None,
-    words: tuple[tuple[int, int], int] | bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
     (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
-    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`). One row over
-    float8 weights reads them as words (:mod:`kernels.gemv_fp8`) where ``words`` ((BN, BW), warps)
-    (or True: its default tiles) asks for it or that kernel's table has the shape (unless ``tiles``
-    are given)."""
+    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`)."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -338,12 +333,6 @@ def _launch(
     res2 = last_dim_contiguous(residual.reshape(-1, k)) if residual is not None else x2
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0 or n == 0:
-        return out, new_residual
-    asked = words is not None and words is not False
-    if (asked or (words is None and words_by_default(prologue, n, k))) and tiles is None \
-            and weight_scale is not None and fits_words(weight, m, k):
-        fp8_words_launch(prologue, x2, res2, rows, norm_weight, new_residual, weight, weight_scale, bias, out, k, eps,
-                         words if isinstance(words, tuple) else None)
         return out, new_residual
     if tiles is None and weight_scale is not None:
         tiles, num_warps = quant_projection_config(m, n, k, prologue)
@@ -422,11 +411,11 @@ def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                   tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-                  stream: bool | None = None, words: tuple[tuple[int, int], int] | bool | None = None) -> torch.Tensor:
+                  stream: bool | None = None) -> torch.Tensor:
     """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
-    ``num_warps``, ``stream`` and ``words`` replace the default choice (for a sweep of them)."""
+    ``num_warps`` and ``stream`` replace the default choice (for a sweep of them)."""
     return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
-                   stream=stream, words=words)[0]
+                   stream=stream)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:

@@ -17,20 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (
-    cdiv,
-    last_dim_contiguous,
-    next_pow2,
-    pdl_options,
-    pdl_wait,
-    require_triton,
-    tl,
-    triton,
-    use_pdl,
-)
+from kernels._triton import cdiv, last_dim_contiguous, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl
 from kernels.gemv import (
     MAX_ROWS,
-    check_weight_scale,
     first_norm_tile,
     first_weight_tile,
     fits,
@@ -39,7 +28,6 @@ from kernels.gemv import (
     project_loaded,
     projection_tiles,
 )
-from kernels.gemv_fp8 import fits_words, fp8_word_config, project_words, words_by_default
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
 
 
@@ -166,53 +154,6 @@ def _qkv_rotary_kernel(
                  val.to(dtype), mask=(v_col < V_COLS)[:, None] & row_ok[None, :])
 
 
-@triton.jit
-def _qkv_rotary_words_kernel(
-    x_ptr, res_ptr, norm_w_ptr, sum_ptr, w_ptr, scale_ptr, bias_ptr, q_ptr, k_cache_ptr, v_cache_ptr, pos_ptr,
-    slots_ptr, cos_ptr, sin_ptr, K, NUM_Q_HEADS, QK_HEADS, V_COLS, stride_x, stride_res, stride_w_words,
-    stride_cos, stride_sin, stride_ks, stride_kh, stride_vs, stride_vh, eps,
-    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HEAD_DIM: tl.constexpr, BN: tl.constexpr,
-    BW: tl.constexpr, NORM_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # :func:`_qkv_rotary_kernel` for one row over float8 weights read as words
-    # (:func:`kernels.gemv_fp8.project_words`): the same columns a program, the same epilogue.
-    HALF: tl.constexpr = HEAD_DIM // 2
-    pid = tl.program_id(0)
-    rot_programs = QK_HEADS * HALF // (BN // 2)
-    i = tl.arange(0, BN)
-    which = i % 2
-    pair = pid * (BN // 2) + i // 2
-    head = pair // HALF
-    d = pair % HALF + which * HALF
-    v_col = (pid - rot_programs) * BN + i
-    rotary = (i * 0 + pid) < rot_programs
-    rn = tl.where(rotary, head * HEAD_DIM + d, QK_HEADS * HEAD_DIM + v_col)
-    n_mask = tl.where(rotary, head < QK_HEADS, v_col < V_COLS)
-    slot = tl.load(slots_ptr).to(tl.int64)
-    pos = tl.load(pos_ptr).to(tl.int64)
-    c = tl.load(cos_ptr + pos * stride_cos + d, mask=rotary, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_sin + d, mask=rotary, other=0.0).to(tl.float32)
-    acc = project_words(x_ptr, res_ptr, x_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, K, stride_x,
-                        stride_res, stride_w_words, eps, 1, HAS_RESIDUAL, False, BN, BW, NORM_BLOCK, USE_PDL)
-    acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    dtype = q_ptr.dtype.element_ty
-    val = acc.to(dtype).to(tl.float32)  # the projection's output, as the unfused op stores it
-    if pid < rot_programs:
-        partner = tl.sum(tl.where((i[:, None] ^ 1) == i[None, :], val[None, :], 0.0), axis=1)
-        out = tl.where(which == 0, val * c - partner * s, val * c + partner * s)
-        is_q = head < NUM_Q_HEADS
-        tl.store(q_ptr + head * HEAD_DIM + d, out.to(dtype), mask=is_q)
-        k_head = tl.maximum(head - NUM_Q_HEADS, 0)
-        tl.store(k_cache_ptr + slot * stride_ks + k_head * stride_kh + d, out.to(dtype),
-                 mask=~is_q & (head < QK_HEADS))
-    else:
-        v_head = v_col // HEAD_DIM
-        tl.store(v_cache_ptr + slot * stride_vs + v_head * stride_vh + v_col % HEAD_DIM, val.to(dtype),
-                 mask=v_col < V_COLS)
-
-
 def _columns_per_program(rows: int, n: int, k: int, head_dim: int) -> int:
     """The projection's tile width, kept even and a divisor of a head (whole rotary pairs)."""
     bn = max(2, projection_tiles(rows, n, k)[1])
@@ -236,11 +177,9 @@ def norm_qkv_rotary_triton(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
-    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of :func:`norm_qkv_rotary_ref`, for at most :data:`MAX_ROWS` rows: one launch.
-    8-bit weights (with ``weight_scale``): float8 ones over one row, read as words
-    (:func:`kernels.gemv_fp8.fits_words`)."""
+    """Triton version of :func:`norm_qkv_rotary_ref`, for at most :data:`MAX_ROWS` rows: one launch
+    over float weights."""
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous in head_dim")
@@ -257,11 +196,7 @@ def norm_qkv_rotary_triton(
     if n != (num_heads + 2 * num_kv_heads) * head_dim or weight.shape[1] != k:
         raise ValueError(f"qkv weight of shape {tuple(weight.shape)} for {num_heads}+2x{num_kv_heads} heads of "
                          f"{head_dim} over {k} inputs")
-    check_weight_scale(weight, weight_scale)
-    if weight_scale is not None and not fits_words(weight, m, k):
-        raise ValueError("8-bit qkv weights with rotary: one row of float8 weights in whole 16-byte words")
-    plain_weight = weight if weight_scale is None else None
-    if any(t is not None and t.dtype != x.dtype for t in (plain_weight, residual, norm_weight, bias, k_cache)):
+    if any(t is not None and t.dtype != x.dtype for t in (weight, residual, norm_weight, bias, k_cache)):
         raise ValueError("input, residual, weights and caches must share one dtype")
     cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
@@ -269,13 +204,9 @@ def norm_qkv_rotary_triton(
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0:
         return q, new_residual if new_residual is not None else x2
-    qk_heads, v_cols = num_heads + num_kv_heads, num_kv_heads * head_dim
-    if weight_scale is not None:
-        _launch_words(x2, res2, norm_weight, new_residual, weight, weight_scale, bias, q, k_cache, v_cache,
-                      positions, slots, cos, sin, eps, num_heads, qk_heads, v_cols, head_dim)
-        return q, new_residual if new_residual is not None else x2
     bm, _, bk = projection_tiles(m, n, k)
     bn = _columns_per_program(m, n, k, head_dim)
+    qk_heads, v_cols = num_heads + num_kv_heads, num_kv_heads * head_dim
     grid = (qk_heads * (head_dim // 2) // (bn // 2) + cdiv(v_cols, bn),)
     pdl = use_pdl(x)
     _qkv_rotary_kernel[grid](
@@ -323,28 +254,6 @@ def norm_qkv_rotary_triton(
     return q, new_residual if new_residual is not None else x2
 
 
-def _launch_words(x2: torch.Tensor, res2: torch.Tensor, norm_weight: torch.Tensor, new_residual: torch.Tensor | None,
-                  weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, q: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, eps: float, num_heads: int, qk_heads: int, v_cols: int,
-                  head_dim: int) -> None:
-    """One launch of :func:`_qkv_rotary_words_kernel` over the one row ``x2``, the word kernel's
-    tiles for the qkv shape (the columns a program cut to whole rotary pairs of a head)."""
-    n, k = weight.shape
-    (bn, bw), warps = fp8_word_config(1, n, k)
-    while bn > 2 and (head_dim // 2) % (bn // 2):
-        bn //= 2
-    grid = (qk_heads * (head_dim // 2) // (bn // 2) + cdiv(v_cols, bn),)
-    pdl = use_pdl(x2)
-    _qkv_rotary_words_kernel[grid](
-        x2, res2, norm_weight, new_residual if new_residual is not None else q, weight, weight_scale,
-        bias if bias is not None else weight_scale, q, k_cache, v_cache, positions, slots, cos, sin, k, num_heads,
-        qk_heads, v_cols, x2.stride(0), res2.stride(0), weight.stride(0) // 4, cos.stride(0), sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), eps,
-        HAS_RESIDUAL=new_residual is not None, HAS_BIAS=bias is not None, HEAD_DIM=head_dim, BN=bn, BW=bw,
-        NORM_BLOCK=min(4096, next_pow2(k)), USE_PDL=pdl, num_warps=warps, **pdl_options(pdl))
-
-
 def norm_qkv_rotary(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -362,23 +271,18 @@ def norm_qkv_rotary(
     num_kv_heads: int,
     weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton in one launch where the few-row projections serve the rows (8-bit weights: where
-    :func:`fits_qkv_rotary`), else the ops it fuses (``norm_linear`` and ``rotary_store_kv``, each
-    Triton on CUDA, torch elsewhere)."""
+    """Triton in one launch where :func:`fits_qkv_rotary`, else the ops it fuses (``norm_linear``
+    and ``rotary_store_kv``, each Triton on CUDA, torch elsewhere; 8-bit weights always so)."""
     rows = x.numel() // max(1, x.shape[-1])
     if fits_qkv_rotary(x, rows, weight, weight_scale) and fits(k_cache, rows):
         return norm_qkv_rotary_triton(x, residual, norm_weight, eps, weight, bias, positions, cos, sin,
-                                      k_cache, v_cache, slots, num_heads, num_kv_heads, weight_scale)
+                                      k_cache, v_cache, slots, num_heads, num_kv_heads)
     qkv, new_residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
     q, k, v = _split_heads(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
     return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots), new_residual
 
 
 def fits_qkv_rotary(x: torch.Tensor, rows: int, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
-    """Whether one launch serves these rows: float weights where the few-row projections do, 8-bit
-    ones where they do over one row of float8 words and the word kernel serves the shape by
-    default (:func:`kernels.gemv_fp8.words_by_default`)."""
-    if weight_scale is None:
-        return fits(x, rows)
-    n, k = weight.shape
-    return fits(x, rows, weight) and fits_words(weight, rows, k) and words_by_default(1, n, k)
+    """Whether one launch serves these rows: float weights where the few-row projections do (8-bit
+    ones take the projection, then the rotation and the store)."""
+    return weight_scale is None and fits(x, rows)

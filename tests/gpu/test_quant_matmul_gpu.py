@@ -2,7 +2,7 @@
 torch one's codes and scales exactly, the weight-only GEMM matches the scaled product at decode
 batches (and ``linear`` takes it there), the FP8 GEMM matches ``_scaled_mm`` at 17-64 rows (and
 ``linear`` takes it there), and the one-row 8-bit projections match the reference on Llama-3-8B's
-shapes, the float8 word kernel exact on every code (and with the qkv's rotation and KV store).
+shapes.
 
     python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_matmul_gpu.py -s
 """
@@ -14,10 +14,8 @@ import torch
 
 from kernels.fp8_gemm import FP8_GEMM_MAX_ROWS, Fp8GemmConfig, fp8_gemm_triton
 from kernels.gemv import linear_ref, linear_triton
-from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.quant_matmul import FP8_WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS, act_quant_fp8_ref, act_quant_fp8_triton
 from kernels.quant_matmul import weight_only_linear_triton
-from kernels.rotary import rotary_cos_sin
 from pd_cluster.model.quant_linear import fp8_codes_product, fp8_gemm, fp8_gemm_supported, fp8_scaled_mm, linear
 from pd_cluster.model.quant_linear import quantize
 from pd_cluster.model.quant_linear import weight_only_supported
@@ -96,34 +94,3 @@ def test_fp8_gemm_matches_the_scaled_product_and_serves_decode_batches(rows, n, 
         cfg = Fp8GemmConfig(64, 64, 256, split, 4, 3)
         assert _rel(fp8_gemm_triton(xq, x_scale, q.qweight, q.scale, torch.bfloat16, bias, cfg), ref) < 4e-3
     assert not fp8_gemm_supported(torch.randn(FP8_GEMM_MAX_ROWS + 1, k, device="cuda", dtype=torch.bfloat16), q)
-
-
-@pytest.mark.skipif(not FP8, reason="float8 conversions need compute capability 8.9")
-def test_one_row_words_take_every_float8_code_exactly_subnormals_included():
-    """The word kernel's codes land on float32 subnormals for e4m3's subnormals: compiled, they
-    must not be flushed to zero (one-hot inputs read each weight alone)."""
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    values = codes[~torch.isnan(codes.float())]
-    weight = torch.stack([values.roll(j) for j in range(16)], dim=1).contiguous().cuda()
-    eye = torch.eye(16, device="cuda")
-    got = torch.cat([linear_triton(eye[j:j + 1], weight, torch.ones(values.numel(), device="cuda"), words=True)
-                     for j in range(16)])
-    assert torch.equal(got, weight.float().T)
-
-
-@pytest.mark.skipif(not FP8, reason="float8 conversions need compute capability 8.9")
-def test_one_row_qkv_rotary_over_float8_words_matches_the_unfused_ops():
-    """The 8B shape's qkv (32 q and 8 kv heads of 128) with the rotation and the KV store folded
-    in, over float8 words, against the projection then ``rotary_store_kv``."""
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    x = torch.randn(1, 4096, device="cuda", generator=gen, dtype=torch.bfloat16)
-    residual, norm_w = torch.randn_like(x), torch.ones(4096, device="cuda", dtype=torch.bfloat16)
-    q8 = quantize(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.02, "fp8")
-    cos, sin = rotary_cos_sin(128, 2048, 500000.0, device="cuda")
-    positions, slots = torch.tensor([1234], device="cuda"), torch.tensor([3], device="cuda")
-    caches = [torch.zeros(8, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    args = (x, residual, norm_w, 1e-5, q8.qweight, None, positions, cos, sin)
-    q, new_res = norm_qkv_rotary_triton(*args, caches[0], caches[1], slots, 32, 8, q8.scale)
-    q_ref, ref_res = norm_qkv_rotary_ref(*args, caches[2], caches[3], slots, 32, 8, q8.scale)
-    assert _rel(q, q_ref) < 1e-2 and _rel(new_res, ref_res) < 1e-3
-    assert _rel(caches[0][3], caches[2][3]) < 1e-2 and _rel(caches[1][3], caches[3][3]) < 1e-2

@@ -1,15 +1,14 @@
 """A sweep of what an fp8-weight decode step runs beyond the plain projections: the fused
 projections' 8-bit tiles at one row (the norm before qkv, gate/up and the vocabulary head, the
 SiLU gate before down), the head in bf16 against fp8, and at 16 to 64 rows the FP8 GEMM
-(:mod:`kernels.fp8_gemm`) over its tiles against ``torch._scaled_mm`` and cuBLAS bf16. The one-row
-ops run both kernels that serve them: the GEMV over its tiles and the float8 word kernel
-(:mod:`kernels.gemv_fp8`) over its own; a chain of a whole step's projections (32 layers and the
-head, cold) compares bf16, fp8 through each kernel, and fp8 with a float8 head.
+(:mod:`kernels.fp8_gemm`) over its tiles against ``torch._scaled_mm`` and cuBLAS bf16. A chain of a
+whole step's projections (32 layers and the head, cold) compares bf16 with fp8 under a bf16 and
+under a float8 head.
 
 Timing as :mod:`pd_cluster.bench.gpu.fp8_sweep`'s: each path in a CUDA graph over weight copies
 three times L2. The GEMM paths include the activations' quantization before them (a decode step
-runs it before each product). Winners print as table entries: ``QUANT_FUSED_TILES`` and
-``FP8_WORD_TILES`` (one row), ``FP8_GEMM_CONFIGS``; the JSON goes to ``$OUT/fp8_decode_sweep.json`` (``--json`` elsewhere).
+runs it before each product). Winners print as table entries: ``QUANT_FUSED_TILES``
+(one row), ``FP8_GEMM_CONFIGS``; the JSON goes to ``$OUT/fp8_decode_sweep.json`` (``--json`` elsewhere).
 
     python -m pd_cluster.bench.gpu.fp8_decode_sweep [--part fused|chain|gemm|all] [--rows 16,32,64]
 """
@@ -30,9 +29,7 @@ import torch.nn.functional as F
 from kernels._triton import cdiv, next_pow2, set_pdl
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
 from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, silu_linear_triton
-from kernels.qkv_rotary import norm_qkv_rotary_triton
 from kernels.quant_matmul import act_quant_fp8_triton, weight_only_linear_triton
-from kernels.rotary import rotary_cos_sin
 from pd_cluster.bench.gpu.fp8_sweep import SHAPES, Timing, copies, graph_us, record
 from pd_cluster.model.quant_linear import quantize
 
@@ -48,9 +45,6 @@ FUSED_CANDIDATES = {
     True: [((8, 512), 4), ((16, 512), 4), ((4, 1024), 4), ((2, 4096), 4)],
     False: [((2, 2048), 4), ((16, 512), 4), ((8, 1024), 4)],
 }
-#: One-row tiles ((BN, BW), warps) of the float8 word kernel (:mod:`kernels.gemv_fp8`).
-WORD_CANDIDATES = [((4, 128), 4), ((16, 128), 4), ((8, 64), 4), ((16, 64), 4), ((32, 64), 8), ((4, 256), 4),
-                   ((8, 256), 8), ((32, 32), 4)]
 #: FP8 GEMM (BN, BK, warps, stages); BM is the rows' power of two (16 to 64), the split-K the
 #: one that makes at least 128 programs, and none (and twice that split for 64 x 256 tiles).
 GEMM_CANDIDATES = [(64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (128, 256, 8, 3), (32, 256, 4, 5),
@@ -81,7 +75,6 @@ def sweep_fused(out: list[Timing], shape: tuple[str, int, int]) -> None:
     del w16
     call = fused_call(name, n, k)
     record(out, shape, 1, "bf16 fused", "default", [lambda w=w: call(w) for w in bf16], 2)
-    bf16_copy = bf16[0]  # (a single bf16 matrix: its bf16 op, cold or not, is the baseline above)
     del bf16
     now = quant_projection_config(1, n, k, PROLOGUE[name])
     record(out, shape, 1, "fp8 fused gemv", f"now {now[0]} w{now[1]}", [lambda q=q, t=now[0], nw=now[1]: call(
@@ -91,30 +84,8 @@ def sweep_fused(out: list[Timing], shape: tuple[str, int, int]) -> None:
         label = f"{(1, bn, bk)} w{warps}"
         record(out, shape, 1, "fp8 fused gemv", label, [lambda q=q, t=(1, bn, bk), nw=warps: call(
             q.qweight, q.scale, tiles=t, num_warps=nw) for q in fp8], 1)
-    record(out, shape, 1, "fp8 fused words", "default", [lambda q=q: call(q.qweight, q.scale) for q in fp8], 1)
-    for words in WORD_CANDIDATES:
-        record(out, shape, 1, "fp8 fused words", f"{words[0]} w{words[1]}", [lambda q=q, c=words: call(
-            q.qweight, q.scale, words=c) for q in fp8], 1)
-    if name == "qkv":
-        sweep_qkv_rotary(out, shape, bf16_copy, fp8)
     del fp8
     torch.cuda.empty_cache()
-
-
-def sweep_qkv_rotary(out: list[Timing], shape: tuple[str, int, int], w16: torch.Tensor, fp8: list) -> None:
-    """The qkv op the decode layer runs: with the rotation and the KV store (32 q and 8 kv heads of
-    128), bf16 against fp8 over words."""
-    _, n, k = shape
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    residual, norm_w = torch.randn_like(x), torch.ones(k, device="cuda", dtype=torch.bfloat16)
-    cos, sin = rotary_cos_sin(128, 4096, 500000.0, device="cuda")
-    positions, slots = torch.tensor([1000], device="cuda"), torch.tensor([7], device="cuda")
-    caches = [torch.zeros(64, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
-
-    def call(w, s=None):
-        return norm_qkv_rotary_triton(x, residual, norm_w, 1e-5, w, None, positions, cos, sin, *caches, slots, 32, 8, s)
-    record(out, shape, 1, "bf16 qkv+rotary", "default", [lambda: call(w16)], 2)
-    record(out, shape, 1, "fp8 qkv+rotary words", "default", [lambda q=q: call(q.qweight, q.scale) for q in fp8], 1)
 
 
 def gemm_configs(rows: int, n: int, k: int) -> list[Fp8GemmConfig]:
@@ -195,7 +166,7 @@ def chain_us(layers: list[dict], head: tuple, rows: int, **config) -> float:
 
 def sweep_chain(out: list[Timing], num_layers: int) -> None:
     """The whole step's projections (``num_layers`` layers, cold: every weight read once a step):
-    bf16, fp8 by the default kernels, fp8 through the GEMV (no words), fp8 with an fp8 head."""
+    bf16, fp8 by the default kernels, fp8 with an fp8 head."""
     dims = {name: (n, k) for name, n, k in SHAPES}
     bf16_layers, fp8_layers = [], []
     for _ in range(num_layers):
@@ -207,9 +178,8 @@ def sweep_chain(out: list[Timing], num_layers: int) -> None:
     weight_bytes = sum(n * k for n, k in dims.values()) * num_layers
     head_elems = HEAD[1] * HEAD[2]
     cases = [("bf16", bf16_layers, (head16, None), {}, 2 * weight_bytes + 2 * head_elems),
-             ("fp8 words, bf16 head", fp8_layers, (head16, None), {}, weight_bytes + 2 * head_elems),
-             ("fp8 gemv, bf16 head", fp8_layers, (head16, None), {"words": False}, weight_bytes + 2 * head_elems),
-             ("fp8 words, fp8 head", fp8_layers, head8, {}, weight_bytes + head_elems)]
+             ("fp8, bf16 head", fp8_layers, (head16, None), {}, weight_bytes + 2 * head_elems),
+             ("fp8, fp8 head", fp8_layers, head8, {}, weight_bytes + head_elems)]
     for label, layers, head, config, moved in cases:
         try:
             us = chain_us(layers, head, 1, **config)
@@ -250,8 +220,6 @@ def entries(table: list[dict]) -> list[str]:
         if r["path"] == "fp8 fused gemv" and PROLOGUE[r["shape"]]:
             out.append(f"QUANT_FUSED_TILES ({PROLOGUE[r['shape']]}, 1, {n}, {k}): "
                        f"(({v[0]}, {v[1]}, {v[2]}), {v[3]}),{note}")
-        elif r["path"] == "fp8 fused words" and len(v) == 3:
-            out.append(f"FP8_WORD_TILES ({PROLOGUE[r['shape']]}, {n}, {k}): (({v[0]}, {v[1]}), {v[2]}),{note}")
         elif r["path"] == "fp8 gemm+triton quant":
             out.append(f"FP8_GEMM_CONFIGS ({next_pow2(r['rows'])}, {n}, {k}): "
                        f"Fp8GemmConfig({', '.join(map(str, v))}),{note}")
