@@ -39,6 +39,7 @@ from kernels.head_norm import head_rms_norm
 from kernels.moe_align import align, align_chunked
 from kernels.moe_route import route_topk_ref, route_topk_triton
 from kernels.rms_norm import rms_norm
+from pd_cluster.bench.gpu.timing import cuda_ms
 from pd_cluster.model.config import MoEConfig
 from pd_cluster.model.moe import route, routed_experts_ref
 from pd_cluster.model.weights import ExpertWeights
@@ -114,20 +115,6 @@ def compile_in_parallel(fns: list[Callable[[], object]]) -> None:
     torch.cuda.synchronize()
 
 
-def eager_ms(fn: Callable[[], object], reps: int = 3) -> float:
-    """Median milliseconds of ``fn`` between CUDA events (for work that reads values on the host)."""
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def label(cfg: MoeGemmConfig) -> str:
     return (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps}s{cfg.num_stages} g{cfg.group_m}"
             f"{' il' if cfg.interleaved else ''}{' sorted' if cfg.sorted_rows else ''}{' tma' if cfg.tma else ''}")
@@ -176,7 +163,8 @@ def sweep_tokens(tokens: int, w: ExpertWeights, moe: MoEConfig, mm_tflops: float
         same_probs=bool(torch.equal(probs.gather(1, fused_route[0]), probs.gather(1, torch_route[0]))),
         weight_diff=float((fused_route[1].float() - torch_route[1].float()).abs().max()))
     ref = routed_experts_ref(x, w, moe, experts, weights)
-    add("ref", "torch experts (eager)", eager_ms(lambda: routed_experts_ref(x, w, moe, experts, weights)), flops)
+    ref_ms = cuda_ms(lambda: routed_experts_ref(x, w, moe, experts, weights), x.device, warmup=1, reps=3)
+    add("ref", "torch experts (eager)", ref_ms, flops)
     for bm in (16,) if pairs <= 1024 else (64, 128):
         want = align_ref(experts, E, bm)
         add("align", f"torch ops bm{bm}", graph_ms(lambda: align_ref(experts, E, bm)), padded_rows=int(want.num_padded))
