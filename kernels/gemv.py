@@ -104,21 +104,21 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 @triton.jit
-def first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
+def first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr, VEC: tl.constexpr = 16):
     """Weight rows ``rn``'s first ``BK`` inputs, in float32: read before waiting on the kernel
     before (a dependent launch), as weights are never written. Weights are read once a step, and a
     step reads more of them than L2 holds, so they leave L2 first: what a step does reuse there (the
     KV cache, the activations) stays (the default model's layers at batch 1, H100: 2-6 us a step)."""
-    rk = tl.arange(0, BK)
+    rk = tl.max_contiguous(tl.arange(0, BK), VEC)
     return tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
                    other=0.0, eviction_policy="evict_first").to(tl.float32)
 
 
 @triton.jit
-def first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr):
+def first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK: tl.constexpr, VEC: tl.constexpr = 16):
     """:func:`first_weight_tile` as stored (8-bit codes): a tile carried from one block of inputs
     to the next (``STREAM``) holds a quarter of the registers it would as float32."""
-    rk = tl.arange(0, BK)
+    rk = tl.max_contiguous(tl.arange(0, BK), VEC)
     return tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
                    other=0.0, eviction_policy="evict_first")
 
@@ -129,20 +129,20 @@ def project_rows(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-    STREAM: tl.constexpr = False,
+    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16,
 ):
     """The float32 products ``[BN, BM]`` of weight rows ``rn`` with the (prologued) input rows:
     the first weight tile (and the norm's weight) read, the wait on the kernel before, then
     :func:`project_loaded`. Any set of weight rows works: ``rn`` need not be a range."""
-    if STREAM:
-        w = first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK)
+    if STREAM or w_ptr.dtype.element_ty.primitive_bitwidth == 8:  # codes: a quarter of float32's registers
+        w = first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK, VEC)
     else:
-        w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
+        w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK, VEC)
     g = first_norm_tile(norm_w_ptr, K, PROLOGUE, BK, ONE_BLOCK)
     pdl_wait(USE_PDL)
     return project_loaded(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
                           stride_x, stride_res, stride_sum, stride_w, eps,
-                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM)
+                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM, VEC)
 
 
 @triton.jit
@@ -161,7 +161,7 @@ def project_loaded(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    STREAM: tl.constexpr = False,
+    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16,
 ):
     """:func:`project_rows` after its wait, given the first weight tile ``w`` and norm tile ``g``.
 
@@ -193,7 +193,7 @@ def project_loaded(
             a = normed_input(a, rstd[:, None], g[None, :], dtype)
         for m in tl.static_range(BM):
             row_input = tl.sum(tl.where(rm[:, None] == m, a, 0.0), axis=0)  # row m exactly: the rest add zeros
-            part = tl.sum(w * row_input[None, :], axis=1)
+            part = tl.sum(w.to(tl.float32) * row_input[None, :], axis=1)
             acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
     elif PROLOGUE == 1 and ONE_BLOCK:  # one row (as a tile of one it costs a step 2%)
         rk = tl.arange(0, BK)
@@ -201,7 +201,7 @@ def project_loaded(
         a = prologue_input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
                            (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
         a = normed_input(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
-        acc += tl.where(rm[None, :] == 0, tl.sum(w * a[None, :], axis=1)[:, None], 0.0)
+        acc += tl.where(rm[None, :] == 0, tl.sum(w.to(tl.float32) * a[None, :], axis=1)[:, None], 0.0)
     else:
         rstd = tl.zeros((BM,), dtype=tl.float32)
         if PROLOGUE == 1:
@@ -220,12 +220,13 @@ def project_loaded(
         wide = tl.zeros((BN, BK), dtype=tl.float32)
         for k0 in range(0, K, BK):
             rk = k0 + tl.arange(0, BK)
+            rkw = tl.max_contiguous(rk, VEC)  # the weight's load width: see WEIGHT_VEC
             if STREAM:
-                w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rk[None, :],
-                                 mask=n_mask[:, None] & (rk[None, :] + BK < K), other=0.0, eviction_policy="evict_first")
+                w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rkw[None, :],
+                                 mask=n_mask[:, None] & (rkw[None, :] + BK < K), other=0.0, eviction_policy="evict_first")
             elif k0 > 0:
-                w = tl.load(w_ptr + rn[:, None] * stride_w + rk[None, :], mask=n_mask[:, None] & (rk[None, :] < K),
-                            other=0.0, eviction_policy="evict_first").to(tl.float32)
+                w = tl.load(w_ptr + rn[:, None] * stride_w + rkw[None, :], mask=n_mask[:, None] & (rkw[None, :] < K),
+                            other=0.0, eviction_policy="evict_first").to(w.dtype)  # as carried: codes or float32
             store = (rk * 0 + pid) == 0
             if PROLOGUE == 1:
                 g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
@@ -238,7 +239,7 @@ def project_loaded(
                 if STREAM:
                     wide += w.to(tl.float32) * a[None, :]
                 else:
-                    part = tl.sum(w * a[None, :], axis=1)
+                    part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
                     acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
             if STREAM:
                 w = w_next
@@ -278,6 +279,7 @@ def _gemv_kernel(
     ONE_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
     STREAM: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     # Program: BN output columns of all M rows (see ``project_rows``).
     pid = tl.program_id(0)
@@ -286,7 +288,7 @@ def _gemv_kernel(
     n_mask = rn < N
     acc = project_rows(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
-                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM)
+                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM, VEC)
     if HAS_SCALE:  # 8-bit weights: each output channel's scale
         acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
@@ -312,6 +314,7 @@ def _launch(
     tiles: tuple[int, int, int] | None = None,
     num_warps: int = 4,
     stream: bool | None = None,
+    vec: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
     (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
@@ -371,6 +374,7 @@ def _launch(
         ONE_BLOCK=k <= bk,
         USE_PDL=pdl,
         STREAM=stream,
+        VEC=vec,
         num_warps=num_warps,
         **pdl_options(pdl),
     )
@@ -411,11 +415,11 @@ def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                   tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-                  stream: bool | None = None) -> torch.Tensor:
+                  stream: bool | None = None, vec: int = 16) -> torch.Tensor:
     """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
-    ``num_warps`` and ``stream`` replace the default choice (for a sweep of them)."""
+    ``num_warps``, ``stream`` and ``vec`` replace the default choice (for a sweep of them)."""
     return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
-                   stream=stream)[0]
+                   stream=stream, vec=vec)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:

@@ -503,6 +503,31 @@ class InterpretedCases:
         with pytest.raises(ValueError, match="scale"):
             linear_triton(x, weight)
 
+    @pytest.mark.parametrize("tiles,stream,vec", [((1, 4, 128), False, 8), ((1, 4, 128), True, 8),
+                                                  ((1, 4, 128), False, 16), ((1, 2, 512), False, 8),
+                                                  ((1, 8, 64), True, 16)])
+    def test_one_row_8_bit_projections_match_over_their_load_shapes(self, tiles: tuple[int, int, int], stream: bool,
+                                                                    vec: int) -> None:
+        """Each way a row's 8-bit codes can load (8 or 16 a thread, blocks carried or streamed,
+        the row in one block or several) computes the same products, with each prologue."""
+        gen = torch.Generator().manual_seed(46)
+        k, n = 300, 37
+        codes = lambda n, k: (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
+        scale = lambda n: torch.rand(n, generator=gen) * 2e-3 + 1e-4  # noqa: E731
+        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": vec}
+        x, residual = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
+        norm_weight = torch.rand(k, generator=gen) + 0.5
+        weight, w_scale = codes(n, k), scale(n)
+        out, new_residual = norm_linear_triton(x, residual, norm_weight, 1e-5, weight, weight_scale=w_scale, **config)
+        ref, ref_residual = norm_linear_ref(x, residual, norm_weight, 1e-5, weight, weight_scale=w_scale)
+        assert_matches(out, ref, *QUANT_GEMV_TOL[torch.float32])
+        assert_close_elementwise(new_residual, ref_residual)
+        assert_matches(linear_triton(x, weight, w_scale, **config), linear_ref(x, weight, w_scale),
+                       *QUANT_GEMV_TOL[torch.float32])
+        gate_up, down, d_scale = torch.randn(1, 2 * k, generator=gen), codes(n, k), scale(n)
+        assert_matches(silu_linear_triton(gate_up, down, d_scale, **config), silu_linear_ref(gate_up, down, d_scale),
+                       *QUANT_GEMV_TOL[torch.float32])
+
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_fp8_activation_quantization_matches_the_torch_one(self, dtype: torch.dtype) -> None:
         """Scales exact. Codes exact but where the interpreter's float8 conversion rounds
