@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kernels._triton import (
     cdiv,
     last_dim_contiguous,
+    next_pow2,
     pdl_options,
     pdl_wait,
     require_triton,
@@ -129,12 +130,13 @@ def project_rows(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16,
+    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16, PIPE: tl.constexpr = 0, NORM_BK: tl.constexpr = 0,
 ):
     """The float32 products ``[BN, BM]`` of weight rows ``rn`` with the (prologued) input rows:
     the first weight tile (and the norm's weight) read, the wait on the kernel before, then
     :func:`project_loaded`. Any set of weight rows works: ``rn`` need not be a range."""
-    if STREAM or w_ptr.dtype.element_ty.primitive_bitwidth == 8:  # codes: a quarter of float32's registers
+    if STREAM or (w_ptr.dtype.element_ty.primitive_bitwidth == 8 and not ONE_BLOCK):  # carried as codes: a
+        # quarter of float32's registers
         w = first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK, VEC)
     else:
         w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK, VEC)
@@ -142,7 +144,7 @@ def project_rows(
     pdl_wait(USE_PDL)
     return project_loaded(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
                           stride_x, stride_res, stride_sum, stride_w, eps,
-                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM, VEC)
+                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM, VEC, PIPE, NORM_BK)
 
 
 @triton.jit
@@ -161,7 +163,7 @@ def project_loaded(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16,
+    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16, PIPE: tl.constexpr = 0, NORM_BK: tl.constexpr = 0,
 ):
     """:func:`project_rows` after its wait, given the first weight tile ``w`` and norm tile ``g``.
 
@@ -204,12 +206,13 @@ def project_loaded(
         acc += tl.where(rm[None, :] == 0, tl.sum(w.to(tl.float32) * a[None, :], axis=1)[:, None], 0.0)
     else:
         rstd = tl.zeros((BM,), dtype=tl.float32)
+        SQ_BK: tl.constexpr = NORM_BK if NORM_BK > 0 else BK  # the norm's sum: blocks of the row read at once
         if PROLOGUE == 1:
             for m in tl.static_range(BM):
                 row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-                sq = tl.zeros((BK,), dtype=tl.float32)
-                for k0 in range(0, K, BK):
-                    rk = k0 + tl.arange(0, BK)
+                sq = tl.zeros((SQ_BK,), dtype=tl.float32)
+                for k0 in range(0, K, SQ_BK):
+                    rk = k0 + tl.arange(0, SQ_BK)
                     k_mask = (rk < K) & ((rk * 0 + m) < M)
                     xs = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
                     if HAS_RESIDUAL:
@@ -217,35 +220,77 @@ def project_loaded(
                         xs = (xs + r).to(dtype).to(tl.float32)
                     sq += xs * xs
                 rstd = tl.where(rm == m, tl.rsqrt(tl.sum(sq, axis=0) / K + eps), rstd)
-        wide = tl.zeros((BN, BK), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            rk = k0 + tl.arange(0, BK)
-            rkw = tl.max_contiguous(rk, VEC)  # the weight's load width: see WEIGHT_VEC
-            if STREAM:
-                w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rkw[None, :],
-                                 mask=n_mask[:, None] & (rkw[None, :] + BK < K), other=0.0, eviction_policy="evict_first")
-            elif k0 > 0:
-                w = tl.load(w_ptr + rn[:, None] * stride_w + rkw[None, :], mask=n_mask[:, None] & (rkw[None, :] < K),
-                            other=0.0, eviction_policy="evict_first").to(w.dtype)  # as carried: codes or float32
-            store = (rk * 0 + pid) == 0
-            if PROLOGUE == 1:
-                g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-            for m in tl.static_range(BM):
-                row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-                a = prologue_input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x,
-                                   stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
-                if PROLOGUE == 1:
-                    a = normed_input(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
+        if PIPE > 1 and BM == 1 and not STREAM:
+            part = project_row_piped(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, rn, n_mask, pid, K,
+                                     stride_x, stride_res, stride_sum, stride_w, tl.sum(rstd, axis=0), PROLOGUE,
+                                     HAS_RESIDUAL, HAS_ROWS, BK, VEC, PIPE)
+            acc += tl.where(rm[None, :] == 0, part[:, None], 0.0)
+        else:
+            wide = tl.zeros((BN, BK), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                rk = k0 + tl.arange(0, BK)
+                rkw = tl.max_contiguous(rk, VEC)  # the codes a thread loads at once (see _launch's vec)
                 if STREAM:
-                    wide += w.to(tl.float32) * a[None, :]
-                else:
-                    part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-                    acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+                    w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rkw[None, :],
+                                     mask=n_mask[:, None] & (rkw[None, :] + BK < K), other=0.0,
+                                     eviction_policy="evict_first")
+                elif k0 > 0:
+                    w = tl.load(w_ptr + rn[:, None] * stride_w + rkw[None, :],
+                                mask=n_mask[:, None] & (rkw[None, :] < K), other=0.0,
+                                eviction_policy="evict_first").to(w.dtype)  # as carried: codes or float32
+                store = (rk * 0 + pid) == 0
+                if PROLOGUE == 1:
+                    g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+                for m in tl.static_range(BM):
+                    row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
+                    a = prologue_input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x,
+                                       stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
+                    if PROLOGUE == 1:
+                        a = normed_input(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
+                    if STREAM:
+                        wide += w.to(tl.float32) * a[None, :]
+                    else:
+                        part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+                        acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
+                if STREAM:
+                    w = w_next
             if STREAM:
-                w = w_next
-        if STREAM:
-            acc += tl.where(rm[None, :] == 0, tl.sum(wide, axis=1)[:, None], 0.0)
+                acc += tl.where(rm[None, :] == 0, tl.sum(wide, axis=1)[:, None], 0.0)
     return acc
+
+
+@triton.jit
+def row_block_product(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w, k0, pid, K, stride_x, stride_res, stride_sum,
+                      rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
+                      BK: tl.constexpr):
+    """One row's products with the weight block ``w`` at inputs ``k0`` on: its prologued (and, by
+    ``rstd``, normalised) inputs read, each weight row's sum of products."""
+    rk = k0 + tl.arange(0, BK)
+    row = tl.load(rows_ptr).to(tl.int64) if HAS_ROWS else 0
+    a = prologue_input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
+                       (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
+    if PROLOGUE == 1:
+        g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+        a = normed_input(a, rstd, g, sum_ptr.dtype.element_ty)
+    return tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+
+
+@triton.jit
+def project_row_piped(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, rn, n_mask, pid, K, stride_x,
+                      stride_res, stride_sum, stride_w, rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                      HAS_ROWS: tl.constexpr, BK: tl.constexpr, VEC: tl.constexpr, PIPE: tl.constexpr):
+    """One row over blocks (``PIPE`` > 1): the first block ``w`` (read before the wait), then the
+    rest in a loop Triton pipelines ``PIPE`` deep: each block's codes and inputs copied to shared
+    memory (``cp.async``) ``PIPE - 1`` blocks ahead, bytes in flight that hold no registers."""
+    out = row_block_product(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w, 0, pid, K, stride_x, stride_res,
+                            stride_sum, rstd, PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BK)
+    for k0 in tl.range(BK, K, BK, num_stages=PIPE):
+        rkw = tl.max_contiguous(k0 + tl.arange(0, BK), VEC)
+        wk = tl.load(w_ptr + rn[:, None] * stride_w + rkw[None, :], mask=n_mask[:, None] & (rkw[None, :] < K),
+                     other=0.0, eviction_policy="evict_first")
+        out += row_block_product(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, wk, k0, pid, K, stride_x, stride_res,
+                                 stride_sum, rstd, PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BK)
+    return out
 
 
 @triton.jit
@@ -280,6 +325,8 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
     STREAM: tl.constexpr,
     VEC: tl.constexpr,
+    PIPE: tl.constexpr,
+    NORM_BK: tl.constexpr,
 ):
     # Program: BN output columns of all M rows (see ``project_rows``).
     pid = tl.program_id(0)
@@ -288,7 +335,8 @@ def _gemv_kernel(
     n_mask = rn < N
     acc = project_rows(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
-                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM, VEC)
+                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM, VEC, PIPE,
+                       NORM_BK)
     if HAS_SCALE:  # 8-bit weights: each output channel's scale
         acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
@@ -315,6 +363,7 @@ def _launch(
     num_warps: int = 4,
     stream: bool | None = None,
     vec: int = 16,
+    pipe: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
     (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
@@ -343,6 +392,7 @@ def _launch(
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
     stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # see project_loaded
+    pipe = pipe if bm == 1 and k > bk and not stream else 0
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
@@ -375,6 +425,8 @@ def _launch(
         USE_PDL=pdl,
         STREAM=stream,
         VEC=vec,
+        PIPE=pipe,
+        NORM_BK=next_pow2(k) if pipe and prologue == _NORM else bk,  # a piped row's norm: one read of it
         num_warps=num_warps,
         **pdl_options(pdl),
     )
@@ -415,11 +467,11 @@ def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                   tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-                  stream: bool | None = None, vec: int = 16) -> torch.Tensor:
+                  stream: bool | None = None, vec: int = 16, pipe: int = 0) -> torch.Tensor:
     """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
     ``num_warps``, ``stream`` and ``vec`` replace the default choice (for a sweep of them)."""
     return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
-                   stream=stream, vec=vec)[0]
+                   stream=stream, vec=vec, pipe=pipe)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:

@@ -503,18 +503,19 @@ class InterpretedCases:
         with pytest.raises(ValueError, match="scale"):
             linear_triton(x, weight)
 
-    @pytest.mark.parametrize("tiles,stream,vec", [((1, 4, 128), False, 8), ((1, 4, 128), True, 8),
-                                                  ((1, 4, 128), False, 16), ((1, 2, 512), False, 8),
-                                                  ((1, 8, 64), True, 16)])
+    @pytest.mark.parametrize("tiles,stream,vec,pipe", [((1, 4, 128), False, 8, 0), ((1, 4, 128), True, 8, 0),
+                                                       ((1, 4, 128), False, 16, 0), ((1, 2, 512), False, 8, 0),
+                                                       ((1, 8, 64), True, 16, 0), ((1, 4, 64), False, 8, 3),
+                                                       ((1, 2, 128), False, 16, 4)])
     def test_one_row_8_bit_projections_match_over_their_load_shapes(self, tiles: tuple[int, int, int], stream: bool,
-                                                                    vec: int) -> None:
-        """Each way a row's 8-bit codes can load (8 or 16 a thread, blocks carried or streamed,
-        the row in one block or several) computes the same products, with each prologue."""
+                                                                    vec: int, pipe: int) -> None:
+        """Each way a row's 8-bit codes can load (8 or 16 a thread; blocks carried, streamed or
+        pipelined; the row in one block or several) computes the same products, with each prologue."""
         gen = torch.Generator().manual_seed(46)
         k, n = 300, 37
         codes = lambda n, k: (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
         scale = lambda n: torch.rand(n, generator=gen) * 2e-3 + 1e-4  # noqa: E731
-        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": vec}
+        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": vec, "pipe": pipe}
         x, residual = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
         norm_weight = torch.rand(k, generator=gen) + 0.5
         weight, w_scale = codes(n, k), scale(n)

@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,26 +44,32 @@ class Gemv8Config:
     warps: int = 4
     stream: bool = False
     vec: int = 8
+    pipe: int = 0
 
     def label(self) -> str:
-        return f"({self.bn},{self.bk}) w{self.warps} {'s' if self.stream else 'b'} v{self.vec}"
+        how = f"p{self.pipe}" if self.pipe else "s" if self.stream else "b"
+        return f"({self.bn},{self.bk}) w{self.warps} {how} v{self.vec}"
 
     def options(self, k: int) -> dict:
         return {"tiles": (1, self.bn, min(self.bk, k)), "num_warps": self.warps, "stream": self.stream,
-                "vec": self.vec}
+                "vec": self.vec, "pipe": self.pipe}
 
 
-#: Candidates by the row's length (4096 or longer), most likely first (should the run be cut short).
+C = Gemv8Config
+#: Candidates by the row's length (4096 or longer), most likely first (should the run be cut short):
+#: "b" blocks carried in registers, "s" streamed, "pN" pipelined N deep through shared memory.
 CANDIDATES = {
-    True: [Gemv8Config(4, 1024), Gemv8Config(2, 2048), Gemv8Config(8, 1024), Gemv8Config(4, 2048),
-           Gemv8Config(2, 4096), Gemv8Config(4, 4096, 8), Gemv8Config(2, 4096, 8), Gemv8Config(1, 4096),
-           Gemv8Config(4, 1024, 4, True), Gemv8Config(8, 512, 4, True), Gemv8Config(4, 1024, 2),
-           Gemv8Config(8, 2048, 8)],
-    False: [Gemv8Config(4, 1024), Gemv8Config(2, 2048), Gemv8Config(8, 1024), Gemv8Config(4, 2048),
-            Gemv8Config(2, 4096, 8), Gemv8Config(4, 1024, 4, True), Gemv8Config(4, 1024, 2),
-            Gemv8Config(1, 4096), Gemv8Config(8, 512, 4, True), Gemv8Config(16, 512, 4, True, 8)],
+    True: [C(4, 1024, pipe=3), C(4, 1024), C(8, 512, vec=16, pipe=4), C(4, 512, pipe=4), C(2, 2048), C(2, 4096),
+           C(8, 1024, pipe=3), C(4, 1024, vec=16, pipe=3), C(2, 1024, pipe=4), C(4, 2048), C(8, 1024),
+           C(4, 1024, stream=True), C(4, 4096, 8), C(2, 4096, 8), C(1, 4096), C(8, 512, stream=True),
+           C(4, 1024, vec=16), C(2, 2048, 2)],
+    False: [C(4, 1024, pipe=3), C(8, 1024, pipe=3), C(4, 1024), C(8, 512, vec=16, pipe=4), C(4, 1024, vec=16, pipe=4),
+            C(4, 512, pipe=4), C(16, 512, pipe=3), C(2, 2048), C(8, 1024), C(4, 2048), C(4, 1024, stream=True),
+            C(2, 4096, 8), C(8, 512, stream=True), C(16, 512, 4, True, 8), C(4, 1024, vec=16)],
 }
 ORDER = ["gate_up", "down", "qkv", "o"]
+#: Each shape's share of the time budget (qkv reuses gate_up's compiled kernels: the same prologue).
+SHARE = {"gate_up": 0.35, "down": 0.3, "qkv": 0.1, "o": 0.25}
 
 
 @dataclass
@@ -94,8 +101,9 @@ def time_line(out: list[Line], shape: str, path: str, config: str, calls: list, 
     print(f"{shape:8s} {path:10s} {config:28s} {us:8.2f} us {nbytes / us / 1e6:6.2f} TB/s", flush=True)
 
 
-def sweep_shape(out: list[Line], name: str, n: int, k: int) -> None:
-    """bf16 as the layer calls it, fp8 as chosen now, then each candidate."""
+def sweep_shape(out: list[Line], name: str, n: int, k: int, budget_s: float) -> None:
+    """bf16 as the layer calls it, fp8 as chosen now, then each candidate while ``budget_s`` lasts."""
+    deadline = time.monotonic() + budget_s
     w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     fp8, bf16 = copies(quantize(w16, "fp8")), copies(w16)
     del w16
@@ -105,6 +113,9 @@ def sweep_shape(out: list[Line], name: str, n: int, k: int) -> None:
     (_, bn, bk), warps = quant_projection_config(1, n, k, PROLOGUE[name])
     now = [Gemv8Config(bn, bk, warps, k > bk, 16)]
     for cfg in now + [c for c in CANDIDATES[k <= 4096] if c not in now]:
+        if time.monotonic() > deadline:
+            print(f"{name}: out of time before {cfg.label()} and the rest", flush=True)
+            break
         path = "fp8 now" if cfg in now else "fp8"
         time_line(out, name, path, cfg.label(), [lambda q=q, c=cfg: call(q.qweight, q.scale, **c.options(k))
                                                  for q in fp8], n * k)
@@ -131,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(ORDER))
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--budget", type=float, default=90.0, help="seconds for all shapes' candidates")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     torch.manual_seed(0)
@@ -140,7 +152,7 @@ def main() -> None:
     dims = {name: (n, k) for name, n, k in SHAPES}
     lines: list[Line] = []
     for name in args.shapes.split(","):
-        sweep_shape(lines, name, *dims[name])
+        sweep_shape(lines, name, *dims[name], args.budget * SHARE[name])
         if path is not None:
             path.write_text(json.dumps({"partial": True, "copy_tb_per_s": copy_rate, "lines": [asdict(t) for t in lines]}))
     result = summary(lines)
