@@ -34,6 +34,7 @@ from kernels.gemv_tiles import (  # noqa: F401  # the tiles' choice, re-exported
     projection_tiles,
     quant_projection_config,
     quant_projection_heuristic,
+    quant_projection_loads,
 )
 from kernels._tiles import normed_input, prologue_input
 from kernels.rms_norm import rms_norm, rms_norm_ref
@@ -366,8 +367,12 @@ def _launch(
     pipe: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
-    (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights), ``stream``
-    False keeps one row's 8-bit blocks from streaming (see :func:`project_loaded`)."""
+    (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights, with its
+    :func:`quant_projection_loads`). How one row's 8-bit codes load, over blocks: ``stream`` (the
+    default; False: not) the next block's load issued before this block's products, or ``pipe``
+    > 1 blocks pipelined that deep through shared memory (:func:`project_row_piped`); ``vec`` the
+    codes a thread loads at once: 16, or 8 in the bf16 input's own layout (no shared-memory
+    round trip of the input a block)."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -388,11 +393,13 @@ def _launch(
         return out, new_residual
     if tiles is None and weight_scale is not None:
         tiles, num_warps = quant_projection_config(m, n, k, prologue)
+        loads = quant_projection_loads(m, n, k, prologue)
+        stream, vec, pipe = loads.get("stream", stream), loads.get("vec", vec), loads.get("pipe", pipe)
     bm, bn, bk = tiles or projection_tiles(m, n, k)
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
-    stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # see project_loaded
-    pipe = pipe if bm == 1 and k > bk and not stream else 0
+    pipe = pipe if weight_scale is not None and bm == 1 and k > bk else 0
+    stream = stream is not False and not pipe and weight_scale is not None and bm == 1 and k > bk  # project_loaded
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,

@@ -36,10 +36,14 @@ def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
     return next_pow2(rows), bn, 128 if n > 16384 else 256
 
 
+#: An 8-bit config: ((BM, BN, BK), warps), then how its codes load where not the launch's default
+#: (``{"vec": 8, "pipe": 3}``: :func:`quant_projection_loads`).
+QuantEntry = tuple[tuple[int, int, int], int] | tuple[tuple[int, int, int], int, dict[str, int | bool]]
+
 #: 8-bit weights' GEMV configs ((BM, BN, BK), warps) by (rows' power of two, out features, in
 #: features), as the sweep (``pd_cluster.bench.gpu.fp8_sweep``, which prints its winners as
 #: entries) measures them fastest; a shape not here takes :func:`quant_projection_heuristic`.
-QUANT_TILES: dict[tuple[int, int, int], tuple[tuple[int, int, int], int]] = {
+QUANT_TILES: dict[tuple[int, int, int], QuantEntry] = {
     # One H200, the 8B shape's projections, each timed in a CUDA graph over cold weights
     # (``fp8-sweep-nvidia-h200-x1-2026-11-29-graphs.json``).
     (1, 6144, 4096): ((1, 8, 512), 4),  # qkv: 9.3 us against 12.5 with the tiles before
@@ -87,7 +91,7 @@ def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, in
 #: of two, out features, in features): a prologue changes what a program does between its weight
 #: loads (the input re-read and normalised, or gated, every block), so its best tiles differ from
 #: the plain projection's; a shape not here takes the plain one's.
-QUANT_FUSED_TILES: dict[tuple[int, int, int, int], tuple[tuple[int, int, int], int]] = {
+QUANT_FUSED_TILES: dict[tuple[int, int, int, int], QuantEntry] = {
     # One H200, the 8B shape, in a CUDA graph over cold weights
     # (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``): against the plain projection's tiles.
     (1, 1, 6144, 4096): ((1, 2, 4096), 4),  # norm + qkv: 12.86 us against 16.46
@@ -95,9 +99,22 @@ QUANT_FUSED_TILES: dict[tuple[int, int, int, int], tuple[tuple[int, int, int], i
 }
 
 
-def quant_projection_config(rows: int, n: int, k: int, prologue: int = 0) -> tuple[tuple[int, int, int], int]:
-    """((BM, BN, BK), warps) for 8-bit weights: the fused projection's entry
-    (:data:`QUANT_FUSED_TILES`), the plain one's (:data:`QUANT_TILES`), else the heuristic."""
+def _quant_entry(rows: int, n: int, k: int, prologue: int) -> tuple:
     rows = next_pow2(rows)
     return (QUANT_FUSED_TILES.get((prologue, rows, n, k)) if prologue else None) or QUANT_TILES.get((rows, n, k)) \
         or quant_projection_heuristic(rows, n, k)
+
+
+def quant_projection_config(rows: int, n: int, k: int, prologue: int = 0) -> tuple[tuple[int, int, int], int]:
+    """((BM, BN, BK), warps) for 8-bit weights: the fused projection's entry
+    (:data:`QUANT_FUSED_TILES`), the plain one's (:data:`QUANT_TILES`), else the heuristic."""
+    entry = _quant_entry(rows, n, k, prologue)
+    return entry[0], entry[1]
+
+
+def quant_projection_loads(rows: int, n: int, k: int, prologue: int = 0) -> dict:
+    """How the entry :func:`quant_projection_config` picks loads its codes (its third element:
+    ``vec``, ``pipe``, ``stream`` as :func:`kernels.gemv.linear_triton` takes them), or ``{}``:
+    the launch's defaults."""
+    entry = _quant_entry(rows, n, k, prologue)
+    return dict(entry[2]) if len(entry) > 2 else {}

@@ -55,6 +55,7 @@ from kernels.gemv import (
     norm_linear_triton,
     quant_projection_config,
     quant_projection_heuristic,
+    quant_projection_loads,
     silu_linear_ref,
     silu_linear_triton,
 )
@@ -600,6 +601,26 @@ class InterpretedCases:
         weight = (torch.randn(23, 300, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
         w_scale, x = torch.rand(23, generator=gen) * 1e-3 + 1e-4, torch.randn(1, 300, generator=gen)
         assert_matches(linear_triton(x, weight, w_scale), linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[torch.float32])
+
+    def test_8_bit_entries_say_how_their_codes_load(self, monkeypatch) -> None:
+        import kernels.gemv as gemv
+
+        monkeypatch.setitem(QUANT_TILES, (1, 23, 300), ((1, 4, 64), 4, {"vec": 8, "pipe": 3}))
+        assert quant_projection_config(1, 23, 300) == ((1, 4, 64), 4)
+        assert quant_projection_loads(1, 23, 300) == {"vec": 8, "pipe": 3}
+        assert quant_projection_loads(1, 4096, 11008) == {}
+        seen: list[dict] = []
+        real = gemv._gemv_kernel
+
+        class Spy:
+            def __getitem__(self, grid):
+                return lambda *args, **kw: (seen.append(kw), real[grid](*args, **kw))[1]
+        monkeypatch.setattr(gemv, "_gemv_kernel", Spy())
+        gen = torch.Generator().manual_seed(18)
+        weight = (torch.randn(23, 300, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w_scale, x = torch.rand(23, generator=gen) * 1e-3 + 1e-4, torch.randn(1, 300, generator=gen)
+        assert_matches(linear_triton(x, weight, w_scale), linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[torch.float32])
+        assert (seen[-1]["BN"], seen[-1]["BK"], seen[-1]["VEC"], seen[-1]["PIPE"], seen[-1]["STREAM"]) == (4, 64, 8, 3, False)
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third
