@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kernels.fp8_gemm import FP8_GEMM_MAX_ROWS, Fp8GemmConfig, fp8_gemm_triton
-from kernels.gemv import linear_ref, linear_triton
+from kernels.gemv import linear_ref, linear_triton, norm_linear_ref, norm_linear_triton, silu_linear_ref
+from kernels.gemv import silu_linear_triton
 from kernels.quant_matmul import FP8_WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS, act_quant_fp8_ref, act_quant_fp8_triton
 from kernels.quant_matmul import weight_only_linear_triton
 from pd_cluster.model.quant_linear import fp8_codes_product, fp8_gemm, fp8_gemm_supported, fp8_scaled_mm, linear
@@ -71,6 +72,36 @@ def test_one_row_gemv_reads_8_bit_weights_in_its_tiles(method, n, k):
     q = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, method)
     out, ref = linear_triton(x, q.qweight, q.scale), linear_ref(x.float(), q.qweight, q.scale)
     assert _rel(out, ref) < 4e-3
+
+
+#: One row's ways of loading 8-bit codes, beside the tables' choice (None): the tile, then the
+#: options (8 codes a thread in the input's layout; blocks pipelined 3-4 deep, streamed, carried).
+LOAD_SHAPES = [None, ((1, 4, 1024), {"vec": 8, "pipe": 3, "stream": False}),
+               ((1, 8, 512), {"vec": 16, "pipe": 4, "stream": False}), ((1, 4, 1024), {"vec": 8, "stream": True}),
+               ((1, 2, 2048), {"vec": 8, "stream": False}), ((1, 2, 4096), {"vec": 8, "stream": False})]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("load", range(len(LOAD_SHAPES)))
+def test_one_row_8_bit_projections_match_in_each_load_shape(method, n, k, load):
+    """The plain, norm and SiLU projections of one row, compiled with each way of loading the
+    codes (the interpreter runs the loads' hints and pipelining as plain loads): the reference's."""
+    shape = LOAD_SHAPES[load]
+    config = {"tiles": shape[0], **shape[1]} if shape else {}
+    gen = torch.Generator(device="cuda").manual_seed(n + k + load)
+    x, residual = (torch.randn(1, k, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    norm_w = torch.rand(k, device="cuda", generator=gen).to(torch.bfloat16) + 0.5
+    q = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02, method)
+    assert _rel(linear_triton(x, q.qweight, q.scale, **config), linear_ref(x.float(), q.qweight, q.scale)) < 4e-3
+    # The fused ops against the unfused ones in bfloat16 (the same roundings of the norm and the
+    # gate; the product's sums in another order, then one rounding of the output each).
+    out, new_residual = norm_linear_triton(x, residual, norm_w, 1e-5, q.qweight, weight_scale=q.scale, **config)
+    ref, ref_residual = norm_linear_ref(x, residual, norm_w, 1e-5, q.qweight, weight_scale=q.scale)
+    assert _rel(out, ref) < 1e-2 and torch.equal(new_residual, ref_residual)
+    gate_up = torch.randn(1, 2 * k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = silu_linear_triton(gate_up, q.qweight, q.scale, **config)
+    assert _rel(out, silu_linear_ref(gate_up, q.qweight, q.scale)) < 1e-2
 
 
 @pytest.mark.skipif(not FP8 or torch.cuda.get_device_capability() < (9, 0), reason="FP8 products need sm_90")
