@@ -54,7 +54,9 @@ QUANT_TILES: dict[tuple[int, int, int], QuantEntry] = {
     (2, 4096, 14336): ((2, 4, 512), 4),
     (4, 4096, 14336): ((4, 16, 512), 4),
     (8, 4096, 14336): ((8, 16, 512), 4),
-    (1, 4096, 4096): ((1, 2, 4096), 4),  # o
+    # o: blocks of 1024 carried (not streamed), 7.68 us against 9.17 with (1, 2, 4096) and 9.99 in
+    # bf16 (``fp8-gemv-sweep-nvidia-h200-x1-2026-11-29.json``, the one-row sweep below)
+    (1, 4096, 4096): ((1, 4, 1024), 4, {"stream": False}),
     (2, 4096, 4096): ((2, 2, 4096), 8),
     (4, 4096, 4096): ((4, 2, 4096), 8),
     (8, 4096, 4096): ((8, 8, 512), 4),
@@ -92,10 +94,15 @@ def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, in
 #: loads (the input re-read and normalised, or gated, every block), so its best tiles differ from
 #: the plain projection's; a shape not here takes the plain one's.
 QUANT_FUSED_TILES: dict[tuple[int, int, int, int], QuantEntry] = {
-    # One H200, the 8B shape, in a CUDA graph over cold weights
-    # (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``): against the plain projection's tiles.
-    (1, 1, 6144, 4096): ((1, 2, 4096), 4),  # norm + qkv: 12.86 us against 16.46
-    (2, 1, 4096, 14336): ((1, 16, 512), 4),  # SiLU + down: 31.79 us against 39.33
+    # One H200, the 8B shape, in a CUDA graph over cold weights, by the one-row sweep
+    # (``pd_cluster.bench.gpu.fp8_gemv_sweep``: ``fp8-gemv-sweep-nvidia-h200-x1-2026-11-29.json``),
+    # against the tiles before and bf16's: 8 codes a thread (the input's layout, no shared-memory
+    # round trip), and for the norm more channels a program over more warps, as a program's norm
+    # (the input read, summed and scaled: as many instructions as its weight products) is then
+    # shared by more weight bytes.
+    (1, 1, 6144, 4096): ((1, 4, 4096), 8, {"vec": 8}),  # norm + qkv: 11.76 us against 13.59, bf16 17.78
+    (1, 1, 28672, 4096): ((1, 4, 4096), 8, {"vec": 8}),  # norm + gate_up: 39.97 us against 47.40, bf16 58.73
+    (2, 1, 4096, 14336): ((1, 16, 512), 4, {"vec": 8}),  # SiLU + down: 26.53 us against 31.99, bf16 34.46
 }
 
 

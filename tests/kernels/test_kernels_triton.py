@@ -87,13 +87,13 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
                   "kernels.gemv", "kernels.qkv_rotary", "kernels._triton", "kernels.step_inputs",
                   "kernels.quant_matmul", "kernels.fp8_gemm", "kernels._gemv_blocks"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
-# helpers (the tile's sequence, its rows), decode split and merge,
-# the sampling kernel and its two helpers (a row block, the stream hash), the penalties, the
-# few-row projection, its products (the first weight tile, as float and as stored, the norm's
-# tile, the products after the wait, one row's blocks pipelined and a block's products), the qkv
-# projection with rotary and KV store, the dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured
-# step's inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8
-# GEMM and its split-K sum.
+# helpers (the tile's sequence, its rows), decode split and merge, the sampling kernel and its two
+# helpers (a row block, the stream hash), the penalties, the few-row projection, its products (the
+# first weight tile, as float and as stored, the norm's tile, the products after the wait, one row's
+# blocks pipelined and a block's products), the qkv projection with rotary and KV store, the
+# dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured step's
+# inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8 GEMM and
+# its split-K sum.
 NUM_KERNELS = 38
 
 
@@ -514,7 +514,8 @@ class InterpretedCases:
         pipelined; the row in one block or several) computes the same products, with each prologue."""
         gen = torch.Generator().manual_seed(46)
         k, n = 300, 37
-        codes = lambda n, k: (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)  # noqa: E731
+        codes = lambda n, k: (  # noqa: E731
+            (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn))
         scale = lambda n: torch.rand(n, generator=gen) * 2e-3 + 1e-4  # noqa: E731
         config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": vec, "pipe": pipe}
         x, residual = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
@@ -619,8 +620,10 @@ class InterpretedCases:
         gen = torch.Generator().manual_seed(18)
         weight = (torch.randn(23, 300, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         w_scale, x = torch.rand(23, generator=gen) * 1e-3 + 1e-4, torch.randn(1, 300, generator=gen)
-        assert_matches(linear_triton(x, weight, w_scale), linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[torch.float32])
-        assert (seen[-1]["BN"], seen[-1]["BK"], seen[-1]["VEC"], seen[-1]["PIPE"], seen[-1]["STREAM"]) == (4, 64, 8, 3, False)
+        out = linear_triton(x, weight, w_scale)
+        assert_matches(out, linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[torch.float32])
+        launch = seen[-1]
+        assert (launch["BN"], launch["BK"], launch["VEC"], launch["PIPE"], launch["STREAM"]) == (4, 64, 8, 3, False)
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third

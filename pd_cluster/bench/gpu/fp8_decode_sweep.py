@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from kernels._triton import cdiv, next_pow2, set_pdl
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_config, fp8_gemm_triton
-from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, silu_linear_triton
+from kernels.gemv import linear_triton, norm_linear_triton, quant_projection_config, quant_projection_loads
+from kernels.gemv import silu_linear_triton
 from kernels.quant_matmul import act_quant_fp8_triton, weight_only_linear_triton
 from pd_cluster.bench.gpu.fp8_sweep import SHAPES, Timing, copies, graph_us, record
 from pd_cluster.model.quant_linear import quantize
@@ -76,9 +77,9 @@ def sweep_fused(out: list[Timing], shape: tuple[str, int, int]) -> None:
     call = fused_call(name, n, k)
     record(out, shape, 1, "bf16 fused", "default", [lambda w=w: call(w) for w in bf16], 2)
     del bf16
-    now = quant_projection_config(1, n, k, PROLOGUE[name])
-    record(out, shape, 1, "fp8 fused gemv", f"now {now[0]} w{now[1]}", [lambda q=q, t=now[0], nw=now[1]: call(
-        q.qweight, q.scale, tiles=t, num_warps=nw) for q in fp8], 1)
+    now, loads = quant_projection_config(1, n, k, PROLOGUE[name]), quant_projection_loads(1, n, k, PROLOGUE[name])
+    record(out, shape, 1, "fp8 fused gemv", f"now {now[0]} w{now[1]} {loads}", [lambda q=q, t=now[0], nw=now[1]: call(
+        q.qweight, q.scale, tiles=t, num_warps=nw, **loads) for q in fp8], 1)
     for (bn, bk), warps in FUSED_CANDIDATES[k <= 4096]:
         bk = min(bk, next_pow2(k))
         label = f"{(1, bn, bk)} w{warps}"

@@ -9,10 +9,10 @@ memory every block) or 8 (8-byte loads in the input's own layout, as the bf16 GE
 config is timed in a CUDA graph over weight copies three times L2 (as
 :mod:`pd_cluster.bench.gpu.fp8_sweep`); a line gives us and TB/s of weight bytes read. A device
 copy's rate is measured first, the ceiling the rates compare to. Last: the best config per shape
-against bf16's and the configs chosen now, one layer's four projections summed, and the winners
-as table entries. The JSON goes to ``$OUT/fp8_gemv_sweep.json`` (``--json`` elsewhere).
+against bf16's and the configs chosen now, and one layer's four projections summed. The JSON goes
+to ``$OUT/fp8_gemv_sweep.json`` (``--json`` elsewhere).
 
-    python -m pd_cluster.bench.gpu.fp8_gemv_sweep [--shapes gate_up,down,qkv,o] [--json F]
+    python -m pd_cluster.bench.gpu.fp8_gemv_sweep [--shapes gate_up,down,qkv,o] [--budget S] [--wide]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.gemv import quant_projection_config
+from kernels.gemv import quant_projection_config, quant_projection_loads
 from pd_cluster.bench.gpu.fp8_decode_sweep import PROLOGUE, fused_call
 from pd_cluster.bench.gpu.fp8_sweep import SHAPES, copies, graph_us
 from pd_cluster.model.quant_linear import quantize
@@ -67,6 +67,14 @@ CANDIDATES = {
             C(4, 512, pipe=4), C(16, 512, pipe=3), C(2, 2048), C(8, 1024), C(4, 2048), C(4, 1024, stream=True),
             C(2, 4096, 8), C(8, 512, stream=True), C(16, 512, 4, True, 8), C(4, 1024, vec=16)],
 }
+#: More channels a program over more warps: a program's prologue (the norm: the input read, summed
+#: and scaled; the SiLU gate) costs as many instructions as its weight products at 4 channels, and
+#: 8-bit products are bound by instructions before bytes; wider programs share it over more.
+WIDE = {
+    True: [C(8, 4096, 8), C(8, 4096, 16), C(4, 4096, 16), C(16, 4096, 16), C(8, 2048, 8), C(16, 1024, 8, pipe=3)],
+    False: [C(16, 1024, 8, pipe=3), C(16, 512, 8, True), C(32, 1024, 16, pipe=3), C(16, 2048, 16),
+            C(32, 512, 8, True)],
+}
 ORDER = ["gate_up", "down", "qkv", "o"]
 #: Each shape's share of the time budget (qkv reuses gate_up's compiled kernels: the same prologue).
 SHARE = {"gate_up": 0.35, "down": 0.3, "qkv": 0.1, "o": 0.25}
@@ -101,7 +109,7 @@ def time_line(out: list[Line], shape: str, path: str, config: str, calls: list, 
     print(f"{shape:8s} {path:10s} {config:28s} {us:8.2f} us {nbytes / us / 1e6:6.2f} TB/s", flush=True)
 
 
-def sweep_shape(out: list[Line], name: str, n: int, k: int, budget_s: float) -> None:
+def sweep_shape(out: list[Line], name: str, n: int, k: int, budget_s: float, wide: bool = False) -> None:
     """bf16 as the layer calls it, fp8 as chosen now, then each candidate while ``budget_s`` lasts."""
     deadline = time.monotonic() + budget_s
     w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
@@ -111,8 +119,11 @@ def sweep_shape(out: list[Line], name: str, n: int, k: int, budget_s: float) -> 
     time_line(out, name, "bf16", "default", [lambda w=w: call(w) for w in bf16], 2 * n * k)
     del bf16
     (_, bn, bk), warps = quant_projection_config(1, n, k, PROLOGUE[name])
-    now = [Gemv8Config(bn, bk, warps, k > bk, 16)]
-    for cfg in now + [c for c in CANDIDATES[k <= 4096] if c not in now]:
+    loads = quant_projection_loads(1, n, k, PROLOGUE[name])
+    pipe = loads.get("pipe", 0) if k > bk else 0
+    stream = loads.get("stream", True) and not pipe and k > bk
+    now = [Gemv8Config(bn, bk, warps, stream, loads.get("vec", 16), pipe)]
+    for cfg in now + [c for c in (WIDE if wide else CANDIDATES)[k <= 4096] if c not in now]:
         if time.monotonic() > deadline:
             print(f"{name}: out of time before {cfg.label()} and the rest", flush=True)
             break
@@ -143,6 +154,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(ORDER))
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--budget", type=float, default=90.0, help="seconds for all shapes' candidates")
+    parser.add_argument("--wide", action="store_true", help="the wide programs (WIDE) instead of the candidates")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     torch.manual_seed(0)
@@ -152,9 +164,10 @@ def main() -> None:
     dims = {name: (n, k) for name, n, k in SHAPES}
     lines: list[Line] = []
     for name in args.shapes.split(","):
-        sweep_shape(lines, name, *dims[name], args.budget * SHARE[name])
+        sweep_shape(lines, name, *dims[name], args.budget * SHARE[name], args.wide)
         if path is not None:
-            path.write_text(json.dumps({"partial": True, "copy_tb_per_s": copy_rate, "lines": [asdict(t) for t in lines]}))
+            path.write_text(json.dumps({"partial": True, "copy_tb_per_s": copy_rate,
+                                        "lines": [asdict(t) for t in lines]}))
     result = summary(lines)
     print(f"\n{'shape':8s} {'bf16 us':>8s} {'now us':>8s} {'best us':>8s} {'best/bf16':>9s} {'best/now':>8s} "
           f"{'TB/s':>5s} (copy {copy_rate:.2f})  best config")
