@@ -74,17 +74,18 @@ def test_one_row_gemv_reads_8_bit_weights_in_its_tiles(method, n, k):
     assert _rel(out, ref) < 4e-3
 
 
-#: One row's ways of loading 8-bit codes, beside the tables' choice (None): the tile, then the
-#: options (8 codes a thread in the input's layout; blocks pipelined 3-4 deep, streamed, carried).
+#: One row's ways of loading 8-bit codes, beside the tables' choice (None, for each method): the
+#: tile, then the options (8 codes a thread in the input's layout; blocks pipelined 3-4 deep,
+#: streamed, carried).
 LOAD_SHAPES = [None, ((1, 4, 1024), {"vec": 8, "pipe": 3, "stream": False}),
                ((1, 8, 512), {"vec": 16, "pipe": 4, "stream": False}), ((1, 4, 1024), {"vec": 8, "stream": True}),
-               ((1, 2, 2048), {"vec": 8, "stream": False}), ((1, 2, 4096), {"vec": 8, "stream": False})]
+               ((1, 2, 2048), {"vec": 8, "stream": False})]
+LOAD_CASES = [(method, 0) for method in METHODS] + [("fp8" if FP8 else "int8", i) for i in range(1, len(LOAD_SHAPES))]
 
 
-@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336)])
-@pytest.mark.parametrize("load", range(len(LOAD_SHAPES)))
-def test_one_row_8_bit_projections_match_in_each_load_shape(method, n, k, load):
+@pytest.mark.parametrize("method, load", LOAD_CASES)
+def test_one_row_8_bit_projections_match_in_each_load_shape(method, load, n, k):
     """The plain, norm and SiLU projections of one row, compiled with each way of loading the
     codes (the interpreter runs the loads' hints and pipelining as plain loads): the reference's."""
     shape = LOAD_SHAPES[load]
