@@ -67,13 +67,16 @@ CANDIDATES = {
             C(4, 512, pipe=4), C(16, 512, pipe=3), C(2, 2048), C(8, 1024), C(4, 2048), C(4, 1024, stream=True),
             C(2, 4096, 8), C(8, 512, stream=True), C(16, 512, 4, True, 8), C(4, 1024, vec=16)],
 }
-#: More channels a program over more warps: a program's prologue (the norm: the input read, summed
-#: and scaled; the SiLU gate) costs as many instructions as its weight products at 4 channels, and
-#: 8-bit products are bound by instructions before bytes; wider programs share it over more.
+#: More channels a program over more warps. One row's 8-bit products are bound by instructions
+#: before bytes: the sm_90 builds' instructions per KB of weights order the sweep's times (norm +
+#: gate/up: 260 warp instructions a KB on (4, 4096) over 8 warps, 40.0 us; 297 on (8, 1024) piped,
+#: 45.9; 338 on (8, 512) streamed, 47.4; 437 on (4, 1024), 54.2), and bf16's GEMV at 4 TB/s issues
+#: as many a cycle. A program's prologue (the norm: the input read, summed and scaled; the SiLU
+#: gate) costs as many instructions as its products at 4 channels: wider programs share it over
+#: more bytes (these: 194-257 a KB), at fewer programs an SM.
 WIDE = {
-    True: [C(8, 4096, 8), C(8, 4096, 16), C(4, 4096, 16), C(16, 4096, 16), C(8, 2048, 8), C(16, 1024, 8, pipe=3)],
-    False: [C(16, 1024, 8, pipe=3), C(16, 512, 8, True), C(32, 1024, 16, pipe=3), C(16, 2048, 16),
-            C(32, 512, 8, True)],
+    True: [C(8, 4096, 8), C(16, 4096, 16), C(8, 4096, 16), C(16, 1024, 8, pipe=3)],
+    False: [C(32, 512, 8, True), C(16, 1024, 8, pipe=3), C(16, 512, 8, True), C(32, 1024, 16, pipe=3)],
 }
 ORDER = ["gate_up", "down", "qkv", "o"]
 #: Each shape's share of the time budget (qkv reuses gate_up's compiled kernels: the same prologue).
