@@ -123,15 +123,15 @@ def _prefetch_rows(row_ptrs, nbytes):
 
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
-                     stride_x, stride_w, stride_out, stride_part,
+                     k_ahead, stride_x, stride_w, stride_out, stride_part,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr,
                      TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      USE_PDL: tl.constexpr):
     # Program: a BM x BN tile of the output over inputs [pid_k * k_part, (pid_k + 1) * k_part).
     # TMA: x_ptr and w_ptr are tensor descriptors ([M, K] by [BM, BK]; [N, K] by [BN, BK]);
     # w_lines_ptr is the weight's pointer either way.
-    # PREFETCH (compiled only; k_part a multiple of BK): L2 asked for the weights PREFETCH blocks
-    # ahead, the first PREFETCH blocks before the wait for the kernel before.
+    # PREFETCH (compiled only; k_part and k_ahead multiples of BK): L2 asked for the weights
+    # k_ahead inputs ahead of the loads, the first k_ahead before the wait for the kernel before.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -144,7 +144,7 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_p
     k_end = tl.minimum(k_start + k_part, K)
     if PREFETCH and not INTERPRETED:
         w_lines = w_lines_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w
-        _prefetch_rows(w_lines + k_start, tl.minimum(PREFETCH * BK, k_end - k_start))
+        _prefetch_rows(w_lines + k_start, tl.minimum(k_ahead, k_end - k_start))
     pdl_wait(USE_PDL)
     if not TMA:
         x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
@@ -152,7 +152,7 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_p
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
         if PREFETCH and not INTERPRETED:
-            _prefetch_rows(w_lines + tl.minimum(k0 + PREFETCH * BK, k_end - BK), BK)
+            _prefetch_rows(w_lines + tl.minimum(k0 + k_ahead, k_end - BK), BK)
         if TMA:
             a = x_ptr.load([pid_m * BM, k0])
             w = w_ptr.load([pid_n * BN, k0]).T
@@ -233,8 +233,8 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
     _fp8_gemm_kernel[grid](
         x_arg, x_scale, w_arg, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
-        xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, PREFETCH=prefetch, TMA=tma,
+        prefetch * cfg.block_k, xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, PREFETCH=prefetch > 0, TMA=tma,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_options(pdl))
     if split > 1:
