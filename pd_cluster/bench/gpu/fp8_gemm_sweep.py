@@ -78,8 +78,15 @@ def sweep_shape(out: list[Timing], shape: tuple[str, int, int], rows: int, quick
     w16 = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     fp8 = copies(quantize(w16, "fp8"))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = product(x, fp8[0], None).float()
     for cfg in candidates(name, rows, n, k, quick):
         record(out, shape, rows, PATH, cfg.label(), [lambda q=q, c=cfg: product(x, q, c) for q in fp8], 1)
+        try:
+            err = float((product(x, fp8[0], cfg).float() - want).norm() / want.norm())
+        except Exception:  # noqa: BLE001  # logged by record already
+            continue
+        if err > 4e-3:
+            logger.warning("%s %s differs from the chosen config's product: rel %.2e", name, cfg.label(), err)
 
     def scaled(q):
         xq, s = act_quant_fp8_triton(x)
