@@ -33,7 +33,7 @@ from pd_cluster.model.quant_linear import quantize
 logger = logging.getLogger(__name__)
 
 #: Prefetch distances (blocks ahead) the chosen config tries.
-DISTANCES = (8, 4, 16, 32)
+DISTANCES = (8, 4, 16)
 #: Tiles beside the chosen ones, by shape: (BN, BK, split, warps, stages, prefetch, tma), BM the
 #: rows' power of two. Few stages with a prefetch leave room for two programs an SM.
 TILES = {
