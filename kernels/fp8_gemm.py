@@ -6,8 +6,7 @@ to arrive. What bounds it is how many weight bytes each SM keeps in flight. This
 output by all the rows (one ``BLOCK_M`` tile) and ``BLOCK_N`` channels and streams ``BLOCK_K``
 inputs a stage through ``num_stages`` buffers; where a narrow output leaves fewer tiles than the
 GPU has SMs, the inputs split ``split_k`` ways, each part's float32 sums written apart and added
-in a fixed order (the same sums every run) by a second kernel, or (``fused_sum``) by the last of
-a tile's programs to arrive, counted by an atomic a tile.
+in a fixed order by a second kernel (the same sums every run, no atomics).
 
 The SMs can keep only so many weight bytes in flight through their shared memory, fewer than the
 memory needs to stream at its rate when a tile's wait is as long as a load's latency. A config's
@@ -61,12 +60,9 @@ class Fp8GemmConfig:
     prefetch: int = 0
     #: Tiles loaded by tensor descriptor (TMA) rather than by pointers.
     tma: bool = False
-    #: Split-K parts added by the last of a tile's programs rather than by a second kernel.
-    fused_sum: bool = False
 
     def label(self) -> str:
-        extra = (f" p{self.prefetch}" if self.prefetch else "") + (" tma" if self.tma else "") + \
-            (" fs" if self.fused_sum else "")
+        extra = (f" p{self.prefetch}" if self.prefetch else "") + (" tma" if self.tma else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} k{self.split_k} w{self.num_warps} "
                 f"s{self.num_stages}{extra}")
 
@@ -126,19 +122,16 @@ def _prefetch_rows(row_ptrs, nbytes):
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_ptr, out_ptr, sum_ptr, counts_ptr,
-                     M, N, K, k_part, k_ahead, stride_x, stride_w, stride_out, stride_part, stride_sum,
-                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, FUSED_SUM: tl.constexpr, IMPRECISE: tl.constexpr,
-                     PREFETCH: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
+                     k_ahead, stride_x, stride_w, stride_out, stride_part,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr,
+                     TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      USE_PDL: tl.constexpr):
     # Program: a BM x BN tile of the output over inputs [pid_k * k_part, (pid_k + 1) * k_part).
     # TMA: x_ptr and w_ptr are tensor descriptors ([M, K] by [BM, BK]; [N, K] by [BN, BK]);
     # w_lines_ptr is the weight's pointer either way.
     # PREFETCH (compiled only; k_part and k_ahead multiples of BK): L2 asked for the weights
     # k_ahead inputs ahead of the loads, the first k_ahead before the wait for the kernel before.
-    # SPLIT: out_ptr holds the parts ([splits, M, N] float32); FUSED_SUM: the last of a tile's
-    # programs to arrive (counted in counts_ptr, reset by it) adds the parts in their order and
-    # writes sum_ptr's tile as _split_sum_kernel would.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -170,33 +163,15 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_p
                         eviction_policy="evict_first")
         acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE)
     if SPLIT:
-        tile = rm[:, None].to(tl.int64) * stride_out + rn[None, :]
-        tl.store(out_ptr + pid_k * stride_part + tile, acc, mask=m_mask[:, None] & n_mask[None, :])
-        if FUSED_SUM:
-            tl.debug_barrier()  # the whole tile stored before its arrival is counted
-            count = counts_ptr + pid_m * tl.num_programs(0) + pid_n
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                for s in range(0, tl.num_programs(2)):
-                    acc += tl.load(out_ptr + s * stride_part + tile, mask=m_mask[:, None] & n_mask[None, :],
-                                   other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
-                _epilogue(acc, rm, rn, m_mask, n_mask, x_scale_ptr, w_scale_ptr, bias_ptr, sum_ptr, stride_sum,
-                          HAS_BIAS)
+        part = out_ptr + pid_k * stride_part + rm[:, None].to(tl.int64) * stride_out + rn[None, :]
+        tl.store(part, acc, mask=m_mask[:, None] & n_mask[None, :])
     else:
-        _epilogue(acc, rm, rn, m_mask, n_mask, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out, HAS_BIAS)
-
-
-@triton.jit
-def _epilogue(acc, rm, rn, m_mask, n_mask, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, stride_out,
-              HAS_BIAS: tl.constexpr):
-    # The float32 sums scaled by row and channel (then the bias), stored in the output's type.
-    acc *= tl.load(x_scale_ptr + rm, mask=m_mask, other=0.0)[:, None]
-    acc *= tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & n_mask[None, :])
+        acc *= tl.load(x_scale_ptr + rm, mask=m_mask, other=0.0)[:, None]
+        acc *= tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -214,25 +189,6 @@ def _split_sum_kernel(part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-#: Tiles a fused split-K sum counts arrivals for, at most (more take the second kernel).
-MAX_COUNTED_TILES = 4096
-_arrivals: dict[tuple[str, int], torch.Tensor] = {}
-
-
-def _arrival_counts(device: torch.device) -> torch.Tensor:
-    """Zeroed counters of the programs arrived at each tile, one set a device and stream (launches
-    on one stream run in turn; each tile's last program sets its counter back to zero). A graph
-    captured on a stream keeps that stream's set: graphs replayed in turn may share it."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (f"cuda:{index}", torch.cuda.current_stream(index).cuda_stream)
-    else:  # interpreted
-        key = (str(device), 0)
-    if key not in _arrivals:
-        _arrivals[key] = torch.zeros(MAX_COUNTED_TILES, dtype=torch.int32, device=device)
-    return _arrivals[key]
 
 
 def _describable(t: torch.Tensor) -> bool:
@@ -275,15 +231,13 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     tma = cfg.tma and TensorDescriptor is not None and _describable(xq) and _describable(weight)
     x_arg = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k]) if tma else xq
     w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
-    fused_sum = split > 1 and cfg.fused_sum and grid[0] * grid[1] <= MAX_COUNTED_TILES
-    counts = _arrival_counts(xq.device) if fused_sum else x_scale
     _fp8_gemm_kernel[grid](
-        x_arg, x_scale, w_arg, weight, w_scale, bias if bias is not None else w_scale, target, out, counts, m, n, k,
-        k_part, prefetch * cfg.block_k, xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
-        out.stride(0), HAS_BIAS=bias is not None, SPLIT=split > 1, FUSED_SUM=fused_sum, IMPRECISE=cfg.block_k,
-        PREFETCH=prefetch > 0, TMA=tma, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(pdl))
-    if split > 1 and not fused_sum:
+        x_arg, x_scale, w_arg, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
+        prefetch * cfg.block_k, xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, PREFETCH=prefetch > 0, TMA=tma,
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_options(pdl))
+    if split > 1:
         block = min(1024, next_pow2(n))
         _split_sum_kernel[(cdiv(n, block), m)](target, x_scale, w_scale, bias if bias is not None else w_scale, out,
                                                m, n, m * n, out.stride(0), HAS_BIAS=bias is not None, SPLITS=split,

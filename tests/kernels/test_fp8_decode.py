@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fp8_gemm import Fp8GemmConfig, _arrivals, fp8_gemm_heuristic, fp8_gemm_triton
+from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_heuristic, fp8_gemm_triton
 from kernels.quant_matmul import act_quant_fp8_ref
 from tests.kernels.interpreted import INTERPRETER, run_in_interpreter
 
@@ -23,8 +23,7 @@ def _codes(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 class InterpretedCases:
     @pytest.mark.parametrize("config", [Fp8GemmConfig(16, 32, 64), Fp8GemmConfig(32, 16, 32, split_k=3),
-                                        Fp8GemmConfig(16, 64, 32, split_k=2, num_stages=2),
-                                        Fp8GemmConfig(32, 16, 32, split_k=3, fused_sum=True), None])
+                                        Fp8GemmConfig(16, 64, 32, split_k=2, num_stages=2), None])
     @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
     def test_fp8_gemm_matches_the_scaled_product(self, config: Fp8GemmConfig | None, out_dtype: torch.dtype) -> None:
         """37 rows (a partial row tile), 70 outputs (a partial channel tile), 200 inputs (a partial
@@ -46,22 +45,17 @@ class InterpretedCases:
             torch.testing.assert_close(out.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
 
     @pytest.mark.parametrize("config", [Fp8GemmConfig(64, 32, 64, tma=True), Fp8GemmConfig(64, 16, 32, 3, tma=True),
-                                        Fp8GemmConfig(64, 32, 64, 2, prefetch=2),
-                                        Fp8GemmConfig(64, 16, 32, 3, fused_sum=True),
-                                        Fp8GemmConfig(64, 32, 64, 4, prefetch=2, tma=True, fused_sum=True)])
-    def test_fp8_gemm_by_descriptors_prefetching_or_summing_parts_itself(self, config: Fp8GemmConfig) -> None:
+                                        Fp8GemmConfig(64, 32, 64, 2, prefetch=2)])
+    def test_fp8_gemm_by_descriptors_and_prefetching(self, config: Fp8GemmConfig) -> None:
         """Tiles loaded by tensor descriptor (rows and outputs past the tiles' ends read as
-        zeros; 256 inputs split in parts of 96, 96 and 64), a prefetching config (its prefetches
-        compiled only), split-K parts added by the tile's last program: the same bits as the
-        pointer loads' tiles of the same shape, their parts added by the second kernel. The
-        arrival counters are back at zero (for the next launch, or a graph's next replay)."""
+        zeros; 256 inputs split in parts of 96, 96 and 64) and a prefetching config (its
+        prefetches compiled only): the same bits as the pointer loads' tiles of the same shape."""
         gen = torch.Generator().manual_seed(35)
         xq, x_scale = act_quant_fp8_ref(torch.randn(40, 256, generator=gen))
         weight, w_scale = _codes(80, 256, gen), torch.rand(80, generator=gen) * 2e-3 + 1e-4
         out = fp8_gemm_triton(xq, x_scale, weight, w_scale, torch.float32, config=config)
         plain = Fp8GemmConfig(config.block_m, config.block_n, config.block_k, config.split_k)
         assert torch.equal(out, fp8_gemm_triton(xq, x_scale, weight, w_scale, torch.float32, config=plain))
-        assert not any(counts.any() for counts in _arrivals.values())
         ref = (xq.double() * x_scale.double()) @ (weight.double() * w_scale.double()[:, None]).T
         torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
@@ -88,4 +82,4 @@ if INTERPRETER:
 else:
 
     def test_fp8_decode_kernels_match_references_in_the_interpreter() -> None:
-        run_in_interpreter(__file__, min_passed=16)
+        run_in_interpreter(__file__, min_passed=12)

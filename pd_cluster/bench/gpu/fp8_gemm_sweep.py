@@ -64,8 +64,6 @@ def candidates(name: str, rows: int, n: int, k: int, quick: bool = False) -> lis
     for bn, bk, split, warps, stages, prefetch, tma in ([] if quick else TILES.get(name, [])):
         found.append(Fp8GemmConfig(bm, bn, bk, split, warps, stages, prefetch, tma))
     found += [replace(now, prefetch=d) for d in DISTANCES[1:]]
-    if not quick:  # each split-K tile set again, its parts added by its last program
-        found += [replace(c, fused_sum=True) for c in found if c.split_k > 1 and c.prefetch == DISTANCES[0]]
     return list(dict.fromkeys(found))
 
 
@@ -112,7 +110,7 @@ def parse_label(label: str) -> Fp8GemmConfig:
     parts = label.split()
     bm, bn, bk = (int(v) for v in parts[0].split("x"))
     opts = {p[0]: int(p[1:]) for p in parts[1:] if p[0] in "kwsp" and p[1:].isdigit()}
-    return Fp8GemmConfig(bm, bn, bk, opts["k"], opts["w"], opts["s"], opts.get("p", 0), "tma" in parts, "fs" in parts)
+    return Fp8GemmConfig(bm, bn, bk, opts["k"], opts["w"], opts["s"], opts.get("p", 0), "tma" in parts)
 
 
 def layer_chain(out: list[Timing], rows: int, picks: dict[str, Fp8GemmConfig | None], label: str,
@@ -150,8 +148,8 @@ def report(out: list[Timing], rows: int) -> list[str]:
               f"{row['scaled']:8.2f} {row['bf16']:8.2f}  {top.config}")
         cfg = parse_label(top.config)
         winners.append(f"({next_pow2(rows)}, {n}, {k}): Fp8GemmConfig({cfg.block_m}, {cfg.block_n}, {cfg.block_k}, "
-                       f"{cfg.split_k}, {cfg.num_warps}, {cfg.num_stages}, {cfg.prefetch}, {cfg.tma}, "
-                       f"{cfg.fused_sum}),  # {name} {top.us:.2f} us")
+                       f"{cfg.split_k}, {cfg.num_warps}, {cfg.num_stages}, {cfg.prefetch}"
+                       f"{', True' if cfg.tma else ''}),  # {name} {top.us:.2f} us")
     print(f"{'layer':8s} {sums['now']:8.2f} {sums['best']:8.2f} {'':6s} {sums['best'] / max(sums['now'], 1e-9):8.3f} "
           f"{sums['scaled']:8.2f} {sums['bf16']:8.2f}  (sums of the four)")
     for t in out:
