@@ -8,12 +8,10 @@ inputs a stage through ``num_stages`` buffers; where a narrow output leaves fewe
 GPU has SMs, the inputs split ``split_k`` ways, each part's float32 sums written apart and added
 in a fixed order by a second kernel (the same sums every run, no atomics).
 
-The SMs can keep only so many weight bytes in flight through their shared memory, fewer than the
-memory needs to stream at its rate when a tile's wait is as long as a load's latency. A config's
-``prefetch`` has each program ask L2 for its weight rows ``prefetch`` blocks ahead of its loads
-(a bulk prefetch a row, sm_90), the first of them before it waits for the kernel before it: the
-weights stream while that kernel (the activations' quantization) still runs. ``tma`` loads the
-tiles by tensor descriptor.
+Before it waits for the kernel before it (the activations' quantization, under programmatic
+dependent launch), a program can ask L2 for the first ``prefetch`` blocks of its weight rows
+(``prefetch_lines``: a prefetch a 128-byte line, else one bulk prefetch a row, sm_90): the weights
+start streaming while that kernel still runs. ``tma`` loads the tiles by tensor descriptor.
 
 The numbers are ``torch._scaled_mm``'s: the activations quantized per row
 (:func:`kernels.quant_matmul.act_quant_fp8_triton`), the weight per output channel, both scales
@@ -56,13 +54,16 @@ class Fp8GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    #: Blocks of weight inputs each program asks L2 for ahead of its loads (0: none).
+    #: Blocks of weight inputs each program asks L2 for before its wait (0: none).
     prefetch: int = 0
+    #: The prefetch a 128-byte line (else one bulk prefetch a row).
+    prefetch_lines: bool = False
     #: Tiles loaded by tensor descriptor (TMA) rather than by pointers.
     tma: bool = False
 
     def label(self) -> str:
-        extra = (f" p{self.prefetch}" if self.prefetch else "") + (" tma" if self.tma else "")
+        extra = (f" p{self.prefetch}{'L' if self.prefetch_lines else ''}" if self.prefetch else "") + \
+            (" tma" if self.tma else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} k{self.split_k} w{self.num_warps} "
                 f"s{self.num_stages}{extra}")
 
@@ -122,16 +123,23 @@ def _prefetch_rows(row_ptrs, nbytes):
 
 
 @triton.jit
+def _prefetch_lines(line_ptrs):
+    # A prefetch into L2 of the 128-byte line of each address.
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [line_ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
                      k_ahead, stride_x, stride_w, stride_out, stride_part,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr,
-                     TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     USE_PDL: tl.constexpr):
+                     LINES: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program: a BM x BN tile of the output over inputs [pid_k * k_part, (pid_k + 1) * k_part).
     # TMA: x_ptr and w_ptr are tensor descriptors ([M, K] by [BM, BK]; [N, K] by [BN, BK]);
     # w_lines_ptr is the weight's pointer either way.
-    # PREFETCH (compiled only; k_part and k_ahead multiples of BK): L2 asked for the weights
-    # k_ahead inputs ahead of the loads, the first k_ahead before the wait for the kernel before.
+    # PREFETCH (compiled only): before the wait for the kernel before, L2 asked for the first
+    # k_ahead inputs of the program's weight rows, a line at a time (LINES lines a row) or a row.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -143,16 +151,19 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_p
     k_start = pid_k * k_part
     k_end = tl.minimum(k_start + k_part, K)
     if PREFETCH and not INTERPRETED:
-        w_lines = w_lines_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w
-        _prefetch_rows(w_lines + k_start, tl.minimum(k_ahead, k_end - k_start))
+        w_lines = w_lines_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w + k_start
+        span = tl.minimum(k_ahead, k_end - k_start)
+        if LINES:
+            line = tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(span - 128, 0))
+            _prefetch_lines(w_lines[:, None] + line[None, :])
+        else:
+            _prefetch_rows(w_lines, span)
     pdl_wait(USE_PDL)
     if not TMA:
         x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
         w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_w
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
-        if PREFETCH and not INTERPRETED:
-            _prefetch_rows(w_lines + tl.minimum(k0 + k_ahead, k_end - BK), BK)
         if TMA:
             a = x_ptr.load([pid_m * BM, k0])
             w = w_ptr.load([pid_n * BN, k0]).T
@@ -228,13 +239,14 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     # Bulk prefetches take 16-byte aligned rows and whole blocks (every part a multiple of BK).
     prefetch = cfg.prefetch if (k % cfg.block_k == 0 and cfg.block_k % 16 == 0 and weight.stride(0) % 16 == 0
                                 and weight.data_ptr() % 16 == 0) else 0
+    lines = next_pow2(max(1, prefetch * cfg.block_k // 128)) if prefetch and cfg.prefetch_lines else 0
     tma = cfg.tma and TensorDescriptor is not None and _describable(xq) and _describable(weight)
     x_arg = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k]) if tma else xq
     w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
     _fp8_gemm_kernel[grid](
         x_arg, x_scale, w_arg, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
         prefetch * cfg.block_k, xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, PREFETCH=prefetch > 0, TMA=tma,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, PREFETCH=prefetch > 0, LINES=lines, TMA=tma,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_options(pdl))
     if split > 1:

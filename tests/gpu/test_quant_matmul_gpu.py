@@ -97,7 +97,8 @@ def test_fp8_gemm_matches_the_scaled_product_and_serves_decode_batches(rows, n, 
         plain = fp8_gemm_triton(xq, x_scale, q.qweight, q.scale, torch.bfloat16, bias, cfg)
         assert _rel(plain, ref) < 4e-3
         # Prefetching (a distance past a part's end too) and descriptor loads: the same bits.
-        for variant in (replace(cfg, prefetch=8), replace(cfg, prefetch=32), replace(cfg, tma=True),
-                        replace(cfg, prefetch=4, tma=True)):
+        for variant in (replace(cfg, prefetch=8), replace(cfg, prefetch=32, prefetch_lines=True),
+                        replace(cfg, tma=True), replace(cfg, prefetch=4, tma=True),
+                        replace(cfg, prefetch=2, prefetch_lines=True, tma=True)):
             assert torch.equal(fp8_gemm_triton(xq, x_scale, q.qweight, q.scale, torch.bfloat16, bias, variant), plain)
     assert not fp8_gemm_supported(torch.randn(FP8_GEMM_MAX_ROWS + 1, k, device="cuda", dtype=torch.bfloat16), q)

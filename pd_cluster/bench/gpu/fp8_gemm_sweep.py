@@ -1,7 +1,7 @@
 """A sweep of the FP8 GEMM (:mod:`kernels.fp8_gemm`) at a decode batch's rows over the 8B shape's
-four projections: its configs as chosen now, the same with the weights prefetched into L2 at a
-few distances, other tiles, split-K and tensor-descriptor loads, beside ``torch._scaled_mm`` and
-cuBLAS bf16; then a layer's four products in turn in one graph, the chosen configs against this
+four projections: its configs as chosen now, the same by tensor descriptor, and each with its
+first weight blocks asked of L2 before its wait at a few distances, beside ``torch._scaled_mm``
+and cuBLAS bf16; then a layer's four products in turn in one graph, the chosen configs against this
 run's fastest (where prefetching before the wait for the kernel before shows).
 
 Timing as :mod:`pd_cluster.bench.gpu.fp8_sweep`'s: CUDA graphs over weight copies three times L2,
@@ -32,38 +32,20 @@ from pd_cluster.model.quant_linear import quantize
 
 logger = logging.getLogger(__name__)
 
-#: Prefetch distances (blocks ahead) the chosen config tries.
-DISTANCES = (8, 4, 16)
-#: Tiles beside the chosen ones, by shape: (BN, BK, split, warps, stages, prefetch, tma), BM the
-#: rows' power of two. Few stages with a prefetch leave room for two programs an SM.
-TILES = {
-    "qkv": [(32, 256, 1, 4, 4, 8, False), (64, 256, 2, 4, 4, 8, False), (64, 128, 1, 4, 3, 8, False),
-            (64, 256, 1, 4, 2, 8, False), (64, 256, 1, 4, 3, 16, False), (32, 256, 2, 4, 3, 8, False),
-            (64, 256, 1, 4, 4, 8, True), (64, 256, 1, 4, 4, 0, True)],
-    "o": [(64, 256, 2, 4, 4, 8, False), (32, 256, 2, 4, 4, 8, False), (64, 128, 1, 4, 3, 8, False),
-          (32, 256, 1, 4, 2, 8, False), (64, 256, 1, 4, 4, 8, False), (16, 256, 1, 4, 4, 8, False),
-          (32, 256, 1, 4, 5, 8, True), (32, 256, 1, 4, 5, 0, True)],
-    "down": [(32, 256, 1, 4, 5, 8, False), (32, 256, 2, 4, 4, 8, False), (64, 256, 4, 4, 4, 8, False),
-             (64, 128, 2, 4, 3, 8, False), (64, 256, 2, 4, 2, 8, False), (32, 256, 1, 4, 3, 16, False),
-             (64, 256, 1, 4, 4, 8, False), (64, 256, 2, 4, 4, 8, True), (64, 256, 2, 4, 4, 0, True)],
-    "gate_up": [(64, 256, 1, 4, 4, 8, False), (128, 256, 1, 8, 3, 8, False), (256, 128, 1, 8, 3, 8, False),
-                (128, 128, 1, 4, 2, 8, False), (64, 256, 1, 4, 2, 8, False), (128, 128, 1, 4, 4, 8, True),
-                (128, 128, 1, 4, 4, 0, True)],
-}
+#: Blocks of each program's weight rows asked of L2 before the wait for the kernel before.
+DISTANCES = (2, 4, 8, 16)
 #: The order of the shapes: the narrow outputs first.
 ORDER = ["down", "o", "qkv", "gate_up"]
 PATH = "fp8 gemm+triton quant"
 
 
-def candidates(name: str, rows: int, n: int, k: int, quick: bool = False) -> list[Fp8GemmConfig]:
-    """The chosen config, it prefetching at the first distance, then :data:`TILES` (unless
-    ``quick``), then the other distances."""
-    now = fp8_gemm_config(rows, n, k)
-    bm = min(64, max(16, next_pow2(rows)))
-    found = [replace(now, prefetch=0, tma=False), replace(now, prefetch=DISTANCES[0])]
-    for bn, bk, split, warps, stages, prefetch, tma in ([] if quick else TILES.get(name, [])):
-        found.append(Fp8GemmConfig(bm, bn, bk, split, warps, stages, prefetch, tma))
-    found += [replace(now, prefetch=d) for d in DISTANCES[1:]]
+def candidates(rows: int, n: int, k: int, quick: bool = False) -> list[Fp8GemmConfig]:
+    """The chosen config and it by tensor descriptor, then each prefetching before its wait at
+    each distance, a bulk prefetch a row or a prefetch a line (``quick``: by descriptor only)."""
+    now = replace(fp8_gemm_config(rows, n, k), prefetch=0, prefetch_lines=False, tma=False)
+    found = [now, replace(now, tma=True)]
+    for base in found[::-1][:1 if quick else 2]:
+        found += [replace(base, prefetch=d, prefetch_lines=lines) for d in DISTANCES for lines in (False, True)]
     return list(dict.fromkeys(found))
 
 
@@ -79,7 +61,7 @@ def sweep_shape(out: list[Timing], shape: tuple[str, int, int], rows: int, quick
     fp8 = copies(quantize(w16, "fp8"))
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     want = product(x, fp8[0], None).float()
-    for cfg in candidates(name, rows, n, k, quick):
+    for cfg in candidates(rows, n, k, quick):
         record(out, shape, rows, PATH, cfg.label(), [lambda q=q, c=cfg: product(x, q, c) for q in fp8], 1)
         try:
             err = float((product(x, fp8[0], cfg).float() - want).norm() / want.norm())
@@ -109,8 +91,9 @@ def parse_label(label: str) -> Fp8GemmConfig:
     """A config from its :meth:`Fp8GemmConfig.label`."""
     parts = label.split()
     bm, bn, bk = (int(v) for v in parts[0].split("x"))
-    opts = {p[0]: int(p[1:]) for p in parts[1:] if p[0] in "kwsp" and p[1:].isdigit()}
-    return Fp8GemmConfig(bm, bn, bk, opts["k"], opts["w"], opts["s"], opts.get("p", 0), "tma" in parts)
+    opts = {p[0]: int(p[1:].rstrip("L")) for p in parts[1:] if p[0] in "kwsp" and p[1:].rstrip("L").isdigit()}
+    lines = any(p[0] == "p" and p.endswith("L") for p in parts[1:])
+    return Fp8GemmConfig(bm, bn, bk, opts["k"], opts["w"], opts["s"], opts.get("p", 0), lines, "tma" in parts)
 
 
 def layer_chain(out: list[Timing], rows: int, picks: dict[str, Fp8GemmConfig | None], label: str,
@@ -131,7 +114,8 @@ def layer_chain(out: list[Timing], rows: int, picks: dict[str, Fp8GemmConfig | N
 
 def report(out: list[Timing], rows: int) -> list[str]:
     """Per shape: the chosen config, the fastest, _scaled_mm and bf16 (us, TB/s); a layer's sums."""
-    print(f"\n{'shape':8s} {'now us':>8s} {'best us':>8s} {'TB/s':>6s} {'best/now':>8s} {'scaled':>8s} {'bf16':>8s}  best")
+    print(f"\n{'shape':8s} {'now us':>8s} {'best us':>8s} {'TB/s':>6s} {'best/now':>8s} {'scaled':>8s} "
+          f"{'bf16':>8s}  best")
     sums = {"now": 0.0, "best": 0.0, "scaled": 0.0, "bf16": 0.0}
     winners = []
     for name, n, k in SHAPES:
@@ -163,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--shapes", default=",".join(ORDER))
-    parser.add_argument("--quick", action="store_true", help="the chosen tiles only, at each prefetch distance")
+    parser.add_argument("--quick", action="store_true", help="prefetching by descriptor only")
     parser.add_argument("--no-chain", action="store_true", help="no layer chain")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
