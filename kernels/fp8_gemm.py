@@ -74,19 +74,20 @@ FP8_GEMM_CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {
     # One H200, the 8B shape's projections after the activations' quantization, each in a CUDA graph
     # over cold weights (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``); a layer's four at 64
     # rows 85.8 us against _scaled_mm's 125.5 and cuBLAS bf16's 127.3, at 16 rows 87.2 against the
-    # weight-only GEMM's 113.2.
+    # weight-only GEMM's 113.2. At 64 rows o and gate/up load by descriptor (``fp8_gemm_sweep``,
+    # the same day: 9.37 against 9.70 us, 35.59 against 37.25), down too (even: 24.42, 24.48).
     (16, 6144, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # qkv 11.88 us
     (32, 6144, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 14.40
     (64, 6144, 4096): Fp8GemmConfig(64, 64, 256, 1, 4, 4),  # 11.84
     (16, 4096, 14336): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # down 29.11
     (32, 4096, 14336): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 32.82
-    (64, 4096, 14336): Fp8GemmConfig(64, 64, 256, 2, 4, 4),  # 27.92
+    (64, 4096, 14336): Fp8GemmConfig(64, 64, 256, 2, 4, 4, tma=True),  # 24.42
     (16, 4096, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # o 10.89
     (32, 4096, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 12.96
-    (64, 4096, 4096): Fp8GemmConfig(64, 32, 256, 1, 4, 5),  # 9.67
+    (64, 4096, 4096): Fp8GemmConfig(64, 32, 256, 1, 4, 5, tma=True),  # 9.37
     (16, 28672, 4096): Fp8GemmConfig(16, 32, 256, 1, 4, 5),  # gate_up 35.29
     (32, 28672, 4096): Fp8GemmConfig(32, 64, 256, 1, 4, 3),  # 35.86
-    (64, 28672, 4096): Fp8GemmConfig(64, 128, 128, 1, 4, 4),  # 36.36
+    (64, 28672, 4096): Fp8GemmConfig(64, 128, 128, 1, 4, 4, tma=True),  # 35.59
 }
 
 #: Rows up to which FP8 weights take this GEMM rather than ``torch._scaled_mm`` (past the
