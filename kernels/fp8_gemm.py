@@ -237,11 +237,13 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m), split)
     target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)  # each launch waits for the one before at its start
-    # Bulk prefetches take 16-byte aligned rows and whole blocks (every part a multiple of BK).
-    prefetch = cfg.prefetch if (k % cfg.block_k == 0 and cfg.block_k % 16 == 0 and weight.stride(0) % 16 == 0
-                                and weight.data_ptr() % 16 == 0) else 0
+    # Descriptors and bulk prefetches are sm_90's (interpreted: the descriptors run, nothing is
+    # prefetched); bulk prefetches take 16-byte aligned rows and whole blocks.
+    sm90 = not xq.is_cuda or torch.cuda.get_device_capability(xq.device) >= (9, 0)
+    prefetch = cfg.prefetch if (sm90 and k % cfg.block_k == 0 and cfg.block_k % 16 == 0
+                                and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0) else 0
     lines = next_pow2(max(1, prefetch * cfg.block_k // 128)) if prefetch and cfg.prefetch_lines else 0
-    tma = cfg.tma and TensorDescriptor is not None and _describable(xq) and _describable(weight)
+    tma = cfg.tma and sm90 and TensorDescriptor is not None and _describable(xq) and _describable(weight)
     x_arg = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k]) if tma else xq
     w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
     _fp8_gemm_kernel[grid](
