@@ -8,6 +8,11 @@ inputs a stage through ``num_stages`` buffers; where a narrow output leaves fewe
 GPU has SMs, the inputs split ``split_k`` ways, each part's float32 sums written apart and added
 in a fixed order by a second kernel (the same sums every run, no atomics).
 
+Before it waits for the kernel before it (the activations' quantization, under programmatic
+dependent launch), a program can ask L2 for the first ``prefetch`` blocks of its weight rows
+(``prefetch_lines``: a prefetch a 128-byte line, else one bulk prefetch a row, sm_90): the weights
+start streaming while that kernel still runs. ``tma`` loads the tiles by tensor descriptor.
+
 The numbers are ``torch._scaled_mm``'s: the activations quantized per row
 (:func:`kernels.quant_matmul.act_quant_fp8_triton`), the weight per output channel, both scales
 applied to the float32 sums. Hopper's FP8 products add up in fewer bits than float32; the partial
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import (
+    INTERPRETED,
     cdiv,
     last_dim_contiguous,
     next_pow2,
@@ -31,6 +37,11 @@ from kernels._triton import (
     triton,
     use_pdl,
 )
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # no Triton, or one without host-side tensor descriptors: the pointer loads
+    TensorDescriptor = None
 
 
 @dataclass(frozen=True)
@@ -43,9 +54,18 @@ class Fp8GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    #: Blocks of weight inputs each program asks L2 for before its wait (0: none).
+    prefetch: int = 0
+    #: The prefetch a 128-byte line (else one bulk prefetch a row).
+    prefetch_lines: bool = False
+    #: Tiles loaded by tensor descriptor (TMA) rather than by pointers.
+    tma: bool = False
 
     def label(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} k{self.split_k} w{self.num_warps} s{self.num_stages}"
+        extra = (f" p{self.prefetch}{'L' if self.prefetch_lines else ''}" if self.prefetch else "") + \
+            (" tma" if self.tma else "")
+        return (f"{self.block_m}x{self.block_n}x{self.block_k} k{self.split_k} w{self.num_warps} "
+                f"s{self.num_stages}{extra}")
 
 
 #: Configs by (rows' power of two, out features, in features), as measured fastest on an H200
@@ -54,19 +74,20 @@ FP8_GEMM_CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {
     # One H200, the 8B shape's projections after the activations' quantization, each in a CUDA graph
     # over cold weights (``fp8-decode-sweep-nvidia-h200-x1-2026-11-29.json``); a layer's four at 64
     # rows 85.8 us against _scaled_mm's 125.5 and cuBLAS bf16's 127.3, at 16 rows 87.2 against the
-    # weight-only GEMM's 113.2.
+    # weight-only GEMM's 113.2. At 64 rows o and gate/up load by descriptor (``fp8_gemm_sweep``,
+    # the same day: 9.37 against 9.70 us, 35.59 against 37.25), down too (even: 24.42, 24.48).
     (16, 6144, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # qkv 11.88 us
     (32, 6144, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 14.40
     (64, 6144, 4096): Fp8GemmConfig(64, 64, 256, 1, 4, 4),  # 11.84
     (16, 4096, 14336): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # down 29.11
     (32, 4096, 14336): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 32.82
-    (64, 4096, 14336): Fp8GemmConfig(64, 64, 256, 2, 4, 4),  # 27.92
+    (64, 4096, 14336): Fp8GemmConfig(64, 64, 256, 2, 4, 4, tma=True),  # 24.42
     (16, 4096, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # o 10.89
     (32, 4096, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 12.96
-    (64, 4096, 4096): Fp8GemmConfig(64, 32, 256, 1, 4, 5),  # 9.67
+    (64, 4096, 4096): Fp8GemmConfig(64, 32, 256, 1, 4, 5, tma=True),  # 9.37
     (16, 28672, 4096): Fp8GemmConfig(16, 32, 256, 1, 4, 5),  # gate_up 35.29
     (32, 28672, 4096): Fp8GemmConfig(32, 64, 256, 1, 4, 3),  # 35.86
-    (64, 28672, 4096): Fp8GemmConfig(64, 128, 128, 1, 4, 4),  # 36.36
+    (64, 28672, 4096): Fp8GemmConfig(64, 128, 128, 1, 4, 4, tma=True),  # 35.59
 }
 
 #: Rows up to which FP8 weights take this GEMM rather than ``torch._scaled_mm`` (past the
@@ -95,12 +116,31 @@ def fp8_gemm_config(rows: int, n: int, k: int) -> Fp8GemmConfig:
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
-                     stride_x, stride_w, stride_out, stride_part,
-                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr):
+def _prefetch_rows(row_ptrs, nbytes):
+    # One bulk prefetch into L2 a row: ``nbytes`` (a multiple of 16) from each 16-aligned address.
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [row_ptrs.to(tl.int64), tl.full(row_ptrs.shape, nbytes, tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_lines(line_ptrs):
+    # A prefetch into L2 of the 128-byte line of each address.
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [line_ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
+                     k_ahead, stride_x, stride_w, stride_out, stride_part,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr,
+                     LINES: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program: a BM x BN tile of the output over inputs [pid_k * k_part, (pid_k + 1) * k_part).
-    pdl_wait(USE_PDL)
+    # TMA: x_ptr and w_ptr are tensor descriptors ([M, K] by [BM, BK]; [N, K] by [BN, BK]);
+    # w_lines_ptr is the weight's pointer either way.
+    # PREFETCH (compiled only): before the wait for the kernel before, L2 asked for the first
+    # k_ahead inputs of the program's weight rows, a line at a time (LINES lines a row) or a row.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -109,16 +149,30 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
     rk = tl.arange(0, BK)
     m_mask = rm < M
     n_mask = rn < N
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_w
     k_start = pid_k * k_part
     k_end = tl.minimum(k_start + k_part, K)
+    if PREFETCH and not INTERPRETED:
+        w_lines = w_lines_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w + k_start
+        span = tl.minimum(k_ahead, k_end - k_start)
+        if LINES:
+            line = tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(span - 128, 0))
+            _prefetch_lines(w_lines[:, None] + line[None, :])
+        else:
+            _prefetch_rows(w_lines, span)
+    pdl_wait(USE_PDL)
+    if not TMA:
+        x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
+        w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_w
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(k_start, k_end, BK):
-        k_mask = (k0 + rk) < k_end
-        a = tl.load(x_rows + k0 + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_rows + k0 + rk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
+        if TMA:
+            a = x_ptr.load([pid_m * BM, k0])
+            w = w_ptr.load([pid_n * BN, k0]).T
+        else:
+            k_mask = (k0 + rk) < k_end
+            a = tl.load(x_rows + k0 + rk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_rows + k0 + rk[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
         acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE)
     if SPLIT:
         part = out_ptr + pid_k * stride_part + rm[:, None].to(tl.int64) * stride_out + rn[None, :]
@@ -147,6 +201,11 @@ def _split_sum_kernel(part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _describable(t: torch.Tensor) -> bool:
+    """Whether ``t`` (2-D, rows contiguous) can be a tensor descriptor's."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] % 16 == 0
 
 
 def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
@@ -178,10 +237,19 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m), split)
     target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)  # each launch waits for the one before at its start
+    # Descriptors and bulk prefetches are sm_90's (interpreted: the descriptors run, nothing is
+    # prefetched); bulk prefetches take 16-byte aligned rows and whole blocks.
+    sm90 = not xq.is_cuda or torch.cuda.get_device_capability(xq.device) >= (9, 0)
+    prefetch = cfg.prefetch if (sm90 and k % cfg.block_k == 0 and cfg.block_k % 16 == 0
+                                and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0) else 0
+    lines = next_pow2(max(1, prefetch * cfg.block_k // 128)) if prefetch and cfg.prefetch_lines else 0
+    tma = cfg.tma and sm90 and TensorDescriptor is not None and _describable(xq) and _describable(weight)
+    x_arg = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k]) if tma else xq
+    w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
     _fp8_gemm_kernel[grid](
-        xq, x_scale, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
-        xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k,
+        x_arg, x_scale, w_arg, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
+        prefetch * cfg.block_k, xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, PREFETCH=prefetch > 0, LINES=lines, TMA=tma,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_options(pdl))
     if split > 1:
