@@ -12,7 +12,10 @@ spread over the masters send chat requests of ``--input-len`` prompt tokens for
 * dispatch p50/p99: a request's arrival at its master to its job leaving for a node (the
   masters' own request log, ``dispatch_s``);
 * added ITL p50/p99: a token's frame leaving its node to its SSE chunk reaching the client (the
-  master's share of every inter-token latency, wire included);
+  master's share of every inter-token latency, wire included): the kernel's receive stamp of the
+  chunk's bytes where Linux gives one (:mod:`pd_cluster.bench.sse_wire`), so that a client process
+  busy with other reads does not add its own queue; the same at the client's read (``*_read_*``)
+  shows that queue;
 * TTFT p50/p99 at the client, and the masters' CPU (cores, and microseconds a token);
 * the CPU of each client process and of the synthetic nodes: a client process near a whole
   core is itself the limit (its tokens wait for it, not for the master), and the run warns.
@@ -86,6 +89,8 @@ class ScaleOptions:
     request_timeout_s: float = 120.0
     #: Run the masters on cores of their own, apart from the nodes and clients (where Linux allows).
     pin: bool = True
+    #: Client processes never sleep between reads (see ``scale_client._spin``): for clients on cores of their own.
+    client_spin: bool = False
     #: ``concurrency`` counts streams per master (the level's total is that times the masters).
     per_master: bool = False
     #: Clusters of more master processes (masters x workers) than this are skipped (None: none).
@@ -199,7 +204,8 @@ def _run_clients(options: ScaleOptions, cluster: _Cluster, concurrency: int,
         plan = ClientPlan(urls=urls, streams=list(range(k, concurrency, procs)), total_streams=concurrency,
                           prompts=prompts, model=SERVED_NAME, max_tokens=options.output_len, start=0.0,
                           ramp_s=options.ramp_s, window_start=0.0, end=0.0,
-                          request_timeout_s=options.request_timeout_s, cpus=cluster.cores.clients)
+                          request_timeout_s=options.request_timeout_s, cpus=cluster.cores.clients,
+                          spin=options.client_spin)
         ours, theirs = ctx.Pipe()
         child = ctx.Process(target=client_main, args=(plan, theirs), daemon=True)
         child.start()
@@ -249,6 +255,7 @@ def _dispatch_seconds(cluster: _Cluster, requests: list[tuple[int, str]], timeou
 def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: list[str]) -> dict[str, Any]:
     results, (cpu, node_cpu) = _run_clients(options, cluster, concurrency, prompts)
     added = sorted(x for r in results for x in r.added_s)
+    read_added = sorted(x for r in results for x in r.read_added_s)
     ttft = sorted(x for r in results for x in r.ttft_s)
     requests = [q for r in results for q in r.requests]
     dispatch = sorted(_dispatch_seconds(cluster, requests))
@@ -268,6 +275,9 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
         "dispatch_p99_s": percentile(dispatch, 0.99),
         "added_itl_p50_s": statistics.median(added) if added else None,
         "added_itl_p99_s": percentile(added, 0.99),
+        "added_itl_stamped_by": "kernel" if all(r.kernel_stamps for r in results) else "read",
+        "added_itl_read_p50_s": statistics.median(read_added) if read_added else None,
+        "added_itl_read_p99_s": percentile(read_added, 0.99),
         "ttft_p50_s": statistics.median(ttft) if ttft else None,
         "ttft_p99_s": percentile(ttft, 0.99),
         "master_cpu_cores": cpu / options.measure_s,
@@ -276,7 +286,8 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
         "client_cpu_cores": [r.cpu_s / options.measure_s for r in results],
         "cores": cluster.cores.as_dict(),
     }
-    level["client_limited"] = max(level["client_cpu_cores"]) > CLIENT_CPU_WARN
+    # A spinning client is busy by design: its CPU says nothing of its load.
+    level["client_limited"] = not options.client_spin and max(level["client_cpu_cores"]) > CLIENT_CPU_WARN
     if level["client_limited"]:
         logger.warning("a client process used %.2f of a core (over %.1f): the clients may be what limits this level; "
                        "give them more processes (--client-procs) or cores", max(level["client_cpu_cores"]),
@@ -377,6 +388,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
     rows = [f"| {lv['masters']} | {lv['concurrency']} | {lv.get('workers', 1)} | {lv['tokens_per_s']:.0f} | {ms(lv['dispatch_p50_s'])} | "
             f"{ms(lv['dispatch_p99_s'])} | {ms(lv['added_itl_p50_s'])} | {ms(lv['added_itl_p99_s'])} | "
+            f"{ms(lv.get('added_itl_read_p99_s'))} | "
             f"{ms(lv['ttft_p50_s'])} | {lv['master_cpu_cores']:.2f} | {max(lv.get('client_cpu_cores', []), default=0):.2f} | {lv['failed']} | "
             f"{'yes' if lv['within_bounds'] else 'no'} |" for lv in doc["levels"]]
     key = doc["master_tokens_per_s_dispatch_p99_10ms"]
@@ -395,8 +407,9 @@ def markdown(doc: dict[str, Any]) -> str:
           for load, by_masters in doc.get("scaling_by_load", {}).items() if len(by_masters) > 1],
         *[f"Skipped: {line}.  " for line in doc.get("skipped", [])], "",
         "| masters | streams | workers each | tokens/s | dispatch p50 ms | dispatch p99 ms | added ITL p50 ms | added ITL p99 ms | "
+        "added ITL p99 at the client's read ms | "
         "TTFT p50 ms | master CPU (cores) | busiest client (cores) | failed | within bounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
     ])
 
@@ -428,6 +441,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-streams", type=int, default=None, help="skip the levels of more streams in all than this")
     g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=d.pin,
                    help="run each master on cores of its own, apart from the nodes and clients (Linux)")
+    g.add_argument("--client-spin", action="store_true",
+                   help="client processes never sleep between reads (a master's write then does not pay for "
+                        "waking one, as it would not for a client on another host); for clients on cores of their own")
     g.add_argument("--master-pythonpath", default=None,
                    help="run the masters from this checkout (PYTHONPATH), e.g. another build's, to compare it")
 
@@ -447,6 +463,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         output_len=args.output_len if args.output_len is not None else d.output_len, measure_s=args.measure_s,
         client_procs=args.client_procs, node_procs=args.node_procs, port=args.port,
         master_args=args.master_args.split(), master_pythonpath=args.master_pythonpath, pin=args.pin,
+        client_spin=args.client_spin,
         per_master=args.per_master, max_master_procs=args.max_master_procs, max_streams=args.max_streams)
     date = dt.date.today().isoformat()
     stem = f"master-load-scale-{date}" + (f"-{args.tag}" if args.tag else "")
