@@ -37,6 +37,9 @@ KERNEL_STAMPS = sys.platform == "linux" and platform.machine() in ("x86_64", "aa
 _TIMESPEC = struct.Struct("qq")
 _ANCILLARY = socket.CMSG_SPACE(_TIMESPEC.size) if KERNEL_STAMPS else 0
 _READ_BYTES = 1 << 18
+#: What every connection's read lands in before it is copied out (one event loop a process).
+_BUFFER = memoryview(bytearray(_READ_BYTES))
+_INTO = [_BUFFER]
 
 
 class WireError(Exception):
@@ -113,22 +116,22 @@ class SSEConnection:
     def _readable(self) -> None:
         assert self.sock is not None
         try:
-            if KERNEL_STAMPS:
-                data, ancillary, _, _ = self.sock.recvmsg(_READ_BYTES, _ANCILLARY)
+            if KERNEL_STAMPS:  # into one buffer: a fresh one a read would be allocated at its full size
+                size, ancillary, _, _ = self.sock.recvmsg_into(_INTO, _ANCILLARY)
             else:
-                data, ancillary = self.sock.recv(_READ_BYTES), []
+                size, ancillary = self.sock.recv_into(_BUFFER), []
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._abort(WireError(f"the connection broke: {exc}"))
             return
-        if not data:
+        if not size:
             self.close()
             return
         arrived = _kernel_stamp(ancillary) if KERNEL_STAMPS else None
         if arrived is None:
             self.kernel_stamps = False
-        self.data_received(data, arrived)
+        self.data_received(_BUFFER[:size].tobytes(), arrived)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._parse_reads()  # what arrived before the close still counts
