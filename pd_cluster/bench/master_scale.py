@@ -22,8 +22,11 @@ spread over the masters send chat requests of ``--input-len`` prompt tokens for
 
 Where Linux allows it, the masters run on cores of their own, apart from the nodes and the
 clients (:mod:`pd_cluster.bench.master_cores`; ``--no-pin`` turns it off); each level records the
-split. ``--per-master`` reads ``--concurrency`` per master, so 1, 2 and 4 masters carry the same
-load each and their sum shows how masters scale.
+split. On loopback a master's write to a client asleep in its poll also pays for waking it on
+another core (a client on another host costs it nothing of the kind): ``--client-spin`` keeps
+the client processes' loops out of their poll, for clients on cores of their own.
+``--per-master`` reads ``--concurrency`` per master, so 1, 2 and 4 masters carry the same load
+each and their sum shows how masters scale.
 
 The key ``master_tokens_per_s_dispatch_p99_10ms`` is the most tokens a second one master
 relayed with dispatch p99 <= 10 ms and added ITL p99 <= 1 ms; ``scaling`` holds the same figure
