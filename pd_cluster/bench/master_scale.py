@@ -22,11 +22,8 @@ spread over the masters send chat requests of ``--input-len`` prompt tokens for
 
 Where Linux allows it, the masters run on cores of their own, apart from the nodes and the
 clients (:mod:`pd_cluster.bench.master_cores`; ``--no-pin`` turns it off); each level records the
-split. On loopback a master's write to a client asleep in its poll also pays for waking it on
-another core (a client on another host costs it nothing of the kind): ``--client-spin`` keeps
-the client processes' loops out of their poll, for clients on cores of their own.
-``--per-master`` reads ``--concurrency`` per master, so 1, 2 and 4 masters carry the same load
-each and their sum shows how masters scale.
+split. ``--per-master`` reads ``--concurrency`` per master, so 1, 2 and 4 masters carry the same
+load each and their sum shows how masters scale.
 
 The key ``master_tokens_per_s_dispatch_p99_10ms`` is the most tokens a second one master
 relayed with dispatch p99 <= 10 ms and added ITL p99 <= 1 ms; ``scaling`` holds the same figure
@@ -92,8 +89,6 @@ class ScaleOptions:
     request_timeout_s: float = 120.0
     #: Run the masters on cores of their own, apart from the nodes and clients (where Linux allows).
     pin: bool = True
-    #: Client processes never sleep between reads (see ``scale_client._spin``): for clients on cores of their own.
-    client_spin: bool = False
     #: ``concurrency`` counts streams per master (the level's total is that times the masters).
     per_master: bool = False
     #: Clusters of more master processes (masters x workers) than this are skipped (None: none).
@@ -207,8 +202,7 @@ def _run_clients(options: ScaleOptions, cluster: _Cluster, concurrency: int,
         plan = ClientPlan(urls=urls, streams=list(range(k, concurrency, procs)), total_streams=concurrency,
                           prompts=prompts, model=SERVED_NAME, max_tokens=options.output_len, start=0.0,
                           ramp_s=options.ramp_s, window_start=0.0, end=0.0,
-                          request_timeout_s=options.request_timeout_s, cpus=cluster.cores.clients,
-                          spin=options.client_spin)
+                          request_timeout_s=options.request_timeout_s, cpus=cluster.cores.clients)
         ours, theirs = ctx.Pipe()
         child = ctx.Process(target=client_main, args=(plan, theirs), daemon=True)
         child.start()
@@ -289,8 +283,7 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
         "client_cpu_cores": [r.cpu_s / options.measure_s for r in results],
         "cores": cluster.cores.as_dict(),
     }
-    # A spinning client is busy by design: its CPU says nothing of its load.
-    level["client_limited"] = not options.client_spin and max(level["client_cpu_cores"]) > CLIENT_CPU_WARN
+    level["client_limited"] = max(level["client_cpu_cores"]) > CLIENT_CPU_WARN
     if level["client_limited"]:
         logger.warning("a client process used %.2f of a core (over %.1f): the clients may be what limits this level; "
                        "give them more processes (--client-procs) or cores", max(level["client_cpu_cores"]),
@@ -444,9 +437,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-streams", type=int, default=None, help="skip the levels of more streams in all than this")
     g.add_argument("--pin", action=argparse.BooleanOptionalAction, default=d.pin,
                    help="run each master on cores of its own, apart from the nodes and clients (Linux)")
-    g.add_argument("--client-spin", action="store_true",
-                   help="client processes never sleep between reads (a master's write then does not pay for "
-                        "waking one, as it would not for a client on another host); for clients on cores of their own")
     g.add_argument("--master-pythonpath", default=None,
                    help="run the masters from this checkout (PYTHONPATH), e.g. another build's, to compare it")
 
@@ -466,7 +456,6 @@ def run_from_args(args: argparse.Namespace) -> int:
         output_len=args.output_len if args.output_len is not None else d.output_len, measure_s=args.measure_s,
         client_procs=args.client_procs, node_procs=args.node_procs, port=args.port,
         master_args=args.master_args.split(), master_pythonpath=args.master_pythonpath, pin=args.pin,
-        client_spin=args.client_spin,
         per_master=args.per_master, max_master_procs=args.max_master_procs, max_streams=args.max_streams)
     date = dt.date.today().isoformat()
     stem = f"master-load-scale-{date}" + (f"-{args.tag}" if args.tag else "")

@@ -53,8 +53,6 @@ class ClientPlan:
     request_timeout_s: float
     #: The cores this process runs on (empty: any).
     cpus: list[int] = field(default_factory=list)
-    #: Keep the event loop running between reads (it never sleeps in the poll) until ``end``.
-    spin: bool = False
 
 
 @dataclass
@@ -178,22 +176,7 @@ class _Streams:
             result.fail("the stream ended without [DONE]")
 
 
-def _spin(plan: ClientPlan) -> None:
-    """Keep the loop busy until the run's end: on loopback a master's write to a client asleep in
-    its poll also pays for waking it on another core, which a client on another host would not
-    cost it; a client that never sleeps is woken for free."""
-    loop = asyncio.get_running_loop()
-
-    def again() -> None:
-        if time.monotonic() < plan.end:
-            loop.call_soon(again)
-
-    loop.call_soon(again)
-
-
 async def _run(plan: ClientPlan) -> ClientResult:
-    if plan.spin:
-        _spin(plan)
     streams = _Streams(plan)
     tasks = [asyncio.create_task(streams.stream(i)) for i in plan.streams]
     await asyncio.sleep(max(0.0, plan.window_start - time.monotonic()))
