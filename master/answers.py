@@ -222,6 +222,17 @@ class _DirectPieces:
             self.direct.write("".join(events).encode())
         return True
 
+    def offer_plain(self, token_ids: list[int], text: str) -> bool:
+        if not self.plain:
+            return self.offer(TokenChunk(token_ids, text, None, None))
+        if self.fan.hung_up or not self.direct.ready:
+            return False
+        if text:
+            writer = self.writer
+            writer.offsets[0] += len(text)
+            self.direct.write(writer.plain(0, text).encode())
+        return True
+
     @property
     def busy(self) -> bool:
         return self.direct.busy

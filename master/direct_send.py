@@ -36,6 +36,8 @@ class _ChunkedWrite:
 
     def __init__(self, cycle: Any) -> None:
         self.cycle = cycle
+        #: The response is started, chunked and not a HEAD's: none of that changes once true.
+        self.chunking = False
 
     @classmethod
     def of(cls, send: Send) -> _ChunkedWrite | None:
@@ -50,9 +52,12 @@ class _ChunkedWrite:
     def write(self, body: bytes) -> bool:
         """Write ``body`` as one chunk; False (nothing written) where ``send`` must take it."""
         cycle = self.cycle
-        if (cycle.disconnected or cycle.flow.write_paused or not cycle.response_started or cycle.response_complete
-                or cycle.chunked_encoding is not True or not body or cycle.scope["method"] == "HEAD"):
+        if cycle.disconnected or cycle.flow.write_paused or cycle.response_complete or not body:
             return False
+        if not self.chunking:
+            if not cycle.response_started or cycle.chunked_encoding is not True or cycle.scope["method"] == "HEAD":
+                return False
+            self.chunking = True
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
         return True
 

@@ -302,7 +302,7 @@ class Relay:
             self.on_token_delta(node, delta_model(delta))
             return
         assert r is not None
-        r.add_output(TokenChunk(token_ids, text, None, finish_reason), time.monotonic())
+        r.add_plain(token_ids, text, finish_reason, time.monotonic())
         if finish_reason is not None:
             self._finish(r, finish_reason)
 

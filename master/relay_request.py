@@ -43,6 +43,10 @@ class ChunkSink(Protocol):
         """Write ``chunk`` to the client now; False: not now (it goes to the handler instead)."""
         ...
 
+    def offer_plain(self, token_ids: list[int], text: str) -> bool:
+        """:meth:`offer` of a chunk of text alone (no logprobs, no finish), built only if needed."""
+        ...
+
     @property
     def busy(self) -> bool:
         """A write it took is unfinished: the handler must :meth:`settle` it (it is woken)."""
@@ -243,6 +247,23 @@ class RelayRequest:
                     self.wakeup.set()
                 return
             self.buffer.append(chunk)
+        self.wakeup.set()
+
+    def add_plain(self, token_ids: list[int], text: str, finish_reason: str | None, now: float) -> None:
+        """:meth:`add_output` of a chunk with no logprobs: what a decode node sends a step, most of
+        the time. The sink writes its text without a chunk built for it (one a token, otherwise)."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.output_ids.extend(token_ids)
+        self.text_parts.append(text)
+        if self.stream:
+            self.sent = True
+            sink = self.sink
+            if sink is not None and not self.buffer and finish_reason is None and sink.offer_plain(token_ids, text):
+                if sink.busy:
+                    self.wakeup.set()
+                return
+            self.buffer.append(TokenChunk(token_ids, text, None, finish_reason))
         self.wakeup.set()
 
     def reset_output(self) -> None:

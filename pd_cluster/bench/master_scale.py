@@ -12,7 +12,10 @@ spread over the masters send chat requests of ``--input-len`` prompt tokens for
 * dispatch p50/p99: a request's arrival at its master to its job leaving for a node (the
   masters' own request log, ``dispatch_s``);
 * added ITL p50/p99: a token's frame leaving its node to its SSE chunk reaching the client (the
-  master's share of every inter-token latency, wire included);
+  master's share of every inter-token latency, wire included): the kernel's receive stamp of the
+  chunk's bytes where Linux gives one (:mod:`pd_cluster.bench.sse_wire`), so that a client process
+  busy with other reads does not add its own queue; the same at the client's read (``*_read_*``)
+  shows that queue;
 * TTFT p50/p99 at the client, and the masters' CPU (cores, and microseconds a token);
 * the CPU of each client process and of the synthetic nodes: a client process near a whole
   core is itself the limit (its tokens wait for it, not for the master), and the run warns.
@@ -249,6 +252,7 @@ def _dispatch_seconds(cluster: _Cluster, requests: list[tuple[int, str]], timeou
 def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: list[str]) -> dict[str, Any]:
     results, (cpu, node_cpu) = _run_clients(options, cluster, concurrency, prompts)
     added = sorted(x for r in results for x in r.added_s)
+    read_added = sorted(x for r in results for x in r.read_added_s)
     ttft = sorted(x for r in results for x in r.ttft_s)
     requests = [q for r in results for q in r.requests]
     dispatch = sorted(_dispatch_seconds(cluster, requests))
@@ -268,6 +272,9 @@ def _level(options: ScaleOptions, cluster: _Cluster, concurrency: int, prompts: 
         "dispatch_p99_s": percentile(dispatch, 0.99),
         "added_itl_p50_s": statistics.median(added) if added else None,
         "added_itl_p99_s": percentile(added, 0.99),
+        "added_itl_stamped_by": "kernel" if all(r.kernel_stamps for r in results) else "read",
+        "added_itl_read_p50_s": statistics.median(read_added) if read_added else None,
+        "added_itl_read_p99_s": percentile(read_added, 0.99),
         "ttft_p50_s": statistics.median(ttft) if ttft else None,
         "ttft_p99_s": percentile(ttft, 0.99),
         "master_cpu_cores": cpu / options.measure_s,
@@ -377,6 +384,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
     rows = [f"| {lv['masters']} | {lv['concurrency']} | {lv.get('workers', 1)} | {lv['tokens_per_s']:.0f} | {ms(lv['dispatch_p50_s'])} | "
             f"{ms(lv['dispatch_p99_s'])} | {ms(lv['added_itl_p50_s'])} | {ms(lv['added_itl_p99_s'])} | "
+            f"{ms(lv.get('added_itl_read_p99_s'))} | "
             f"{ms(lv['ttft_p50_s'])} | {lv['master_cpu_cores']:.2f} | {max(lv.get('client_cpu_cores', []), default=0):.2f} | {lv['failed']} | "
             f"{'yes' if lv['within_bounds'] else 'no'} |" for lv in doc["levels"]]
     key = doc["master_tokens_per_s_dispatch_p99_10ms"]
@@ -395,8 +403,9 @@ def markdown(doc: dict[str, Any]) -> str:
           for load, by_masters in doc.get("scaling_by_load", {}).items() if len(by_masters) > 1],
         *[f"Skipped: {line}.  " for line in doc.get("skipped", [])], "",
         "| masters | streams | workers each | tokens/s | dispatch p50 ms | dispatch p99 ms | added ITL p50 ms | added ITL p99 ms | "
+        "added ITL p99 at the client's read ms | "
         "TTFT p50 ms | master CPU (cores) | busiest client (cores) | failed | within bounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *rows, "",
     ])
 

@@ -4,8 +4,10 @@ Each stream sends a chat request, reads its answer to the end and sends the next
 run's end; streams start spread over a ramp so they do not move in lockstep. A run's streams are
 split over several such processes (one event loop each) so that the client is never what limits
 the master. Each stream reads its answers off its own keep-alive connection
-(:mod:`pd_cluster.bench.sse_wire`), and a token's arrival is stamped when the read that brought its
-bytes arrived, before any parsing: the client's own parsing is not in the figure. SSE is parsed
+(:mod:`pd_cluster.bench.sse_wire`), and a token's arrival is stamped with the kernel's receive time of
+the bytes that brought it (where Linux gives one; else when the client's read returned): neither the
+client's parsing nor its queue of reads is in the figure. The read's own stamp is kept beside it, to
+show the client's share. SSE is parsed
 minimally: a chunk's text is found by its ``"content":"`` key, and the synthetic nodes' text is the
 time their frame left the node (:mod:`pd_cluster.bench.stamped_nodes`), so each token gives the
 time it spent in the master and on the wire after it.
@@ -58,8 +60,12 @@ class ClientResult:
     """What one process measured inside the window."""
 
     tokens: int = 0
-    #: Per token: when the read that brought its bytes arrived here, less its node's send stamp (seconds).
+    #: Per token: when its bytes arrived (the kernel's receive stamp), less its node's send stamp (seconds).
     added_s: array = field(default_factory=lambda: array("d"))
+    #: Per token: when the client's read of its bytes returned, less its node's send stamp (seconds).
+    read_added_s: array = field(default_factory=lambda: array("d"))
+    #: Every token's arrival carried the kernel's stamp (False: some were stamped at the read).
+    kernel_stamps: bool = True
     #: Per request that arrived in the window and got its first token: TTFT (seconds).
     ttft_s: array = field(default_factory=lambda: array("d"))
     #: (master index, request id) of requests sent inside the window.
@@ -118,14 +124,14 @@ class _Streams:
         url = urlsplit(self.plan.urls[master])
         if url.scheme != "http" or url.hostname is None:
             raise ValueError(f"the load client speaks plain http only, not {self.plan.urls[master]!r}")
-        _, conn = await asyncio.get_running_loop().create_connection(SSEConnection, url.hostname, url.port or 80)
+        conn = await SSEConnection.connect(url.hostname, url.port or 80)
         self.connections[index] = (master, conn)
         return conn
 
     def _drop(self, index: int) -> None:
         held = self.connections.pop(index, None)
-        if held is not None and held[1].transport is not None:
-            held[1].transport.close()
+        if held is not None:
+            held[1].close()
 
     async def request(self, index: int, master: int, prompt: str) -> None:
         plan, result = self.plan, self.result
@@ -136,14 +142,16 @@ class _Streams:
         counted = plan.window_start <= start < plan.end
         seen = {"first": True, "ended": False}
 
-        def on_line(line: bytes, now: float) -> None:  # ``now``: when the line's last bytes arrived
+        def on_line(line: bytes, now: float, read: float) -> None:  # ``now``: when the line's last bytes arrived
             if seen["ended"]:
                 return
             stamp = content_of(line)
             if stamp:
                 if plan.window_start <= now < plan.end:
+                    sent_at = float(stamp)
                     result.tokens += 1
-                    result.added_s.append(now - float(stamp))
+                    result.added_s.append(now - sent_at)
+                    result.read_added_s.append(read - sent_at)
                 if seen["first"] and counted:
                     result.ttft_s.append(now - start)
                 seen["first"] = False
@@ -163,6 +171,7 @@ class _Streams:
         if counted:
             result.requests.append((master, response.headers.get("x-request-id", "")))
         await done
+        result.kernel_stamps = result.kernel_stamps and conn.kernel_stamps
         if not seen["ended"]:
             result.fail("the stream ended without [DONE]")
 

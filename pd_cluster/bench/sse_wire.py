@@ -1,29 +1,45 @@
-"""A streamed chat answer read straight off its socket, each read stamped as its bytes arrive.
+"""A streamed chat answer read straight off its socket, each read stamped with when its bytes arrived.
 
 The load client of ``pd-cluster bench master`` measures how long a token spent in the master and
-on the wire. Stamped after an HTTP library parsed the chunk, that figure also held the client's
-own parse queue: a client process reading thousands of tokens a second adds its backlog to every
-token. Here one keep-alive HTTP/1.1 connection is an ``asyncio.Protocol``: ``data_received``
-takes ``time.monotonic()`` first, before any parsing, and every token found in those bytes gets
-that stamp, so a token's time is when its bytes reached the client's socket buffer and the event
-loop read them. The chunked body is then decoded and split into SSE lines here.
+on the wire. Stamped when the client's own read returned, that figure also held the client's
+queue: a client process holds hundreds of connections, and when a master writes a step's tokens
+to many of them at once, the last one's bytes wait in its socket until the client has read (and
+parsed) all the others. Where Linux allows it (``SO_TIMESTAMPNS``) each read here carries the
+kernel's receive time of its bytes instead: on loopback that is the moment the master's write
+delivered them, whatever the client was doing then. Both stamps go with every line (``arrived``,
+the kernel's where there is one, and ``read``), so a run shows the client's own share too.
 
-The parse itself waits for the end of the loop's round of reads (``call_soon``): a client process
-holds hundreds of connections, and when a master writes a step's tokens to many of them at once
-the loop reads them in one round. Parsed at once, each read would wait for the parsing of all
-the reads before it in that round, and the last connection's stamp would carry the client's own
-queue. Deferred, every read of the round is stamped first, each at the cost of a copy.
+One keep-alive HTTP/1.1 connection is a non-blocking socket read by the loop's reader callback
+with ``recvmsg`` (asyncio's transports do not hand over a read's control messages). The parse
+waits for the end of the loop's round of reads (``call_soon``), so that a read's stamp does not
+wait for the parsing of the reads before it in that round either.
 """
 
 from __future__ import annotations
 
 import asyncio
+import platform
+import socket
+import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-#: A line of the answer's events and the time the read that completed it arrived.
-OnLine = Callable[[bytes, float], None]
+#: A line of the answer's events, when its bytes arrived (the kernel's stamp, or the read's where
+#: there is none) and when the read that completed it returned (``time.monotonic()`` both).
+OnLine = Callable[[bytes, float, float], None]
+
+#: ``SO_TIMESTAMPNS`` (and its control message's type) of Linux's generic socket options, which
+#: x86-64 and arm64 use; elsewhere reads are stamped when they return.
+_SO_TIMESTAMPNS = 35
+KERNEL_STAMPS = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+_TIMESPEC = struct.Struct("qq")
+_ANCILLARY = socket.CMSG_SPACE(_TIMESPEC.size) if KERNEL_STAMPS else 0
+_READ_BYTES = 1 << 18
+#: What every connection's read lands in before it is copied out (one event loop a process).
+_BUFFER = memoryview(bytearray(_READ_BYTES))
+_INTO = [_BUFFER]
 
 
 class WireError(Exception):
@@ -40,14 +56,26 @@ class Response:
     body: bytes = b""
 
 
-class SSEConnection(asyncio.Protocol):
-    """One HTTP/1.1 connection; one request at a time (:meth:`request`)."""
+def _kernel_stamp(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    """A read's ``SCM_TIMESTAMPNS`` (the wall clock) on the monotonic clock; None without one."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
+            sec, nsec = _TIMESPEC.unpack_from(data)
+            return sec + nsec * 1e-9 - (time.time() - time.monotonic())
+    return None
 
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
+
+class SSEConnection:
+    """One HTTP/1.1 connection; one request at a time (:meth:`request`). Made by :meth:`connect`;
+    one made without a socket is fed through :meth:`data_received` alone."""
+
+    def __init__(self, sock: socket.socket | None = None) -> None:
+        self.sock = sock
         self.closed = False
-        #: Reads not parsed yet, each with its stamp (parsed once the loop's round of reads is done).
-        self._reads: list[tuple[bytes, float]] = []
+        #: Every read so far carried the kernel's receive stamp.
+        self.kernel_stamps = sock is not None and KERNEL_STAMPS
+        #: Reads not parsed yet, each with its stamps (parsed once the loop's round of reads is done).
+        self._reads: list[tuple[bytes, float, float]] = []
         self._buffer = bytearray()
         self._lines = bytearray()
         self._state = "idle"
@@ -58,10 +86,52 @@ class SSEConnection(asyncio.Protocol):
         self._done: asyncio.Future[Response] | None = None
         self._head_seen: asyncio.Future[Response] | None = None
 
-    # ---- asyncio.Protocol ---------------------------------------------------------------------
+    @classmethod
+    async def connect(cls, host: str, port: int) -> SSEConnection:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if KERNEL_STAMPS:
+                sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+            await loop.sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        conn = cls(sock)
+        loop.add_reader(sock.fileno(), conn._readable)
+        return conn
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    def close(self) -> None:
+        """Close the socket (an answer still open fails, as when the server closes it)."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
+            self.connection_lost(None)
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def _readable(self) -> None:
+        assert self.sock is not None
+        try:
+            if KERNEL_STAMPS:  # into one buffer: a fresh one a read would be allocated at its full size
+                size, ancillary, _, _ = self.sock.recvmsg_into(_INTO, _ANCILLARY)
+            else:
+                size, ancillary = self.sock.recv_into(_BUFFER), []
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._abort(WireError(f"the connection broke: {exc}"))
+            return
+        if not size:
+            self.close()
+            return
+        arrived = _kernel_stamp(ancillary) if KERNEL_STAMPS else None
+        if arrived is None:
+            self.kernel_stamps = False
+        self.data_received(_BUFFER[:size].tobytes(), arrived)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._parse_reads()  # what arrived before the close still counts
@@ -71,19 +141,20 @@ class SSEConnection(asyncio.Protocol):
                 fut.set_exception(WireError(f"the connection closed mid-answer ({exc})"))
                 fut.exception()  # a request cut off at the run's end is awaited by nobody: no log of it
 
-    def data_received(self, data: bytes) -> None:
-        now = time.monotonic()  # before any parsing: the stamp of every token in these bytes
+    def data_received(self, data: bytes, arrived: float | None = None) -> None:
+        """One read's bytes, ``arrived`` when the kernel received them (None: now, as read)."""
+        now = time.monotonic()  # before any parsing: the read stamp of every token in these bytes
         if not self._reads:
             asyncio.get_running_loop().call_soon(self._parse_reads)
-        self._reads.append((data, now))
+        self._reads.append((data, now if arrived is None else arrived, now))
 
     def _parse_reads(self) -> None:
-        """Parse the reads taken since the last call, in order, each with its own stamp."""
+        """Parse the reads taken since the last call, in order, each with its own stamps."""
         reads, self._reads = self._reads, []
-        for data, now in reads:
+        for data, arrived, read in reads:
             self._buffer += data
             try:
-                self._parse(now)
+                self._parse(arrived, read)
             except WireError as exc:
                 self._abort(exc)
                 return
@@ -93,20 +164,35 @@ class SSEConnection(asyncio.Protocol):
     def request(self, raw: bytes, on_line: OnLine) -> tuple[asyncio.Future[Response], asyncio.Future[Response]]:
         """Send ``raw`` (a whole HTTP/1.1 request); futures for its head and its end. ``on_line``
         gets each line of a 200 answer's body with the stamp of the read that completed it."""
-        assert self.transport is not None and self._state == "idle" and not self.closed
+        assert self._state == "idle" and not self.closed
         loop = asyncio.get_running_loop()
         self._head_seen, self._done = loop.create_future(), loop.create_future()
         self._on_line, self._response, self._state = on_line, Response(), "head"
-        self.transport.write(raw)
+        if self.sock is not None:
+            self._send(raw)
         return self._head_seen, self._done
+
+    def _send(self, raw: bytes) -> None:
+        assert self.sock is not None
+        try:
+            sent = self.sock.send(raw)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self._abort(WireError(f"the request could not be sent: {exc}"))
+            return
+        if sent < len(raw):  # rare (a request is small): the loop sends the rest
+            asyncio.ensure_future(asyncio.get_running_loop().sock_sendall(self.sock, raw[sent:]))
 
     def _abort(self, exc: Exception) -> None:
         self.closed = True
-        if self.transport is not None:
-            self.transport.close()
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
         self.connection_lost(exc)
 
-    def _parse(self, now: float) -> None:
+    def _parse(self, arrived: float, read: float) -> None:
         while True:
             if self._state == "head":
                 if not self._read_head():
@@ -125,7 +211,7 @@ class SSEConnection(asyncio.Protocol):
                 if not self._buffer:
                     return
                 take = min(self._chunk_left, len(self._buffer))
-                self._body(bytes(self._buffer[:take]), now)
+                self._body(bytes(self._buffer[:take]), arrived, read)
                 del self._buffer[:take]
                 self._chunk_left -= take
                 if not self._chunk_left:
@@ -144,7 +230,7 @@ class SSEConnection(asyncio.Protocol):
                     self._finish()
             elif self._state == "length":
                 take = min(self._length_left, len(self._buffer))
-                self._body(bytes(self._buffer[:take]), now)
+                self._body(bytes(self._buffer[:take]), arrived, read)
                 del self._buffer[:take]
                 self._length_left -= take
                 if not self._length_left:
@@ -182,7 +268,7 @@ class SSEConnection(asyncio.Protocol):
             self._finish()
         return True
 
-    def _body(self, data: bytes, now: float) -> None:
+    def _body(self, data: bytes, arrived: float, read: float) -> None:
         assert self._response is not None and self._on_line is not None
         if self._response.status != 200:
             self._response.body += data
@@ -191,7 +277,7 @@ class SSEConnection(asyncio.Protocol):
         start = 0
         while (end := self._lines.find(b"\n", start)) >= 0:
             if end > start:
-                self._on_line(bytes(self._lines[start:end + 1]), now)
+                self._on_line(bytes(self._lines[start:end + 1]), arrived, read)
             start = end + 1
         del self._lines[:start]
 

@@ -1,6 +1,7 @@
 """The load client's wire reader: a chunked SSE answer split anywhere gives back its lines, each
-stamped when the read that completed it arrived (before any parsing), and the connection is kept
-for the next request. A real socket on loopback; the server writes one piece at a time and waits
+stamped when the bytes that completed it arrived (the kernel's receive stamp on Linux, before the
+read returned) and when that read returned (before any parsing), and the connection is kept for
+the next request. A real socket on loopback; the server writes one piece at a time and waits
 until the client has read it."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from pd_cluster.bench.sse_wire import SSEConnection, chat_request
+from pd_cluster.bench.sse_wire import KERNEL_STAMPS, SSEConnection, chat_request
 
 EVENTS = [b'data: {"choices":[{"delta":{"content":"1.5"}}]}\n\n', b'data: {"choices":[{"delta":{"content":"2"}}]}\n\n',
           b"data: [DONE]\n\n"]
@@ -23,12 +24,12 @@ def chunked(payload: bytes, sizes: list[int]) -> bytes:
 
 
 class CountedReads(SSEConnection):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, sock=None) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(sock)
         self.reads = 0
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+    def data_received(self, data: bytes, arrived: float | None = None) -> None:
+        super().data_received(data, arrived)
         self.reads += 1
 
 
@@ -68,14 +69,15 @@ async def test_a_chunked_answer_split_anywhere_gives_its_lines_stamped_at_the_re
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        _, conn = await asyncio.get_running_loop().create_connection(CountedReads, "127.0.0.1", port)
+        conn = await CountedReads.connect("127.0.0.1", port)
         holder["conn"] = conn
+        assert conn.kernel_stamps == KERNEL_STAMPS
         for _ in range(2):
-            lines: list[tuple[bytes, float]] = []
+            lines: list[tuple[bytes, float, float]] = []
             handled_at: list[float] = []
 
-            def on_line(line: bytes, now: float) -> None:
-                lines.append((line, now))
+            def on_line(line: bytes, arrived: float, read: float) -> None:
+                lines.append((line, arrived, read))
                 handled_at.append(time.monotonic())
 
             written_at.clear()
@@ -83,11 +85,18 @@ async def test_a_chunked_answer_split_anywhere_gives_its_lines_stamped_at_the_re
             response = await head_seen
             assert response.status == 200 and response.headers["x-request-id"] == "abc"
             await asyncio.wait_for(done, 5.0)
-            assert [line for line, _ in lines] == [e.rstrip(b"\n") + b"\n" for e in EVENTS]
-            # the first line ends in the third piece, the other two in the fifth (one read, one stamp)
-            assert written_at[2] <= lines[0][1] <= handled_at[0] and lines[0][1] < written_at[3]
-            assert written_at[4] <= lines[1][1] == lines[2][1] <= handled_at[1]
+            assert [line for line, _, _ in lines] == [e.rstrip(b"\n") + b"\n" for e in EVENTS]
+            # the first line ends in the third piece, the other two in the fifth (one read, one stamp):
+            # arrived before the server's clock read after its write, read after it was written
+            slack = 2e-3 if KERNEL_STAMPS else 0.0  # two clocks read apart for the kernel's stamp
+            assert written_at[1] - slack <= lines[0][1] <= written_at[2] + slack and lines[0][1] <= lines[0][2]
+            assert written_at[2] <= lines[0][2] <= handled_at[0] and lines[0][2] < written_at[3]
+            assert written_at[3] - slack <= lines[1][1] == lines[2][1] <= written_at[4] + slack
+            assert written_at[4] <= lines[1][2] == lines[2][2] <= handled_at[1]
+            if KERNEL_STAMPS:  # the kernel's stamp is not the read's
+                assert lines[0][1] < lines[0][2]
         assert not conn.closed
+        conn.close()
     finally:
         server.close()
 
@@ -103,22 +112,13 @@ async def test_an_error_answer_gives_its_status_and_body():
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        _, conn = await asyncio.get_running_loop().create_connection(SSEConnection, "127.0.0.1", port)
-        head_seen, done = conn.request(chat_request("x", "/v1/chat/completions", b""), lambda line, now: None)
+        conn = await SSEConnection.connect("127.0.0.1", port)
+        head_seen, done = conn.request(chat_request("x", "/v1/chat/completions", b""), lambda line, arrived, read: None)
         assert (await head_seen).status == 429
         assert (await asyncio.wait_for(done, 5.0)).body == body
+        conn.close()
     finally:
         server.close()
-
-
-class _Wire:
-    """A transport that takes the request and nothing else."""
-
-    def write(self, data: bytes) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 async def test_reads_of_one_round_are_all_stamped_before_any_is_parsed():
@@ -129,11 +129,10 @@ async def test_reads_of_one_round_are_all_stamped_before_any_is_parsed():
     handled: dict[str, float] = {}
     conns = {}
     for name in ("a", "b"):
-        conn = SSEConnection()
-        conn.connection_made(_Wire())  # type: ignore[arg-type]
+        conn = SSEConnection()  # no socket: fed its reads below
 
-        def on_line(line: bytes, now: float, name: str = name) -> None:
-            stamps[name] = now
+        def on_line(line: bytes, arrived: float, read: float, name: str = name) -> None:
+            stamps[name] = read
             busy_until = time.monotonic() + 0.02
             while time.monotonic() < busy_until:
                 pass
