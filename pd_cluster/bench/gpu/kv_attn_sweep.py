@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kernels.attention import decode_attention_ref, decode_attention_triton
+from kernels.decode_slots import decode_attention_slots
 from kernels.kv_quant import packed_row_bytes, quantize_rows
 from pd_cluster.bench.gpu.timing import cuda_ms
 
@@ -39,9 +40,14 @@ class Variant:
     ahead: bool | None = None
     heads_together: bool | None = None
     values_in_shift: bool | None = None
+    slots: bool = False  # the slot-run kernel (kernels.decode_slots)
+    block_h: int | None = None  # its kv heads a program
 
     @property
     def label(self) -> str:
+        if self.slots:
+            return (f"{self.kind:8s} slots h={self.block_h or 'd'} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
+                    f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}")
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         v16 += {None: "", True: " vshift", False: " vmax"}[self.values_in_shift]
@@ -79,6 +85,25 @@ def variants() -> list[Variant]:
     return out
 
 
+def slots_variants() -> list[Variant]:
+    """The engine's bfloat16 and fp8 launches, then the slot-run kernel (one program over a
+    slot's kv heads): fp8 over kv heads a program, tile slots, warps, depths and splits, then
+    bfloat16 and int8 at a few of them."""
+    fp8, out = "fp8_e4m3", [Variant("bf16"), Variant("fp8_e4m3")]
+    tilings = [(8, 16, 8, 1), (4, 16, 4, 1), (8, 16, 8, 2), (4, 16, 4, 2), (2, 16, 4, 1), (4, 32, 4, 1),
+               (8, 32, 8, 1), (2, 16, 2, 1)]
+    for splits in (4, 2):
+        out += [Variant(fp8, block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h)
+                for h, n, w, st in tilings]
+    out += [Variant("bf16", block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h)
+            for h, n, w, st in ((8, 16, 8, 1), (4, 16, 4, 2), (2, 16, 4, 2), (2, 32, 4, 2)) for splits in (4, 2)]
+    out += [Variant(fp8, block_n=n, num_warps=w, num_stages=st, num_splits=8, slots=True, block_h=h)
+            for h, n, w, st in tilings]
+    out += [Variant(fp8, slots=True), Variant("bf16", slots=True), Variant("int8"), Variant("int8", slots=True),
+            Variant("int8", block_n=16, num_warps=4, num_stages=1, num_splits=4, slots=True, block_h=4)]
+    return out
+
+
 def default_variants() -> list[Variant]:
     """Each kind's default launch; fp8 at the default launch with values met as codes, with the
     value scales' tile maximum, with the grid walking sequences first (all three: the former
@@ -108,17 +133,21 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
     quant = None if variant.kind == "bf16" else variant.kind
     kwargs = {"block_n": variant.block_n, "num_warps": variant.num_warps, "num_stages": variant.num_stages,
               "num_splits": variant.num_splits, "quant": quant}
-    if quant is not None:
+    if variant.slots:
+        kwargs["block_h"] = variant.block_h
+    elif quant is not None:
         kwargs["float16_codes"] = variant.float16_codes
         kwargs["values_float16"] = variant.values_float16
         kwargs["ahead"] = variant.ahead
         kwargs["values_in_shift"] = variant.values_in_shift
-    kwargs["heads_together"] = variant.heads_together
+    if not variant.slots:
+        kwargs["heads_together"] = variant.heads_together
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
+    kernel = decode_attention_slots if variant.slots else decode_attention_triton
 
     def launch() -> None:
-        decode_attention_triton(q, k_cache, v_cache, table, ctx_lens, sm_scale, out=out, **kwargs)
+        kernel(q, k_cache, v_cache, table, ctx_lens, sm_scale, out=out, **kwargs)
 
     launch()
     ref = refs[variant.kind]
@@ -142,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--slots", choices=("shuffled", "contiguous"), default="shuffled",
                         help="each sequence's slots: shuffled over the pool (after churn) or one run")
-    parser.add_argument("--set", choices=("full", "defaults"), default="full",
-                        help="defaults: each kind's default launch (and fp8 values as codes), --repeat times")
+    parser.add_argument("--set", choices=("full", "defaults", "slots"), default="full",
+                        help="defaults: each kind's default launch (and fp8 values as codes), --repeat times; "
+                             "slots: the slot-run kernel's tilings beside the defaults")
     parser.add_argument("--repeat", type=int, default=1, help="times each variant is measured (defaults set)")
     parser.add_argument("--report", help="print the short table of this JSON (a sweep cut short) and exit")
     args = parser.parse_args(argv)
@@ -169,7 +199,12 @@ def main(argv: list[str] | None = None) -> None:
             k_cache, v_cache = k_cache.float(), v_cache.float()
         refs[kind] = decode_attention_ref(q.float(), k_cache, v_cache, table, ctx_lens, sm_scale, quant)
     rows = []
-    chosen = variants() if args.set == "full" else default_variants() * args.repeat  # interleaved repeats
+    if args.set == "full":
+        chosen = variants()
+    elif args.set == "slots":
+        chosen = slots_variants()
+    else:
+        chosen = default_variants() * args.repeat  # interleaved repeats
     for variant in chosen:
         try:
             result = run_variant(variant, q, caches, table, ctx_lens, refs, device, args.reps)
@@ -212,12 +247,14 @@ def summarize(rows: list[dict]) -> None:
         if not ok:
             print(f"  {kind:8s} none ran")
             continue
+        slots = [r for r in ok if r.get("slots")]
         for name, pick in (("default", [r for r in ok if r["label"] == Variant(kind).label]),
-                           ("best", [min(ok, key=lambda r: r["us"])])):
+                           ("best", [min(ok, key=lambda r: r["us"])]),
+                           ("slots", [min(slots, key=lambda r: r["us"])] if slots else [])):
             if pick:
                 r = pick[0]
                 print(f"  {kind:8s} {name:7s} {r['us']:8.1f} us {r['gb_per_s']:7.0f} GB/s  "
-                      f"ratio {r['us'] / base:.3f}  [{r['label']}]")
+                      f"ratio {r['us'] / base:.3f}  max err {r['max_abs_err']:.1e}  [{r['label']}]")
 
 
 if __name__ == "__main__":

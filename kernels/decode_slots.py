@@ -1,0 +1,380 @@
+"""Decode attention that reads every kv head of a slot in one access.
+
+A pool stores a token's keys as ``[slots, kv_heads, row]``: all heads of one slot lie side by
+side (8 x 144 bytes for fp8 rows of 128 values, 8 x 256 in bfloat16), while the slots of one
+sequence are scattered. A program per (sequence, kv head) reads each slot's row of its head
+alone, an isolated 144-byte access; here a program per (sequence, split, group of ``BLOCK_H``
+kv heads) reads the whole run of its heads for each slot, so a tile of ``BLOCK_N`` slots is
+``BLOCK_N`` contiguous runs. The products run per head as batched dots: q as
+``[heads, q heads of a group (padded to 16), head_dim]`` against the tile as
+``[heads, head_dim, slots]``; the online softmax keeps one row per q head.
+
+Quantized rows (:mod:`kernels.kv_quant`) are met by q as float16 (a bfloat16 q scaled per row by
+a power of two, :func:`kernels._tiles.float16_rows`): the codes convert to float16 exactly; each
+key's scale multiplies its scores, each value's scale enters its key's score as its log2 and the
+sum of weights divides it back out (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`).
+
+The splits' partials are merged by :func:`_slots_merge_kernel`, one program per (sequence, kv
+head) over its q heads and the splits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernels import _tiles
+from kernels._triton import (
+    cdiv,
+    dot_precision,
+    last_dim_contiguous,
+    next_pow2,
+    pdl_options,
+    require_triton,
+    tl,
+    triton,
+    use_pdl,
+)
+from kernels.kv_quant import QUANT_CODES, ROW_ALIGN, scale_offset
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class SlotsConfig:
+    """A launch of the slot-run kernel: tile slots, kv heads a program, warps, pipeline depth and
+    programs a multiprocessor the split count aims at."""
+
+    block_n: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+    per_sm: float
+
+
+def slots_config(quant: str | None, num_kv_heads: int) -> SlotsConfig:
+    """The default launch (to be measured on a GPU)."""
+    return SlotsConfig(block_n=16, block_h=slots_head_block(num_kv_heads), num_warps=8, num_stages=2, per_sm=2.0)
+
+
+@triton.jit
+def _gdc_wait(USE_PDL: tl.constexpr):
+    """Wait for the kernel before (a dependent launch) without yet letting the next one start."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _gdc_release(USE_PDL: tl.constexpr):
+    """Let the next kernel launch: called once a program's key loop is done, so that the merge's
+    programs, which only wait, hold no multiprocessor slots while the split programs read."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _load_tile(cache_ptr, slots, h, d, n_ok, stride_s, stride_h, TRANSPOSED: tl.constexpr,
+               SCALE_AT: tl.constexpr, QUANT: tl.constexpr, dtype: tl.constexpr):
+    """One cache's tile at ``slots`` ``[N]`` for heads ``h`` ``[H]``: ``[H, D, N]``
+    (``TRANSPOSED``, keys) or ``[H, N, D]`` (values) in ``dtype``, and for quantized rows their
+    float32 scales ``[H, N]`` (0 for slots past the end; 1.0 placeholders for 16-bit rows)."""
+    if QUANT:
+        # Byte offsets in 16-byte units times 16: every row start is known 16-byte aligned.
+        rows = (slots[None, :] * (stride_s // 16) + h[:, None] * (stride_h // 16)) * 16  # [H, N]
+    else:
+        rows = slots[None, :] * stride_s + h[:, None] * stride_h
+    if TRANSPOSED:
+        ptrs = cache_ptr + rows[:, None, :] + d[None, :, None]
+        mask = n_ok[None, None, :]
+    else:
+        ptrs = cache_ptr + rows[:, :, None] + d[None, None, :]
+        mask = n_ok[None, :, None]
+    if QUANT:
+        scale = tl.load((cache_ptr + rows + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=n_ok[None, :],
+                        other=0.0)
+        if TRANSPOSED or dtype != tl.float16:
+            raw = tl.load(ptrs, mask=mask, other=0)
+            if QUANT == 1:
+                tile = raw.to(tl.int8, bitcast=True).to(dtype)
+            else:
+                tile = raw.to(tl.float8e4nv, bitcast=True).to(dtype)
+        else:
+            # Values as 32-bit words of four codes, converted to float16 where they land: a tile
+            # of bytes would reach the product's transposed operand one byte at a time
+            # (kernels._tiles.load_code_words says why).
+            w = tl.arange(0, d.shape[0] // 4)
+            words = tl.load((cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, :, None] + w[None, None, :],
+                            mask=mask, other=0)
+            tile = _words_f16(words, d.shape[0], QUANT)
+        return tile, scale
+    else:
+        raw = tl.load(ptrs, mask=mask, other=0)
+        return raw.to(dtype), tl.full([h.shape[0], slots.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def _words_f16(words, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+    """Words of four codes ``[H, N, BLOCK_D // 4]``, int8 (``QUANT`` 1) or fp8 e4m3 (2), as the
+    float16 tile ``[H, N, BLOCK_D]`` (exact), as :func:`kernels._tiles.code_words_f16` for 2-D tiles."""
+    if QUANT == 1:
+        c0, c1, c2, c3 = _tiles.int8_word_to_f16(words)
+    else:
+        c0, c1, c2, c3 = _tiles.e4m3_word_to_f16(words)
+    codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+    return tl.reshape(codes, (words.shape[0], words.shape[1], BLOCK_D))
+
+
+@triton.jit
+def _slots_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_table_ptr,
+    ctx_lens_ptr,
+    rows_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_table,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_AT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    QUANT: tl.constexpr,
+    Q_F16: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ctx_len = tl.load(ctx_lens_ptr + seq).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, ctx_len)
+    row = tl.load(rows_ptr + seq).to(tl.int64) if HAS_ROWS else seq
+    table_row = slot_table_ptr + row * stride_table
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    head = h[:, None] * GROUP + g[None, :]  # [H, G] q heads
+    _gdc_wait(USE_PDL)
+    q = tl.load(q_ptr + seq * stride_qb + head[:, :, None] * stride_qh + d[None, None, :],
+                mask=g_ok[None, :, None] & d_ok[None, None, :], other=0.0)
+    qk_scale = tl.full([BLOCK_H, BLOCK_G], 1.0, tl.float32) * scale_log2
+    if Q_F16:
+        # Each q row in float16 units of a power of two (exact; see kernels._tiles.float16_rows).
+        qf = q.to(tl.float32)
+        amax_exp = (tl.max(tl.abs(qf), axis=2).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        amax_exp = tl.minimum(tl.maximum(amax_exp, 1), 253)
+        qk_scale = qk_scale * (amax_exp << 23).to(tl.float32, bitcast=True)
+        q = (qf * ((254 - amax_exp) << 23).to(tl.float32, bitcast=True)[:, :, None]).to(tl.float16)
+    m_i = tl.full([BLOCK_H, BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H, BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_G, BLOCK_D], dtype=tl.float32)
+    n_offs = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + n_offs
+        n_ok = n < hi
+        slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+        k, k_scale = _load_tile(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT,
+                                q.dtype)
+        v, v_scale = _load_tile(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT,
+                                q.dtype)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale[:, :, None]  # [H, G, N]
+        if QUANT:
+            # Key scales multiply the scores; value scales enter as logs (0 for slots past the
+            # end: -inf, masking them), the weights then carry them.
+            v_log = tl.log2(v_scale)
+            s = s * k_scale[:, None, :] + v_log[:, None, :]
+        else:
+            s = tl.where(n_ok[None, None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, :, None])
+        if QUANT:
+            l_i = l_i * alpha + tl.sum(p * tl.where(v_scale > 0.0, tl.exp2(-v_log), 0.0)[:, None, :], axis=2)
+        else:
+            l_i = l_i * alpha + tl.sum(p, axis=2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    _gdc_release(USE_PDL)
+
+    # An empty split reports lse = -inf and weighs nothing in the merge.
+    has_keys = l_i > 0.0
+    part = acc / tl.where(has_keys, l_i, 1.0)[:, :, None]
+    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(part_out_ptr + seq * stride_pb + head[:, :, None] * stride_ph + split * stride_ps + d[None, None, :],
+             part, mask=g_ok[None, :, None] & d_ok[None, None, :])
+    tl.store(part_lse_ptr + seq * stride_lb + head * stride_lh + split, lse, mask=g_ok[None, :])
+
+
+@triton.jit
+def _slots_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The output of one kv head's q heads of one sequence from the splits' partials, each
+    weighed by its log-sum-exp against their largest (base 2)."""
+    _gdc_wait(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    head = tl.program_id(1) * GROUP + g
+    g_ok = g < GROUP
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head[:, None] * stride_lh + sp[None, :],
+                  mask=g_ok[:, None] & sp_ok[None, :], other=float("-inf"))
+    m = tl.max(lse, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m[:, None]), 0.0)  # [G, S]
+    part = tl.load(part_out_ptr + seq * stride_pb + head[:, None, None] * stride_ph + sp[None, :, None] * stride_ps
+                   + d[None, None, :], mask=(g_ok[:, None] & sp_ok[None, :])[:, :, None] & d_ok[None, None, :],
+                   other=0.0)
+    total = tl.sum(w, axis=1)
+    out = tl.sum(part * w[:, :, None], axis=1) / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ob + head[:, None] * stride_oh + d[None, :], out,
+             mask=g_ok[:, None] & d_ok[None, :])
+
+
+def slots_head_block(num_kv_heads: int, limit: int = 8) -> int:
+    """Kv heads a program reads a slot's rows of: the largest power of two that divides the
+    model's kv heads, at most ``limit``."""
+    block = 1
+    while block * 2 <= limit and num_kv_heads % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def slots_num_splits(batch: int, head_groups: int, max_ctx: int, block_n: int, device: torch.device,
+                     per_sm: float = 2.0) -> int:
+    """Splits of each sequence's context for about ``per_sm`` programs a multiprocessor, never a
+    split shorter than one tile, at most 32; decided by shapes only (CUDA graphs)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = cdiv(int(per_sm * sms), max(1, batch * head_groups))
+    return max(1, min(wanted, cdiv(max_ctx, block_n), 32))
+
+
+def _check_caches(quant: str | None, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """The kernel's ``QUANT`` for caches of kind ``quant``; quantized rows must be uint8 and start
+    at multiples of 16 bytes (the tiles are read in 16-byte units)."""
+    if quant not in QUANT_CODES:
+        raise ValueError(f"unknown quantized KV kind {quant!r}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("KV caches must be contiguous in head_dim")
+    if quant is not None:
+        if k_cache.dtype != torch.uint8 or v_cache.dtype != torch.uint8:
+            raise ValueError(f"{quant} KV caches hold uint8 rows, got {k_cache.dtype}")
+        if any(c.stride(i) % ROW_ALIGN for c in (k_cache, v_cache) for i in (0, 1)):
+            raise ValueError(f"{quant} KV rows must start at multiples of {ROW_ALIGN} bytes")
+    return QUANT_CODES[quant]
+
+
+def decode_attention_slots(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    block_n: int | None = None,
+    block_h: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
+    quant: str | None = None,
+) -> torch.Tensor:
+    """One query token per sequence against its context (as
+    :func:`kernels.attention.decode_attention_ref`), each program over ``block_h`` kv heads of a
+    tile of ``block_n`` slots; ``out``, ``table_rows`` and ``quant`` as in
+    :func:`kernels.attention.decode_attention_triton`. Unset sizes come from
+    :func:`slots_config`; the split count from :func:`slots_num_splits`."""
+    require_triton()
+    quant_code = _check_caches(quant, k_cache, v_cache)
+    q = last_dim_contiguous(q)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"attention output {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)}")
+    if batch == 0:
+        return out
+    config = slots_config(quant, num_kv_heads)
+    block_h = block_h or config.block_h
+    if num_kv_heads % block_h or block_h & (block_h - 1):
+        raise ValueError(f"block_h {block_h} must be a power of two dividing {num_kv_heads} kv heads")
+    block_n, num_warps = block_n or config.block_n, num_warps or config.num_warps
+    num_stages = num_stages or config.num_stages
+    head_groups = num_kv_heads // block_h
+    if num_splits is None:
+        num_splits = slots_num_splits(batch, head_groups, slot_table.shape[1], block_n, q.device, config.per_sm)
+    block_d = next_pow2(head_dim)
+    if num_splits == 1:
+        part_out = out.unsqueeze(2)  # one split's normalised partial is the output
+    else:
+        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)
+    q_f16 = quant is not None and q.dtype == torch.bfloat16
+    block_g = max(16, next_pow2(group))
+    _slots_split_kernel[(batch, num_splits, head_groups)](
+        q, k_cache, v_cache, slot_table, ctx_lens, table_rows if table_rows is not None else ctx_lens,
+        part_out, part_lse, sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        slot_table.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_G=block_g,
+        BLOCK_N=block_n, BLOCK_D=block_d, SCALE_AT=scale_offset(head_dim), DOT_PRECISION=dot_precision(q.dtype),
+        HAS_ROWS=table_rows is not None, USE_PDL=pdl, QUANT=quant_code, Q_F16=q_f16,
+        num_warps=num_warps, num_stages=num_stages, **pdl_options(pdl),
+    )
+    if num_splits > 1:
+        _slots_merge_kernel[(batch, num_kv_heads)](
+            part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_G=next_pow2(group),
+            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **pdl_options(pdl),
+        )
+    return out
