@@ -52,6 +52,7 @@ class SlotsConfig:
     num_warps: int
     num_stages: int
     per_sm: float
+    ahead: bool = False
 
 
 def slots_config(quant: str | None, num_kv_heads: int) -> SlotsConfig:
@@ -75,43 +76,71 @@ def _gdc_release(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(cache_ptr, slots, h, d, n_ok, stride_s, stride_h, TRANSPOSED: tl.constexpr,
-               SCALE_AT: tl.constexpr, QUANT: tl.constexpr, dtype: tl.constexpr):
-    """One cache's tile at ``slots`` ``[N]`` for heads ``h`` ``[H]``: ``[H, D, N]``
-    (``TRANSPOSED``, keys) or ``[H, N, D]`` (values) in ``dtype``, and for quantized rows their
-    float32 scales ``[H, N]`` (0 for slots past the end; 1.0 placeholders for 16-bit rows)."""
+def _load_raw(cache_ptr, slots, h, d, n_ok, stride_s, stride_h, TRANSPOSED: tl.constexpr, SCALE_AT: tl.constexpr,
+              QUANT: tl.constexpr, WORDS: tl.constexpr):
+    """One cache's tile at ``slots`` ``[N]`` for heads ``h`` ``[H]`` as read, and its scales.
+
+    The tile: ``[H, D, N]`` (``TRANSPOSED``, keys) or ``[H, N, D]`` (values) of the cache's
+    elements; with ``WORDS`` (quantized values) ``[H, N, D // 4]`` 32-bit words of four codes.
+    The scales ``[H, N]``: quantized rows' float32 scales (0 for slots past the end), 1.0
+    placeholders for 16-bit rows. Slots past the end read zeros, never the cache (a stale slot's
+    codes may be NaN)."""
     if QUANT:
         # Byte offsets in 16-byte units times 16: every row start is known 16-byte aligned.
         rows = (slots[None, :] * (stride_s // 16) + h[:, None] * (stride_h // 16)) * 16  # [H, N]
-    else:
-        rows = slots[None, :] * stride_s + h[:, None] * stride_h
-    if TRANSPOSED:
-        ptrs = cache_ptr + rows[:, None, :] + d[None, :, None]
-        mask = n_ok[None, None, :]
-    else:
-        ptrs = cache_ptr + rows[:, :, None] + d[None, None, :]
-        mask = n_ok[None, :, None]
-    if QUANT:
         scale = tl.load((cache_ptr + rows + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=n_ok[None, :],
                         other=0.0)
-        if TRANSPOSED or dtype != tl.float16:
-            raw = tl.load(ptrs, mask=mask, other=0)
-            if QUANT == 1:
-                tile = raw.to(tl.int8, bitcast=True).to(dtype)
-            else:
-                tile = raw.to(tl.float8e4nv, bitcast=True).to(dtype)
-        else:
-            # Values as 32-bit words of four codes, converted to float16 where they land: a tile
-            # of bytes would reach the product's transposed operand one byte at a time
-            # (kernels._tiles.load_code_words says why).
-            w = tl.arange(0, d.shape[0] // 4)
-            words = tl.load((cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, :, None] + w[None, None, :],
-                            mask=mask, other=0)
-            tile = _words_f16(words, d.shape[0], QUANT)
-        return tile, scale
     else:
-        raw = tl.load(ptrs, mask=mask, other=0)
-        return raw.to(dtype), tl.full([h.shape[0], slots.shape[0]], 1.0, tl.float32)
+        rows = slots[None, :] * stride_s + h[:, None] * stride_h
+        scale = tl.full([h.shape[0], slots.shape[0]], 1.0, tl.float32)
+    if TRANSPOSED:
+        raw = tl.load(cache_ptr + rows[:, None, :] + d[None, :, None], mask=n_ok[None, None, :], other=0)
+    elif WORDS:
+        w = tl.arange(0, d.shape[0] // 4)
+        raw = tl.load((cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, :, None] + w[None, None, :],
+                      mask=n_ok[None, :, None], other=0)
+    else:
+        raw = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :], mask=n_ok[None, :, None], other=0)
+    return raw, scale
+
+
+@triton.jit
+def _tile_values(raw, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, WORDS: tl.constexpr, dtype: tl.constexpr):
+    """A tile :func:`_load_raw` read as the products take it: codes converted to ``dtype``
+    (exact), words of codes to float16 (:func:`_words_f16`), 16-bit elements as read."""
+    if WORDS:
+        return _words_f16(raw, BLOCK_D, QUANT)
+    elif QUANT == 1:
+        return raw.to(tl.int8, bitcast=True).to(dtype)
+    elif QUANT == 2:
+        return raw.to(tl.float8e4nv, bitcast=True).to(dtype)
+    else:
+        return raw.to(dtype)
+
+
+@triton.jit
+def _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """One online-softmax step (base 2) of every q row ``[H, G]`` over a tile: keys ``k``
+    ``[H, D, N]``, values ``v`` ``[H, N, D]``. Quantized: each key's scale multiplies its scores,
+    each value's scale enters its key's score as its log2 (0 for slots past the end: -inf, which
+    masks them), so the weights the product takes carry it and the sum of weights divides it
+    back out (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`)."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale[:, :, None]  # [H, G, N]
+    if QUANT:
+        v_log = tl.log2(v_scale)
+        s = s * k_scale[:, None, :] + v_log[:, None, :]
+    else:
+        s = tl.where(n_ok[None, None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=2))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, :, None])
+    if QUANT:
+        l_i = l_i * alpha + tl.sum(p * tl.where(v_scale > 0.0, tl.exp2(-v_log), 0.0)[:, None, :], axis=2)
+    else:
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -162,6 +191,7 @@ def _slots_split_kernel(
     USE_PDL: tl.constexpr,
     QUANT: tl.constexpr,
     Q_F16: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -193,31 +223,42 @@ def _slots_split_kernel(
     l_i = tl.zeros([BLOCK_H, BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_G, BLOCK_D], dtype=tl.float32)
     n_offs = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + n_offs
+    words: tl.constexpr = QUANT != 0 and q.dtype == tl.float16
+    if AHEAD:
+        # Each iteration reads the next tile (and the slots of the one after) before computing
+        # its own: a tile's bytes stay in flight while the program computes.
+        n = lo + n_offs
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-        k, k_scale = _load_tile(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT,
-                                q.dtype)
-        v, v_scale = _load_tile(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT,
-                                q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale[:, :, None]  # [H, G, N]
-        if QUANT:
-            # Key scales multiply the scores; value scales enter as logs (0 for slots past the
-            # end: -inf, masking them), the weights then carry them.
-            v_log = tl.log2(v_scale)
-            s = s * k_scale[:, None, :] + v_log[:, None, :]
-        else:
-            s = tl.where(n_ok[None, None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=2))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, :, None])
-        if QUANT:
-            l_i = l_i * alpha + tl.sum(p * tl.where(v_scale > 0.0, tl.exp2(-v_log), 0.0)[:, None, :], axis=2)
-        else:
-            l_i = l_i * alpha + tl.sum(p, axis=2)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k_raw, k_scale = _load_raw(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT, False)
+        v_raw, v_scale = _load_raw(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT, words)
+        slots = tl.load(table_row + n + BLOCK_N, mask=n + BLOCK_N < hi, other=0).to(tl.int64)
+        for start in range(lo, hi, BLOCK_N):
+            n = start + n_offs
+            n_ok = n < hi
+            next_ok = n + BLOCK_N < hi
+            k_next, k_scale_next = _load_raw(k_cache_ptr, slots, h, d, next_ok, stride_ks, stride_kh, True, SCALE_AT,
+                                             QUANT, False)
+            v_next, v_scale_next = _load_raw(v_cache_ptr, slots, h, d, next_ok, stride_vs, stride_vh, False,
+                                             SCALE_AT, QUANT, words)
+            n_after = n + 2 * BLOCK_N
+            slots = tl.load(table_row + n_after, mask=n_after < hi, other=0).to(tl.int64)
+            k = _tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
+            v = _tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
+            acc, m_i, l_i = _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT, DOT_PRECISION)
+            k_raw, k_scale, v_raw, v_scale = k_next, k_scale_next, v_next, v_scale_next
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            n = start + n_offs
+            n_ok = n < hi
+            slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+            k_raw, k_scale = _load_raw(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT,
+                                       False)
+            v_raw, v_scale = _load_raw(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT,
+                                       words)
+            k = _tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
+            v = _tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
+            acc, m_i, l_i = _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT, DOT_PRECISION)
     _gdc_release(USE_PDL)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
@@ -320,6 +361,7 @@ def decode_attention_slots(
     num_splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    ahead: bool | None = None,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
     quant: str | None = None,
@@ -327,7 +369,8 @@ def decode_attention_slots(
     """One query token per sequence against its context (as
     :func:`kernels.attention.decode_attention_ref`), each program over ``block_h`` kv heads of a
     tile of ``block_n`` slots; ``out``, ``table_rows`` and ``quant`` as in
-    :func:`kernels.attention.decode_attention_triton`. Unset sizes come from
+    :func:`kernels.attention.decode_attention_triton`; ``ahead``: each program reads its next
+    tile while computing one (best with ``num_stages`` 1). Unset sizes come from
     :func:`slots_config`; the split count from :func:`slots_num_splits`."""
     require_triton()
     quant_code = _check_caches(quant, k_cache, v_cache)
@@ -347,6 +390,7 @@ def decode_attention_slots(
         raise ValueError(f"block_h {block_h} must be a power of two dividing {num_kv_heads} kv heads")
     block_n, num_warps = block_n or config.block_n, num_warps or config.num_warps
     num_stages = num_stages or config.num_stages
+    ahead = config.ahead if ahead is None else ahead
     head_groups = num_kv_heads // block_h
     if num_splits is None:
         num_splits = slots_num_splits(batch, head_groups, slot_table.shape[1], block_n, q.device, config.per_sm)
@@ -367,7 +411,7 @@ def decode_attention_slots(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_G=block_g,
         BLOCK_N=block_n, BLOCK_D=block_d, SCALE_AT=scale_offset(head_dim), DOT_PRECISION=dot_precision(q.dtype),
-        HAS_ROWS=table_rows is not None, USE_PDL=pdl, QUANT=quant_code, Q_F16=q_f16,
+        HAS_ROWS=table_rows is not None, USE_PDL=pdl, QUANT=quant_code, Q_F16=q_f16, AHEAD=ahead,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(pdl),
     )
     if num_splits > 1:

@@ -47,7 +47,7 @@ class Variant:
     def label(self) -> str:
         if self.slots:
             return (f"{self.kind:8s} slots h={self.block_h or 'd'} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
-                    f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}")
+                    f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}")
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         v16 += {None: "", True: " vshift", False: " vmax"}[self.values_in_shift]
@@ -95,8 +95,12 @@ def slots_variants() -> list[Variant]:
     for splits in (4, 2):
         out += [Variant(fp8, block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h)
                 for h, n, w, st in tilings]
+        out += [Variant(fp8, block_n=16, num_warps=w, num_stages=1, num_splits=splits, ahead=True, slots=True,
+                        block_h=h) for h, w in ((8, 8), (4, 4), (2, 4))]
     out += [Variant("bf16", block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h)
             for h, n, w, st in ((8, 16, 8, 1), (4, 16, 4, 2), (2, 16, 4, 2), (2, 32, 4, 2)) for splits in (4, 2)]
+    out += [Variant("bf16", block_n=16, num_warps=w, num_stages=1, num_splits=4, ahead=True, slots=True, block_h=h)
+            for h, w in ((8, 8), (4, 4))]
     out += [Variant(fp8, block_n=n, num_warps=w, num_stages=st, num_splits=8, slots=True, block_h=h)
             for h, n, w, st in tilings]
     out += [Variant(fp8, slots=True), Variant("bf16", slots=True), Variant("int8"), Variant("int8", slots=True),
@@ -135,6 +139,7 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
               "num_splits": variant.num_splits, "quant": quant}
     if variant.slots:
         kwargs["block_h"] = variant.block_h
+        kwargs["ahead"] = variant.ahead
     elif quant is not None:
         kwargs["float16_codes"] = variant.float16_codes
         kwargs["values_float16"] = variant.values_float16
