@@ -77,7 +77,7 @@ def _gdc_release(USE_PDL: tl.constexpr):
 
 @triton.jit
 def _load_raw(cache_ptr, slots, h, d, n_ok, stride_s, stride_h, TRANSPOSED: tl.constexpr, SCALE_AT: tl.constexpr,
-              QUANT: tl.constexpr, WORDS: tl.constexpr):
+              QUANT: tl.constexpr, WORDS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """One cache's tile at ``slots`` ``[N]`` for heads ``h`` ``[H]`` as read, and its scales.
 
     The tile: ``[H, D, N]`` (``TRANSPOSED``, keys) or ``[H, N, D]`` (values) of the cache's
@@ -93,15 +93,37 @@ def _load_raw(cache_ptr, slots, h, d, n_ok, stride_s, stride_h, TRANSPOSED: tl.c
     else:
         rows = slots[None, :] * stride_s + h[:, None] * stride_h
         scale = tl.full([h.shape[0], slots.shape[0]], 1.0, tl.float32)
+    # Elements past head_dim (a head_dim short of a power of two) are not read.
     if TRANSPOSED:
-        raw = tl.load(cache_ptr + rows[:, None, :] + d[None, :, None], mask=n_ok[None, None, :], other=0)
+        mask = n_ok[None, None, :]
+        if HEAD_DIM < d.shape[0]:
+            mask = mask & (d < HEAD_DIM)[None, :, None]
+        raw = tl.load(cache_ptr + rows[:, None, :] + d[None, :, None], mask=mask, other=0)
     elif WORDS:
         w = tl.arange(0, d.shape[0] // 4)
-        raw = tl.load((cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, :, None] + w[None, None, :],
-                      mask=n_ok[None, :, None], other=0)
+        mask = n_ok[None, :, None]
+        if HEAD_DIM < d.shape[0]:
+            mask = mask & (w < (HEAD_DIM + 3) // 4)[None, None, :]
+        raw = tl.load((cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, :, None] + w[None, None, :], mask=mask,
+                      other=0)
     else:
-        raw = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :], mask=n_ok[None, :, None], other=0)
+        mask = n_ok[None, :, None]
+        if HEAD_DIM < d.shape[0]:
+            mask = mask & (d < HEAD_DIM)[None, None, :]
+        raw = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :], mask=mask, other=0)
     return raw, scale
+
+
+@triton.jit
+def _load_kv(k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, stride_vs, stride_vh,
+             SCALE_AT: tl.constexpr, QUANT: tl.constexpr, WORDS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Keys ``[H, D, N]`` and values ``[H, N, D]`` (words where ``WORDS``) at ``slots`` as read,
+    with their scales (:func:`_load_raw`)."""
+    k_raw, k_scale = _load_raw(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT, False,
+                               HEAD_DIM)
+    v_raw, v_scale = _load_raw(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT, WORDS,
+                               HEAD_DIM)
+    return k_raw, k_scale, v_raw, v_scale
 
 
 @triton.jit
@@ -230,19 +252,16 @@ def _slots_split_kernel(
         n = lo + n_offs
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-        k_raw, k_scale = _load_raw(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT, False)
-        v_raw, v_scale = _load_raw(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT, words)
+        k_raw, k_scale, v_raw, v_scale = _load_kv(k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh,
+                                                  stride_vs, stride_vh, SCALE_AT, QUANT, words, HEAD_DIM)
         slots = tl.load(table_row + n + BLOCK_N, mask=n + BLOCK_N < hi, other=0).to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             n = start + n_offs
             n_ok = n < hi
-            next_ok = n + BLOCK_N < hi
-            k_next, k_scale_next = _load_raw(k_cache_ptr, slots, h, d, next_ok, stride_ks, stride_kh, True, SCALE_AT,
-                                             QUANT, False)
-            v_next, v_scale_next = _load_raw(v_cache_ptr, slots, h, d, next_ok, stride_vs, stride_vh, False,
-                                             SCALE_AT, QUANT, words)
-            n_after = n + 2 * BLOCK_N
-            slots = tl.load(table_row + n_after, mask=n_after < hi, other=0).to(tl.int64)
+            k_next, k_scale_next, v_next, v_scale_next = _load_kv(
+                k_cache_ptr, v_cache_ptr, slots, h, d, n + BLOCK_N < hi, stride_ks, stride_kh, stride_vs, stride_vh,
+                SCALE_AT, QUANT, words, HEAD_DIM)
+            slots = tl.load(table_row + n + 2 * BLOCK_N, mask=n + 2 * BLOCK_N < hi, other=0).to(tl.int64)
             k = _tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
             v = _tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
             acc, m_i, l_i = _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT, DOT_PRECISION)
@@ -252,10 +271,9 @@ def _slots_split_kernel(
             n = start + n_offs
             n_ok = n < hi
             slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-            k_raw, k_scale = _load_raw(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT,
-                                       False)
-            v_raw, v_scale = _load_raw(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT,
-                                       words)
+            k_raw, k_scale, v_raw, v_scale = _load_kv(k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks,
+                                                      stride_kh, stride_vs, stride_vh, SCALE_AT, QUANT, words,
+                                                      HEAD_DIM)
             k = _tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
             v = _tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
             acc, m_i, l_i = _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT, DOT_PRECISION)
