@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _tiles
+from kernels.decode_slots import decode_attention_slots, slots_applies
 from kernels.kv_quant import QUANT_CODES, ROW_ALIGN, dequantize_rows
 from kernels._triton import (
     cdiv,
@@ -959,11 +960,15 @@ def decode_attention(
     table_rows: torch.Tensor | None = None,
     quant: str | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_cpu`;
-    written into ``out`` when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
+    """Triton on CUDA tensors when Triton is installed (the slot-run kernel of
+    :mod:`kernels.decode_slots` where :func:`kernels.decode_slots.slots_applies`, else
+    :func:`decode_attention_triton`), else :func:`decode_attention_cpu`; written into ``out``
+    when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
     if use_triton_kv(quant, q, k_cache, v_cache):
-        return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out,
-                                       table_rows=table_rows, quant=quant)
+        launch = decode_attention_slots if slots_applies(quant, q.shape[0], k_cache.shape[1]) else \
+            decode_attention_triton
+        return launch(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out, table_rows=table_rows,
+                      quant=quant)
     if table_rows is not None:
         slot_table = slot_table.index_select(0, table_rows)
     result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, quant)

@@ -55,9 +55,11 @@ class SlotsConfig:
     ahead: bool = False
 
 
-def slots_config(quant: str | None, num_kv_heads: int) -> SlotsConfig:
-    """The default launch (to be measured on a GPU)."""
-    return SlotsConfig(block_n=16, block_h=slots_head_block(num_kv_heads), num_warps=8, num_stages=2, per_sm=2.0)
+def slots_config(quant: str | None, num_kv_heads: int, dtype: torch.dtype) -> SlotsConfig:
+    """The default launch (to be measured on a GPU). float32 q (its tiles twice the bytes of
+    16-bit ones) takes at most 4 kv heads a program, within an H100's shared memory."""
+    block_h = slots_head_block(num_kv_heads, 4 if dtype == torch.float32 else 8)
+    return SlotsConfig(block_n=16, block_h=block_h, num_warps=8 if block_h == 8 else 4, num_stages=2, per_sm=2.0)
 
 
 @triton.jit
@@ -333,6 +335,12 @@ def _slots_merge_kernel(
              mask=g_ok[:, None] & d_ok[None, :])
 
 
+def slots_applies(quant: str | None, batch: int, num_kv_heads: int) -> bool:
+    """Whether the engine's decode attention takes this kernel: over quantized rows (to be
+    measured against the per-head kernel on a GPU)."""
+    return quant is not None
+
+
 def slots_head_block(num_kv_heads: int, limit: int = 8) -> int:
     """Kv heads a program reads a slot's rows of: the largest power of two that divides the
     model's kv heads, at most ``limit``."""
@@ -402,7 +410,7 @@ def decode_attention_slots(
         raise ValueError(f"attention output {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)}")
     if batch == 0:
         return out
-    config = slots_config(quant, num_kv_heads)
+    config = slots_config(quant, num_kv_heads, q.dtype)
     block_h = block_h or config.block_h
     if num_kv_heads % block_h or block_h & (block_h - 1):
         raise ValueError(f"block_h {block_h} must be a power of two dividing {num_kv_heads} kv heads")

@@ -24,6 +24,7 @@ from kernels.attention import (
     decode_attention_ref,
     decode_attention_triton,
 )
+from kernels.decode_slots import decode_attention_slots
 from kernels.kv_quant import quantize_rows, row_bytes
 from kernels.store_kv import store_kv_ref, store_kv_triton
 from pd_cluster.config import EngineConfig
@@ -101,6 +102,31 @@ def test_decode_attention_reads_quantized_kv_as_the_reference(kind: str, dtype: 
     args = (batch.q.cuda(), k_cache, v_cache, batch.slot_table.cuda(), batch.ctx_lens.cuda(), 128**-0.5)
     out = decode_attention_triton(*args, quant=kind)
     ref = decode_attention_ref(*args, quant=kind).to(dtype)
+    _assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch_size", [1, 64])
+@pytest.mark.parametrize(("block_h", "ahead"), [(None, False), (4, True), (2, False)],
+                         ids=["default", "4-heads-read-ahead", "2-heads"])
+def test_decode_slots_reads_kv_as_the_reference(kind: str | None, dtype: torch.dtype, batch_size: int,
+                                                block_h: int | None, ahead: bool) -> None:
+    # The slot-run kernel (kernels.decode_slots), compiled, 8B heads: quantized rows (bfloat16 q
+    # met as float16, values as words) and 16-bit rows; all kv heads or a few a program.
+    gen = torch.Generator().manual_seed(batch_size + 3)
+    ctx_lens = torch.randint(1, 1500, (batch_size,), generator=gen).tolist()
+    if kind is None:
+        batch = make_paged_batch(ctx_lens, [1] * batch_size, 32, 8, 128, layout="shuffled", dtype=dtype,
+                                 num_slots=sum(ctx_lens) + 64, seed=3)
+        k_cache, v_cache = batch.k_cache.cuda(), batch.v_cache.cuda()
+    else:
+        batch, k_cache, v_cache = _quantized_batch(kind, dtype, ctx_lens, [1] * batch_size, (32, 8), 128)
+    args = (batch.q.cuda(), k_cache, v_cache, batch.slot_table.cuda(), batch.ctx_lens.cuda(), 128**-0.5)
+    out = decode_attention_slots(*args, quant=kind, block_h=block_h, ahead=ahead,
+                                 num_stages=1 if ahead else None)
+    ref = decode_attention_ref(*(a.float() if i < 3 and kind is None else a for i, a in enumerate(args)),
+                               quant=kind).to(dtype)
     _assert_close(out, ref, dtype)
 
 
