@@ -87,24 +87,28 @@ def variants() -> list[Variant]:
 
 def slots_variants() -> list[Variant]:
     """The engine's bfloat16 and fp8 launches, then the slot-run kernel (one program over a
-    slot's kv heads): fp8 over kv heads a program, tile slots, warps, depths and splits, then
-    bfloat16 and int8 at a few of them."""
-    fp8, out = "fp8_e4m3", [Variant("bf16"), Variant("fp8_e4m3")]
+    slot's kv heads): fp8 over kv heads a program, tile slots, warps, depths and splits (3 and 6:
+    whole waves at three programs a multiprocessor), a tile read ahead, then bfloat16 and int8 at
+    a few of them; most telling first (a run cut short keeps them)."""
+    fp8, bf16, out = "fp8_e4m3", "bf16", [Variant("bf16"), Variant("fp8_e4m3")]
+
+    def slots(kind: str, h: int, n: int, w: int, st: int, splits: int, ahead: bool = False) -> Variant:
+        return Variant(kind, block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h,
+                       ahead=ahead or None)
+
     tilings = [(8, 16, 8, 1), (4, 16, 4, 1), (8, 16, 8, 2), (4, 16, 4, 2), (2, 16, 4, 1), (4, 32, 4, 1),
                (8, 32, 8, 1), (2, 16, 2, 1)]
-    for splits in (4, 2):
-        out += [Variant(fp8, block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h)
-                for h, n, w, st in tilings]
-        out += [Variant(fp8, block_n=16, num_warps=w, num_stages=1, num_splits=splits, ahead=True, slots=True,
-                        block_h=h) for h, w in ((8, 8), (4, 4), (2, 4))]
-    out += [Variant("bf16", block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h)
-            for h, n, w, st in ((8, 16, 8, 1), (4, 16, 4, 2), (2, 16, 4, 2), (2, 32, 4, 2)) for splits in (4, 2)]
-    out += [Variant("bf16", block_n=16, num_warps=w, num_stages=1, num_splits=4, ahead=True, slots=True, block_h=h)
-            for h, w in ((8, 8), (4, 4))]
-    out += [Variant(fp8, block_n=n, num_warps=w, num_stages=st, num_splits=8, slots=True, block_h=h)
-            for h, n, w, st in tilings]
-    out += [Variant(fp8, slots=True), Variant("bf16", slots=True), Variant("int8"), Variant("int8", slots=True),
-            Variant("int8", block_n=16, num_warps=4, num_stages=1, num_splits=4, slots=True, block_h=4)]
+    ahead = [(8, 16, 8, 1), (4, 16, 4, 1), (2, 16, 4, 1)]
+    out += [slots(fp8, *t, 4) for t in tilings] + [slots(fp8, *t, 4, True) for t in ahead]
+    out += [slots(fp8, *t, 3) for t in ((4, 16, 4, 1), (4, 16, 4, 2), (4, 32, 4, 1), (2, 16, 4, 1))]
+    out += [slots(fp8, 4, 16, 4, 1, 3, True), slots(fp8, 4, 16, 4, 1, 6)]
+    out += [slots(fp8, *t, 2) for t in tilings] + [slots(fp8, *t, 2, True) for t in ahead]
+    out += [slots(bf16, *t, splits) for t in ((8, 16, 8, 1), (4, 16, 4, 2), (2, 16, 4, 2), (2, 32, 4, 2))
+            for splits in (4, 2)]
+    out += [slots(bf16, 8, 16, 8, 1, 4, True), slots(bf16, 4, 16, 4, 1, 4, True), slots(bf16, 4, 16, 4, 2, 3)]
+    out += [Variant(fp8, slots=True), Variant(bf16, slots=True), Variant("int8"), Variant("int8", slots=True),
+            slots("int8", 4, 16, 4, 1, 4)]
+    out += [slots(fp8, *t, 8) for t in tilings]
     return out
 
 
