@@ -29,9 +29,12 @@ from kernels import _tiles
 from kernels._triton import (
     cdiv,
     dot_precision,
+    gdc_release,
+    gdc_wait,
     last_dim_contiguous,
     next_pow2,
     pdl_options,
+    pdl_wait,
     require_triton,
     tl,
     triton,
@@ -60,21 +63,6 @@ def slots_config(quant: str | None, num_kv_heads: int, dtype: torch.dtype) -> Sl
     16-bit ones) takes at most 4 kv heads a program, within an H100's shared memory."""
     block_h = slots_head_block(num_kv_heads, 4 if dtype == torch.float32 else 8)
     return SlotsConfig(block_n=16, block_h=block_h, num_warps=8 if block_h == 8 else 4, num_stages=2, per_sm=2.0)
-
-
-@triton.jit
-def _gdc_wait(USE_PDL: tl.constexpr):
-    """Wait for the kernel before (a dependent launch) without yet letting the next one start."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _gdc_release(USE_PDL: tl.constexpr):
-    """Let the next kernel launch: called once a program's key loop is done, so that the merge's
-    programs, which only wait, hold no multiprocessor slots while the split programs read."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -232,7 +220,7 @@ def _slots_split_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     head = h[:, None] * GROUP + g[None, :]  # [H, G] q heads
-    _gdc_wait(USE_PDL)
+    gdc_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, :, None] * stride_qh + d[None, None, :],
                 mask=g_ok[None, :, None] & d_ok[None, None, :], other=0.0)
     qk_scale = tl.full([BLOCK_H, BLOCK_G], 1.0, tl.float32) * scale_log2
@@ -279,7 +267,7 @@ def _slots_split_kernel(
             k = _tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
             v = _tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
             acc, m_i, l_i = _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT, DOT_PRECISION)
-    _gdc_release(USE_PDL)
+    gdc_release(USE_PDL)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
@@ -312,7 +300,7 @@ def _slots_merge_kernel(
 ):
     """The output of one kv head's q heads of one sequence from the splits' partials, each
     weighed by its log-sum-exp against their largest (base 2)."""
-    _gdc_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     head = tl.program_id(1) * GROUP + g
@@ -441,10 +429,21 @@ def decode_attention_slots(
         num_warps=num_warps, num_stages=num_stages, **pdl_options(pdl),
     )
     if num_splits > 1:
-        _slots_merge_kernel[(batch, num_kv_heads)](
-            part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_G=next_pow2(group),
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, USE_PDL=pdl, num_warps=4, **pdl_options(pdl),
-        )
+        merge_splits(part_out, part_lse, out, num_kv_heads, pdl)
+    return out
+
+
+def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_kv_heads: int,
+                 pdl: bool) -> torch.Tensor:
+    """``out`` ``[B, Hq, D]`` from the splits' normalised partials ``[B, Hq, S, D]`` (float32) and
+    their log-sum-exps ``[B, Hq, S]`` (base 2), a program per (sequence, kv head); launched as a
+    dependent of the split kernel where ``pdl``."""
+    batch, num_q_heads, num_splits, head_dim = part_out.shape
+    group = num_q_heads // num_kv_heads
+    _slots_merge_kernel[(batch, num_kv_heads)](
+        part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_G=next_pow2(group),
+        BLOCK_S=next_pow2(num_splits), BLOCK_D=next_pow2(head_dim), USE_PDL=pdl, num_warps=4, **pdl_options(pdl),
+    )
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import decode_attention_ref
+from kernels.attention import decode_attention_ref, decode_attention_triton
 from kernels.decode_slots import decode_attention_slots, slots_head_block, slots_num_splits
 from tests.kernels.interpreted import INTERPRETER, run_in_interpreter
 from tests.kernels.test_kernels import make_paged_batch
@@ -97,6 +97,19 @@ class InterpretedCases:
         assert_matches(out, ref, *ATTENTION_TOL[torch.float16])
         assert torch.isnan(wide[..., 16:]).all()
 
+    @pytest.mark.parametrize(("kind", "dtype", "heads"), [(None, torch.float32, (8, 2)), (None, torch.float16, (6, 3)),
+                                                          ("fp8_e4m3", torch.float16, (8, 2))])
+    @pytest.mark.parametrize("late_release", [False, True])
+    def test_per_head_kernel_merged_a_kv_head_a_program(self, kind: str | None, dtype: torch.dtype,
+                                                         heads: tuple[int, int], late_release: bool) -> None:
+        # The per-head kernel's splits merged by the slot-run kernel's merge (a program per
+        # sequence and kv head), its dependents released after the key loop.
+        batch = _batch(kind, dtype, heads)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=3, quant=kind, merge_heads=True,
+                                      late_release=late_release)
+        assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[dtype])
+
     def test_decode_slots_refuses_what_it_cannot_read(self) -> None:
         batch = _batch(None, torch.float16, (8, 4))
         args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
@@ -121,4 +134,4 @@ if INTERPRETER:
 else:
 
     def test_decode_slots_matches_references_in_the_interpreter() -> None:
-        run_in_interpreter(__file__, min_passed=25)
+        run_in_interpreter(__file__, min_passed=31)

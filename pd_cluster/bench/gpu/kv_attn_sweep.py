@@ -42,6 +42,8 @@ class Variant:
     values_in_shift: bool | None = None
     slots: bool = False  # the slot-run kernel (kernels.decode_slots)
     block_h: int | None = None  # its kv heads a program
+    late_release: bool | None = None  # the per-head kernel's dependents released after its key loop
+    merge_heads: bool | None = None  # its merge a program per (sequence, kv head)
 
     @property
     def label(self) -> str:
@@ -51,6 +53,8 @@ class Variant:
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         v16 += {None: "", True: " vshift", False: " vmax"}[self.values_in_shift]
+        v16 += " late" if self.late_release else ""
+        v16 += " mergeh" if self.merge_heads else ""
         return (f"{self.kind:8s} {f16}{v16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
                 f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
                 f"{ {None: '', True: ' heads', False: ' seqs'}[self.heads_together]}")
@@ -86,11 +90,14 @@ def variants() -> list[Variant]:
 
 
 def slots_variants() -> list[Variant]:
-    """The engine's bfloat16 and fp8 launches, then the slot-run kernel (one program over a
+    """The engine's bfloat16 and fp8 launches (bfloat16's merge released late and a program a kv
+    head), then the slot-run kernel (one program over a
     slot's kv heads): fp8 over kv heads a program, tile slots, warps, depths and splits (3 and 6:
     whole waves at three programs a multiprocessor), a tile read ahead, then bfloat16 and int8 at
     a few of them; most telling first (a run cut short keeps them)."""
-    fp8, bf16, out = "fp8_e4m3", "bf16", [Variant("bf16"), Variant("fp8_e4m3")]
+    fp8, bf16 = "fp8_e4m3", "bf16"
+    out = [Variant(bf16), Variant(fp8), Variant(bf16, late_release=True, merge_heads=True),
+           Variant(bf16, late_release=True), Variant(bf16, merge_heads=True)]
 
     def slots(kind: str, h: int, n: int, w: int, st: int, splits: int, ahead: bool = False) -> Variant:
         return Variant(kind, block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h,
@@ -151,6 +158,8 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
         kwargs["values_in_shift"] = variant.values_in_shift
     if not variant.slots:
         kwargs["heads_together"] = variant.heads_together
+        kwargs["late_release"] = variant.late_release
+        kwargs["merge_heads"] = variant.merge_heads
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
     kernel = decode_attention_slots if variant.slots else decode_attention_triton
