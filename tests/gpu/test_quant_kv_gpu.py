@@ -105,11 +105,14 @@ def test_decode_attention_reads_quantized_kv_as_the_reference(kind: str, dtype: 
     _assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("kind", [*KINDS, None])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch_size", [1, 64])
-@pytest.mark.parametrize(("block_h", "ahead"), [(None, False), (4, True), (2, False)],
-                         ids=["default", "4-heads-read-ahead", "2-heads"])
+#: (kind, dtype, batch, kv heads a program, a tile read ahead): each kind's default launch at both
+#: batches in bfloat16 and at batch 64 in float32, then a few heads a program (fewer compiles).
+SLOTS_CASES = [(kind, dtype, batch, None, False) for kind in [*KINDS, None]
+               for dtype, batch in ((torch.bfloat16, 1), (torch.bfloat16, 64), (torch.float32, 64))]
+SLOTS_CASES += [(KINDS[-1], torch.bfloat16, 64, 4, True), (None, torch.bfloat16, 64, 2, False)]
+
+
+@pytest.mark.parametrize(("kind", "dtype", "batch_size", "block_h", "ahead"), SLOTS_CASES)
 def test_decode_slots_reads_kv_as_the_reference(kind: str | None, dtype: torch.dtype, batch_size: int,
                                                 block_h: int | None, ahead: bool) -> None:
     # The slot-run kernel (kernels.decode_slots), compiled, 8B heads: quantized rows (bfloat16 q
