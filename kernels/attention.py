@@ -18,8 +18,6 @@ from kernels.kv_quant import QUANT_CODES, ROW_ALIGN, dequantize_rows
 from kernels._triton import (
     cdiv,
     dot_precision,
-    gdc_release,
-    gdc_wait,
     last_dim_contiguous,
     next_pow2,
     pdl_options,
@@ -587,7 +585,7 @@ def _decode_split_kernel(
                                                     (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh,
                                                     stride_vs, stride_vh, n_ok & ~newest, HEAD_DIM, QUANT)
     if LATE_RELEASE:
-        gdc_wait(USE_PDL)
+        _tiles.gdc_wait(USE_PDL)
     else:
         pdl_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
@@ -625,7 +623,7 @@ def _decode_split_kernel(
                                            BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
 
     if LATE_RELEASE:
-        gdc_release(USE_PDL)
+        _tiles.gdc_release(USE_PDL)
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
     part = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -25,12 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import _tiles
+from kernels import _slot_tiles, _tiles
 from kernels._triton import (
     cdiv,
     dot_precision,
-    gdc_release,
-    gdc_wait,
     last_dim_contiguous,
     next_pow2,
     pdl_options,
@@ -63,108 +61,6 @@ def slots_config(quant: str | None, num_kv_heads: int, dtype: torch.dtype) -> Sl
     16-bit ones) takes at most 4 kv heads a program, within an H100's shared memory."""
     block_h = slots_head_block(num_kv_heads, 4 if dtype == torch.float32 else 8)
     return SlotsConfig(block_n=16, block_h=block_h, num_warps=8 if block_h == 8 else 4, num_stages=2, per_sm=2.0)
-
-
-@triton.jit
-def _load_raw(cache_ptr, slots, h, d, n_ok, stride_s, stride_h, TRANSPOSED: tl.constexpr, SCALE_AT: tl.constexpr,
-              QUANT: tl.constexpr, WORDS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One cache's tile at ``slots`` ``[N]`` for heads ``h`` ``[H]`` as read, and its scales.
-
-    The tile: ``[H, D, N]`` (``TRANSPOSED``, keys) or ``[H, N, D]`` (values) of the cache's
-    elements; with ``WORDS`` (quantized values) ``[H, N, D // 4]`` 32-bit words of four codes.
-    The scales ``[H, N]``: quantized rows' float32 scales (0 for slots past the end), 1.0
-    placeholders for 16-bit rows. Slots past the end read zeros, never the cache (a stale slot's
-    codes may be NaN)."""
-    if QUANT:
-        # Byte offsets in 16-byte units times 16: every row start is known 16-byte aligned.
-        rows = (slots[None, :] * (stride_s // 16) + h[:, None] * (stride_h // 16)) * 16  # [H, N]
-        scale = tl.load((cache_ptr + rows + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=n_ok[None, :],
-                        other=0.0)
-    else:
-        rows = slots[None, :] * stride_s + h[:, None] * stride_h
-        scale = tl.full([h.shape[0], slots.shape[0]], 1.0, tl.float32)
-    # Elements past head_dim (a head_dim short of a power of two) are not read.
-    if TRANSPOSED:
-        mask = n_ok[None, None, :]
-        if HEAD_DIM < d.shape[0]:
-            mask = mask & (d < HEAD_DIM)[None, :, None]
-        raw = tl.load(cache_ptr + rows[:, None, :] + d[None, :, None], mask=mask, other=0)
-    elif WORDS:
-        w = tl.arange(0, d.shape[0] // 4)
-        mask = n_ok[None, :, None]
-        if HEAD_DIM < d.shape[0]:
-            mask = mask & (w < (HEAD_DIM + 3) // 4)[None, None, :]
-        raw = tl.load((cache_ptr + rows).to(tl.pointer_type(tl.int32))[:, :, None] + w[None, None, :], mask=mask,
-                      other=0)
-    else:
-        mask = n_ok[None, :, None]
-        if HEAD_DIM < d.shape[0]:
-            mask = mask & (d < HEAD_DIM)[None, None, :]
-        raw = tl.load(cache_ptr + rows[:, :, None] + d[None, None, :], mask=mask, other=0)
-    return raw, scale
-
-
-@triton.jit
-def _load_kv(k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, stride_vs, stride_vh,
-             SCALE_AT: tl.constexpr, QUANT: tl.constexpr, WORDS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Keys ``[H, D, N]`` and values ``[H, N, D]`` (words where ``WORDS``) at ``slots`` as read,
-    with their scales (:func:`_load_raw`)."""
-    k_raw, k_scale = _load_raw(k_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, True, SCALE_AT, QUANT, False,
-                               HEAD_DIM)
-    v_raw, v_scale = _load_raw(v_cache_ptr, slots, h, d, n_ok, stride_vs, stride_vh, False, SCALE_AT, QUANT, WORDS,
-                               HEAD_DIM)
-    return k_raw, k_scale, v_raw, v_scale
-
-
-@triton.jit
-def _tile_values(raw, BLOCK_D: tl.constexpr, QUANT: tl.constexpr, WORDS: tl.constexpr, dtype: tl.constexpr):
-    """A tile :func:`_load_raw` read as the products take it: codes converted to ``dtype``
-    (exact), words of codes to float16 (:func:`_words_f16`), 16-bit elements as read."""
-    if WORDS:
-        return _words_f16(raw, BLOCK_D, QUANT)
-    elif QUANT == 1:
-        return raw.to(tl.int8, bitcast=True).to(dtype)
-    elif QUANT == 2:
-        return raw.to(tl.float8e4nv, bitcast=True).to(dtype)
-    else:
-        return raw.to(dtype)
-
-
-@triton.jit
-def _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-    """One online-softmax step (base 2) of every q row ``[H, G]`` over a tile: keys ``k``
-    ``[H, D, N]``, values ``v`` ``[H, N, D]``. Quantized: each key's scale multiplies its scores,
-    each value's scale enters its key's score as its log2 (0 for slots past the end: -inf, which
-    masks them), so the weights the product takes carry it and the sum of weights divides it
-    back out (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`)."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale[:, :, None]  # [H, G, N]
-    if QUANT:
-        v_log = tl.log2(v_scale)
-        s = s * k_scale[:, None, :] + v_log[:, None, :]
-    else:
-        s = tl.where(n_ok[None, None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=2))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, :, None])
-    if QUANT:
-        l_i = l_i * alpha + tl.sum(p * tl.where(v_scale > 0.0, tl.exp2(-v_log), 0.0)[:, None, :], axis=2)
-    else:
-        l_i = l_i * alpha + tl.sum(p, axis=2)
-    acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-@triton.jit
-def _words_f16(words, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
-    """Words of four codes ``[H, N, BLOCK_D // 4]``, int8 (``QUANT`` 1) or fp8 e4m3 (2), as the
-    float16 tile ``[H, N, BLOCK_D]`` (exact), as :func:`kernels._tiles.code_words_f16` for 2-D tiles."""
-    if QUANT == 1:
-        c0, c1, c2, c3 = _tiles.int8_word_to_f16(words)
-    else:
-        c0, c1, c2, c3 = _tiles.e4m3_word_to_f16(words)
-    codes = tl.join(tl.join(c0, c2), tl.join(c1, c3))
-    return tl.reshape(codes, (words.shape[0], words.shape[1], BLOCK_D))
 
 
 @triton.jit
@@ -220,7 +116,7 @@ def _slots_split_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     head = h[:, None] * GROUP + g[None, :]  # [H, G] q heads
-    gdc_wait(USE_PDL)
+    _tiles.gdc_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, :, None] * stride_qh + d[None, None, :],
                 mask=g_ok[None, :, None] & d_ok[None, None, :], other=0.0)
     qk_scale = tl.full([BLOCK_H, BLOCK_G], 1.0, tl.float32) * scale_log2
@@ -242,32 +138,35 @@ def _slots_split_kernel(
         n = lo + n_offs
         n_ok = n < hi
         slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-        k_raw, k_scale, v_raw, v_scale = _load_kv(k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh,
-                                                  stride_vs, stride_vh, SCALE_AT, QUANT, words, HEAD_DIM)
+        k_raw, k_scale, v_raw, v_scale = _slot_tiles.load_kv(
+            k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, stride_vs, stride_vh, SCALE_AT,
+            QUANT, words, HEAD_DIM)
         slots = tl.load(table_row + n + BLOCK_N, mask=n + BLOCK_N < hi, other=0).to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             n = start + n_offs
             n_ok = n < hi
-            k_next, k_scale_next, v_next, v_scale_next = _load_kv(
+            k_next, k_scale_next, v_next, v_scale_next = _slot_tiles.load_kv(
                 k_cache_ptr, v_cache_ptr, slots, h, d, n + BLOCK_N < hi, stride_ks, stride_kh, stride_vs, stride_vh,
                 SCALE_AT, QUANT, words, HEAD_DIM)
             slots = tl.load(table_row + n + 2 * BLOCK_N, mask=n + 2 * BLOCK_N < hi, other=0).to(tl.int64)
-            k = _tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
-            v = _tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
-            acc, m_i, l_i = _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT, DOT_PRECISION)
+            k = _slot_tiles.tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
+            v = _slot_tiles.tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
+            acc, m_i, l_i = _slot_tiles.attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT,
+                                               DOT_PRECISION)
             k_raw, k_scale, v_raw, v_scale = k_next, k_scale_next, v_next, v_scale_next
     else:
         for start in range(lo, hi, BLOCK_N):
             n = start + n_offs
             n_ok = n < hi
             slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
-            k_raw, k_scale, v_raw, v_scale = _load_kv(k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks,
-                                                      stride_kh, stride_vs, stride_vh, SCALE_AT, QUANT, words,
-                                                      HEAD_DIM)
-            k = _tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
-            v = _tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
-            acc, m_i, l_i = _attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT, DOT_PRECISION)
-    gdc_release(USE_PDL)
+            k_raw, k_scale, v_raw, v_scale = _slot_tiles.load_kv(
+                k_cache_ptr, v_cache_ptr, slots, h, d, n_ok, stride_ks, stride_kh, stride_vs, stride_vh, SCALE_AT,
+                QUANT, words, HEAD_DIM)
+            k = _slot_tiles.tile_values(k_raw, BLOCK_D, QUANT, False, q.dtype)
+            v = _slot_tiles.tile_values(v_raw, BLOCK_D, QUANT, words, q.dtype)
+            acc, m_i, l_i = _slot_tiles.attend(q, k, k_scale, v, v_scale, n_ok, acc, m_i, l_i, qk_scale, QUANT,
+                                               DOT_PRECISION)
+    _tiles.gdc_release(USE_PDL)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
