@@ -222,10 +222,16 @@ def _slots_merge_kernel(
              mask=g_ok[:, None] & d_ok[None, :])
 
 
+#: Fewest (sequence, kv head) pairs the engine's decode attention reads with this kernel: fewer
+#: (small batches, latency-bound) stay on the per-head kernel, whose first tile is read before its
+#: wait on the kernel before and whose programs a head each fill more multiprocessors.
+SLOTS_MIN_PAIRS = 129
+
+
 def slots_applies(quant: str | None, batch: int, num_kv_heads: int) -> bool:
-    """Whether the engine's decode attention takes this kernel: over quantized rows (to be
-    measured against the per-head kernel on a GPU)."""
-    return quant is not None
+    """Whether the engine's decode attention takes this kernel: quantized rows at batches of at
+    least :data:`SLOTS_MIN_PAIRS` (sequence, kv head) pairs."""
+    return quant is not None and batch * num_kv_heads >= SLOTS_MIN_PAIRS
 
 
 def slots_head_block(num_kv_heads: int, limit: int = 8) -> int:
