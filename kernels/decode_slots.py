@@ -281,6 +281,7 @@ def decode_attention_slots(
     num_warps: int | None = None,
     num_stages: int | None = None,
     ahead: bool | None = None,
+    max_registers: int | None = None,
     out: torch.Tensor | None = None,
     table_rows: torch.Tensor | None = None,
     quant: str | None = None,
@@ -289,7 +290,8 @@ def decode_attention_slots(
     :func:`kernels.attention.decode_attention_ref`), each program over ``block_h`` kv heads of a
     tile of ``block_n`` slots; ``out``, ``table_rows`` and ``quant`` as in
     :func:`kernels.attention.decode_attention_triton`; ``ahead``: each program reads its next
-    tile while computing one (best with ``num_stages`` 1). Unset sizes come from
+    tile while computing one (best with ``num_stages`` 1); ``max_registers``: a thread's register
+    limit (more programs a multiprocessor, some values spilled). Unset sizes come from
     :func:`slots_config`; the split count from :func:`slots_num_splits`."""
     require_triton()
     quant_code = _check_caches(quant, k_cache, v_cache)
@@ -332,6 +334,7 @@ def decode_attention_slots(
         BLOCK_N=block_n, BLOCK_D=block_d, SCALE_AT=scale_offset(head_dim), DOT_PRECISION=dot_precision(q.dtype),
         HAS_ROWS=table_rows is not None, USE_PDL=pdl, QUANT=quant_code, Q_F16=q_f16, AHEAD=ahead,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(pdl),
+        **({"maxnreg": max_registers} if max_registers else {}),
     )
     if num_splits > 1:
         merge_splits(part_out, part_lse, out, num_kv_heads, pdl)

@@ -43,6 +43,7 @@ class Variant:
     slots: bool = False  # the slot-run kernel (kernels.decode_slots)
     block_h: int | None = None  # its kv heads a program
     engine: bool = False  # kernels.decode_attention as the engine calls it (whichever kernel it picks)
+    max_registers: int | None = None  # the slot-run kernel's register limit a thread
     late_release: bool | None = None  # the per-head kernel's dependents released after its key loop
     merge_heads: bool | None = None  # its merge a program per (sequence, kv head)
 
@@ -52,7 +53,8 @@ class Variant:
             return f"{self.kind:8s} engine"
         if self.slots:
             return (f"{self.kind:8s} slots h={self.block_h or 'd'} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
-                    f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}")
+                    f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
+                    f"{f' r={self.max_registers}' if self.max_registers else ''}")
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         v16 += {None: "", True: " vshift", False: " vmax"}[self.values_in_shift]
@@ -112,6 +114,9 @@ def slots_variants() -> list[Variant]:
                (2, 16, 4, 1), (4, 32, 4, 1), (8, 32, 8, 1), (8, 16, 8, 3), (2, 16, 2, 1)]
     ahead = [(8, 16, 8, 1), (4, 16, 4, 1), (2, 16, 4, 1)]
     out += [slots(fp8, *t, 4) for t in tilings] + [slots(fp8, *t, 4, True) for t in ahead]
+    out += [Variant(fp8, block_n=16, num_warps=w, num_stages=st, num_splits=sp, slots=True, block_h=h,
+                    max_registers=r) for h, w, st, sp, r in ((8, 8, 1, 4, 128), (8, 8, 2, 4, 128), (4, 4, 2, 3, 168),
+                                                             (4, 4, 2, 4, 168), (4, 4, 1, 4, 128))]
     out += [slots(fp8, *t, 3) for t in ((4, 16, 4, 1), (4, 16, 4, 2), (4, 16, 4, 5), (4, 32, 4, 1), (2, 16, 4, 1))]
     out += [slots(fp8, 4, 16, 4, 1, 3, True), slots(fp8, 4, 16, 4, 1, 6)]
     out += [slots(fp8, *t, 2) for t in tilings] + [slots(fp8, *t, 2, True) for t in ahead]
@@ -153,6 +158,7 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
     if variant.slots:
         kwargs["block_h"] = variant.block_h
         kwargs["ahead"] = variant.ahead
+        kwargs["max_registers"] = variant.max_registers
     elif quant is not None:
         kwargs["float16_codes"] = variant.float16_codes
         kwargs["values_float16"] = variant.values_float16
