@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
@@ -24,6 +26,11 @@ from kernels.attention import decode_attention, decode_attention_ref, decode_att
 from kernels.decode_slots import decode_attention_slots
 from kernels.kv_quant import packed_row_bytes, quantize_rows
 from pd_cluster.bench.gpu.timing import cuda_ms
+
+
+#: Variants whose kernels compile side by side before each is timed (a run cut short by a time
+#: limit still prints the ones before it).
+COMPILE_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -149,8 +156,9 @@ def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.
     return caches
 
 
-def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Tensor, ctx_lens: torch.Tensor,
-                refs: dict, device: torch.device, reps: int) -> dict:
+def variant_launch(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Tensor,
+                   ctx_lens: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor]:
+    """The variant's launch, and the output it writes."""
     k_cache, v_cache = caches[variant.kind]
     quant = None if variant.kind == "bf16" else variant.kind
     kwargs = {"block_n": variant.block_n, "num_warps": variant.num_warps, "num_stages": variant.num_stages,
@@ -178,6 +186,25 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
         else:
             kernel(q, k_cache, v_cache, table, ctx_lens, sm_scale, out=out, **kwargs)
 
+    return launch, out
+
+
+def compile_side_by_side(launches: list[Callable[[], None]]) -> None:
+    """Call each launch once from a pool of threads, so that their kernels compile side by side
+    (a compile is mostly the assembler's process); a failure shows again when it is timed."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        for future in [pool.submit(launch) for launch in launches]:
+            try:
+                future.result()
+            except Exception:  # reported by the timed call
+                pass
+    torch.cuda.synchronize()
+
+
+def run_variant(variant: Variant, launch: Callable[[], None], out: torch.Tensor, q: torch.Tensor, caches: dict,
+                ctx_lens: torch.Tensor, refs: dict, device: torch.device, reps: int) -> dict:
+    k_cache = caches[variant.kind][0]
+    quant = None if variant.kind == "bf16" else variant.kind
     launch()
     ref = refs[variant.kind]
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -234,9 +261,12 @@ def main(argv: list[str] | None = None) -> None:
         chosen = slots_variants()
     else:
         chosen = default_variants() * args.repeat  # interleaved repeats
-    for variant in chosen:
+    launches = [variant_launch(variant, q, caches, table, ctx_lens) for variant in chosen]
+    for i, variant in enumerate(chosen):
+        if device.type == "cuda" and i % COMPILE_CHUNK == 0:
+            compile_side_by_side([launch for launch, _ in launches[i:i + COMPILE_CHUNK]])
         try:
-            result = run_variant(variant, q, caches, table, ctx_lens, refs, device, args.reps)
+            result = run_variant(variant, *launches[i], q, caches, ctx_lens, refs, device, args.reps)
         except Exception as exc:  # a tiling that does not compile or fit is reported, not fatal
             result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
         rows.append({**asdict(variant), "label": variant.label, **result})
