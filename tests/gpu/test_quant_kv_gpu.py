@@ -232,10 +232,12 @@ def _cpu_agreement(cpu: LLMEngine, prompts: list[list[int]], answers: list[list[
 @pytest.mark.parametrize("slots", [False, True], ids=["per-head-kernel", "slot-run-kernel"])
 def test_quantized_kv_runs_in_cuda_graphs_and_chooses_the_cpu_tokens(small_model, prompts, kind, dtype, slots,
                                                                      monkeypatch):
-    # The small model's batches are below the slot-run kernel's pairs: it is made to take them too.
+    # The small model's batches are below the slot-run kernel's pairs: it is made to take them too
+    # (and int8, which the engine keeps on the per-head kernel).
     import kernels.decode_slots
 
     monkeypatch.setattr(kernels.decode_slots, "SLOTS_MIN_PAIRS", 1 if slots else 1 << 30)
+    monkeypatch.setattr(kernels.decode_slots, "SLOTS_KINDS", (kind,))
     eng = _engine(small_model, "cuda", dtype, kind)
     graphs = eng.runner.graphs
     assert graphs is not None, "CUDA graph capture failed with quantized KV"
