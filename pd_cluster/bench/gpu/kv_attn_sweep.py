@@ -138,10 +138,15 @@ def slots_variants() -> list[Variant]:
 
 def default_variants() -> list[Variant]:
     """Each kind as the engine calls it (:func:`kernels.attention.decode_attention`), then the
-    per-head kernel's default launch of each kind and the slot-run kernel's."""
+    per-head kernel's fp8 default, bfloat16's merge launched once the key loops are done (and a
+    merge program a kv head), the slot-run kernel's default over int8 and a fp8 candidate of the
+    slot-run sweep (4 programs a multiprocessor by a register limit, no tile ahead)."""
     kinds = ("bf16", "fp8_e4m3", "int8")
-    return ([Variant(kind, engine=True) for kind in kinds] + [Variant(kind) for kind in kinds]
-            + [Variant(kind, slots=True) for kind in kinds])
+    return ([Variant(kind, engine=True) for kind in kinds]
+            + [Variant("fp8_e4m3"), Variant("bf16", late_release=True),
+               Variant("bf16", late_release=True, merge_heads=True), Variant("int8", slots=True),
+               Variant("fp8_e4m3", block_n=16, num_warps=4, num_stages=1, num_splits=4, slots=True, block_h=4,
+                       max_registers=128, ahead=False)])
 
 
 def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.device,
