@@ -149,6 +149,19 @@ def default_variants() -> list[Variant]:
                        max_registers=128, ahead=False)])
 
 
+def focus_variants() -> list[Variant]:
+    """The defaults set and the slot-run kernel's other leading tilings of the slots set (8 kv
+    heads a program at 2 programs a multiprocessor, the tile ahead at 4 splits, a depth of 5,
+    32-slot tiles; bfloat16 at its best)."""
+    fp8 = "fp8_e4m3"
+    return default_variants() + [
+        Variant(fp8, block_n=16, num_warps=8, num_stages=1, num_splits=4, slots=True, block_h=8, max_registers=128),
+        Variant(fp8, block_n=16, num_warps=4, num_stages=1, num_splits=4, slots=True, block_h=4, ahead=True),
+        Variant(fp8, block_n=16, num_warps=8, num_stages=5, num_splits=2, slots=True, block_h=8),
+        Variant(fp8, block_n=32, num_warps=4, num_stages=1, num_splits=2, slots=True, block_h=4),
+        Variant("bf16", block_n=16, num_warps=4, num_stages=2, num_splits=4, slots=True, block_h=4)]
+
+
 def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.device,
               gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The same keys and values as bfloat16 caches and as int8 and fp8 rows as a pool stores them."""
@@ -232,9 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--slots", choices=("shuffled", "contiguous"), default="shuffled",
                         help="each sequence's slots: shuffled over the pool (after churn) or one run")
-    parser.add_argument("--set", choices=("full", "defaults", "slots"), default="full",
+    parser.add_argument("--set", choices=("full", "defaults", "slots", "focus"), default="full",
                         help="defaults: each kind's default launch (and fp8 values as codes), --repeat times; "
-                             "slots: the slot-run kernel's tilings beside the defaults")
+                             "slots: the slot-run kernel's tilings beside the defaults; focus: the defaults and "
+                             "the slot-run kernel's leading tilings")
     parser.add_argument("--repeat", type=int, default=1, help="times each variant is measured (defaults set)")
     parser.add_argument("--report", help="print the short table of this JSON (a sweep cut short) and exit")
     args = parser.parse_args(argv)
@@ -264,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         chosen = variants()
     elif args.set == "slots":
         chosen = slots_variants()
+    elif args.set == "focus":
+        chosen = focus_variants() * args.repeat
     else:
         chosen = default_variants() * args.repeat  # interleaved repeats
     launches = [variant_launch(variant, q, caches, table, ctx_lens) for variant in chosen]
