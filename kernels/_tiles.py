@@ -392,19 +392,3 @@ def normed_input(a, rstd, g, dtype: tl.constexpr):
     """The RMSNorm of ``a`` (float32) by its rows' ``rstd`` and the norm's weight ``g``, rounded
     as the unfused op rounds it."""
     return ((a * rstd).to(dtype).to(tl.float32) * g).to(dtype).to(tl.float32)
-
-
-@triton.jit
-def gdc_wait(USE_PDL: tl.constexpr):
-    """Wait for the kernel before (a dependent launch) without yet letting the next one start
-    (:func:`gdc_release` does, later)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def gdc_release(USE_PDL: tl.constexpr):
-    """Let the next kernel launch. Called once a program's main loop is done, so that the next
-    kernel's programs, which only wait, hold no multiprocessor slots while this one reads."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()

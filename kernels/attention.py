@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _tiles
-from kernels.decode_slots import decode_attention_slots, merge_splits, slots_applies
 from kernels.kv_quant import QUANT_CODES, ROW_ALIGN, dequantize_rows
 from kernels._triton import (
     cdiv,
@@ -544,7 +543,6 @@ def _decode_split_kernel(
     AHEAD: tl.constexpr,
     HEADS_TOGETHER: tl.constexpr,
     V_IN_SHIFT: tl.constexpr,
-    LATE_RELEASE: tl.constexpr,
 ):
     if HEADS_TOGETHER:
         kv_head = tl.program_id(0)
@@ -584,10 +582,7 @@ def _decode_split_kernel(
         k, v, k_scale, v_scale = _tiles.load_kv_raw(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
                                                     (n_ok & ~newest)[:, None] & d_ok[None, :], stride_ks, stride_kh,
                                                     stride_vs, stride_vh, n_ok & ~newest, HEAD_DIM, QUANT)
-    if LATE_RELEASE:
-        _tiles.gdc_wait(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if Q_F16:
@@ -622,8 +617,6 @@ def _decode_split_kernel(
                                            lo, hi, scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
                                            BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
 
-    if LATE_RELEASE:
-        _tiles.gdc_release(USE_PDL)
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
     part = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -761,8 +754,6 @@ def decode_attention_triton(
     ahead: bool | None = None,
     heads_together: bool | None = None,
     values_in_shift: bool | None = None,
-    late_release: bool | None = None,
-    merge_heads: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_ref` (split-K: two launches, one at one split); ``out``,
     ``table_rows``, ``quant`` and ``float16_codes`` as in :func:`context_attention_triton`;
@@ -770,11 +761,7 @@ def decode_attention_triton(
     tile while computing one (:func:`kernels._tiles.attend_keys_ahead`; with ``num_stages`` 1),
     where no tile is read before the wait; ``heads_together``: the programs of one sequence's kv
     heads launch next to each other (:func:`_decode_heads_together`); ``values_in_shift``: value
-    scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`);
-    ``late_release``: a dependent launch after the split kernel (the merge) starts only once each
-    split program's key loop is done, so merge programs that only wait hold no multiprocessor
-    slots while the keys are read; ``merge_heads``: the merge runs a program per (sequence, kv
-    head) over its q heads (:func:`kernels.decode_slots.merge_splits`), not one per q head.
+    scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`).
 
     Each sequence's keys but its newest (the last of its context) must have been stored before
     the kernel launched before this one: with dependent launches they are read while that kernel
@@ -851,15 +838,12 @@ def decode_attention_triton(
         AHEAD=bool(ahead),
         HEADS_TOGETHER=heads_together,
         V_IN_SHIFT=_decode_values_in_shift(quant) if values_in_shift is None else values_in_shift,
-        LATE_RELEASE=bool(late_release),
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
     )
     if num_splits == 1:
         return out
-    if merge_heads:
-        return merge_splits(part_out, part_lse, out, num_kv_heads, pdl)
     _decode_merge_kernel[(batch, num_q_heads)](
         part_out,
         part_lse,
@@ -975,15 +959,11 @@ def decode_attention(
     table_rows: torch.Tensor | None = None,
     quant: str | None = None,
 ) -> torch.Tensor:
-    """Triton on CUDA tensors when Triton is installed (the slot-run kernel of
-    :mod:`kernels.decode_slots` where :func:`kernels.decode_slots.slots_applies`, else
-    :func:`decode_attention_triton`), else :func:`decode_attention_cpu`; written into ``out``
-    when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
+    """Triton on CUDA tensors when Triton is installed, else :func:`decode_attention_cpu`;
+    written into ``out`` when given; ``table_rows`` and ``quant`` as in :func:`context_attention_triton`."""
     if use_triton_kv(quant, q, k_cache, v_cache):
-        launch = decode_attention_slots if slots_applies(quant, q.shape[0], k_cache.shape[1]) else \
-            decode_attention_triton
-        return launch(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out, table_rows=table_rows,
-                      quant=quant)
+        return decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, out=out,
+                                       table_rows=table_rows, quant=quant)
     if table_rows is not None:
         slot_table = slot_table.index_select(0, table_rows)
     result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, quant)

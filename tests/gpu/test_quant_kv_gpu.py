@@ -24,7 +24,6 @@ from kernels.attention import (
     decode_attention_ref,
     decode_attention_triton,
 )
-from kernels.decode_slots import decode_attention_slots
 from kernels.kv_quant import quantize_rows, row_bytes
 from kernels.store_kv import store_kv_ref, store_kv_triton
 from pd_cluster.config import EngineConfig
@@ -102,34 +101,6 @@ def test_decode_attention_reads_quantized_kv_as_the_reference(kind: str, dtype: 
     args = (batch.q.cuda(), k_cache, v_cache, batch.slot_table.cuda(), batch.ctx_lens.cuda(), 128**-0.5)
     out = decode_attention_triton(*args, quant=kind)
     ref = decode_attention_ref(*args, quant=kind).to(dtype)
-    _assert_close(out, ref, dtype)
-
-
-#: (kind, dtype, batch, kv heads a program, a tile read ahead): each kind's default launch at both
-#: batches in bfloat16 and at batch 64 in float32, then a few heads a program (fewer compiles).
-SLOTS_CASES = [(kind, dtype, batch, None, None) for kind in [*KINDS, None]
-               for dtype, batch in ((torch.bfloat16, 1), (torch.bfloat16, 64), (torch.float32, 64))]
-SLOTS_CASES += [(KINDS[-1], torch.bfloat16, 64, 8, False), (None, torch.bfloat16, 64, 2, False)]
-
-
-@pytest.mark.parametrize(("kind", "dtype", "batch_size", "block_h", "ahead"), SLOTS_CASES)
-def test_decode_slots_reads_kv_as_the_reference(kind: str | None, dtype: torch.dtype, batch_size: int,
-                                                block_h: int | None, ahead: bool | None) -> None:
-    # The slot-run kernel (kernels.decode_slots), compiled, 8B heads: quantized rows (bfloat16 q
-    # met as float16, values as words) and 16-bit rows; all kv heads or a few a program.
-    gen = torch.Generator().manual_seed(batch_size + 3)
-    ctx_lens = torch.randint(1, 1500, (batch_size,), generator=gen).tolist()
-    if kind is None:
-        batch = make_paged_batch(ctx_lens, [1] * batch_size, 32, 8, 128, layout="shuffled", dtype=dtype,
-                                 num_slots=sum(ctx_lens) + 64, seed=3)
-        k_cache, v_cache = batch.k_cache.cuda(), batch.v_cache.cuda()
-    else:
-        batch, k_cache, v_cache = _quantized_batch(kind, dtype, ctx_lens, [1] * batch_size, (32, 8), 128)
-    args = (batch.q.cuda(), k_cache, v_cache, batch.slot_table.cuda(), batch.ctx_lens.cuda(), 128**-0.5)
-    out = decode_attention_slots(*args, quant=kind, block_h=block_h, ahead=ahead,
-                                 num_stages=2 if ahead is False else None)
-    ref = decode_attention_ref(*(a.float() if i < 3 and kind is None else a for i, a in enumerate(args)),
-                               quant=kind).to(dtype)
     _assert_close(out, ref, dtype)
 
 
@@ -229,15 +200,7 @@ def _cpu_agreement(cpu: LLMEngine, prompts: list[list[int]], answers: list[list[
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("slots", [False, True], ids=["per-head-kernel", "slot-run-kernel"])
-def test_quantized_kv_runs_in_cuda_graphs_and_chooses_the_cpu_tokens(small_model, prompts, kind, dtype, slots,
-                                                                     monkeypatch):
-    # The small model's batches are below the slot-run kernel's pairs: it is made to take them too
-    # (and int8, which the engine keeps on the per-head kernel).
-    import kernels.decode_slots
-
-    monkeypatch.setattr(kernels.decode_slots, "SLOTS_MIN_PAIRS", 1 if slots else 1 << 30)
-    monkeypatch.setattr(kernels.decode_slots, "SLOTS_KINDS", (kind,))
+def test_quantized_kv_runs_in_cuda_graphs_and_chooses_the_cpu_tokens(small_model, prompts, kind, dtype):
     eng = _engine(small_model, "cuda", dtype, kind)
     graphs = eng.runner.graphs
     assert graphs is not None, "CUDA graph capture failed with quantized KV"

@@ -436,7 +436,7 @@ def test_public_ops_run_the_reference_on_cpu_tensors(monkeypatch: pytest.MonkeyP
         raise AssertionError("a Triton launcher ran for CPU tensors")
 
     for module, launchers in {
-        "kernels.attention": ["context_attention_triton", "decode_attention_triton", "decode_attention_slots"],
+        "kernels.attention": ["context_attention_triton", "decode_attention_triton"],
         "kernels.kv_transfer": ["gather_kv_triton", "scatter_kv_triton", "copy_kv_slots_triton"],
         "kernels.rms_norm": ["rms_norm_triton"],
         "kernels.rotary": ["apply_rotary_triton", "rotary_store_kv_triton"],

@@ -16,21 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels.attention import decode_attention, decode_attention_ref, decode_attention_triton
-from kernels.decode_slots import decode_attention_slots
+from kernels.attention import decode_attention_ref, decode_attention_triton
 from kernels.kv_quant import packed_row_bytes, quantize_rows
 from pd_cluster.bench.gpu.timing import cuda_ms
-
-
-#: Variants whose kernels compile side by side before each is timed (a run cut short by a time
-#: limit still prints the ones before it).
-COMPILE_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -47,26 +39,12 @@ class Variant:
     ahead: bool | None = None
     heads_together: bool | None = None
     values_in_shift: bool | None = None
-    slots: bool = False  # the slot-run kernel (kernels.decode_slots)
-    block_h: int | None = None  # its kv heads a program
-    engine: bool = False  # kernels.decode_attention as the engine calls it (whichever kernel it picks)
-    max_registers: int | None = None  # the slot-run kernel's register limit a thread
-    late_release: bool | None = None  # the per-head kernel's dependents released after its key loop
-    merge_heads: bool | None = None  # its merge a program per (sequence, kv head)
 
     @property
     def label(self) -> str:
-        if self.engine:
-            return f"{self.kind:8s} engine"
-        if self.slots:
-            return (f"{self.kind:8s} slots h={self.block_h or 'd'} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
-                    f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
-                    f"{f' r={self.max_registers}' if self.max_registers else ''}")
         f16 = {None: "dflt", True: "q16", False: "qbf"}[self.float16_codes]
         v16 = {None: "", True: " v16", False: " v8"}[self.values_float16]
         v16 += {None: "", True: " vshift", False: " vmax"}[self.values_in_shift]
-        v16 += " late" if self.late_release else ""
-        v16 += " mergeh" if self.merge_heads else ""
         return (f"{self.kind:8s} {f16}{v16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
                 f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
                 f"{ {None: '', True: ' heads', False: ' seqs'}[self.heads_together]}")
@@ -101,65 +79,15 @@ def variants() -> list[Variant]:
     return out
 
 
-def slots_variants() -> list[Variant]:
-    """The engine's bfloat16 and fp8 launches (bfloat16's merge released late and a program a kv
-    head), then the slot-run kernel (one program over a
-    slot's kv heads): fp8 over kv heads a program, tile slots, warps, depths and splits (3 and 6:
-    whole waves at three programs a multiprocessor), a tile read ahead, then bfloat16 and int8 at
-    a few of them; most telling first (a run cut short keeps them)."""
-    fp8, bf16 = "fp8_e4m3", "bf16"
-    out = [Variant(bf16), Variant(fp8), Variant(bf16, late_release=True, merge_heads=True),
-           Variant(bf16, late_release=True), Variant(bf16, merge_heads=True)]
-
-    def slots(kind: str, h: int, n: int, w: int, st: int, splits: int, ahead: bool = False) -> Variant:
-        return Variant(kind, block_n=n, num_warps=w, num_stages=st, num_splits=splits, slots=True, block_h=h,
-                       ahead=ahead or None)
-
-    # Depths 3 and 5: the slot and tile loads are a two-level chain, so depth 5 gives each load two
-    # buffers (3 gives one, as 2 does, but keeps the scales' loads apart).
-    tilings = [(8, 16, 8, 1), (4, 16, 4, 1), (8, 16, 8, 2), (4, 16, 4, 2), (8, 16, 8, 5), (4, 16, 4, 5),
-               (2, 16, 4, 1), (4, 32, 4, 1), (8, 32, 8, 1), (8, 16, 8, 3), (2, 16, 2, 1)]
-    ahead = [(8, 16, 8, 1), (4, 16, 4, 1), (2, 16, 4, 1)]
-    out += [slots(fp8, *t, 4) for t in tilings] + [slots(fp8, *t, 4, True) for t in ahead]
-    out += [Variant(fp8, block_n=16, num_warps=w, num_stages=st, num_splits=sp, slots=True, block_h=h,
-                    max_registers=r) for h, w, st, sp, r in ((8, 8, 1, 4, 128), (8, 8, 2, 4, 128), (4, 4, 2, 3, 168),
-                                                             (4, 4, 2, 4, 168), (4, 4, 1, 4, 128))]
-    out += [slots(fp8, *t, 3) for t in ((4, 16, 4, 1), (4, 16, 4, 2), (4, 16, 4, 5), (4, 32, 4, 1), (2, 16, 4, 1))]
-    out += [slots(fp8, 4, 16, 4, 1, 3, True), slots(fp8, 4, 16, 4, 1, 6)]
-    out += [slots(fp8, *t, 2) for t in tilings] + [slots(fp8, *t, 2, True) for t in ahead]
-    out += [slots(bf16, *t, splits) for t in ((8, 16, 8, 1), (4, 16, 4, 2), (2, 16, 4, 2), (2, 32, 4, 2))
-            for splits in (4, 2)]
-    out += [slots(bf16, 8, 16, 8, 1, 4, True), slots(bf16, 4, 16, 4, 1, 4, True), slots(bf16, 4, 16, 4, 2, 3)]
-    out += [Variant(fp8, slots=True), Variant(bf16, slots=True), Variant("int8"), Variant("int8", slots=True),
-            slots("int8", 4, 16, 4, 1, 4)]
-    out += [slots(fp8, *t, 8) for t in tilings[:6]]
-    return out
-
-
 def default_variants() -> list[Variant]:
-    """Each kind as the engine calls it (:func:`kernels.attention.decode_attention`), then the
-    per-head kernel's fp8 default, bfloat16's merge launched once the key loops are done (and a
-    merge program a kv head), the slot-run kernel's default over int8 and a fp8 candidate of the
-    slot-run sweep (4 programs a multiprocessor by a register limit, no tile ahead)."""
-    kinds = ("bf16", "fp8_e4m3", "int8")
-    return ([Variant(kind, engine=True) for kind in kinds]
-            + [Variant("fp8_e4m3"), Variant("bf16", late_release=True),
-               Variant("bf16", late_release=True, merge_heads=True), Variant("int8", slots=True),
-               Variant("fp8_e4m3", block_n=16, num_warps=4, num_stages=1, num_splits=4, slots=True, block_h=4,
-                       max_registers=128, ahead=False)])
-
-
-def focus_variants() -> list[Variant]:
-    """The defaults set and the slot-run kernel's other leading tilings of the slots set (8 kv
-    heads a program at 2 programs a multiprocessor, the tile ahead at 4 splits, a depth of 5,
-    32-slot tiles; bfloat16 at its best)."""
+    """Each kind's default launch; fp8 at the default launch with values met as codes, with the
+    value scales' tile maximum, with the grid walking sequences first (all three: the former
+    default), and each change alone."""
     fp8 = "fp8_e4m3"
-    return default_variants() + [
-        Variant(fp8, block_n=16, num_warps=8, num_stages=1, num_splits=4, slots=True, block_h=8, max_registers=128),
-        Variant(fp8, block_n=16, num_warps=4, num_stages=1, num_splits=4, slots=True, block_h=4, ahead=True),
-        Variant(fp8, block_n=16, num_warps=8, num_stages=5, num_splits=2, slots=True, block_h=8),
-        Variant(fp8, block_n=32, num_warps=4, num_stages=1, num_splits=2, slots=True, block_h=4),
-        Variant("bf16", block_n=16, num_warps=4, num_stages=2, num_splits=4, slots=True, block_h=4)]
+    return [Variant("bf16"), Variant(fp8), Variant("int8"),
+            Variant(fp8, values_float16=False, values_in_shift=False, heads_together=False),
+            Variant(fp8, values_float16=False), Variant(fp8, values_in_shift=False),
+            Variant(fp8, heads_together=False), Variant("int8", heads_together=False)]
 
 
 def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.device,
@@ -174,55 +102,24 @@ def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.
     return caches
 
 
-def variant_launch(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Tensor,
-                   ctx_lens: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor]:
-    """The variant's launch, and the output it writes."""
+def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Tensor, ctx_lens: torch.Tensor,
+                refs: dict, device: torch.device, reps: int) -> dict:
     k_cache, v_cache = caches[variant.kind]
     quant = None if variant.kind == "bf16" else variant.kind
     kwargs = {"block_n": variant.block_n, "num_warps": variant.num_warps, "num_stages": variant.num_stages,
               "num_splits": variant.num_splits, "quant": quant}
-    if variant.slots:
-        kwargs["block_h"] = variant.block_h
-        kwargs["ahead"] = variant.ahead
-        kwargs["max_registers"] = variant.max_registers
-    elif quant is not None:
+    if quant is not None:
         kwargs["float16_codes"] = variant.float16_codes
         kwargs["values_float16"] = variant.values_float16
         kwargs["ahead"] = variant.ahead
         kwargs["values_in_shift"] = variant.values_in_shift
-    if not variant.slots:
-        kwargs["heads_together"] = variant.heads_together
-        kwargs["late_release"] = variant.late_release
-        kwargs["merge_heads"] = variant.merge_heads
+    kwargs["heads_together"] = variant.heads_together
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
-    kernel = decode_attention_slots if variant.slots else decode_attention_triton
 
     def launch() -> None:
-        if variant.engine:
-            decode_attention(q, k_cache, v_cache, table, ctx_lens, sm_scale, out=out, quant=quant)
-        else:
-            kernel(q, k_cache, v_cache, table, ctx_lens, sm_scale, out=out, **kwargs)
+        decode_attention_triton(q, k_cache, v_cache, table, ctx_lens, sm_scale, out=out, **kwargs)
 
-    return launch, out
-
-
-def compile_side_by_side(launches: list[Callable[[], None]]) -> None:
-    """Call each launch once from a pool of threads, so that their kernels compile side by side
-    (a compile is mostly the assembler's process); a failure shows again when it is timed."""
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        for future in [pool.submit(launch) for launch in launches]:
-            try:
-                future.result()
-            except Exception:  # reported by the timed call
-                pass
-    torch.cuda.synchronize()
-
-
-def run_variant(variant: Variant, launch: Callable[[], None], out: torch.Tensor, q: torch.Tensor, caches: dict,
-                ctx_lens: torch.Tensor, refs: dict, device: torch.device, reps: int) -> dict:
-    k_cache = caches[variant.kind][0]
-    quant = None if variant.kind == "bf16" else variant.kind
     launch()
     ref = refs[variant.kind]
     err = ((out.float() - ref).norm() / ref.norm()).item()
@@ -245,10 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--slots", choices=("shuffled", "contiguous"), default="shuffled",
                         help="each sequence's slots: shuffled over the pool (after churn) or one run")
-    parser.add_argument("--set", choices=("full", "defaults", "slots", "focus"), default="full",
-                        help="defaults: each kind's default launch (and fp8 values as codes), --repeat times; "
-                             "slots: the slot-run kernel's tilings beside the defaults; focus: the defaults and "
-                             "the slot-run kernel's leading tilings")
+    parser.add_argument("--set", choices=("full", "defaults"), default="full",
+                        help="defaults: each kind's default launch (and fp8 values as codes), --repeat times")
     parser.add_argument("--repeat", type=int, default=1, help="times each variant is measured (defaults set)")
     parser.add_argument("--report", help="print the short table of this JSON (a sweep cut short) and exit")
     args = parser.parse_args(argv)
@@ -274,20 +169,10 @@ def main(argv: list[str] | None = None) -> None:
             k_cache, v_cache = k_cache.float(), v_cache.float()
         refs[kind] = decode_attention_ref(q.float(), k_cache, v_cache, table, ctx_lens, sm_scale, quant)
     rows = []
-    if args.set == "full":
-        chosen = variants()
-    elif args.set == "slots":
-        chosen = slots_variants()
-    elif args.set == "focus":
-        chosen = focus_variants() * args.repeat
-    else:
-        chosen = default_variants() * args.repeat  # interleaved repeats
-    launches = [variant_launch(variant, q, caches, table, ctx_lens) for variant in chosen]
-    for i, variant in enumerate(chosen):
-        if device.type == "cuda" and i % COMPILE_CHUNK == 0:
-            compile_side_by_side([launch for launch, _ in launches[i:i + COMPILE_CHUNK]])
+    chosen = variants() if args.set == "full" else default_variants() * args.repeat  # interleaved repeats
+    for variant in chosen:
         try:
-            result = run_variant(variant, *launches[i], q, caches, ctx_lens, refs, device, args.reps)
+            result = run_variant(variant, q, caches, table, ctx_lens, refs, device, args.reps)
         except Exception as exc:  # a tiling that does not compile or fit is reported, not fatal
             result = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
         rows.append({**asdict(variant), "label": variant.label, **result})
@@ -304,39 +189,35 @@ def main(argv: list[str] | None = None) -> None:
 
 def summarize(rows: list[dict]) -> None:
     """The short table: each variant measured more than once as its median and spread, then the
-    engine's path, the per-head kernel's default, the best and the slot-run kernel's best of each
-    kind, as ratios to bfloat16's engine path (else its default; the median)."""
+    default and the best of each kind, as ratios to bfloat16's default (its median)."""
     by_label: dict[str, list[dict]] = {}
     for r in rows:
         if "us" in r:
             by_label.setdefault(r["label"], []).append(r)
-    bf16 = by_label.get(Variant("bf16", engine=True).label) or by_label.get(Variant("bf16").label)
+    bf16 = by_label.get(Variant("bf16").label)
     if not bf16:
         print("bf16 default did not run")
         return
     base = statistics.median(r["us"] for r in bf16)
     repeated = {label: rs for label, rs in by_label.items() if len(rs) > 1}
     if repeated:
-        print(f"\nmedian (min-max) of repeats, ratio to bf16's median {base:.1f} us:")
+        print(f"\nmedian (min-max) of repeats, ratio to bf16 default's median {base:.1f} us:")
         for label, rs in repeated.items():
             us = [r["us"] for r in rs]
             print(f"  {label}  {statistics.median(us):8.1f} us ({min(us):.1f}-{max(us):.1f})  "
                   f"ratio {statistics.median(us) / base:.3f}  err {rs[0]['rel_err']:.1e}")
-    print("\neach kind (ratio to bf16):")
+    print("\nbest of each kind (ratio to bf16 default):")
     for kind in ("bf16", "int8", "fp8_e4m3"):
         ok = [r for r in rows if r["kind"] == kind and "us" in r and r["rel_err"] < 5e-2]
         if not ok:
             print(f"  {kind:8s} none ran")
             continue
-        slots = [r for r in ok if r.get("slots")]
-        for name, pick in (("engine", [r for r in ok if r["label"] == Variant(kind, engine=True).label]),
-                           ("default", [r for r in ok if r["label"] == Variant(kind).label]),
-                           ("best", [min(ok, key=lambda r: r["us"])]),
-                           ("slots", [min(slots, key=lambda r: r["us"])] if slots else [])):
+        for name, pick in (("default", [r for r in ok if r["label"] == Variant(kind).label]),
+                           ("best", [min(ok, key=lambda r: r["us"])])):
             if pick:
                 r = pick[0]
                 print(f"  {kind:8s} {name:7s} {r['us']:8.1f} us {r['gb_per_s']:7.0f} GB/s  "
-                      f"ratio {r['us'] / base:.3f}  max err {r['max_abs_err']:.1e}  [{r['label']}]")
+                      f"ratio {r['us'] / base:.3f}  [{r['label']}]")
 
 
 if __name__ == "__main__":
