@@ -8,10 +8,7 @@ inputs a stage through ``num_stages`` buffers; where a narrow output leaves fewe
 GPU has SMs, the inputs split ``split_k`` ways, each part's float32 sums written apart and added
 in a fixed order by a second kernel (the same sums every run, no atomics).
 
-Before it waits for the kernel before it (the activations' quantization, under programmatic
-dependent launch), a program can ask L2 for the first ``prefetch`` blocks of its weight rows
-(``prefetch_lines``: a prefetch a 128-byte line, else one bulk prefetch a row, sm_90): the weights
-start streaming while that kernel still runs. ``tma`` loads the tiles by tensor descriptor.
+``tma`` loads the tiles by tensor descriptor (sm_90).
 
 The numbers are ``torch._scaled_mm``'s: the activations quantized per row
 (:func:`kernels.quant_matmul.act_quant_fp8_triton`), the weight per output channel, both scales
@@ -26,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import (
-    INTERPRETED,
     cdiv,
     last_dim_contiguous,
     next_pow2,
@@ -54,18 +50,12 @@ class Fp8GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
-    #: Blocks of weight inputs each program asks L2 for before its wait (0: none).
-    prefetch: int = 0
-    #: The prefetch a 128-byte line (else one bulk prefetch a row).
-    prefetch_lines: bool = False
     #: Tiles loaded by tensor descriptor (TMA) rather than by pointers.
     tma: bool = False
 
     def label(self) -> str:
-        extra = (f" p{self.prefetch}{'L' if self.prefetch_lines else ''}" if self.prefetch else "") + \
-            (" tma" if self.tma else "")
         return (f"{self.block_m}x{self.block_n}x{self.block_k} k{self.split_k} w{self.num_warps} "
-                f"s{self.num_stages}{extra}")
+                f"s{self.num_stages}{' tma' if self.tma else ''}")
 
 
 #: Configs by (rows' power of two, out features, in features), as measured fastest on an H200
@@ -116,31 +106,13 @@ def fp8_gemm_config(rows: int, n: int, k: int) -> Fp8GemmConfig:
 
 
 @triton.jit
-def _prefetch_rows(row_ptrs, nbytes):
-    # One bulk prefetch into L2 a row: ``nbytes`` (a multiple of 16) from each 16-aligned address.
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
-                              [row_ptrs.to(tl.int64), tl.full(row_ptrs.shape, nbytes, tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_lines(line_ptrs):
-    # A prefetch into L2 of the 128-byte line of each address.
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [line_ptrs.to(tl.int64)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
-                     k_ahead, stride_x, stride_w, stride_out, stride_part,
-                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr, PREFETCH: tl.constexpr,
-                     LINES: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, USE_PDL: tl.constexpr):
+def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
+                     stride_x, stride_w, stride_out, stride_part,
+                     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr):
     # Program: a BM x BN tile of the output over inputs [pid_k * k_part, (pid_k + 1) * k_part).
-    # TMA: x_ptr and w_ptr are tensor descriptors ([M, K] by [BM, BK]; [N, K] by [BN, BK]);
-    # w_lines_ptr is the weight's pointer either way.
-    # PREFETCH (compiled only): before the wait for the kernel before, L2 asked for the first
-    # k_ahead inputs of the program's weight rows, a line at a time (LINES lines a row) or a row.
+    # TMA: x_ptr and w_ptr are tensor descriptors ([M, K] by [BM, BK]; [N, K] by [BN, BK]).
+    pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -151,15 +123,6 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_lines_ptr, w_scale_ptr, bias_p
     n_mask = rn < N
     k_start = pid_k * k_part
     k_end = tl.minimum(k_start + k_part, K)
-    if PREFETCH and not INTERPRETED:
-        w_lines = w_lines_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_w + k_start
-        span = tl.minimum(k_ahead, k_end - k_start)
-        if LINES:
-            line = tl.minimum(tl.arange(0, LINES) * 128, tl.maximum(span - 128, 0))
-            _prefetch_lines(w_lines[:, None] + line[None, :])
-        else:
-            _prefetch_rows(w_lines, span)
-    pdl_wait(USE_PDL)
     if not TMA:
         x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
         w_rows = w_ptr + rn[None, :].to(tl.int64) * stride_w
@@ -237,19 +200,15 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m), split)
     target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)  # each launch waits for the one before at its start
-    # Descriptors and bulk prefetches are sm_90's (interpreted: the descriptors run, nothing is
-    # prefetched); bulk prefetches take 16-byte aligned rows and whole blocks.
+    # Descriptors are sm_90's (interpreted, they run anywhere).
     sm90 = not xq.is_cuda or torch.cuda.get_device_capability(xq.device) >= (9, 0)
-    prefetch = cfg.prefetch if (sm90 and k % cfg.block_k == 0 and cfg.block_k % 16 == 0
-                                and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0) else 0
-    lines = next_pow2(max(1, prefetch * cfg.block_k // 128)) if prefetch and cfg.prefetch_lines else 0
     tma = cfg.tma and sm90 and TensorDescriptor is not None and _describable(xq) and _describable(weight)
     x_arg = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k]) if tma else xq
     w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
     _fp8_gemm_kernel[grid](
-        x_arg, x_scale, w_arg, weight, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
-        prefetch * cfg.block_k, xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
-        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, PREFETCH=prefetch > 0, LINES=lines, TMA=tma,
+        x_arg, x_scale, w_arg, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
+        xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, TMA=tma,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_options(pdl))
     if split > 1:

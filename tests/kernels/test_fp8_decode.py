@@ -45,12 +45,10 @@ class InterpretedCases:
             torch.testing.assert_close(out.double(), want, rtol=rtol, atol=rtol * want.abs().max().item())
 
     @pytest.mark.parametrize("config", [Fp8GemmConfig(64, 32, 64, tma=True), Fp8GemmConfig(64, 16, 32, 3, tma=True),
-                                        Fp8GemmConfig(64, 32, 64, 2, prefetch=2),
-                                        Fp8GemmConfig(64, 32, 64, 2, prefetch=4, prefetch_lines=True, tma=True)])
-    def test_fp8_gemm_by_descriptors_and_prefetching(self, config: Fp8GemmConfig) -> None:
+                                        Fp8GemmConfig(64, 32, 64, 2, tma=True)])
+    def test_fp8_gemm_by_descriptors(self, config: Fp8GemmConfig) -> None:
         """Tiles loaded by tensor descriptor (rows and outputs past the tiles' ends read as
-        zeros; 256 inputs split in parts of 96, 96 and 64) and a prefetching config (its
-        prefetches compiled only): the same bits as the pointer loads' tiles of the same shape."""
+        zeros; 256 inputs split in parts of 96, 96 and 64): the same bits as the pointer loads' tiles of the same shape."""
         gen = torch.Generator().manual_seed(35)
         xq, x_scale = act_quant_fp8_ref(torch.randn(40, 256, generator=gen))
         weight, w_scale = _codes(80, 256, gen), torch.rand(80, generator=gen) * 2e-3 + 1e-4

@@ -92,9 +92,9 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # first weight tile, as float and as stored, the norm's tile, the products after the wait, one row's
 # blocks pipelined and a block's products), the qkv projection with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured step's
-# inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8 GEMM, its
-# weights' L2 prefetches (by row, by line) and its split-K sum.
-NUM_KERNELS = 40
+# inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8 GEMM and its
+# split-K sum.
+NUM_KERNELS = 38
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -1,8 +1,7 @@
 """A sweep of the FP8 GEMM (:mod:`kernels.fp8_gemm`) at a decode batch's rows over the 8B shape's
-four projections: its configs as chosen now, the same by tensor descriptor, and each with its
-first weight blocks asked of L2 before its wait at a few distances, beside ``torch._scaled_mm``
-and cuBLAS bf16; then a layer's four products in turn in one graph, the chosen configs against this
-run's fastest (where prefetching before the wait for the kernel before shows).
+four projections: its configs as chosen now, the same by tensor descriptor, and other tiles and
+splits by descriptor, beside ``torch._scaled_mm`` and cuBLAS bf16; then a layer's four products in
+turn in one graph, the chosen configs against this run's fastest.
 
 Timing as :mod:`pd_cluster.bench.gpu.fp8_sweep`'s: CUDA graphs over weight copies three times L2,
 each product after its activations' quantization. The narrowest shape first (it has the most to
@@ -32,20 +31,19 @@ from pd_cluster.model.quant_linear import quantize
 
 logger = logging.getLogger(__name__)
 
-#: Blocks of each program's weight rows asked of L2 before the wait for the kernel before.
-DISTANCES = (2, 4, 8, 16)
 #: The order of the shapes: the narrow outputs first.
 ORDER = ["down", "o", "qkv", "gate_up"]
 PATH = "fp8 gemm+triton quant"
 
 
 def candidates(rows: int, n: int, k: int, quick: bool = False) -> list[Fp8GemmConfig]:
-    """The chosen config and it by tensor descriptor, then each prefetching before its wait at
-    each distance, a bulk prefetch a row or a prefetch a line (``quick``: by descriptor only)."""
-    now = replace(fp8_gemm_config(rows, n, k), prefetch=0, prefetch_lines=False, tma=False)
+    """The chosen config by pointer loads and by tensor descriptor (``quick``: those alone), then
+    other tiles and splits by descriptor."""
+    now = replace(fp8_gemm_config(rows, n, k), tma=False)
     found = [now, replace(now, tma=True)]
-    for base in found[::-1][:1 if quick else 2]:
-        found += [replace(base, prefetch=d, prefetch_lines=lines) for d in DISTANCES for lines in (False, True)]
+    if not quick:
+        found += [replace(now, block_n=bn, block_k=bk, split_k=split, tma=True)
+                  for bn in (32, 64, 128) for bk in (128, 256) for split in (1, 2, 4) if bn * bk <= 128 * 256]
     return list(dict.fromkeys(found))
 
 
@@ -132,8 +130,8 @@ def report(out: list[Timing], rows: int) -> list[str]:
               f"{row['scaled']:8.2f} {row['bf16']:8.2f}  {top.config}")
         cfg = parse_label(top.config)
         winners.append(f"({next_pow2(rows)}, {n}, {k}): Fp8GemmConfig({cfg.block_m}, {cfg.block_n}, {cfg.block_k}, "
-                       f"{cfg.split_k}, {cfg.num_warps}, {cfg.num_stages}, {cfg.prefetch}"
-                       f"{', True' if cfg.tma else ''}),  # {name} {top.us:.2f} us")
+                       f"{cfg.split_k}, {cfg.num_warps}, {cfg.num_stages}"
+                       f"{', tma=True' if cfg.tma else ''}),  # {name} {top.us:.2f} us")
     print(f"{'layer':8s} {sums['now']:8.2f} {sums['best']:8.2f} {'':6s} {sums['best'] / max(sums['now'], 1e-9):8.3f} "
           f"{sums['scaled']:8.2f} {sums['bf16']:8.2f}  (sums of the four)")
     for t in out:
@@ -147,7 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--shapes", default=",".join(ORDER))
-    parser.add_argument("--quick", action="store_true", help="prefetching by descriptor only")
+    parser.add_argument("--quick", action="store_true", help="the chosen tiles by pointers and by descriptor only")
     parser.add_argument("--no-chain", action="store_true", help="no layer chain")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
