@@ -49,7 +49,7 @@ def _quantize_row(y, q_ptrs, scale_ptr, mask, AMAX_MIN: tl.constexpr, QMAX: tl.c
     """Store one row's codes (``y`` float32, already rounded as its 16-bit value) and its scale."""
     scale = tl.maximum(tl.max(tl.abs(y), axis=0), AMAX_MIN) / QMAX
     tl.store(scale_ptr, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -QMAX), QMAX)
+    q = tl.minimum(tl.maximum(y * tl.math.div_rn(1.0, scale), -QMAX), QMAX)
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
@@ -135,9 +135,10 @@ def _silu_mul_quant_kernel(gate_up_ptr, q_ptr, scale_ptr, n_cols, stride_in, str
             run = tl.maximum(run, tl.abs(_gated(in_row, c0 + cols, c0 + cols < n_cols, n_cols)))
         scale = tl.maximum(tl.max(run, axis=0), AMAX_MIN) / QMAX
         tl.store(scale_ptr + row, scale)
+        inv = tl.math.div_rn(1.0, scale)
         for c0 in range(0, n_cols, BLOCK):
             y = _gated(in_row, c0 + cols, c0 + cols < n_cols, n_cols)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -QMAX), QMAX)
+            q = tl.minimum(tl.maximum(y * inv, -QMAX), QMAX)
             tl.store(q_row + c0 + cols, q.to(q_ptr.dtype.element_ty), mask=c0 + cols < n_cols)
 
 

@@ -38,10 +38,12 @@ AMAX_FLOOR = 1e-12
 
 def act_quant_fp8_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row (per-token) symmetric float8 e4m3 codes of a 2-D ``x`` and their float32 scales
-    ``[rows, 1]``: ``x ~= codes * scale``."""
+    ``[rows, 1]``: ``x ~= codes * scale``, the codes ``x * (1 / scale)`` rounded. The kernels take
+    the reciprocal once a row: a division a value was most of a decode batch's SiLU-quantize
+    (64 rows of 14336 on an H200: 7.7 against 4.5 us)."""
     amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(AMAX_FLOOR)
     scale = amax / FP8_MAX
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 @triton.jit
@@ -62,13 +64,14 @@ def _act_quant_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, AMAX_MIN: 
         amax = tl.max(run, axis=0)
     scale = tl.maximum(amax, AMAX_MIN) / QMAX
     tl.store(scale_ptr + row, scale)
+    inv = tl.math.div_rn(1.0, scale)  # codes are x * (1 / scale): one division a row, not one a value
     if ONE_BLOCK:
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -QMAX), QMAX)
+        q = tl.minimum(tl.maximum(x * inv, -QMAX), QMAX)
         tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
     else:
         for k0 in range(0, K, BLOCK):
             xs = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(xs, scale), -QMAX), QMAX)
+            q = tl.minimum(tl.maximum(xs * inv, -QMAX), QMAX)
             tl.store(q_ptr + row * stride_q + k0 + cols, q.to(q_ptr.dtype.element_ty), mask=k0 + cols < K)
 
 
