@@ -37,7 +37,7 @@ def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 #: An 8-bit config: ((BM, BN, BK), warps), then how its codes load where not the launch's default
-#: (``{"vec": 8, "pipe": 3}``: :func:`quant_projection_loads`).
+#: (``{"vec": 8, "f16": True}``: :func:`quant_projection_loads`).
 QuantEntry = tuple[tuple[int, int, int], int] | tuple[tuple[int, int, int], int, dict[str, int | bool]]
 
 #: 8-bit weights' GEMV configs ((BM, BN, BK), warps) by (rows' power of two, out features, in
@@ -121,7 +121,7 @@ def quant_projection_config(rows: int, n: int, k: int, prologue: int = 0) -> tup
 
 def quant_projection_loads(rows: int, n: int, k: int, prologue: int = 0) -> dict:
     """How the entry :func:`quant_projection_config` picks loads its codes (its third element:
-    ``vec``, ``pipe``, ``stream`` as :func:`kernels.gemv.linear_triton` takes them), or ``{}``:
+    ``vec``, ``stream``, ``f16`` as :func:`kernels.gemv.linear_triton` takes them), or ``{}``:
     the launch's defaults."""
     entry = _quant_entry(rows, n, k, prologue)
     return dict(entry[2]) if len(entry) > 2 else {}
