@@ -107,26 +107,36 @@ def word_code(w, i: tl.constexpr, IS_FP8: tl.constexpr):
 
 
 @triton.jit
-def dot_words_f16(w, a, IS_FP8: tl.constexpr, bound=None):
+def f16_units(mag):
+    """Powers of two that put ``mag`` (> 0) in [1, 2) (a zero, a denormal: 2**-126; at most
+    2**126), and their inverses."""
+    exp = tl.minimum(tl.maximum((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF, 1), 253)
+    return (exp << 23).to(tl.float32, bitcast=True), ((254 - exp) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot_words_f16(w, a, IS_FP8: tl.constexpr):
     """Products of code words ``w`` ``[BN, BK // 4]`` (e4m3 or int8 codes, by ``IS_FP8``) with the
-    inputs ``a`` ``[BK]`` (float32 holding 16-bit values), partly summed, in units of a power of
-    two: ``([BN, BK // 4]`` float32, the unit). ``bound``: at least the largest ``|a|`` (None:
-    that, a reduction across the program).
+    inputs ``a`` ``[BK]`` (float32 holding 16-bit values), partly summed, and the unit of each
+    word's sums: ``([BN, BK // 4]``, ``[BK // 4])`` float32, their product the partial sums.
 
     Why: converting each code to float32 and an FFMA a code issued 2.5 instructions a code (a
     pair's conversion to float16, each half's to float32, the FFMA); in float16 pairs it is one
     (the pair's conversion, one HFMA2 a pair) and a conversion of each lane's sum every eight codes.
-    Exact where float32 is: the inputs are scaled by the power of two that puts the largest in
-    [1, 2) (bfloat16 values then fit float16's 11 bits, down to 2**-14 of the largest; below 1 for
-    the largest when ``bound`` is above it), so a
-    product is below 896 and a lane's four below 3584; what float16 rounds is each partial sum, to
-    11 bits (2**-12 of it, against the output's one bfloat16 rounding of 2**-9). Interpreted, the
-    same products in float32 of the float16-rounded inputs."""
-    if bound is None:
-        bound = tl.max(tl.abs(a), axis=0)
-    exp = tl.minimum(tl.maximum((bound.to(tl.int32, bitcast=True) >> 23) & 0xFF, 1), 253)
-    unit = (exp << 23).to(tl.float32, bitcast=True)
-    a0, a1, a2, a3 = input_quads(a * ((254 - exp) << 23).to(tl.float32, bitcast=True))
+    Exact where float32 is: each run of eight inputs (two words, one product call) is scaled by
+    the power of two that puts its largest in [1, 2), so bfloat16 values fit float16's 11 bits
+    (down to 2**-14 of the run's largest), a product is below 896 and a lane's four below 3584;
+    what float16 rounds is each partial sum, to 11 bits (2**-12 of it, against the output's one
+    bfloat16 rounding of 2**-9). A run is one thread's: its scale needs no reduction across the
+    program (one for the whole row, or the norm's bound for it, issued more: 544 and 600
+    instructions a thread against 536 on norm + gate/up's tile). Interpreted, the same products
+    in float32 of the float16-rounded inputs."""
+    BK: tl.constexpr = a.shape[0]
+    unit, inv = f16_units(tl.max(tl.reshape(tl.abs(a), (BK // 8, 8)), axis=1))
+    unit = tl.reshape(tl.join(unit, unit), (BK // 4,))
+    inv = tl.reshape(tl.join(inv, inv), (BK // 4,))
+    a0, a1, a2, a3 = input_quads(a)
+    a0, a1, a2, a3 = a0 * inv, a1 * inv, a2 * inv, a3 * inv
     if INTERPRETED:
         out = word_code(w, 0, IS_FP8) * a0.to(tl.float16).to(tl.float32)[None, :]
         out += word_code(w, 1, IS_FP8) * a1.to(tl.float16).to(tl.float32)[None, :]
@@ -141,15 +151,3 @@ def dot_words_f16(w, a, IS_FP8: tl.constexpr, bound=None):
             out = int8_dot8_f16(w, a01, a23)
     return out, unit
 
-
-@triton.jit
-def _sum_and_max(s0, m0, s1, m1):
-    return s0 + s1, tl.maximum(m0, m1)
-
-
-@triton.jit
-def norm_sums(a, g):
-    """The sum of ``a``'s squares and the largest ``|a * g|`` in one reduction: with the norm's
-    ``rstd``, ``1.01 * rstd`` times the latter bounds its output (two bfloat16 roundings of
-    ``a * rstd * g``, each 2**-8 at most), the bound :func:`dot_words_f16` takes."""
-    return tl.reduce((a * a, tl.abs(a * g)), 0, _sum_and_max)

@@ -39,7 +39,6 @@ from kernels._tiles import normed_input, prologue_input
 from kernels._gemv_blocks import (  # noqa: F401  # first_weight_tile: also kernels.qkv_rotary's
     dot_words_f16,
     first_norm_tile,
-    norm_sums,
     first_weight_raw,
     first_weight_tile,
     weight_words,
@@ -163,7 +162,7 @@ def project_loaded(
 
     ``F16_DOT`` (one row of 16-bit inputs, 8-bit weights; ``K`` and the weight's row stride
     multiples of 4): ``w`` holds the codes as 32-bit words, multiplied in float16 pairs
-    (:func:`dot_words_f16`), each block's inputs scaled by their own power of two."""
+    (:func:`dot_words_f16`), each run of eight inputs scaled by its own power of two."""
     IS_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     dtype = sum_ptr.dtype.element_ty
     rm = tl.arange(0, BM)
@@ -187,18 +186,12 @@ def project_loaded(
         row = tl.load(rows_ptr).to(tl.int64) if HAS_ROWS else 0
         a = prologue_input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
                            (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
-        if F16_DOT == 2:
-            sq, ag_max = norm_sums(a, g)
-            rstd = tl.rsqrt(sq / K + eps)
-            prods, unit = dot_words_f16(w, normed_input(a, rstd, g, dtype), IS_FP8, ag_max * rstd * 1.01)
-            part = tl.sum(prods, axis=1) * unit
+        a = normed_input(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
+        if F16_DOT:
+            prods, unit = dot_words_f16(w, a, IS_FP8)
+            part = tl.sum(prods * unit[None, :], axis=1)
         else:
-            a = normed_input(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
-            if F16_DOT:
-                prods, unit = dot_words_f16(w, a, IS_FP8)
-                part = tl.sum(prods, axis=1) * unit
-            else:
-                part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
         acc += tl.where(rm[None, :] == 0, part[:, None], 0.0)
     else:
         rstd = tl.zeros((BM,), dtype=tl.float32)
@@ -245,9 +238,9 @@ def project_loaded(
                 if F16_DOT:  # one row
                     prods, unit = dot_words_f16(w, a, IS_FP8)
                     if STREAM:
-                        wide += prods * unit
+                        wide += prods * unit[None, :]
                     else:
-                        acc += tl.where(rm[None, :] == 0, (tl.sum(prods, axis=1) * unit)[:, None], 0.0)
+                        acc += tl.where(rm[None, :] == 0, tl.sum(prods * unit[None, :], axis=1)[:, None], 0.0)
                 elif STREAM:
                     wide += w.to(tl.float32) * a[None, :]
                 else:
@@ -363,8 +356,8 @@ def _launch(
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
     stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # project_loaded
-    f16 = int(f16) if f16 and weight_scale is not None and bm == 1 and x.dtype in (torch.bfloat16, torch.float16) \
-        and k % 4 == 0 and weight.stride(0) % 4 == 0 else 0
+    f16 = bool(f16) and weight_scale is not None and bm == 1 and x.dtype in (torch.bfloat16, torch.float16) \
+        and k % 4 == 0 and weight.stride(0) % 4 == 0
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,

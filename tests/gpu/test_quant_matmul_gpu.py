@@ -79,11 +79,11 @@ def test_one_row_gemv_reads_8_bit_weights_in_its_tiles(method, n, k):
 
 #: One row's ways of loading 8-bit codes, beside the tables' choice (None, for each method): the
 #: tile, then the options (8 codes a thread in the input's layout; blocks streamed or carried;
-#: products in float32 or in float16 pairs, scaled by the norm's bound or each block's largest input).
-LOAD_SHAPES = [None, ((1, 4, 1024), {"vec": 8, "stream": False, "f16": 1}),
-               ((1, 8, 512), {"vec": 16, "stream": True, "f16": 1}), ((1, 4, 1024), {"vec": 8, "stream": True}),
-               ((1, 2, 2048), {"vec": 8, "stream": False}), ((1, 4, 4096), {"vec": 8, "f16": 2}),
-               ((1, 4, 4096), {"vec": 8, "f16": 0})]
+#: products in float32 or in float16 pairs).
+LOAD_SHAPES = [None, ((1, 4, 1024), {"vec": 8, "stream": False, "f16": True}),
+               ((1, 8, 512), {"vec": 16, "stream": True, "f16": True}), ((1, 4, 1024), {"vec": 8, "stream": True}),
+               ((1, 2, 2048), {"vec": 8, "stream": False}), ((1, 4, 4096), {"vec": 8, "f16": True}),
+               ((1, 4, 4096), {"vec": 8, "f16": False})]
 LOAD_CASES = [(method, 0) for method in METHODS] + [("fp8" if FP8 else "int8", i) for i in range(1, len(LOAD_SHAPES))]
 
 
@@ -114,8 +114,8 @@ def test_one_row_8_bit_projections_match_in_each_load_shape(method, load, n, k):
 def test_float16_pair_products_cover_every_code_in_every_byte(method, magnitude):
     """Every code (e4m3's subnormals and largest, int8's -128 to 127) in each byte of a code word,
     times inputs spread over four decades around ``magnitude``: products in float16 pairs (each
-    block's inputs scaled by its largest; one block with the norm's bound) are as close to a
-    float64 reference as one bfloat16 rounding of the output."""
+    run of eight inputs scaled by its largest; blocks carried or streamed, one block with the
+    norm) are as close to a float64 reference as one bfloat16 rounding of the output."""
     n, k = 64, 1024
     codes = ((torch.arange(k, device="cuda")[None, :] * 7 + torch.arange(n, device="cuda")[:, None] * 13) % 256)
     codes = codes.to(torch.uint8)
@@ -129,13 +129,13 @@ def test_float16_pair_products_cover_every_code_in_every_byte(method, magnitude)
     x = (torch.randn(1, k, device="cuda", generator=gen) * magnitude
          * 10 ** (4 * torch.rand(1, k, device="cuda", generator=gen) - 2)).to(torch.bfloat16)
     ref = (x.double() @ weight.double().t()) * scale.double()
-    for config in ({"tiles": (1, 4, 256), "stream": False, "f16": 1}, {"tiles": (1, 8, 256), "stream": True, "f16": 1},
-                   {"tiles": (1, 4, 1024), "f16": 1}, {"tiles": (1, 4, 1024), "f16": 0}):
+    for config in ({"tiles": (1, 4, 256), "stream": False, "f16": True}, {"tiles": (1, 8, 256), "stream": True, "f16": True},
+                   {"tiles": (1, 4, 1024), "f16": True}, {"tiles": (1, 4, 1024), "f16": False}):
         out = linear_triton(x, weight, scale, vec=8, **config)
         assert _rel(out, ref) < 4e-3, config
     residual, norm_w = torch.zeros_like(x), torch.rand(k, device="cuda", generator=gen).to(torch.bfloat16) + 0.5
     ref, _ = norm_linear_ref(x, residual, norm_w, 1e-5, weight, weight_scale=scale)
-    for f16 in (0, 2):
+    for f16 in (False, True):
         out, _ = norm_linear_triton(x, residual, norm_w, 1e-5, weight, weight_scale=scale, tiles=(1, 4, 1024),
                                     vec=8, f16=f16)
         assert _rel(out, ref) < 1e-2, f16

@@ -531,20 +531,19 @@ class InterpretedCases:
                        *QUANT_GEMV_TOL[torch.float32])
 
     @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
-    @pytest.mark.parametrize("tiles,stream,f16", [((1, 4, 512), False, 1), ((1, 4, 512), False, 2),
-                                                  ((1, 4, 128), True, 1), ((1, 2, 128), False, 1)])
+    @pytest.mark.parametrize("tiles,stream", [((1, 4, 512), False), ((1, 4, 128), True), ((1, 2, 128), False)])
     def test_one_row_8_bit_products_in_float16_pairs(self, qdtype: torch.dtype, tiles: tuple[int, int, int],
-                                                     stream: bool, f16: int) -> None:
-        """Products in float16 pairs (bfloat16 inputs: the row in one block, with the norm's bound
-        or a reduction for its scale; blocks streamed or carried) match the reference as the
-        float32 products do, over inputs of any magnitude (each block's scale: inputs of 1e5 and
-        1e-5 neither overflow float16 nor fall below its normal range)."""
+                                                     stream: bool) -> None:
+        """Products in float16 pairs (bfloat16 inputs: the row in one block, with the norm or not;
+        blocks streamed or carried) match the reference as the float32 products do, over inputs
+        of any magnitude (each run's scale: inputs of 1e5 and 1e-5 neither overflow float16 nor
+        fall below its normal range)."""
         gen = torch.Generator().manual_seed(47)
         k, n = 300, 37
         limit = 127 if qdtype == torch.int8 else 448
         weight = (torch.randn(n, k, generator=gen) * limit / 3).clamp(-limit, limit).to(qdtype)
         w_scale = torch.rand(n, generator=gen) * 2e-3 + 1e-4
-        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": 8, "f16": f16}
+        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": 8, "f16": True}
         for magnitude in (1.0, 1e5, 1e-5):
             x, residual = (torch.randn(1, k, generator=gen) * magnitude).bfloat16(), torch.zeros(1, k).bfloat16()
             norm_weight = (torch.rand(k, generator=gen) * magnitude + 0.5).bfloat16()
@@ -633,9 +632,9 @@ class InterpretedCases:
     def test_8_bit_entries_say_how_their_codes_load(self, monkeypatch) -> None:
         import kernels.gemv as gemv
 
-        monkeypatch.setitem(QUANT_TILES, (1, 23, 300), ((1, 4, 64), 4, {"vec": 8, "stream": False, "f16": 1}))
+        monkeypatch.setitem(QUANT_TILES, (1, 23, 300), ((1, 4, 64), 4, {"vec": 8, "stream": False, "f16": True}))
         assert quant_projection_config(1, 23, 300) == ((1, 4, 64), 4)
-        assert quant_projection_loads(1, 23, 300) == {"vec": 8, "stream": False, "f16": 1}
+        assert quant_projection_loads(1, 23, 300) == {"vec": 8, "stream": False, "f16": True}
         assert quant_projection_loads(1, 4096, 11008) == {}
         seen: list[dict] = []
         real = gemv._gemv_kernel
@@ -650,10 +649,10 @@ class InterpretedCases:
         out = linear_triton(x, weight, w_scale)  # float32 inputs: float32 products
         assert_matches(out, linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[torch.float32])
         launch = seen[-1]
-        assert (launch["BN"], launch["BK"], launch["VEC"], launch["F16_DOT"], launch["STREAM"]) == (4, 64, 8, 0, False)
+        assert (launch["BN"], launch["BK"], launch["VEC"], launch["F16_DOT"], launch["STREAM"]) == (4, 64, 8, False, False)
         out = linear_triton(x.bfloat16(), weight, w_scale)
         assert_matches(out, linear_ref(x.bfloat16(), weight, w_scale), *QUANT_GEMV_TOL[torch.bfloat16])
-        assert seen[-1]["F16_DOT"] == 1
+        assert seen[-1]["F16_DOT"] is True
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third

@@ -44,12 +44,11 @@ class Gemv8Config:
     warps: int = 4
     stream: bool = False
     vec: int = 8
-    f16: int = 0
+    f16: bool = False
 
     def label(self) -> str:
         how = "s" if self.stream else "b"
-        products = {0: "", 1: " f16", 2: " f16n"}[self.f16]
-        return f"({self.bn},{self.bk}) w{self.warps} {how} v{self.vec}{products}"
+        return f"({self.bn},{self.bk}) w{self.warps} {how} v{self.vec}{' f16' if self.f16 else ''}"
 
     def options(self, k: int) -> dict:
         return {"tiles": (1, self.bn, min(self.bk, k)), "num_warps": self.warps, "stream": self.stream,
@@ -58,16 +57,15 @@ class Gemv8Config:
 
 C = Gemv8Config
 #: Candidates by the row's length (4096 or longer), most likely first (should the run be cut short):
-#: "b" blocks carried in registers, "s" streamed; "f16" products in float16 pairs (the inputs'
-#: scale a block's largest), "f16n" with the norm's bound for that scale (no reduction of its own).
+#: "b" blocks carried in registers, "s" streamed; "f16" products in float16 pairs.
 CANDIDATES = {
-    True: [C(4, 4096, 8, f16=1), C(4, 4096, 8, f16=2), C(8, 4096, 8, f16=1), C(8, 4096, 8, f16=2),
-           C(4, 1024, f16=1), C(8, 4096, 16, f16=1), C(2, 4096, 8, f16=1), C(4, 2048, 8, f16=1),
-           C(16, 4096, 16, f16=1), C(4, 1024, stream=True, f16=1), C(8, 1024, f16=1), C(4, 4096, 8, vec=16, f16=1),
-           C(2, 4096, 4, f16=1), C(8, 2048, 8, f16=1)],
-    False: [C(16, 512, 4, True, f16=1), C(8, 512, 4, True, f16=1), C(16, 1024, 8, True, f16=1),
-            C(32, 512, 8, True, f16=1), C(16, 512, 4, False, f16=1), C(8, 1024, 4, True, f16=1),
-            C(16, 2048, 8, True, f16=1), C(16, 512, 4, True, 16, f16=1), C(4, 1024, 4, True, f16=1)],
+    True: [C(4, 4096, 8, f16=True), C(8, 4096, 8, f16=True), C(4, 1024, f16=True), C(8, 4096, 16, f16=True),
+           C(4, 1024, stream=True, f16=True), C(2, 4096, 8, f16=True), C(4, 2048, 8, f16=True),
+           C(16, 4096, 16, f16=True), C(8, 1024, f16=True), C(4, 4096, 8, vec=16, f16=True), C(2, 4096, 4, f16=True),
+           C(8, 2048, 8, f16=True)],
+    False: [C(16, 512, 4, True, f16=True), C(8, 512, 4, True, f16=True), C(16, 1024, 8, True, f16=True),
+            C(32, 512, 8, True, f16=True), C(16, 512, 4, False, f16=True), C(8, 1024, 4, True, f16=True),
+            C(16, 2048, 8, True, f16=True), C(16, 512, 4, True, 16, f16=True), C(4, 1024, 4, True, f16=True)],
 }
 #: More channels a program over more warps. One row's 8-bit products are bound by instructions
 #: before bytes: the sm_90 builds' instructions per KB of weights order the sweep's times (norm +
@@ -126,7 +124,7 @@ def sweep_shape(out: list[Line], name: str, n: int, k: int, budget_s: float, wid
     (_, bn, bk), warps = quant_projection_config(1, n, k, PROLOGUE[name])
     loads = quant_projection_loads(1, n, k, PROLOGUE[name])
     stream = loads.get("stream", True) and k > bk
-    now = [Gemv8Config(bn, bk, warps, stream, loads.get("vec", 16), int(loads.get("f16", 0)))]
+    now = [Gemv8Config(bn, bk, warps, stream, loads.get("vec", 16), bool(loads.get("f16", False)))]
     for cfg in now + [c for c in (WIDE if wide else CANDIDATES)[k <= 4096] if c not in now]:
         if time.monotonic() > deadline:
             print(f"{name}: out of time before {cfg.label()} and the rest", flush=True)
