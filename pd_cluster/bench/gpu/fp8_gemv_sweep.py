@@ -59,13 +59,14 @@ C = Gemv8Config
 #: Candidates by the row's length (4096 or longer), most likely first (should the run be cut short):
 #: "b" blocks carried in registers, "s" streamed; "f16" products in float16 pairs.
 CANDIDATES = {
-    True: [C(4, 4096, 8, f16=True), C(8, 4096, 8, f16=True), C(4, 1024, f16=True), C(8, 4096, 16, f16=True),
-           C(4, 1024, stream=True, f16=True), C(2, 4096, 8, f16=True), C(4, 2048, 8, f16=True),
-           C(16, 4096, 16, f16=True), C(8, 1024, f16=True), C(4, 4096, 8, vec=16, f16=True), C(2, 4096, 4, f16=True),
-           C(8, 2048, 8, f16=True)],
-    False: [C(16, 512, 4, True, f16=True), C(8, 512, 4, True, f16=True), C(16, 1024, 8, True, f16=True),
-            C(32, 512, 8, True, f16=True), C(16, 512, 4, False, f16=True), C(8, 1024, 4, True, f16=True),
-            C(16, 2048, 8, True, f16=True), C(16, 512, 4, True, 16, f16=True), C(4, 1024, 4, True, f16=True)],
+    True: [C(4, 4096, 8, f16=True), C(8, 4096, 8, f16=True), C(16, 4096, 8, f16=True), C(4, 1024, f16=True),
+           C(8, 4096, 16, f16=True), C(4, 1024, stream=True, f16=True), C(2, 4096, 8, f16=True),
+           C(4, 2048, 8, f16=True), C(16, 4096, 16, f16=True), C(8, 1024, f16=True), C(4, 4096, 8, vec=16, f16=True),
+           C(2, 4096, 4, f16=True), C(8, 2048, 8, f16=True)],
+    False: [C(16, 512, 4, True, f16=True), C(32, 512, 8, True, f16=True), C(8, 512, 4, True, f16=True),
+            C(16, 1024, 8, True, f16=True), C(32, 512, 4, True, f16=True), C(16, 512, 4, False, f16=True),
+            C(8, 1024, 4, True, f16=True), C(16, 2048, 8, True, f16=True), C(16, 512, 4, True, 16, f16=True),
+            C(4, 1024, 4, True, f16=True)],
 }
 #: More channels a program over more warps. One row's 8-bit products are bound by instructions
 #: before bytes: the sm_90 builds' instructions per KB of weights order the sweep's times (norm +
