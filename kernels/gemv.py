@@ -357,7 +357,7 @@ def _launch(
         raise ValueError(f"tiles of {bm} rows for {m}")
     stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # project_loaded
     f16 = bool(f16) and weight_scale is not None and bm == 1 and x.dtype in (torch.bfloat16, torch.float16) \
-        and k % 4 == 0 and weight.stride(0) % 4 == 0
+        and k % 4 == 0 and weight.stride(0) % 4 == 0 and bk >= 8 and vec >= 8  # whole words, runs of eight
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
