@@ -89,12 +89,14 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
 # helpers (the tile's sequence, its rows), decode split and merge, the sampling kernel and its two
 # helpers (a row block, the stream hash), the penalties, the few-row projection, its products (the
-# first weight tile, as float and as stored, the norm's tile, the products after the wait, one row's
-# blocks pipelined and a block's products), the qkv projection with rotary and KV store, the
+# first weight tile, as float and as stored, the norm's tile, the products after the wait) and
+# their float16-pair products (the code words, the inputs in fours, a float16 pair, the fp8 and
+# int8 products of eight codes, a word's code, the runs' units, the products), the qkv projection
+# with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured step's
 # inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8 GEMM and its
 # split-K sum.
-NUM_KERNELS = 38
+NUM_KERNELS = 44
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
