@@ -91,7 +91,7 @@ LOAD_CASES = [(method, 0) for method in METHODS] + [("fp8" if FP8 else "int8", i
 @pytest.mark.parametrize("method, load", LOAD_CASES)
 def test_one_row_8_bit_projections_match_in_each_load_shape(method, load, n, k):
     """The plain, norm and SiLU projections of one row, compiled with each way of loading the
-    codes (the interpreter runs the loads' hints and pipelining as plain loads): the reference's."""
+    codes (the interpreter runs the loads' hints as plain loads): the reference's."""
     shape = LOAD_SHAPES[load]
     config = {"tiles": shape[0], **shape[1]} if shape else {}
     gen = torch.Generator(device="cuda").manual_seed(n + k + load)

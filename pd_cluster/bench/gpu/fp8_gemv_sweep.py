@@ -5,7 +5,8 @@ What it varies is what sets a memory-bound kernel's rate: the bytes each SM keep
 config: the tile (BN output channels by BK inputs), warps, ``stream`` (the next block's load
 issued before this block's products) and ``vec``, the codes a thread loads at once: 16 (one
 16-byte load, but a layout the input's bf16 loads do not share, so the input goes through shared
-memory every block) or 8 (8-byte loads in the input's own layout, as the bf16 GEMV runs). Each
+memory every block) or 8 (8-byte loads in the input's own layout, as the bf16 GEMV runs); and
+``f16``, the products in float16 pairs (the codes as words, converted where multiplied). Each
 config is timed in a CUDA graph over weight copies three times L2 (as
 :mod:`pd_cluster.bench.gpu.fp8_sweep`); a line gives us and TB/s of weight bytes read. A device
 copy's rate is measured first, the ceiling the rates compare to. Last: the best config per shape
