@@ -304,6 +304,14 @@ def _gemv_kernel(
     tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], out, mask=n_mask[:, None] & (rm[None, :] < M))
 
 
+def _f16_products(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int], vec: int) -> bool:
+    """Whether a launch of these tiles can take its products in float16 pairs (:func:`dot_words_f16`):
+    one row of a 16-bit input, whole code words (inputs and the weight's rows in fours, aligned),
+    runs of eight a thread (blocks and loads of eight codes or more)."""
+    return (tiles[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 4 == 0
+            and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0 and tiles[2] >= 8 and vec >= 8)
+
+
 def _launch(
     prologue: int,
     x: torch.Tensor,
@@ -351,13 +359,16 @@ def _launch(
     if tiles is None and weight_scale is not None:
         tiles, num_warps = quant_projection_config(m, n, k, prologue)
         loads = quant_projection_loads(m, n, k, prologue)
+        if loads.get("f16") and not _f16_products(x, weight, tiles, loads.get("vec", vec)):
+            # Wide tiles measured with float16 products (codes carried as words) would spill as
+            # float32 ones.
+            (tiles, num_warps), loads = quant_projection_heuristic(m, n, k), {}
         stream, vec, f16 = loads.get("stream", stream), loads.get("vec", vec), loads.get("f16", f16)
     bm, bn, bk = tiles or projection_tiles(m, n, k)
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
     stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # project_loaded
-    f16 = bool(f16) and weight_scale is not None and bm == 1 and x.dtype in (torch.bfloat16, torch.float16) \
-        and k % 4 == 0 and weight.stride(0) % 4 == 0 and bk >= 8 and vec >= 8  # whole words, runs of eight
+    f16 = bool(f16) and weight_scale is not None and _f16_products(x, weight, (bm, bn, bk), vec)
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
