@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from kernels._triton import (
     cdiv,
     last_dim_contiguous,
-    next_pow2,
     pdl_options,
     pdl_wait,
     require_triton,
@@ -38,10 +37,11 @@ from kernels.gemv_tiles import (  # noqa: F401  # the tiles' choice, re-exported
 )
 from kernels._tiles import normed_input, prologue_input
 from kernels._gemv_blocks import (  # noqa: F401  # first_weight_tile: also kernels.qkv_rotary's
+    dot_words_f16,
     first_norm_tile,
     first_weight_raw,
     first_weight_tile,
-    project_row_piped,
+    weight_words,
 )
 from kernels.rms_norm import rms_norm, rms_norm_ref
 from kernels.silu_mul import silu_mul, silu_mul_ref
@@ -117,12 +117,14 @@ def project_rows(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16, PIPE: tl.constexpr = 0, NORM_BK: tl.constexpr = 0,
+    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16, F16_DOT: tl.constexpr = False,
 ):
     """The float32 products ``[BN, BM]`` of weight rows ``rn`` with the (prologued) input rows:
     the first weight tile (and the norm's weight) read, the wait on the kernel before, then
     :func:`project_loaded`. Any set of weight rows works: ``rn`` need not be a range."""
-    if STREAM or (w_ptr.dtype.element_ty.primitive_bitwidth == 8 and not ONE_BLOCK):  # carried as codes: a
+    if F16_DOT:  # code words, converted where multiplied (dot_words_f16)
+        w = weight_words(w_ptr, rn, n_mask, 0, K, stride_w, BK, VEC)
+    elif STREAM or (w_ptr.dtype.element_ty.primitive_bitwidth == 8 and not ONE_BLOCK):  # carried as codes: a
         # quarter of float32's registers
         w = first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK, VEC)
     else:
@@ -131,7 +133,7 @@ def project_rows(
     pdl_wait(USE_PDL)
     return project_loaded(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
                           stride_x, stride_res, stride_sum, stride_w, eps,
-                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM, VEC, PIPE, NORM_BK)
+                          PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, STREAM, VEC, F16_DOT)
 
 
 @triton.jit
@@ -140,7 +142,7 @@ def project_loaded(
     stride_x, stride_res, stride_sum, stride_w, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_ROWS: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16, PIPE: tl.constexpr = 0, NORM_BK: tl.constexpr = 0,
+    STREAM: tl.constexpr = False, VEC: tl.constexpr = 16, F16_DOT: tl.constexpr = False,
 ):
     """:func:`project_rows` after its wait, given the first weight tile ``w`` and norm tile ``g``.
 
@@ -156,7 +158,12 @@ def project_loaded(
     ``STREAM`` (one row over blocks, 8-bit weights): ``w`` holds the codes; each block's load of
     the next weight block is issued before its own products, and the products add up elementwise,
     summed across the tile once at the end, so that no reduction (a barrier) between blocks holds
-    back the next block's load: two blocks a program stay in flight."""
+    back the next block's load: two blocks a program stay in flight.
+
+    ``F16_DOT`` (one row of 16-bit inputs, 8-bit weights; ``K`` and the weight's row stride
+    multiples of 4): ``w`` holds the codes as 32-bit words, multiplied in float16 pairs
+    (:func:`dot_words_f16`), each run of eight inputs scaled by its own power of two."""
+    IS_FP8: tl.constexpr = w_ptr.dtype.element_ty == tl.float8e4nv
     dtype = sum_ptr.dtype.element_ty
     rm = tl.arange(0, BM)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
@@ -180,16 +187,20 @@ def project_loaded(
         a = prologue_input(x_ptr, res_ptr, sum_ptr, row, 0, rk, rk < K, stride_x, stride_res, stride_sum, K,
                            (rk * 0 + pid) == 0, PROLOGUE, HAS_RESIDUAL)
         a = normed_input(a, tl.rsqrt(tl.sum(a * a, axis=0) / K + eps), g, dtype)
-        acc += tl.where(rm[None, :] == 0, tl.sum(w.to(tl.float32) * a[None, :], axis=1)[:, None], 0.0)
+        if F16_DOT:
+            prods, unit = dot_words_f16(w, a, IS_FP8)
+            part = tl.sum(prods * unit[None, :], axis=1)
+        else:
+            part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc += tl.where(rm[None, :] == 0, part[:, None], 0.0)
     else:
         rstd = tl.zeros((BM,), dtype=tl.float32)
-        SQ_BK: tl.constexpr = NORM_BK if NORM_BK > 0 else BK  # the norm's sum: blocks of the row read at once
         if PROLOGUE == 1:
             for m in tl.static_range(BM):
                 row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-                sq = tl.zeros((SQ_BK,), dtype=tl.float32)
-                for k0 in range(0, K, SQ_BK):
-                    rk = k0 + tl.arange(0, SQ_BK)
+                sq = tl.zeros((BK,), dtype=tl.float32)
+                for k0 in range(0, K, BK):
+                    rk = k0 + tl.arange(0, BK)
                     k_mask = (rk < K) & ((rk * 0 + m) < M)
                     xs = tl.load(x_ptr + row * stride_x + rk, mask=k_mask, other=0.0).to(tl.float32)
                     if HAS_RESIDUAL:
@@ -197,42 +208,48 @@ def project_loaded(
                         xs = (xs + r).to(dtype).to(tl.float32)
                     sq += xs * xs
                 rstd = tl.where(rm == m, tl.rsqrt(tl.sum(sq, axis=0) / K + eps), rstd)
-        if PIPE > 1 and BM == 1 and not STREAM:
-            part = project_row_piped(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, w, rn, n_mask, pid, K,
-                                     stride_x, stride_res, stride_sum, stride_w, tl.sum(rstd, axis=0), PROLOGUE,
-                                     HAS_RESIDUAL, HAS_ROWS, BK, VEC, PIPE)
-            acc += tl.where(rm[None, :] == 0, part[:, None], 0.0)
-        else:
-            wide = tl.zeros((BN, BK), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                rk = k0 + tl.arange(0, BK)
-                rkw = tl.max_contiguous(rk, VEC)  # the codes a thread loads at once (see _launch's vec)
+        WIDE_K: tl.constexpr = BK // 4 if F16_DOT else BK
+        wide = tl.zeros((BN, WIDE_K), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            rk = k0 + tl.arange(0, BK)
+            rkw = tl.max_contiguous(rk, VEC)  # the codes a thread loads at once (see _launch's vec)
+            if F16_DOT:
                 if STREAM:
-                    w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rkw[None, :],
-                                     mask=n_mask[:, None] & (rkw[None, :] + BK < K), other=0.0,
-                                     eviction_policy="evict_first")
+                    w_next = weight_words(w_ptr, rn, n_mask, k0 + BK, K, stride_w, BK, VEC)
                 elif k0 > 0:
-                    w = tl.load(w_ptr + rn[:, None] * stride_w + rkw[None, :],
-                                mask=n_mask[:, None] & (rkw[None, :] < K), other=0.0,
-                                eviction_policy="evict_first").to(w.dtype)  # as carried: codes or float32
-                store = (rk * 0 + pid) == 0
+                    w = weight_words(w_ptr, rn, n_mask, k0, K, stride_w, BK, VEC)
+            elif STREAM:
+                w_next = tl.load(w_ptr + rn[:, None] * stride_w + BK + rkw[None, :],
+                                 mask=n_mask[:, None] & (rkw[None, :] + BK < K), other=0.0,
+                                 eviction_policy="evict_first")
+            elif k0 > 0:
+                w = tl.load(w_ptr + rn[:, None] * stride_w + rkw[None, :],
+                            mask=n_mask[:, None] & (rkw[None, :] < K), other=0.0,
+                            eviction_policy="evict_first").to(w.dtype)  # as carried: codes or float32
+            store = (rk * 0 + pid) == 0
+            if PROLOGUE == 1:
+                g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
+            for m in tl.static_range(BM):
+                row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
+                a = prologue_input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x,
+                                   stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
                 if PROLOGUE == 1:
-                    g = tl.load(norm_w_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)
-                for m in tl.static_range(BM):
-                    row = tl.load(rows_ptr + tl.minimum(m, M - 1)).to(tl.int64) if HAS_ROWS else m
-                    a = prologue_input(x_ptr, res_ptr, sum_ptr, row, m, rk, (rk < K) & ((rk * 0 + m) < M), stride_x,
-                                       stride_res, stride_sum, K, store, PROLOGUE, HAS_RESIDUAL)
-                    if PROLOGUE == 1:
-                        a = normed_input(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
+                    a = normed_input(a, tl.sum(tl.where(rm == m, rstd, 0.0), axis=0), g, dtype)
+                if F16_DOT:  # one row
+                    prods, unit = dot_words_f16(w, a, IS_FP8)
                     if STREAM:
-                        wide += w.to(tl.float32) * a[None, :]
+                        wide += prods * unit[None, :]
                     else:
-                        part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
-                        acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
-                if STREAM:
-                    w = w_next
+                        acc += tl.where(rm[None, :] == 0, tl.sum(prods * unit[None, :], axis=1)[:, None], 0.0)
+                elif STREAM:
+                    wide += w.to(tl.float32) * a[None, :]
+                else:
+                    part = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+                    acc += tl.where(rm[None, :] == m, part[:, None], 0.0)
             if STREAM:
-                acc += tl.where(rm[None, :] == 0, tl.sum(wide, axis=1)[:, None], 0.0)
+                w = w_next
+        if STREAM:
+            acc += tl.where(rm[None, :] == 0, tl.sum(wide, axis=1)[:, None], 0.0)
     return acc
 
 
@@ -268,8 +285,7 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr,
     STREAM: tl.constexpr,
     VEC: tl.constexpr,
-    PIPE: tl.constexpr,
-    NORM_BK: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     # Program: BN output columns of all M rows (see ``project_rows``).
     pid = tl.program_id(0)
@@ -278,8 +294,7 @@ def _gemv_kernel(
     n_mask = rn < N
     acc = project_rows(x_ptr, res_ptr, rows_ptr, norm_w_ptr, sum_ptr, w_ptr, rn, n_mask, pid, M, K,
                        stride_x, stride_res, stride_sum, stride_w, eps,
-                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM, VEC, PIPE,
-                       NORM_BK)
+                       PROLOGUE, HAS_RESIDUAL, HAS_ROWS, BM, BN, BK, ONE_BLOCK, USE_PDL, STREAM, VEC, F16_DOT)
     if HAS_SCALE:  # 8-bit weights: each output channel's scale
         acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
@@ -287,6 +302,14 @@ def _gemv_kernel(
     # Rounded to the input's dtype first, as the unfused product is, also into a wider output.
     out = acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[None, :] * stride_out + rn[:, None], out, mask=n_mask[:, None] & (rm[None, :] < M))
+
+
+def _f16_products(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int], vec: int) -> bool:
+    """Whether a launch of these tiles can take its products in float16 pairs (:func:`dot_words_f16`):
+    one row of a 16-bit input, whole code words (inputs and the weight's rows in fours, aligned),
+    runs of eight a thread (blocks and loads of eight codes or more)."""
+    return (tiles[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and weight.shape[1] % 4 == 0
+            and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0 and tiles[2] >= 8 and vec >= 8)
 
 
 def _launch(
@@ -306,15 +329,15 @@ def _launch(
     num_warps: int = 4,
     stream: bool | None = None,
     vec: int = 16,
-    pipe: int = 0,
+    f16: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One launch of :func:`_gemv_kernel`; ``tiles`` and ``num_warps`` replace the default choice
     (:func:`projection_tiles`, or :func:`quant_projection_config` for 8-bit weights, with its
     :func:`quant_projection_loads`). How one row's 8-bit codes load, over blocks: ``stream`` (the
-    default; False: not) the next block's load issued before this block's products, or ``pipe``
-    > 1 blocks pipelined that deep through shared memory (:func:`project_row_piped`); ``vec`` the
+    default; False: not) the next block's load issued before this block's products; ``vec`` the
     codes a thread loads at once: 16, or 8 in the bf16 input's own layout (no shared-memory
-    round trip of the input a block)."""
+    round trip of the input a block); ``f16`` products in float16 pairs (:func:`dot_words_f16`:
+    one row of a 16-bit input, four inputs' codes a word; else ignored)."""
     require_triton()
     x2 = last_dim_contiguous(x.reshape(-1, x.shape[-1]))
     m = int(rows.shape[0]) if rows is not None else x2.shape[0]
@@ -336,12 +359,16 @@ def _launch(
     if tiles is None and weight_scale is not None:
         tiles, num_warps = quant_projection_config(m, n, k, prologue)
         loads = quant_projection_loads(m, n, k, prologue)
-        stream, vec, pipe = loads.get("stream", stream), loads.get("vec", vec), loads.get("pipe", pipe)
+        if loads.get("f16") and not _f16_products(x, weight, tiles, loads.get("vec", vec)):
+            # Wide tiles measured with float16 products (codes carried as words) would spill as
+            # float32 ones.
+            (tiles, num_warps), loads = quant_projection_heuristic(m, n, k), {}
+        stream, vec, f16 = loads.get("stream", stream), loads.get("vec", vec), loads.get("f16", f16)
     bm, bn, bk = tiles or projection_tiles(m, n, k)
     if bm < m:
         raise ValueError(f"tiles of {bm} rows for {m}")
-    pipe = pipe if weight_scale is not None and bm == 1 and k > bk else 0
-    stream = stream is not False and not pipe and weight_scale is not None and bm == 1 and k > bk  # project_loaded
+    stream = stream is not False and weight_scale is not None and bm == 1 and k > bk  # project_loaded
+    f16 = bool(f16) and weight_scale is not None and _f16_products(x, weight, (bm, bn, bk), vec)
     pdl = use_pdl(x)
     _gemv_kernel[(cdiv(n, bn),)](
         x2,
@@ -374,8 +401,7 @@ def _launch(
         USE_PDL=pdl,
         STREAM=stream,
         VEC=vec,
-        PIPE=pipe,
-        NORM_BK=next_pow2(k) if pipe and prologue == _NORM else bk,  # a piped row's norm: one read of it
+        F16_DOT=f16,
         num_warps=num_warps,
         **pdl_options(pdl),
     )
@@ -395,7 +421,7 @@ def norm_linear_triton(
     **config: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`norm_linear_ref`, for at most :data:`MAX_ROWS` rows; ``config``:
-    ``tiles``, ``num_warps`` and ``stream`` as :func:`linear_triton` takes them."""
+    ``tiles``, ``num_warps``, ``stream``, ``vec`` and ``f16`` as :func:`linear_triton` takes them."""
     k = x.shape[-1]
     out, new_residual = _launch(_NORM, x, weight, k, residual=residual, rows=rows, norm_weight=norm_weight,
                                 eps=eps, bias=bias, out_dtype=out_dtype, weight_scale=weight_scale, **config)
@@ -416,11 +442,11 @@ def silu_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, weight_scale
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None,
                   tiles: tuple[int, int, int] | None = None, num_warps: int = 4,
-                  stream: bool | None = None, vec: int = 16, pipe: int = 0) -> torch.Tensor:
+                  stream: bool | None = None, vec: int = 16, f16: bool = False) -> torch.Tensor:
     """``F.linear(x, weight)`` for at most :data:`MAX_ROWS` rows; ``tiles`` (BM, BN, BK),
-    ``num_warps``, ``stream`` and ``vec`` replace the default choice (for a sweep of them)."""
+    ``num_warps``, ``stream``, ``vec`` and ``f16`` replace the default choice (for a sweep of them)."""
     return _launch(_PLAIN, x, weight, x.shape[-1], weight_scale=weight_scale, tiles=tiles, num_warps=num_warps,
-                   stream=stream, vec=vec, pipe=pipe)[0]
+                   stream=stream, vec=vec, f16=f16)[0]
 
 
 def fits(x: torch.Tensor, rows: int, weight: torch.Tensor | None = None) -> bool:

@@ -37,7 +37,7 @@ def projection_tiles(rows: int, n: int, k: int) -> tuple[int, int, int]:
 
 
 #: An 8-bit config: ((BM, BN, BK), warps), then how its codes load where not the launch's default
-#: (``{"vec": 8, "pipe": 3}``: :func:`quant_projection_loads`).
+#: (``{"vec": 8, "f16": True}``: :func:`quant_projection_loads`).
 QuantEntry = tuple[tuple[int, int, int], int] | tuple[tuple[int, int, int], int, dict[str, int | bool]]
 
 #: 8-bit weights' GEMV configs ((BM, BN, BK), warps) by (rows' power of two, out features, in
@@ -54,9 +54,10 @@ QUANT_TILES: dict[tuple[int, int, int], QuantEntry] = {
     (2, 4096, 14336): ((2, 4, 512), 4),
     (4, 4096, 14336): ((4, 16, 512), 4),
     (8, 4096, 14336): ((8, 16, 512), 4),
-    # o: blocks of 1024 carried (not streamed), 7.68 us against 9.17 with (1, 2, 4096) and 9.99 in
-    # bf16 (``fp8-gemv-sweep-nvidia-h200-x1-2026-11-29.json``, the one-row sweep below)
-    (1, 4096, 4096): ((1, 4, 1024), 4, {"stream": False}),
+    # o: blocks of 2048 carried (not streamed) over 8 channels and 8 warps, products in float16
+    # pairs: 6.18 us against 7.79 with (1, 4, 1024) in float32 and 10.01 in bf16 (the one-row sweep
+    # below, ``fp8-gemv-sweep-nvidia-h200-x1-2026-11-29-f16.json``)
+    (1, 4096, 4096): ((1, 8, 2048), 8, {"stream": False, "vec": 8, "f16": True}),
     (2, 4096, 4096): ((2, 2, 4096), 8),
     (4, 4096, 4096): ((4, 2, 4096), 8),
     (8, 4096, 4096): ((8, 8, 512), 4),
@@ -95,14 +96,16 @@ def quant_projection_heuristic(rows: int, n: int, k: int) -> tuple[tuple[int, in
 #: the plain projection's; a shape not here takes the plain one's.
 QUANT_FUSED_TILES: dict[tuple[int, int, int, int], QuantEntry] = {
     # One H200, the 8B shape, in a CUDA graph over cold weights, by the one-row sweep
-    # (``pd_cluster.bench.gpu.fp8_gemv_sweep``: ``fp8-gemv-sweep-nvidia-h200-x1-2026-11-29.json``),
-    # against the tiles before and bf16's: 8 codes a thread (the input's layout, no shared-memory
-    # round trip), and for the norm more channels a program over more warps, as a program's norm
-    # (the input read, summed and scaled: as many instructions as its weight products) is then
-    # shared by more weight bytes.
-    (1, 1, 6144, 4096): ((1, 4, 4096), 8, {"vec": 8}),  # norm + qkv: 11.76 us against 13.59, bf16 17.78
-    (1, 1, 28672, 4096): ((1, 4, 4096), 8, {"vec": 8}),  # norm + gate_up: 39.97 us against 47.40, bf16 58.73
-    (2, 1, 4096, 14336): ((1, 16, 512), 4, {"vec": 8}),  # SiLU + down: 26.53 us against 31.99, bf16 34.46
+    # (``pd_cluster.bench.gpu.fp8_gemv_sweep``: ``fp8-gemv-sweep-nvidia-h200-x1-2026-11-29-f16.json``),
+    # against the float32 products' best tiles and bf16's: 8 codes a thread (the input's layout),
+    # products in float16 pairs (the codes carried as words: a quarter of float32's registers), so
+    # a program holds 16 channels, over which its prologue (the norm: the input read, summed and
+    # scaled; the SiLU gate) is shared. The float32 products' per-code cost was not what bounded
+    # them: a plain GEMV of gate/up's tile read its codes at the copy rate either way (28.5 us
+    # float32, 28.3 float16 pairs, 28.2 the bytes alone); what a wider program saves is its prologue.
+    (1, 1, 6144, 4096): ((1, 16, 4096), 8, {"vec": 8, "f16": True}),  # norm + qkv: 9.39 us against 11.27, bf16 17.82
+    (1, 1, 28672, 4096): ((1, 16, 4096), 8, {"vec": 8, "f16": True}),  # norm + gate_up: 33.21 against 40.01, bf16 58.07
+    (2, 1, 4096, 14336): ((1, 16, 2048), 8, {"vec": 8, "f16": True}),  # SiLU + down: 17.81 against 26.50, bf16 34.20
 }
 
 
@@ -121,7 +124,7 @@ def quant_projection_config(rows: int, n: int, k: int, prologue: int = 0) -> tup
 
 def quant_projection_loads(rows: int, n: int, k: int, prologue: int = 0) -> dict:
     """How the entry :func:`quant_projection_config` picks loads its codes (its third element:
-    ``vec``, ``pipe``, ``stream`` as :func:`kernels.gemv.linear_triton` takes them), or ``{}``:
+    ``vec``, ``stream``, ``f16`` as :func:`kernels.gemv.linear_triton` takes them), or ``{}``:
     the launch's defaults."""
     entry = _quant_entry(rows, n, k, prologue)
     return dict(entry[2]) if len(entry) > 2 else {}

@@ -2,7 +2,8 @@
 torch one's codes and scales exactly, the weight-only GEMM matches the scaled product at decode
 batches (and ``linear`` takes it there), the FP8 GEMM matches ``_scaled_mm`` at 17-64 rows (and
 ``linear`` takes it there; loading by descriptor changes no bit), and the
-one-row 8-bit projections match the reference on Llama-3-8B's shapes.
+one-row 8-bit projections match the reference on Llama-3-8B's shapes (products in float16
+pairs: over every code and inputs of any magnitude).
 
     python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_quant_matmul_gpu.py -s
 """
@@ -77,11 +78,12 @@ def test_one_row_gemv_reads_8_bit_weights_in_its_tiles(method, n, k):
 
 
 #: One row's ways of loading 8-bit codes, beside the tables' choice (None, for each method): the
-#: tile, then the options (8 codes a thread in the input's layout; blocks pipelined 3-4 deep,
-#: streamed, carried).
-LOAD_SHAPES = [None, ((1, 4, 1024), {"vec": 8, "pipe": 3, "stream": False}),
-               ((1, 8, 512), {"vec": 16, "pipe": 4, "stream": False}), ((1, 4, 1024), {"vec": 8, "stream": True}),
-               ((1, 2, 2048), {"vec": 8, "stream": False})]
+#: tile, then the options (8 codes a thread in the input's layout; blocks streamed or carried;
+#: products in float32 or in float16 pairs).
+LOAD_SHAPES = [None, ((1, 4, 1024), {"vec": 8, "stream": False, "f16": True}),
+               ((1, 8, 512), {"vec": 16, "stream": True, "f16": True}), ((1, 4, 1024), {"vec": 8, "stream": True}),
+               ((1, 2, 2048), {"vec": 8, "stream": False}), ((1, 4, 4096), {"vec": 8, "f16": True}),
+               ((1, 4, 4096), {"vec": 8, "f16": False})]
 LOAD_CASES = [(method, 0) for method in METHODS] + [("fp8" if FP8 else "int8", i) for i in range(1, len(LOAD_SHAPES))]
 
 
@@ -89,7 +91,7 @@ LOAD_CASES = [(method, 0) for method in METHODS] + [("fp8" if FP8 else "int8", i
 @pytest.mark.parametrize("method, load", LOAD_CASES)
 def test_one_row_8_bit_projections_match_in_each_load_shape(method, load, n, k):
     """The plain, norm and SiLU projections of one row, compiled with each way of loading the
-    codes (the interpreter runs the loads' hints and pipelining as plain loads): the reference's."""
+    codes (the interpreter runs the loads' hints as plain loads): the reference's."""
     shape = LOAD_SHAPES[load]
     config = {"tiles": shape[0], **shape[1]} if shape else {}
     gen = torch.Generator(device="cuda").manual_seed(n + k + load)
@@ -105,6 +107,38 @@ def test_one_row_8_bit_projections_match_in_each_load_shape(method, load, n, k):
     gate_up = torch.randn(1, 2 * k, device="cuda", generator=gen, dtype=torch.bfloat16)
     out = silu_linear_triton(gate_up, q.qweight, q.scale, **config)
     assert _rel(out, silu_linear_ref(gate_up, q.qweight, q.scale)) < 1e-2
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("magnitude", [1e-6, 1.0, 1e6])
+def test_float16_pair_products_cover_every_code_in_every_byte(method, magnitude):
+    """Every code (e4m3's subnormals and largest, int8's -128 to 127) in each byte of a code word,
+    times inputs spread over four decades around ``magnitude``: products in float16 pairs (each
+    run of eight inputs scaled by its largest; blocks carried or streamed, one block with the
+    norm) are as close to a float64 reference as one bfloat16 rounding of the output."""
+    n, k = 64, 1024
+    codes = ((torch.arange(k, device="cuda")[None, :] * 7 + torch.arange(n, device="cuda")[:, None] * 13) % 256)
+    codes = codes.to(torch.uint8)
+    if method == "fp8":
+        codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaN
+        weight = codes.view(torch.float8_e4m3fn)
+    else:
+        weight = codes.view(torch.int8)
+    scale = torch.rand(n, device="cuda") * 1e-3 + 1e-4
+    gen = torch.Generator(device="cuda").manual_seed(48)
+    x = (torch.randn(1, k, device="cuda", generator=gen) * magnitude
+         * 10 ** (4 * torch.rand(1, k, device="cuda", generator=gen) - 2)).to(torch.bfloat16)
+    ref = (x.double() @ weight.double().t()) * scale.double()
+    for config in ({"tiles": (1, 4, 256), "stream": False, "f16": True}, {"tiles": (1, 8, 256), "stream": True, "f16": True},
+                   {"tiles": (1, 4, 1024), "f16": True}, {"tiles": (1, 4, 1024), "f16": False}):
+        out = linear_triton(x, weight, scale, vec=8, **config)
+        assert _rel(out, ref) < 4e-3, config
+    residual, norm_w = torch.zeros_like(x), torch.rand(k, device="cuda", generator=gen).to(torch.bfloat16) + 0.5
+    ref, _ = norm_linear_ref(x, residual, norm_w, 1e-5, weight, weight_scale=scale)
+    for f16 in (False, True):
+        out, _ = norm_linear_triton(x, residual, norm_w, 1e-5, weight, weight_scale=scale, tiles=(1, 4, 1024),
+                                    vec=8, f16=f16)
+        assert _rel(out, ref) < 1e-2, f16
 
 
 @pytest.mark.skipif(not FP8 or torch.cuda.get_device_capability() < (9, 0), reason="FP8 products need sm_90")

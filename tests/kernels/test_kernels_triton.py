@@ -89,12 +89,14 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
 # helpers (the tile's sequence, its rows), decode split and merge, the sampling kernel and its two
 # helpers (a row block, the stream hash), the penalties, the few-row projection, its products (the
-# first weight tile, as float and as stored, the norm's tile, the products after the wait, one row's
-# blocks pipelined and a block's products), the qkv projection with rotary and KV store, the
+# first weight tile, as float and as stored, the norm's tile, the products after the wait) and
+# their float16-pair products (the code words, the inputs in fours, a float16 pair, the fp8 and
+# int8 products of eight codes, a word's code, the runs' units, the products), the qkv projection
+# with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured step's
 # inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8 GEMM and its
 # split-K sum.
-NUM_KERNELS = 38
+NUM_KERNELS = 44
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -504,20 +506,19 @@ class InterpretedCases:
         with pytest.raises(ValueError, match="scale"):
             linear_triton(x, weight)
 
-    @pytest.mark.parametrize("tiles,stream,vec,pipe", [((1, 4, 128), False, 8, 0), ((1, 4, 128), True, 8, 0),
-                                                       ((1, 4, 128), False, 16, 0), ((1, 2, 512), False, 8, 0),
-                                                       ((1, 8, 64), True, 16, 0), ((1, 4, 64), False, 8, 3),
-                                                       ((1, 2, 128), False, 16, 4)])
+    @pytest.mark.parametrize("tiles,stream,vec", [((1, 4, 128), False, 8), ((1, 4, 128), True, 8),
+                                                  ((1, 4, 128), False, 16), ((1, 2, 512), False, 8),
+                                                  ((1, 8, 64), True, 16)])
     def test_one_row_8_bit_projections_match_over_their_load_shapes(self, tiles: tuple[int, int, int], stream: bool,
-                                                                    vec: int, pipe: int) -> None:
-        """Each way a row's 8-bit codes can load (8 or 16 a thread; blocks carried, streamed or
-        pipelined; the row in one block or several) computes the same products, with each prologue."""
+                                                                    vec: int) -> None:
+        """Each way a row's 8-bit codes can load (8 or 16 a thread; blocks carried or streamed; the
+        row in one block or several) computes the same products, with each prologue."""
         gen = torch.Generator().manual_seed(46)
         k, n = 300, 37
         codes = lambda n, k: (  # noqa: E731
             (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn))
         scale = lambda n: torch.rand(n, generator=gen) * 2e-3 + 1e-4  # noqa: E731
-        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": vec, "pipe": pipe}
+        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": vec}
         x, residual = torch.randn(1, k, generator=gen), torch.randn(1, k, generator=gen)
         norm_weight = torch.rand(k, generator=gen) + 0.5
         weight, w_scale = codes(n, k), scale(n)
@@ -530,6 +531,33 @@ class InterpretedCases:
         gate_up, down, d_scale = torch.randn(1, 2 * k, generator=gen), codes(n, k), scale(n)
         assert_matches(silu_linear_triton(gate_up, down, d_scale, **config), silu_linear_ref(gate_up, down, d_scale),
                        *QUANT_GEMV_TOL[torch.float32])
+
+    @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+    @pytest.mark.parametrize("tiles,stream", [((1, 4, 512), False), ((1, 4, 128), True), ((1, 2, 128), False)])
+    def test_one_row_8_bit_products_in_float16_pairs(self, qdtype: torch.dtype, tiles: tuple[int, int, int],
+                                                     stream: bool) -> None:
+        """Products in float16 pairs (bfloat16 inputs: the row in one block, with the norm or not;
+        blocks streamed or carried) match the reference as the float32 products do, over inputs
+        of any magnitude (each run's scale: inputs of 1e5 and 1e-5 neither overflow float16 nor
+        fall below its normal range)."""
+        gen = torch.Generator().manual_seed(47)
+        k, n = 300, 37
+        limit = 127 if qdtype == torch.int8 else 448
+        weight = (torch.randn(n, k, generator=gen) * limit / 3).clamp(-limit, limit).to(qdtype)
+        w_scale = torch.rand(n, generator=gen) * 2e-3 + 1e-4
+        config = {"tiles": tiles, "num_warps": 4, "stream": stream, "vec": 8, "f16": True}
+        for magnitude in (1.0, 1e5, 1e-5):
+            x, residual = (torch.randn(1, k, generator=gen) * magnitude).bfloat16(), torch.zeros(1, k).bfloat16()
+            norm_weight = (torch.rand(k, generator=gen) * magnitude + 0.5).bfloat16()
+            out, _ = norm_linear_triton(x, residual, norm_weight, 1e-5, weight, weight_scale=w_scale, **config)
+            ref, _ = norm_linear_ref(x, residual, norm_weight, 1e-5, weight, weight_scale=w_scale)
+            assert_matches(out, ref, QUANT_GEMV_TOL[torch.bfloat16][0], ref.abs().max().item() * 0.05)
+            out = linear_triton(x, weight, w_scale, **config)
+            ref = linear_ref(x, weight, w_scale)
+            assert_matches(out, ref, QUANT_GEMV_TOL[torch.bfloat16][0], ref.abs().max().item() * 0.05)
+            gate_up = (torch.randn(1, 2 * k, generator=gen) * magnitude).bfloat16()
+            out, ref = silu_linear_triton(gate_up, weight, w_scale, **config), silu_linear_ref(gate_up, weight, w_scale)
+            assert_matches(out, ref, QUANT_GEMV_TOL[torch.bfloat16][0], ref.abs().max().item() * 0.05)
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_fp8_activation_quantization_matches_the_torch_one(self, dtype: torch.dtype) -> None:
@@ -606,9 +634,9 @@ class InterpretedCases:
     def test_8_bit_entries_say_how_their_codes_load(self, monkeypatch) -> None:
         import kernels.gemv as gemv
 
-        monkeypatch.setitem(QUANT_TILES, (1, 23, 300), ((1, 4, 64), 4, {"vec": 8, "pipe": 3}))
+        monkeypatch.setitem(QUANT_TILES, (1, 23, 300), ((1, 4, 64), 4, {"vec": 8, "stream": False, "f16": True}))
         assert quant_projection_config(1, 23, 300) == ((1, 4, 64), 4)
-        assert quant_projection_loads(1, 23, 300) == {"vec": 8, "pipe": 3}
+        assert quant_projection_loads(1, 23, 300) == {"vec": 8, "stream": False, "f16": True}
         assert quant_projection_loads(1, 4096, 11008) == {}
         seen: list[dict] = []
         real = gemv._gemv_kernel
@@ -620,10 +648,17 @@ class InterpretedCases:
         gen = torch.Generator().manual_seed(18)
         weight = (torch.randn(23, 300, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         w_scale, x = torch.rand(23, generator=gen) * 1e-3 + 1e-4, torch.randn(1, 300, generator=gen)
+        out = linear_triton(x.bfloat16(), weight, w_scale)
+        assert_matches(out, linear_ref(x.bfloat16(), weight, w_scale), *QUANT_GEMV_TOL[torch.bfloat16])
+        launch = seen[-1]
+        assert (launch["BN"], launch["BK"], launch["VEC"], launch["F16_DOT"], launch["STREAM"]) == (4, 64, 8, True, False)
+        # float32 inputs take no float16 products: not the entry's tiles either (measured with
+        # them), the heuristic's
         out = linear_triton(x, weight, w_scale)
         assert_matches(out, linear_ref(x, weight, w_scale), *QUANT_GEMV_TOL[torch.float32])
         launch = seen[-1]
-        assert (launch["BN"], launch["BK"], launch["VEC"], launch["PIPE"], launch["STREAM"]) == (4, 64, 8, 3, False)
+        (_, bn, bk), _ = quant_projection_heuristic(1, 23, 300)
+        assert (launch["BN"], launch["BK"], launch["VEC"], launch["F16_DOT"]) == (bn, bk, 16, False)
 
     def test_one_row_over_long_inputs_goes_in_blocks(self) -> None:
         # One row of 2400 input features (above a whole-tile read): blocks of 1024, the third

@@ -5,7 +5,8 @@ What it varies is what sets a memory-bound kernel's rate: the bytes each SM keep
 config: the tile (BN output channels by BK inputs), warps, ``stream`` (the next block's load
 issued before this block's products) and ``vec``, the codes a thread loads at once: 16 (one
 16-byte load, but a layout the input's bf16 loads do not share, so the input goes through shared
-memory every block) or 8 (8-byte loads in the input's own layout, as the bf16 GEMV runs). Each
+memory every block) or 8 (8-byte loads in the input's own layout, as the bf16 GEMV runs); and
+``f16``, the products in float16 pairs (the codes as words, converted where multiplied). Each
 config is timed in a CUDA graph over weight copies three times L2 (as
 :mod:`pd_cluster.bench.gpu.fp8_sweep`); a line gives us and TB/s of weight bytes read. A device
 copy's rate is measured first, the ceiling the rates compare to. Last: the best config per shape
@@ -44,39 +45,40 @@ class Gemv8Config:
     warps: int = 4
     stream: bool = False
     vec: int = 8
-    pipe: int = 0
+    f16: bool = False
 
     def label(self) -> str:
-        how = f"p{self.pipe}" if self.pipe else "s" if self.stream else "b"
-        return f"({self.bn},{self.bk}) w{self.warps} {how} v{self.vec}"
+        how = "s" if self.stream else "b"
+        return f"({self.bn},{self.bk}) w{self.warps} {how} v{self.vec}{' f16' if self.f16 else ''}"
 
     def options(self, k: int) -> dict:
         return {"tiles": (1, self.bn, min(self.bk, k)), "num_warps": self.warps, "stream": self.stream,
-                "vec": self.vec, "pipe": self.pipe}
+                "vec": self.vec, "f16": self.f16}
 
 
 C = Gemv8Config
 #: Candidates by the row's length (4096 or longer), most likely first (should the run be cut short):
-#: "b" blocks carried in registers, "s" streamed, "pN" pipelined N deep through shared memory.
+#: "b" blocks carried in registers, "s" streamed; "f16" products in float16 pairs.
 CANDIDATES = {
-    True: [C(4, 1024, pipe=3), C(4, 1024), C(8, 512, vec=16, pipe=4), C(4, 512, pipe=4), C(2, 2048), C(2, 4096),
-           C(8, 1024, pipe=3), C(4, 1024, vec=16, pipe=3), C(2, 1024, pipe=4), C(4, 2048), C(8, 1024),
-           C(4, 1024, stream=True), C(4, 4096, 8), C(2, 4096, 8), C(1, 4096), C(8, 512, stream=True),
-           C(4, 1024, vec=16), C(2, 2048, 2)],
-    False: [C(4, 1024, pipe=3), C(8, 1024, pipe=3), C(4, 1024), C(8, 512, vec=16, pipe=4), C(4, 1024, vec=16, pipe=4),
-            C(4, 512, pipe=4), C(16, 512, pipe=3), C(2, 2048), C(8, 1024), C(4, 2048), C(4, 1024, stream=True),
-            C(2, 4096, 8), C(8, 512, stream=True), C(16, 512, 4, True, 8), C(4, 1024, vec=16)],
+    True: [C(4, 4096, 8, f16=True), C(8, 4096, 8, f16=True), C(16, 4096, 8, f16=True), C(4, 1024, f16=True),
+           C(8, 4096, 16, f16=True), C(4, 1024, stream=True, f16=True), C(2, 4096, 8, f16=True),
+           C(4, 2048, 8, f16=True), C(16, 4096, 16, f16=True), C(8, 1024, f16=True), C(4, 4096, 8, vec=16, f16=True),
+           C(2, 4096, 4, f16=True), C(8, 2048, 8, f16=True)],
+    False: [C(16, 512, 4, True, f16=True), C(32, 512, 8, True, f16=True), C(8, 512, 4, True, f16=True),
+            C(16, 1024, 8, True, f16=True), C(32, 512, 4, True, f16=True), C(16, 512, 4, False, f16=True),
+            C(8, 1024, 4, True, f16=True), C(16, 2048, 8, True, f16=True), C(16, 512, 4, True, 16, f16=True),
+            C(4, 1024, 4, True, f16=True)],
 }
 #: More channels a program over more warps. One row's 8-bit products are bound by instructions
 #: before bytes: the sm_90 builds' instructions per KB of weights order the sweep's times (norm +
-#: gate/up: 260 warp instructions a KB on (4, 4096) over 8 warps, 40.0 us; 297 on (8, 1024) piped,
-#: 45.9; 338 on (8, 512) streamed, 47.4; 437 on (4, 1024), 54.2), and bf16's GEMV at 4 TB/s issues
-#: as many a cycle. A program's prologue (the norm: the input read, summed and scaled; the SiLU
-#: gate) costs as many instructions as its products at 4 channels: wider programs share it over
-#: more bytes (these: 194-257 a KB), at fewer programs an SM.
+#: gate/up: 260 warp instructions a KB on (4, 4096) over 8 warps, 40.0 us; 338 on (8, 512) streamed,
+#: 47.4; 437 on (4, 1024), 54.2), and bf16's GEMV at 4 TB/s issues as many a cycle. A program's
+#: prologue (the norm: the input read, summed and scaled; the SiLU gate) costs as many
+#: instructions as its products at 4 channels: wider programs share it over more bytes, at fewer
+#: programs an SM.
 WIDE = {
-    True: [C(8, 4096, 8), C(16, 4096, 16), C(8, 4096, 16), C(16, 1024, 8, pipe=3)],
-    False: [C(32, 512, 8, True), C(16, 1024, 8, pipe=3), C(16, 512, 8, True), C(32, 1024, 16, pipe=3)],
+    True: [C(8, 4096, 8), C(16, 4096, 16), C(8, 4096, 16)],
+    False: [C(32, 512, 8, True), C(16, 512, 8, True)],
 }
 ORDER = ["gate_up", "down", "qkv", "o"]
 #: Each shape's share of the time budget (qkv reuses gate_up's compiled kernels: the same prologue).
@@ -123,11 +125,10 @@ def sweep_shape(out: list[Line], name: str, n: int, k: int, budget_s: float, wid
     del bf16
     (_, bn, bk), warps = quant_projection_config(1, n, k, PROLOGUE[name])
     loads = quant_projection_loads(1, n, k, PROLOGUE[name])
-    pipe = loads.get("pipe", 0) if k > bk else 0
-    stream = loads.get("stream", True) and not pipe and k > bk
-    now = [Gemv8Config(bn, bk, warps, stream, loads.get("vec", 16), pipe)]
+    stream = loads.get("stream", True) and k > bk
+    now = [Gemv8Config(bn, bk, warps, stream, loads.get("vec", 16), bool(loads.get("f16", False)))]
     for cfg in now + [c for c in (WIDE if wide else CANDIDATES)[k <= 4096] if c not in now]:
-        if time.monotonic() > deadline:
+        if cfg not in now and time.monotonic() > deadline:  # the chosen config always runs
             print(f"{name}: out of time before {cfg.label()} and the rest", flush=True)
             break
         path = "fp8 now" if cfg in now else "fp8"
