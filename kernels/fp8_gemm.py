@@ -34,6 +34,9 @@ from kernels._triton import (
     use_pdl,
 )
 
+from kernels._rotary_epilogue import pair_columns, store_qkv_tile
+from kernels.qkv_epilogue import QkvRotary, split_sum_rotary
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # no Triton, or one without host-side tensor descriptors: the pointer loads
@@ -105,19 +108,43 @@ def fp8_gemm_config(rows: int, n: int, k: int) -> Fp8GemmConfig:
     return FP8_GEMM_CONFIGS.get((next_pow2(rows), n, k)) or fp8_gemm_heuristic(rows, n, k)
 
 
+def _splits(cfg: Fp8GemmConfig, k: int) -> tuple[int, int]:
+    """(parts, inputs a part) of ``k`` inputs under ``cfg``: whole blocks a part, no part empty."""
+    split = max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
+    k_part = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
+    return cdiv(k, k_part), k_part
+
+
+def rotary_epilogue_fits(rows: int, n: int, k: int, head_dim: int, config: Fp8GemmConfig | None = None) -> bool:
+    """Whether :func:`fp8_gemm_triton` finishes a qkv projection of heads of ``head_dim`` itself
+    (``rotary``): split products always (the parts' sum does it a head at a time); whole ones where
+    a tile holds whole rotary pairs."""
+    cfg = config or fp8_gemm_config(rows, n, k)
+    return head_dim % 2 == 0 and (_splits(cfg, k)[0] > 1 or (head_dim // 2) % max(1, cfg.block_n // 2) == 0)
+
+
 @triton.jit
 def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K, k_part,
                      stride_x, stride_w, stride_out, stride_part,
                      HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, IMPRECISE: tl.constexpr, TMA: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_PDL: tl.constexpr,
+                     pos_ptr=None, slots_ptr=None, cos_ptr=None, sin_ptr=None, k_cache_ptr=None, v_cache_ptr=None,
+                     stride_cos=0, stride_sin=0, stride_ks=0, stride_kh=0, stride_vs=0, stride_vh=0,
+                     NUM_Q_HEADS=0, QK_HEADS=0, V_COLS=0, ROTARY: tl.constexpr = False,
+                     STORE_KV: tl.constexpr = False, HEAD_DIM: tl.constexpr = 2):
     # Program: a BM x BN tile of the output over inputs [pid_k * k_part, (pid_k + 1) * k_part).
     # TMA: x_ptr and w_ptr are tensor descriptors ([M, K] by [BM, BK]; [N, K] by [BN, BK]).
+    # ROTARY (a qkv projection, not split): the tile's columns are pair_columns', finished by
+    # store_qkv_tile (kernels._rotary_epilogue); the weight rows load by pointer.
     pdl_wait(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
+    if ROTARY:
+        rn = pair_columns(pid_n, QK_HEADS, HEAD_DIM, BN)
+    else:
+        rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     m_mask = rm < M
     n_mask = rn < N
@@ -145,8 +172,13 @@ def _fp8_gemm_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, 
         acc *= tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        if ROTARY:
+            store_qkv_tile(acc, rm, m_mask, pid_n, out_ptr, pos_ptr, slots_ptr, cos_ptr, sin_ptr, k_cache_ptr,
+                           v_cache_ptr, stride_out, stride_cos, stride_sin, stride_ks, stride_kh, stride_vs, stride_vh,
+                           NUM_Q_HEADS, QK_HEADS, V_COLS, HEAD_DIM, BM, BN, STORE_KV)
+        else:
+            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_out + rn[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -173,10 +205,12 @@ def _describable(t: torch.Tensor) -> bool:
 
 def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
                     out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                    config: Fp8GemmConfig | None = None) -> torch.Tensor:
+                    config: Fp8GemmConfig | None = None, rotary: QkvRotary | None = None) -> torch.Tensor:
     """``(xq * x_scale) @ (weight * w_scale[:, None]).T (+ bias)`` in ``out_dtype``: ``xq``
     ``[M, K]`` float8 e4m3 codes with one float32 scale a row (``[M]`` or ``[M, 1]``),
-    ``weight`` ``[N, K]`` float8 e4m3 with one float32 scale an output channel."""
+    ``weight`` ``[N, K]`` float8 e4m3 with one float32 scale an output channel. ``rotary``: the
+    product is a qkv projection, finished here (rotary embedding, the KV store; what it returns
+    then: :class:`kernels.qkv_epilogue.QkvRotary`)."""
     require_triton()
     xq = last_dim_contiguous(xq)
     weight = last_dim_contiguous(weight)
@@ -190,30 +224,47 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
     if w_scale.dtype != torch.float32 or tuple(w_scale.shape) != (n,) or x_scale.dtype != torch.float32 \
             or x_scale.numel() != m:
         raise ValueError("float32 scales, one a row and one an output channel")
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if rotary is not None:
+        rotary.check(n, out_dtype)
+    out = rotary.out(m, n, out_dtype, xq.device) if rotary is not None else \
+        torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
     cfg = config or fp8_gemm_config(m, n, k)
-    split = max(1, min(cfg.split_k, cdiv(k, cfg.block_k)))
-    k_part = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = cdiv(k, k_part)
+    split, k_part = _splits(cfg, k)
+    if rotary is not None and not rotary_epilogue_fits(m, n, k, rotary.head_dim, cfg):
+        raise ValueError(f"tiles of {cfg.block_n} columns split a rotary pair of heads of {rotary.head_dim}")
     grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m), split)
     target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)  # each launch waits for the one before at its start
-    # Descriptors are sm_90's (interpreted, they run anywhere).
+    # Descriptors are sm_90's (interpreted, they run anywhere); a rotary tile's weight rows are no block.
     sm90 = not xq.is_cuda or torch.cuda.get_device_capability(xq.device) >= (9, 0)
     tma = cfg.tma and sm90 and TensorDescriptor is not None and _describable(xq) and _describable(weight)
+    epilogue = rotary is not None and split == 1
+    if epilogue:
+        tma = False
+        grid = (rotary.num_heads + rotary.num_kv_heads) * rotary.head_dim // cfg.block_n \
+            + cdiv(rotary.num_kv_heads * rotary.head_dim, cfg.block_n), grid[1], grid[2]
     x_arg = TensorDescriptor.from_tensor(xq, [cfg.block_m, cfg.block_k]) if tma else xq
     w_arg = TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]) if tma else weight
+    extra = dict(zip(_ROTARY_ARGS, rotary.kernel_args(out)), ROTARY=True, STORE_KV=rotary.store_kv,
+                 HEAD_DIM=rotary.head_dim) if epilogue else {}
     _fp8_gemm_kernel[grid](
         x_arg, x_scale, w_arg, w_scale, bias if bias is not None else w_scale, target, m, n, k, k_part,
         xq.stride(0), weight.stride(0), n if split > 1 else out.stride(0), m * n,
         HAS_BIAS=bias is not None, SPLIT=split > 1, IMPRECISE=cfg.block_k, TMA=tma,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, USE_PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(pdl))
-    if split > 1:
+        num_stages=cfg.num_stages, **extra, **pdl_options(pdl))
+    if split > 1 and rotary is not None:
+        split_sum_rotary(target, x_scale, w_scale, bias, out, rotary)
+    elif split > 1:
         block = min(1024, next_pow2(n))
         _split_sum_kernel[(cdiv(n, block), m)](target, x_scale, w_scale, bias if bias is not None else w_scale, out,
                                                m, n, m * n, out.stride(0), HAS_BIAS=bias is not None, SPLITS=split,
                                                BLOCK=block, USE_PDL=pdl, num_warps=4, **pdl_options(pdl))
     return out
+
+
+#: The rotary epilogue's kernel arguments, in :meth:`QkvRotary.kernel_args`' order.
+_ROTARY_ARGS = ("pos_ptr", "slots_ptr", "cos_ptr", "sin_ptr", "k_cache_ptr", "v_cache_ptr", "stride_cos",
+                "stride_sin", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "NUM_Q_HEADS", "QK_HEADS", "V_COLS")

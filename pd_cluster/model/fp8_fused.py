@@ -4,6 +4,10 @@ activations' e4m3 codes and row scales directly (:mod:`kernels.fp8_act`), so its
 never written and read back by a separate quantization. Elsewhere the plain ops, as unfused.
 
 The codes are those the unfused path quantizes, so the products are the same.
+
+The qkv projection of a decode step that the FP8 GEMM serves also finishes its output there
+(:func:`norm_qkv_rotary_fp8`): rotary embedding and the KV store in the GEMM's epilogue, not a
+kernel of their own after it.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import torch
 import kernels
 from kernels._triton import use_triton
 from kernels.fp8_act import rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
+from kernels.fp8_gemm import FP8_GEMM_MAX_ROWS, fp8_gemm_triton, rotary_epilogue_fits
+from kernels.qkv_epilogue import QkvRotary
 from pd_cluster.model.quant_linear import (FP8, QuantLinear, Weight, fp8_codes_product, linear, scaled_mm_supported,
                                            weight_only_supported)
 
@@ -51,3 +57,31 @@ def silu_then_linear(gate_up: torch.Tensor, weight: Weight) -> torch.Tensor:
         out = scaled_product(codes, scale, weight, gate_up.dtype)
         return out.reshape(*gate_up.shape[:-1], out.shape[-1])
     return linear(kernels.silu_mul(gate_up), weight)
+
+
+def norm_qkv_rotary_fp8(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        weight: Weight, bias: torch.Tensor | None, rotary: QkvRotary,
+                        quant: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``norm_then_linear`` into the qkv projection, then ``rotary_store_kv``, where the FP8 GEMM
+    serves the projection: the rotated q ``[T, heads, head_dim]`` and the new residual stream, k and
+    v stored to ``rotary``'s caches at its slots. The GEMM rotates q and k and stores k and v
+    itself; into quantized caches (``quant``) it writes k and v rotated to its output, and the
+    quantizing store follows. None where the GEMM does not serve (the caller runs the ops)."""
+    same_dtype = norm_weight.dtype == hidden.dtype and (residual is None or residual.dtype == hidden.dtype)
+    rows = hidden.numel() // max(1, hidden.shape[-1])
+    if not (same_dtype and 0 < rows <= FP8_GEMM_MAX_ROWS and fused_fp8(hidden, weight)):
+        return None
+    n, k = weight.qweight.shape
+    if not rotary_epilogue_fits(rows, n, k, rotary.head_dim):
+        return None
+    codes, scale, residual = rms_norm_quant_fp8_triton(hidden, norm_weight, eps, residual)
+    heads, head_dim = rotary.num_heads, rotary.head_dim
+    if quant is None:
+        q = fp8_gemm_triton(codes, scale, weight.qweight, weight.scale, hidden.dtype, bias, rotary=rotary)
+        return q.view(rows, heads, head_dim), residual
+    apart = QkvRotary(rotary.positions, rotary.cos, rotary.sin, heads, rotary.num_kv_heads, head_dim)
+    qkv = fp8_gemm_triton(codes, scale, weight.qweight, weight.scale, hidden.dtype, bias, rotary=apart)
+    q, k_new, v_new = qkv.split((heads * head_dim, rotary.num_kv_heads * head_dim, rotary.num_kv_heads * head_dim), -1)
+    kernels.store_kv(k_new.view(rows, -1, head_dim), v_new.view(rows, -1, head_dim), rotary.k_cache, rotary.v_cache,
+                     rotary.slots, quant)
+    return q.view(rows, heads, head_dim), residual

@@ -15,12 +15,13 @@ import torch.nn.functional as F
 
 import kernels
 from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
+from kernels.qkv_epilogue import QkvRotary
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.model.fp8_fused import norm_then_linear, silu_then_linear
+from pd_cluster.model.fp8_fused import norm_qkv_rotary_fp8, norm_then_linear, silu_then_linear
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
 from pd_cluster.model.prefill_sdpa import fresh_attention, fresh_spans, sdpa_applies
-from pd_cluster.model.quant_linear import linear, weight_args
+from pd_cluster.model.quant_linear import QuantLinear, linear, weight_args
 from pd_cluster.model.shard import Shard
 from pd_cluster.model.weights import LayerWeights, ModelWeights
 
@@ -145,9 +146,19 @@ class LlamaModel:
         kv: KVLayers,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
-        qkv, residual = norm_then_linear(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias)
-        q = self._rotary_store(index, w, qkv, batch, kv)
         k_cache, v_cache = kv.layer(index)
+        done = None
+        if prefill is None and w.q_norm is None and isinstance(w.qkv, QuantLinear):
+            # A decode step: the FP8 GEMM, where it serves, ends in the rotary and the KV store.
+            rotary = QkvRotary(batch.positions, self.cos, self.sin, self.num_heads, self.num_kv_heads, cfg.head_dim,
+                               k_cache, v_cache, batch.out_slots)
+            done = norm_qkv_rotary_fp8(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias, rotary,
+                                       kv.quant)
+        if done is not None:
+            q, residual = done
+        else:
+            qkv, residual = norm_then_linear(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias)
+            q = self._rotary_store(index, w, qkv, batch, kv)
         attn = self._attention(q, k_cache, v_cache, batch, prefill, kv.quant)
         hidden = self._reduce(linear(attn.reshape(-1, self._q_size), w.o))
         if w.experts is not None:

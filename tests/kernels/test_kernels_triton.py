@@ -85,7 +85,8 @@ from tests.kernels.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_
 KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
                   "kernels.gemv", "kernels.qkv_rotary", "kernels._triton", "kernels.step_inputs",
-                  "kernels.quant_matmul", "kernels.fp8_gemm", "kernels._gemv_blocks"]  # fmt: skip
+                  "kernels.quant_matmul", "kernels.fp8_gemm", "kernels._gemv_blocks", "kernels.qkv_epilogue",
+                  "kernels._rotary_epilogue"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
 # helpers (the tile's sequence, its rows), decode split and merge, the sampling kernel and its two
 # helpers (a row block, the stream hash), the penalties, the few-row projection, its products (the
@@ -95,8 +96,9 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", 
 # with rotary and KV store, the
 # dependent-launch wait, the argmax's two launches (a slice's winner, the row's), a captured step's
 # inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8 GEMM and its
-# split-K sum.
-NUM_KERNELS = 44
+# split-K sum; the split-K sum that finishes a qkv projection, and the rotary epilogue's helpers (the
+# tile's columns, a pair's rotation, a head's store and its halves', a tile's finish).
+NUM_KERNELS = 50
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
