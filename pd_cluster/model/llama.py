@@ -201,7 +201,6 @@ class LlamaModel:
         projection (same math, four kernels fewer)."""
         cfg = self.config
         k_cache, v_cache = kv.layer(index)
-        # (8-bit weights: one launch for one row of float8 ones, else the projection, rotary and the store)
         qkv_weight, qkv_scale = weight_args(w.qkv)
         q, residual = kernels.norm_qkv_rotary(hidden, residual, w.input_norm, cfg.rms_norm_eps, qkv_weight, w.qkv_bias,
                                               batch.positions, self.cos, self.sin, k_cache, v_cache, batch.out_slots,
