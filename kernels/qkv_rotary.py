@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import cdiv, last_dim_contiguous, next_pow2, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl
+from kernels._triton import (cdiv, last_dim_contiguous, next_pow2, pdl_options, pdl_wait, require_triton, tl, triton,
+                             use_pdl)
 from kernels.gemv import (
     MAX_ROWS,
     check_weight_scale,

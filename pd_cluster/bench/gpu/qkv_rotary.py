@@ -28,7 +28,7 @@ from kernels.kv_quant import row_bytes
 from kernels.qkv_epilogue import QkvRotary
 from pd_cluster.bench.gpu.fp8_sweep import copies, graph_us
 from pd_cluster.model.fp8_fused import norm_qkv_rotary_fp8, norm_then_linear
-from pd_cluster.model.quant_linear import QuantLinear, quantize, weight_args
+from pd_cluster.model.quant_linear import quantize, weight_args
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
 SLOTS = 1 << 15
@@ -75,7 +75,8 @@ def unfused(x: Inputs, w, kv, quant: str | None) -> torch.Tensor:
     """The projection (norm folded in where the layer folds it), then ``rotary_store_kv``."""
     rows = x.hidden.shape[0]
     if rows <= 8:
-        qkv, _ = kernels.norm_linear(x.hidden, x.residual, x.norm, EPS, *weight_args(w))
+        weight, scale = weight_args(w)
+        qkv, _ = kernels.norm_linear(x.hidden, x.residual, x.norm, EPS, weight, weight_scale=scale)
     else:
         qkv, _ = norm_then_linear(x.hidden, x.residual, x.norm, EPS, w)
     q, k, v = qkv.split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM), dim=-1)
