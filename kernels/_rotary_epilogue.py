@@ -11,7 +11,7 @@ rotation runs in float32 and is rounded again when stored, as ``rotary_store_kv`
 
 from __future__ import annotations
 
-from kernels._triton import tl, triton
+from kernels._triton import INTERPRETED, tl, triton
 
 
 @triton.jit
@@ -39,7 +39,13 @@ def rotate_pair(x1, x2, pos, m_mask, d, cos_ptr, sin_ptr, stride_cos, stride_sin
     c2 = tl.load(cos_ptr + cs + HALF, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + sn, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + sn + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    if INTERPRETED:  # numpy rounds every product, as the rotary kernel interpreted does
+        return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    else:
+        # The products fused as the compiler fuses ``rotate_heads``' (the rotary kernel's, sm_90):
+        # x1's products in the FMAs, x2's rounded first. Left to it, this code's contraction differs
+        # (the second half's other product fused), and a bfloat16 rounding near a tie lands an ulp away.
+        return tl.fma(x1, c1, -(x2 * s1)), tl.fma(x1, s2, x2 * c2)
 
 
 @triton.jit

@@ -1,9 +1,10 @@
 """A decode layer's qkv projection with its rotary embedding and KV store on Llama-3-8B's shape,
 as the layer runs it now against the projection then the rotary kernel, bf16 beside.
 
-One row: norm + qkv + rotary + store in one launch over 8-bit weights (``kernels.norm_qkv_rotary``)
-against the norm-fused projection then ``rotary_store_kv``. 9 to 64 rows on float8 weights: the
-norm's quantizing kernel, then the FP8 GEMM that rotates and stores in its epilogue
+One row: norm + qkv + rotary + store in one launch over 8-bit weights (``norm_qkv_rotary_triton``,
+which the layer does not take for them) against the norm-fused projection then ``rotary_store_kv``.
+9 to 64 rows on float8 weights: the norm's quantizing kernel, then the FP8 GEMM that rotates and
+stores in its epilogue
 (:func:`pd_cluster.model.fp8_fused.norm_qkv_rotary_fp8`) against the GEMM then the rotary kernel,
 with a bf16 KV cache and an fp8 one (there the GEMM rotates and the quantizing store follows).
 Each path is timed in a CUDA graph over weight copies past L2 (:func:`fp8_sweep.graph_us`), and
@@ -26,6 +27,7 @@ import torch
 import kernels
 from kernels.kv_quant import row_bytes
 from kernels.qkv_epilogue import QkvRotary
+from kernels.qkv_rotary import norm_qkv_rotary_triton
 from pd_cluster.bench.gpu.fp8_sweep import copies, graph_us
 from pd_cluster.model.fp8_fused import norm_qkv_rotary_fp8, norm_then_linear
 from pd_cluster.model.quant_linear import quantize, weight_args
@@ -85,12 +87,13 @@ def unfused(x: Inputs, w, kv, quant: str | None) -> torch.Tensor:
 
 
 def fused(x: Inputs, w, kv, quant: str | None) -> torch.Tensor:
-    """What the layer runs now: one launch at few rows, the GEMM's epilogue at 9-64 on float8."""
+    """One launch at few rows (what the layer runs for float weights; 8-bit ones take it only here),
+    the GEMM's epilogue at 9-64 on float8 (what the layer runs)."""
     rows = x.hidden.shape[0]
     if rows <= 8:
         weight, scale = weight_args(w)
-        return kernels.norm_qkv_rotary(x.hidden, x.residual, x.norm, EPS, weight, None, x.positions, x.cos, x.sin,
-                                       *kv, x.slots, HEADS, KV_HEADS, weight_scale=scale)[0]
+        return norm_qkv_rotary_triton(x.hidden, x.residual, x.norm, EPS, weight, None, x.positions, x.cos, x.sin,
+                                      *kv, x.slots, HEADS, KV_HEADS, scale)[0]
     rotary = QkvRotary(x.positions, x.cos, x.sin, HEADS, KV_HEADS, HEAD_DIM, *kv, x.slots)
     done = norm_qkv_rotary_fp8(x.hidden, x.residual, x.norm, EPS, w, None, rotary, quant)
     if done is None:
