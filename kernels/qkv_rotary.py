@@ -17,7 +17,8 @@ the plain fused projection picks for their shape (:func:`kernels.gemv.quant_proj
 prologue 1), cut to whole rotary pairs; each channel's scale multiplies its sum before the bias.
 The layer does not route them here (:func:`fits_qkv_rotary`): on an H200, Llama-3-8B's shape, one
 row in a CUDA graph over cold weights, the launch took 15.29 us (fp8) and 17.45 us (int8) against
-13.58 and 13.64 for the fused projection then the rotary kernel (likely: a program of the 8-bit
+13.58 and 13.64 for the fused projection (before its float16-pair products, which made it faster
+still) then the rotary kernel (likely: a program of the 8-bit
 projection reads only 16 KiB of codes, so what the rotation adds to each, the positions, their
 rotation's loads and the pairs' exchange, weighs more than the launch it saves).
 """
@@ -26,8 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (cdiv, last_dim_contiguous, next_pow2, pdl_options, pdl_wait, require_triton, tl, triton,
-                             use_pdl)
+from kernels._triton import cdiv, last_dim_contiguous, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl
 from kernels.gemv import (
     MAX_ROWS,
     check_weight_scale,
@@ -40,6 +40,7 @@ from kernels.gemv import (
     project_loaded,
     projection_tiles,
     quant_projection_config,
+    quant_projection_heuristic,
     quant_projection_loads,
 )
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
@@ -121,8 +122,6 @@ def _qkv_rotary_kernel(
     USE_PDL: tl.constexpr,
     STREAM: tl.constexpr = False,
     VEC: tl.constexpr = 16,
-    PIPE: tl.constexpr = 0,
-    NORM_BK: tl.constexpr = 0,
 ):
     # Programs below ``rot_programs`` own BN // 2 rotary pairs of the q and k heads, their columns
     # interleaved (j, j + HALF, j + 1, j + 1 + HALF, ...); the rest own BN value columns each.
@@ -157,7 +156,7 @@ def _qkv_rotary_kernel(
     acc = project_loaded(x_ptr, res_ptr, x_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
                          stride_x, stride_res, stride_sum, stride_w, eps,
                          1, HAS_RESIDUAL, False, BM, BN, BK, ONE_BLOCK,  # prologue 1: the RMSNorm
-                         STREAM, VEC, PIPE, NORM_BK)
+                         STREAM, VEC)
     if HAS_SCALE:  # 8-bit weights: each output channel's scale
         acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
@@ -191,17 +190,18 @@ def _pair_columns(bn: int, head_dim: int) -> int:
 def _launch_config(rows: int, n: int, k: int, head_dim: int, quantized: bool) -> tuple[tuple[int, int, int], int, dict]:
     """((BM, BN, BK), warps, loads) of the launch: the plain fused projection's choice for float
     or 8-bit weights (:mod:`kernels.gemv_tiles`), its width cut to whole rotary pairs; how 8-bit
-    codes load (``stream``, ``vec``, ``pipe``) as :func:`kernels.gemv.norm_linear_triton` resolves it."""
+    codes load (``stream``, ``vec``) as :func:`kernels.gemv.norm_linear_triton` resolves it. An
+    entry made for float16-pair products (``f16``, the plain projection's alone) gives way to the
+    heuristic, as the plain projection's does where those cannot apply."""
     if not quantized:
         bm, bn, bk = projection_tiles(rows, n, k)
         return (bm, _pair_columns(bn, head_dim), bk), 4, {}
     (bm, bn, bk), warps = quant_projection_config(rows, n, k, 1)
     loads = quant_projection_loads(rows, n, k, 1)
-    blocks = bm == 1 and k > bk
-    pipe = loads.get("pipe", 0) if blocks else 0
-    stream = loads.get("stream") is not False and not pipe and blocks
-    return (bm, _pair_columns(bn, head_dim), bk), warps, {"STREAM": stream, "VEC": loads.get("vec", 16),
-                                                          "PIPE": pipe, "NORM_BK": next_pow2(k) if pipe else bk}
+    if loads.get("f16"):
+        ((bm, bn, bk), warps), loads = quant_projection_heuristic(rows, n, k), {}
+    stream = loads.get("stream") is not False and bm == 1 and k > bk
+    return (bm, _pair_columns(bn, head_dim), bk), warps, {"STREAM": stream, "VEC": loads.get("vec", 16)}
 
 
 def norm_qkv_rotary_triton(
