@@ -11,16 +11,6 @@ Here each program of the projection computes its output columns and finishes the
 
 Every rounding is the unfused ops': the projection's output is rounded to the model's dtype, the
 rotation runs in float32 on it (as ``rotary_store_kv`` does) and is rounded again when stored.
-
-8-bit weights (int8 or float8 e4m3, a float32 scale an output channel) take the tiles and loads
-the plain fused projection picks for their shape (:func:`kernels.gemv.quant_projection_config`,
-prologue 1), cut to whole rotary pairs; each channel's scale multiplies its sum before the bias.
-The layer does not route them here (:func:`fits_qkv_rotary`): on an H200, Llama-3-8B's shape, one
-row in a CUDA graph over cold weights, the launch took 15.29 us (fp8) and 17.45 us (int8) against
-13.58 and 13.64 for the fused projection (before its float16-pair products, which made it faster
-still) then the rotary kernel (likely: a program of the 8-bit
-projection reads only 16 KiB of codes, so what the rotation adds to each, the positions, their
-rotation's loads and the pairs' exchange, weighs more than the launch it saves).
 """
 
 from __future__ import annotations
@@ -30,18 +20,13 @@ import torch
 from kernels._triton import cdiv, last_dim_contiguous, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl
 from kernels.gemv import (
     MAX_ROWS,
-    check_weight_scale,
     first_norm_tile,
-    first_weight_raw,
     first_weight_tile,
     fits,
     norm_linear,
     norm_linear_ref,
     project_loaded,
     projection_tiles,
-    quant_projection_config,
-    quant_projection_heuristic,
-    quant_projection_loads,
 )
 from kernels.rotary import rotary_store_kv, rotary_store_kv_ref
 
@@ -85,7 +70,6 @@ def _qkv_rotary_kernel(
     norm_w_ptr,
     sum_ptr,
     w_ptr,
-    scale_ptr,
     bias_ptr,
     q_ptr,
     k_cache_ptr,
@@ -113,15 +97,12 @@ def _qkv_rotary_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
-    STREAM: tl.constexpr = False,
-    VEC: tl.constexpr = 16,
 ):
     # Programs below ``rot_programs`` own BN // 2 rotary pairs of the q and k heads, their columns
     # interleaved (j, j + HALF, j + 1, j + 1 + HALF, ...); the rest own BN value columns each.
@@ -141,10 +122,7 @@ def _qkv_rotary_kernel(
     # Before the wait (a dependent launch): the weights, and the step's positions, slots and their
     # rotation, which the host wrote before the step's first kernel; none of them is written by
     # the kernels before this one.
-    if STREAM or (HAS_SCALE and not ONE_BLOCK):  # 8-bit codes carried over blocks (as kernels.gemv's)
-        w = first_weight_raw(w_ptr, rn, n_mask, K, stride_w, BK, VEC)
-    else:
-        w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK, VEC)
+    w = first_weight_tile(w_ptr, rn, n_mask, K, stride_w, BK)
     g = first_norm_tile(norm_w_ptr, K, 1, BK, ONE_BLOCK)
     row_ok = rm < M
     slot = tl.load(slots_ptr + rm, mask=row_ok, other=0).to(tl.int64)
@@ -155,10 +133,7 @@ def _qkv_rotary_kernel(
     pdl_wait(USE_PDL)
     acc = project_loaded(x_ptr, res_ptr, x_ptr, norm_w_ptr, sum_ptr, w_ptr, w, g, rn, n_mask, pid, M, K,
                          stride_x, stride_res, stride_sum, stride_w, eps,
-                         1, HAS_RESIDUAL, False, BM, BN, BK, ONE_BLOCK,  # prologue 1: the RMSNorm
-                         STREAM, VEC)
-    if HAS_SCALE:  # 8-bit weights: each output channel's scale
-        acc *= tl.load(scale_ptr + rn, mask=n_mask, other=0.0)[:, None]
+                         1, HAS_RESIDUAL, False, BM, BN, BK, ONE_BLOCK)  # prologue 1: the RMSNorm
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     dtype = q_ptr.dtype.element_ty
@@ -179,29 +154,12 @@ def _qkv_rotary_kernel(
                  val.to(dtype), mask=(v_col < V_COLS)[:, None] & row_ok[None, :])
 
 
-def _pair_columns(bn: int, head_dim: int) -> int:
-    """A projection's tile width kept even and a divisor of a head (whole rotary pairs)."""
-    bn = max(2, bn)
+def _columns_per_program(rows: int, n: int, k: int, head_dim: int) -> int:
+    """The projection's tile width, kept even and a divisor of a head (whole rotary pairs)."""
+    bn = max(2, projection_tiles(rows, n, k)[1])
     while (head_dim // 2) % (bn // 2):
         bn //= 2
     return max(2, bn)
-
-
-def _launch_config(rows: int, n: int, k: int, head_dim: int, quantized: bool) -> tuple[tuple[int, int, int], int, dict]:
-    """((BM, BN, BK), warps, loads) of the launch: the plain fused projection's choice for float
-    or 8-bit weights (:mod:`kernels.gemv_tiles`), its width cut to whole rotary pairs; how 8-bit
-    codes load (``stream``, ``vec``) as :func:`kernels.gemv.norm_linear_triton` resolves it. An
-    entry made for float16-pair products (``f16``, the plain projection's alone) gives way to the
-    heuristic, as the plain projection's does where those cannot apply."""
-    if not quantized:
-        bm, bn, bk = projection_tiles(rows, n, k)
-        return (bm, _pair_columns(bn, head_dim), bk), 4, {}
-    (bm, bn, bk), warps = quant_projection_config(rows, n, k, 1)
-    loads = quant_projection_loads(rows, n, k, 1)
-    if loads.get("f16"):
-        ((bm, bn, bk), warps), loads = quant_projection_heuristic(rows, n, k), {}
-    stream = loads.get("stream") is not False and bm == 1 and k > bk
-    return (bm, _pair_columns(bn, head_dim), bk), warps, {"STREAM": stream, "VEC": loads.get("vec", 16)}
 
 
 def norm_qkv_rotary_triton(
@@ -219,10 +177,9 @@ def norm_qkv_rotary_triton(
     slots: torch.Tensor,
     num_heads: int,
     num_kv_heads: int,
-    weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`norm_qkv_rotary_ref`, for at most :data:`MAX_ROWS` rows: one launch
-    over float weights, or 8-bit ones with ``weight_scale``."""
+    over float weights."""
     require_triton()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("KV caches must be contiguous in head_dim")
@@ -239,9 +196,7 @@ def norm_qkv_rotary_triton(
     if n != (num_heads + 2 * num_kv_heads) * head_dim or weight.shape[1] != k:
         raise ValueError(f"qkv weight of shape {tuple(weight.shape)} for {num_heads}+2x{num_kv_heads} heads of "
                          f"{head_dim} over {k} inputs")
-    check_weight_scale(weight, weight_scale)
-    plain_weight = weight if weight_scale is None else None
-    if any(t is not None and t.dtype != x.dtype for t in (plain_weight, residual, norm_weight, bias, k_cache)):
+    if any(t is not None and t.dtype != x.dtype for t in (weight, residual, norm_weight, bias, k_cache)):
         raise ValueError("input, residual, weights and caches must share one dtype")
     cos, sin = last_dim_contiguous(cos), last_dim_contiguous(sin)
     q = torch.empty((m, num_heads, head_dim), dtype=x.dtype, device=x.device)
@@ -249,7 +204,8 @@ def norm_qkv_rotary_triton(
     new_residual = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     if m == 0:
         return q, new_residual if new_residual is not None else x2
-    (bm, bn, bk), warps, loads = _launch_config(m, n, k, head_dim, weight_scale is not None)
+    bm, _, bk = projection_tiles(m, n, k)
+    bn = _columns_per_program(m, n, k, head_dim)
     qk_heads, v_cols = num_heads + num_kv_heads, num_kv_heads * head_dim
     grid = (qk_heads * (head_dim // 2) // (bn // 2) + cdiv(v_cols, bn),)
     pdl = use_pdl(x)
@@ -259,7 +215,6 @@ def norm_qkv_rotary_triton(
         norm_weight,
         new_residual if new_residual is not None else q,
         weight,
-        weight_scale if weight_scale is not None else weight,
         bias if bias is not None else weight,
         q,
         k_cache,
@@ -287,15 +242,13 @@ def norm_qkv_rotary_triton(
         eps,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
-        HAS_SCALE=weight_scale is not None,
         HEAD_DIM=head_dim,
         BM=bm,
         BN=bn,
         BK=bk,
         ONE_BLOCK=k <= bk,
         USE_PDL=pdl,
-        num_warps=warps,
-        **loads,
+        num_warps=4,
         **pdl_options(pdl),
     )
     return q, new_residual if new_residual is not None else x2
@@ -319,11 +272,11 @@ def norm_qkv_rotary(
     weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton in one launch where :func:`fits_qkv_rotary`, else the ops it fuses (``norm_linear``
-    and ``rotary_store_kv``, each Triton on CUDA, torch elsewhere)."""
+    and ``rotary_store_kv``, each Triton on CUDA, torch elsewhere; 8-bit weights always so)."""
     rows = x.numel() // max(1, x.shape[-1])
     if fits_qkv_rotary(x, rows, weight, weight_scale) and fits(k_cache, rows):
         return norm_qkv_rotary_triton(x, residual, norm_weight, eps, weight, bias, positions, cos, sin,
-                                      k_cache, v_cache, slots, num_heads, num_kv_heads, weight_scale)
+                                      k_cache, v_cache, slots, num_heads, num_kv_heads)
     qkv, new_residual = norm_linear(x, residual, norm_weight, eps, weight, bias, weight_scale=weight_scale)
     q, k, v = _split_heads(qkv, num_heads, num_kv_heads, k_cache.shape[-1])
     return rotary_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slots), new_residual
@@ -331,5 +284,5 @@ def norm_qkv_rotary(
 
 def fits_qkv_rotary(x: torch.Tensor, rows: int, weight: torch.Tensor, weight_scale: torch.Tensor | None) -> bool:
     """Whether one launch serves these rows: float weights where the few-row projections do (8-bit
-    ones take the projection, then the rotation and the store: faster, see the module's docstring)."""
+    ones take the projection, then the rotation and the store)."""
     return weight_scale is None and fits(x, rows)

@@ -1,7 +1,5 @@
-"""The qkv projection finished in one launch over 8-bit weights: the few-row fused kernel
-(:mod:`kernels.qkv_rotary`) on int8 and float8 weights, and the FP8 GEMM's rotary epilogue
-(:mod:`kernels.qkv_epilogue`), each against the unfused ops it replaces, run by Triton's
-interpreter.
+"""The qkv projection finished in one launch over float8 weights: the FP8 GEMM's rotary epilogue
+(:mod:`kernels.qkv_epilogue`) against the unfused ops it replaces, run by Triton's interpreter.
 
 The unfused ops here are the Triton kernels the model ran before (the projection, then
 ``rotary_store_kv``), interpreted too: the fused launch rounds where they do, so its output is
@@ -15,13 +13,10 @@ import pytest
 import torch
 
 from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton, rotary_epilogue_fits
-from kernels.gemv import norm_linear_triton
 from kernels.qkv_epilogue import QkvRotary
-from kernels.qkv_rotary import norm_qkv_rotary_ref, norm_qkv_rotary_triton
 from kernels.quant_matmul import act_quant_fp8_ref
 from kernels.rotary import apply_rotary_triton, rotary_cos_sin, rotary_store_kv_triton
 from kernels.store_kv import store_kv_ref
-from pd_cluster.model.quant_linear import quantize
 from tests.kernels.interpreted import INTERPRETER, run_in_interpreter
 
 FP8 = torch.float8_e4m3fn
@@ -66,38 +61,6 @@ def _split(qkv: torch.Tensor, hq: int, hkv: int, head_dim: int):
 
 
 class InterpretedCases:
-    @pytest.mark.parametrize("method", ["int8", "fp8"])
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-    @pytest.mark.parametrize(("rows", "hidden"), [(1, 96), (3, 96), (8, 64), (1, 4200), (3, 2100)])
-    def test_fused_projection_over_8_bit_weights_is_the_unfused_ops(self, method: str, dtype: torch.dtype,
-                                                                    rows: int, hidden: int) -> None:
-        """Rows of one block, one row streamed over blocks of 512 codes (4200 inputs), three rows
-        carried as codes over blocks (2100): the launch's q and KV are the projection's, then the
-        rotary kernel's, bit for bit, and the torch reference's within the projections' tolerance."""
-        hq, hkv, head_dim = 4, 2, 16
-        gen = torch.Generator().manual_seed(rows * hidden)
-        x = (torch.randn(rows, hidden, generator=gen) * 2).to(dtype)
-        residual = torch.randn(rows, hidden, generator=gen).to(dtype)
-        norm_weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype)
-        quant = quantize(torch.randn((hq + 2 * hkv) * head_dim, hidden, generator=gen) * 0.1, method)
-        bias = torch.randn(quant.qweight.shape[0], generator=gen).to(dtype)
-        cos, sin = rotary_cos_sin(head_dim, 64, 10000.0)
-        positions = torch.randint(0, 64, (rows,), generator=gen)
-        slots = torch.randperm(SLOTS, generator=gen)[:rows]
-        caches = _caches(6, hkv, head_dim, dtype)
-        args = (x, residual, norm_weight, 1e-5, quant.qweight, bias)
-        q, new_residual = norm_qkv_rotary_triton(*args, positions, cos, sin, caches[0], caches[1], slots, hq, hkv,
-                                                 quant.scale)
-        qkv, want_residual = norm_linear_triton(*args, weight_scale=quant.scale)
-        want_q = rotary_store_kv_triton(*_split(qkv, hq, hkv, head_dim), positions, cos, sin, caches[2], caches[3],
-                                        slots)
-        assert torch.equal(q, want_q) and torch.equal(new_residual, want_residual)
-        _assert_same_kv(caches[:2], caches[2:4], slots)
-        ref_q, _ = norm_qkv_rotary_ref(*args, positions, cos, sin, caches[4], caches[5], slots, hq, hkv,
-                                       weight_scale=quant.scale)
-        rel = 1e-5 if dtype == torch.float32 else 3e-2
-        assert float((q.double() - ref_q.double()).norm() / ref_q.double().norm()) <= rel
-
     @pytest.mark.parametrize("rows", [1, 3, 16, 64])
     @pytest.mark.parametrize("config", [Fp8GemmConfig(16, 32, 64), Fp8GemmConfig(32, 64, 32, num_stages=2),
                                         Fp8GemmConfig(16, 16, 32, split_k=2), Fp8GemmConfig(64, 32, 64, split_k=3)])

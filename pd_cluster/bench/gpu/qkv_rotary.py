@@ -1,8 +1,6 @@
 """A decode layer's qkv projection with its rotary embedding and KV store on Llama-3-8B's shape,
 as the layer runs it now against the projection then the rotary kernel, bf16 beside.
 
-One row: norm + qkv + rotary + store in one launch over 8-bit weights (``norm_qkv_rotary_triton``,
-which the layer does not take for them) against the norm-fused projection then ``rotary_store_kv``.
 9 to 64 rows on float8 weights: the norm's quantizing kernel, then the FP8 GEMM that rotates and
 stores in its epilogue
 (:func:`pd_cluster.model.fp8_fused.norm_qkv_rotary_fp8`) against the GEMM then the rotary kernel,
@@ -11,7 +9,7 @@ Each path is timed in a CUDA graph over weight copies past L2 (:func:`fp8_sweep.
 its q and KV slots compared with the unfused path's on the same inputs (``diff``: elements that
 differ, expected 0). The JSON goes to ``$OUT/qkv_rotary.json`` (``--json`` elsewhere).
 
-    python -m pd_cluster.bench.gpu.qkv_rotary [--rows 1,16,32,64] [--kv none,fp8_e4m3]
+    python -m pd_cluster.bench.gpu.qkv_rotary [--rows 16,32,64] [--kv none,fp8_e4m3]
 """
 
 from __future__ import annotations
@@ -27,10 +25,9 @@ import torch
 import kernels
 from kernels.kv_quant import row_bytes
 from kernels.qkv_epilogue import QkvRotary
-from kernels.qkv_rotary import norm_qkv_rotary_triton
 from pd_cluster.bench.gpu.fp8_sweep import copies, graph_us
 from pd_cluster.model.fp8_fused import norm_qkv_rotary_fp8, norm_then_linear
-from pd_cluster.model.quant_linear import quantize, weight_args
+from pd_cluster.model.quant_linear import quantize
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
 SLOTS = 1 << 15
@@ -76,24 +73,15 @@ def caches(quant: str | None) -> tuple[torch.Tensor, torch.Tensor]:
 def unfused(x: Inputs, w, kv, quant: str | None) -> torch.Tensor:
     """The projection (norm folded in where the layer folds it), then ``rotary_store_kv``."""
     rows = x.hidden.shape[0]
-    if rows <= 8:
-        weight, scale = weight_args(w)
-        qkv, _ = kernels.norm_linear(x.hidden, x.residual, x.norm, EPS, weight, weight_scale=scale)
-    else:
-        qkv, _ = norm_then_linear(x.hidden, x.residual, x.norm, EPS, w)
+    qkv, _ = norm_then_linear(x.hidden, x.residual, x.norm, EPS, w)
     q, k, v = qkv.split((HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM), dim=-1)
     return kernels.rotary_store_kv(q.view(rows, HEADS, HEAD_DIM), k.view(rows, KV_HEADS, HEAD_DIM),
                                    v.view(rows, KV_HEADS, HEAD_DIM), x.positions, x.cos, x.sin, *kv, x.slots, quant)
 
 
 def fused(x: Inputs, w, kv, quant: str | None) -> torch.Tensor:
-    """One launch at few rows (what the layer runs for float weights; 8-bit ones take it only here),
-    the GEMM's epilogue at 9-64 on float8 (what the layer runs)."""
+    """The GEMM's epilogue at 9-64 rows on float8 (what the layer runs)."""
     rows = x.hidden.shape[0]
-    if rows <= 8:
-        weight, scale = weight_args(w)
-        return norm_qkv_rotary_triton(x.hidden, x.residual, x.norm, EPS, weight, None, x.positions, x.cos, x.sin,
-                                      *kv, x.slots, HEADS, KV_HEADS, scale)[0]
     rotary = QkvRotary(x.positions, x.cos, x.sin, HEADS, KV_HEADS, HEAD_DIM, *kv, x.slots)
     done = norm_qkv_rotary_fp8(x.hidden, x.residual, x.norm, EPS, w, None, rotary, quant)
     if done is None:
@@ -114,26 +102,22 @@ def differing(x: Inputs, w, quant: str | None) -> int:
 def run(rows_list: list[int], kvs: list[str | None], out: list[Result]) -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     dense = torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, device="cuda", generator=gen) * HIDDEN**-0.5
-    weights = {"bf16": copies(dense.to(torch.bfloat16)), "fp8": copies(quantize(dense, "fp8")),
-               "int8": copies(quantize(dense, "int8"))}
+    weights = {"bf16": copies(dense.to(torch.bfloat16)), "fp8": copies(quantize(dense, "fp8"))}
     del dense
     for rows in rows_list:
+        if rows <= 8:
+            raise SystemExit(f"{rows} rows: the FP8 GEMM's epilogue serves 9-64 (fewer take the one-row GEMVs)")
         x = Inputs.make(rows, gen)
         for quant in kvs:
-            if rows <= 8 and quant is not None:
-                continue  # the fused few-row layer keeps KV in the model dtype
             kv = caches(quant)
             label = quant or "bf16"
             base = [lambda w=w: unfused(x, w, kv, quant) for w in weights["bf16"]]
-            if rows <= 8:
-                base = [lambda w=w: fused(x, w, kv, quant) for w in weights["bf16"]]
             report(out, Result(rows, label, "bf16 (as the layer runs)", graph_us(base)))
-            for method in ("fp8", "int8") if rows <= 8 else ("fp8",):
-                ws = weights[method]
-                report(out, Result(rows, label, f"{method} before", graph_us([lambda w=w: unfused(x, w, kv, quant)
-                                                                            for w in ws])))
-                report(out, Result(rows, label, f"{method} now", graph_us([lambda w=w: fused(x, w, kv, quant)
-                                                                         for w in ws]), differing(x, ws[0], quant)))
+            ws = weights["fp8"]
+            report(out, Result(rows, label, "fp8 before", graph_us([lambda w=w: unfused(x, w, kv, quant)
+                                                                   for w in ws])))
+            report(out, Result(rows, label, "fp8 now", graph_us([lambda w=w: fused(x, w, kv, quant) for w in ws]),
+                               differing(x, ws[0], quant)))
 
 
 def report(out: list[Result], r: Result) -> None:
@@ -144,7 +128,7 @@ def report(out: list[Result], r: Result) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="1,64,16,32")
+    parser.add_argument("--rows", default="64,16,32")
     parser.add_argument("--kv", default="none,fp8_e4m3")
     parser.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "qkv_rotary.json")
     args = parser.parse_args()
