@@ -78,6 +78,23 @@ class InterpretedCases:
             ref_codes, _ = silu_mul_quant_fp8_ref(gate_up)
             assert_codes_near(codes, ref_codes)
 
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_silu_codes_over_parts_of_rows_are_one_program_a_rows(self, dtype: torch.dtype) -> None:
+        """Two launches over parts of 1024 columns (the gated values and each part's amax, then the
+        codes): every code and scale as one program a row writes them, a last part reaching past
+        the row's end and a row whose largest value lies in one part alone included."""
+        gen = torch.Generator().manual_seed(35)
+        for cols in (300, 1024, 2500):
+            gate_up = (torch.randn(6, 2 * cols, generator=gen) * 3).to(dtype)
+            gate_up[1] = 0
+            gate_up[2, cols - 1] = 40.0  # the row's amax in its last part
+            gate_up[2, 2 * cols - 1] = 40.0
+            got_codes, got_scale = silu_mul_quant_fp8_triton(gate_up, parts=True)
+            want_codes, want_scale = silu_mul_quant_fp8_triton(gate_up, parts=False)
+            assert torch.equal(got_codes.view(torch.int8), want_codes.view(torch.int8))
+            assert torch.equal(got_scale, want_scale)
+            assert got_scale[2].item() > 1.5 * got_scale[3].item()  # the lone large value set row 2's scale
+
     def test_empty_inputs(self) -> None:
         codes, scale, residual = rms_norm_quant_fp8_triton(torch.zeros(0, 64), torch.ones(64), 1e-5)
         assert codes.shape == (0, 64) and scale.shape == (0, 1) and residual.shape == (0, 64)
