@@ -9,7 +9,6 @@ was): :class:`Refusals` keeps such a node out of routing until its next report s
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -24,24 +23,11 @@ WaitReason = Literal["decode_full", "kv_full", "decode_refused", "rerun", "behin
 WAIT_REASONS: tuple[WaitReason, ...] = ("decode_full", "kv_full", "decode_refused", "rerun", "behind_queue")
 
 
-#: Each decode node's last report's request ids as a set, built once a report: a new request
-#: checks every decode node's room, and at hundreds of streams rebuilding the sets was most of it.
-_LISTED: weakref.WeakKeyDictionary[NodeRecord, tuple[protocol.NodeStatus, frozenset[str]]] = weakref.WeakKeyDictionary()
-
-
-def _listed_ids(node: NodeRecord) -> frozenset[str]:
-    held = _LISTED.get(node)
-    if held is None or held[0] is not node.status:  # a report replaces the status whole
-        held = (node.status, frozenset(node.status.request_ids))
-        _LISTED[node] = held
-    return held[1]
-
-
 def busy_rows(node: NodeRecord) -> int:
     """Rows of ``node``'s batch taken or promised: the requests its last report lists (running,
     waiting for a step, or reserved for a handover), less those that ended here since, plus those
     routed to it that the report does not list yet."""
-    listed = _listed_ids(node)
+    listed = set(node.status.request_ids)
     ended = len(listed.intersection(node.ended_attempts)) if node.ended_attempts else 0
     unseen = sum(1 for attempt_id in node.pending_kv if attempt_id not in listed)
     return max(len(listed) - ended, 0) + unseen

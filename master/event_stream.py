@@ -38,10 +38,6 @@ class EventStreamResponse(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The request was admitted and dispatched in this loop step; its head (every middleware's
-        # start and the server's header building) waits one loop round, so the node frames read
-        # meanwhile go first: each step a new request holds the loop delays every stream's token.
-        await asyncio.sleep(0)
         watcher = asyncio.create_task(self._watch(receive))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
