@@ -5,9 +5,13 @@ the handover's counters, and the report carries the keys. No speed is asserted."
 from __future__ import annotations
 
 import json
+import statistics
+
+import torch
 
 from pd_cluster.bench.gpu.__main__ import run
 from pd_cluster.bench.gpu.plan import Plan
+from pd_cluster.bench.gpu.quant_repeats import measure
 from pd_cluster.bench.gpu.report import short_table
 from pd_cluster.kv_spec import KVSpec
 
@@ -54,3 +58,17 @@ def test_quant_and_beam_parts_measure_like_for_like_and_report_their_keys(tmp_pa
     assert "## Quantized weights (int8)" in md.read_text() and "## Beam search, width 4" in md.read_text()
     [saved] = tmp_path.glob("*.json")
     assert json.loads(saved.read_text())["keys"] == results["keys"]
+
+
+def test_quant_repeats_time_both_engines_each_repeat_and_take_the_median_ratio():
+    """Two repeats on the tiny model (int8 standing in on a CPU): each key holds a ratio a repeat,
+    each the repeat's own fp8 step over its bf16 step, and their median."""
+    plan = _tiny_plan()
+    result = measure(plan, torch.device("cpu"), repeats=2)
+    assert result["quantization"] == "int8" and result["repeats"] == 2
+    assert set(result["keys"]) == {"fp8_weights_decode_b1_vs_bf16", f"fp8_weights_decode_b{plan.key_batch}_vs_bf16"}
+    for row in result["keys"].values():
+        assert len(row["ratios"]) == 2
+        for ratio, fp8, bf16 in zip(row["ratios"], row["fp8_step_ms"], row["bf16_step_ms"]):
+            assert fp8 > 0 and bf16 > 0 and ratio == fp8 / bf16
+        assert row["median"] == statistics.median(row["ratios"])
