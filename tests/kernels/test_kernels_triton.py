@@ -82,7 +82,8 @@ from kernels.store_kv import store_kv_ref, store_kv_triton
 from tests.kernels.interpreted import INTERPRETER, run_in_interpreter
 from tests.kernels.test_kernels import CTX_LENS, Q_LENS, PagedBatch, make_paged_batch
 
-KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
+KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.attention_context", "kernels.attention_decode",
+                  "kernels.kv_transfer", "kernels.rms_norm", "kernels.rotary",
                   "kernels.silu_mul", "kernels.store_kv", "kernels.sampling", "kernels.penalties",
                   "kernels.gemv", "kernels.qkv_rotary", "kernels._triton", "kernels.step_inputs",
                   "kernels.quant_matmul", "kernels.fp8_gemm", "kernels._gemv_blocks", "kernels.qkv_epilogue",
@@ -874,9 +875,9 @@ class InterpretedCases:
     ) -> None:
         # Contexts from one token (most splits empty) to several tiles per split; the split kernel
         # reads its first tile before its wait (few sequence-heads) or all after it.
-        import kernels.attention
+        import kernels.attention_decode
 
-        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
+        monkeypatch.setattr(kernels.attention_decode, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
         batch = make_paged_batch([1, 33, 64, 17], [1] * 4, *heads, 16, layout="shuffled", dtype=dtype, seed=10)
         args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
         out = decode_attention_triton(*args, block_n=16, num_splits=num_splits)
@@ -905,9 +906,9 @@ class InterpretedCases:
     ) -> None:
         # As the engine calls it: the request table read in place through each sequence's row;
         # fp8 values converted to float16 as they load (the default) or met as codes by the product.
-        import kernels.attention
+        import kernels.attention_decode
 
-        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
+        monkeypatch.setattr(kernels.attention_decode, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
         batch = _quantized(make_paged_batch([1, 33, 64, 17], [1] * 4, 8, 2, 16, layout="shuffled", dtype=dtype,
                                             seed=10), kind)
         rows = torch.tensor([2, 0, 5, 3])
@@ -926,9 +927,9 @@ class InterpretedCases:
     ) -> None:
         # Each program reads its next tile while computing one: contexts of one token (the loop's
         # first read is its last), a tile and a token past it, several tiles a split.
-        import kernels.attention
+        import kernels.attention_decode
 
-        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 0)
+        monkeypatch.setattr(kernels.attention_decode, "PREFETCH_MAX_HEADS", 0)
         batch = make_paged_batch([1, 17, 64, 33], [1] * 4, 8, 2, 16, layout="shuffled", dtype=dtype, seed=12)
         if kind is not None:
             batch = _quantized(batch, kind)
@@ -959,9 +960,9 @@ class InterpretedCases:
     ) -> None:
         # Value scales entered as logs into the scores (the weights carry them); values spanning
         # 1e-3..1e3 from token to token, so a scale applied twice or not at all shows.
-        import kernels.attention
+        import kernels.attention_decode
 
-        monkeypatch.setattr(kernels.attention, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
+        monkeypatch.setattr(kernels.attention_decode, "PREFETCH_MAX_HEADS", 128 if prefetch else 0)
         batch = make_paged_batch([1, 17, 64, 33], [1] * 4, 8, 2, 16, layout="shuffled", dtype=torch.float16,
                                  seed=14)
         spread = torch.logspace(-3, 3, batch.v_cache.shape[0], dtype=torch.float32)
