@@ -279,8 +279,8 @@ def context_attention_triton(
     float16_codes: bool | None = None,
     heavy_first: bool = True,
 ) -> torch.Tensor:
-    """Triton version of :func:`kernels.attention.context_attention_ref`; ``out`` (shaped like ``q``, any row stride)
-    receives the result when given. ``table_rows``: ``slot_table`` is a request table read in
+    """Triton version of :func:`kernels.attention.context_attention_ref`; ``out`` (shaped like
+    ``q``, any row stride) receives the result when given. ``table_rows``: ``slot_table`` is a request table read in
     place, sequence ``b``'s slots its row ``table_rows[b]`` (no per-step copy of the rows).
     ``num_splits``: programs sharing each tile's keys (a power of two; None: from the launch's
     size, :func:`_context_num_splits`), their parts then merged by a second kernel.
