@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from typing import IO
 
-from pd_cluster.local_cluster import die_with_parent
+from pd_cluster.process_supervisor import die_with_parent
 
 logger = logging.getLogger(__name__)
 
