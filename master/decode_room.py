@@ -4,7 +4,9 @@ the master routed to it since: a row of its batch (``max_running_requests``) and
 A full node is backpressure, not a fault: the master holds the request in its admission queue
 until a node reports room, rather than sending it where the node would refuse it. Reports lag, so
 a node may still refuse a lease (its last report, or another master's requests, hid how full it
-was): :class:`Refusals` keeps such a node out of routing until its next report shows what it holds.
+was): :class:`HeldOff` keeps such a node out of routing until its next report shows what it holds.
+So it does a node that a prefill node could not reach for a handover: the master may not have seen
+its connection close yet, and a re-run sent back to it would only fail again.
 """
 
 from __future__ import annotations
@@ -43,11 +45,13 @@ def has_kv(node: NodeRecord, kv_need: int) -> bool:
     return node.kv_available >= kv_need
 
 
-class Refusals:
-    """Decode nodes that refused a lease, each held off until its next status report.
+class HeldOff:
+    """Decode nodes held off routing until their next status report: one refused a lease, or a
+    prefill node lost its connection to it.
 
-    The node's report at the refusal is kept: the node is admissible again once a newer one
-    arrived (the registry replaces ``NodeRecord.status`` with every report)."""
+    The node's report at the mark is kept: the node is admissible again once a newer one arrived
+    (the registry replaces ``NodeRecord.status`` with every report); a dead node never reports
+    again and is removed."""
 
     def __init__(self) -> None:
         self._at_report: dict[str, protocol.NodeStatus] = {}
@@ -65,19 +69,19 @@ class Refusals:
         return True
 
 
-def has_room(node: NodeRecord, kv_need: int, refusals: Refusals | None = None) -> bool:
-    """Active, a free row, ``kv_need`` KV tokens, and no refusal since its last report."""
+def has_room(node: NodeRecord, kv_need: int, held_off: HeldOff | None = None) -> bool:
+    """Active, a free row, ``kv_need`` KV tokens, and not held off since its last report."""
     return (node.active and has_row(node) and has_kv(node, kv_need)
-            and (refusals is None or not refusals.holds_off(node)))
+            and (held_off is None or not held_off.holds_off(node)))
 
 
-def why_full(decodes: Sequence[NodeRecord], kv_need: int, refusals: Refusals | None = None) -> WaitReason:
+def why_full(decodes: Sequence[NodeRecord], kv_need: int, held_off: HeldOff | None = None) -> WaitReason:
     """Why no node of ``decodes`` (the active decode and mixed nodes) takes a request now."""
-    if any(has_room(d, kv_need, refusals) for d in decodes):
+    if any(has_room(d, kv_need, held_off) for d in decodes):
         return "behind_queue"
     with_rows = [d for d in decodes if has_row(d)]
     if not with_rows:
         return "decode_full"
-    if refusals is not None and any(has_kv(d, kv_need) for d in with_rows):
+    if held_off is not None and any(has_kv(d, kv_need) for d in with_rows):
         return "decode_refused"
     return "kv_full"

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from master.config import MasterSettings
-from master.decode_room import Refusals, WaitReason, why_full
+from master.decode_room import HeldOff, WaitReason, why_full
 from master.delta_frames import PlainDelta, delta_model
 from master.errors import APIError, internal_error, unavailable
 from master.metrics import MasterMetrics
@@ -65,8 +65,9 @@ class Relay:
         #: Live attempt id -> its request.
         self.attempts: dict[str, RelayRequest] = {}
         self.queue = AdmissionQueue(settings.queue_timeout_s, self._queue_expired, self._waited)
-        #: Decode nodes that refused a lease, held off until their next report.
-        self.refusals = Refusals()
+        #: Decode nodes that refused a lease or that a prefill node could not reach, held off
+        #: until their next report.
+        self.held_off = HeldOff()
         self._pump_scheduled = False
         self.ended = EndedAttempts()
         #: This master process's id, inside every request id it makes (see :meth:`new_request_id`).
@@ -114,7 +115,7 @@ class Relay:
             full = APIError(429, message, "rate_limit_error", None, "queue_full", self.settings.retry_after_s)
             self._fail(r, full, "rate_limited")
             raise r.failure  # type: ignore[misc]
-        self._enqueue(r, why_full(self._decodes(), r.kv_need, self.refusals))
+        self._enqueue(r, why_full(self._decodes(), r.kv_need, self.held_off))
         while r.state == RequestState.QUEUED:
             await self._wake_or_poll(r)
             if r.state == RequestState.QUEUED and is_disconnected is not None and await is_disconnected():
@@ -329,6 +330,8 @@ class Relay:
         why = f"{node.role} node {node.node_id} failed it: {msg.message}"
         if msg.busy and node.node_id == attempt.prefill_id and not attempt.first_token_seen:
             self._refused(r, attempt, msg.message)
+        elif msg.decode_lost and node.node_id == attempt.prefill_id and attempt.decode_id is not None:
+            self._decode_unreachable(r, attempt.decode_id, why)
         elif not msg.retryable:
             self._fail(r, internal_error(), "error")  # the node's words stay in the log
         elif node.node_id == attempt.prefill_id and not attempt.first_token_seen:
@@ -336,13 +339,22 @@ class Relay:
         else:
             self._rerun(r, node.node_id, why, keep_decode=False)
 
+    def _decode_unreachable(self, r: RelayRequest, decode_id: str, why: str) -> None:
+        """P lost its connection to the attempt's D: the fault is D's. The re-run avoids D (not P),
+        and every request keeps off D until it reports again: its connection to the master may
+        not have closed here yet, and a re-run sent back to it would only spend another attempt."""
+        decode = self.registry.get(decode_id)
+        if decode is not None:
+            self.held_off.mark(decode)
+        self._rerun(r, decode_id, why, keep_decode=False)
+
     def _refused(self, r: RelayRequest, attempt: Attempt, message: str) -> None:
         """D refused the attempt's lease for want of room (its last report did not show it full yet):
         backpressure, not a fault. Neither node holds anything of the attempt; D is held off until
         its next report, and the request waits at its place in the queue without counting an attempt."""
         decode = self.registry.get(attempt.decode_id)
         if decode is not None:
-            self.refusals.mark(decode)
+            self.held_off.mark(decode)
         logger.info("request %s waits: decode node %s had no room (%s)", r.request_id, attempt.decode_id, message)
         self._end_attempt(r, abort=False)
         r.refused += 1
@@ -405,7 +417,7 @@ class Relay:
 
     def _dispatch(self, r: RelayRequest) -> bool:
         prefills = self.registry.active("prefill")
-        decodes = admissible_decodes(self._decodes(), r.kv_need, self.refusals)
+        decodes = admissible_decodes(self._decodes(), r.kv_need, self.held_off)
         if not decodes:
             return False
         prefills = [p for p in prefills if p.node_id not in r.excluded] or prefills

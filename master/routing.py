@@ -43,7 +43,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from master.decode_room import Refusals, has_room
+from master.decode_room import HeldOff, has_room
 from master.registry import NodeRecord
 from master.route_cost import DEFAULT_CHANNEL_SETUP_S, CostModel, LinkRate, Rates, Slo
 
@@ -88,11 +88,11 @@ class RouteRequest:
 
 
 def admissible_decodes(
-    decodes: Sequence[NodeRecord], kv_need: int, refusals: Refusals | None = None
+    decodes: Sequence[NodeRecord], kv_need: int, held_off: HeldOff | None = None
 ) -> list[NodeRecord]:
     """Decode (and mixed) nodes with a free row in their batch and ``kv_need`` KV tokens now
-    (without evicting running work), and no refusal since their last report."""
-    return [d for d in decodes if has_room(d, kv_need, refusals)]
+    (without evicting running work), and not held off since their last report."""
+    return [d for d in decodes if has_room(d, kv_need, held_off)]
 
 
 def cold_decodes(prefills: Sequence[NodeRecord], decodes: Sequence[NodeRecord]) -> set[str]:

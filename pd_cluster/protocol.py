@@ -243,6 +243,11 @@ class RequestFailed(_Message):
         default=False, description="the decode node had no room for it (backpressure, not a fault): the master "
         "queues the request again, in its place, without counting an attempt",
     )
+    decode_lost: bool = Field(
+        default=False, description="the prefill node lost its connection to the attempt's decode node: the fault "
+        "is the decode node's, so the master re-runs the request away from it and keeps routing off it until it "
+        "reports again",
+    )
 
 
 class KVTransferred(_Message):

@@ -156,7 +156,7 @@ async def _prefill(conn, config: dict, token: str, lease_s: float) -> None:
                 raise ValueError(f"unknown command {cmd[0]}")
             conn.send(("reply", "ok", value))
         except PrefillFailed as e:
-            conn.send(("reply", "error", f"PrefillFailed(retryable={e.retryable}): {e}"))
+            conn.send(("reply", "error", f"PrefillFailed(retryable={e.retryable}, decode_lost={e.decode_lost}): {e}"))
         except Exception as e:
             conn.send(("reply", "error", f"{type(e).__name__}: {e}"))
     await service.stop()
