@@ -12,7 +12,8 @@ from pd_cluster.engine.llm_engine import LLMEngine
 from pd_cluster.node.config import NodeSettings
 from pd_cluster.node.runtime import NodeRuntime
 from pd_cluster.node.status import StatusReporter
-from prefill_node.service import PrefillFailed, PrefillService
+from prefill_node.failures import PrefillFailed
+from prefill_node.service import PrefillService
 
 logger = logging.getLogger(__name__)
 

@@ -24,24 +24,13 @@ from pd_cluster.handover import ChannelSource, HandoverFailed, KVSender, SendOpt
 from pd_cluster.handover.layer_capture import LayerCaptures
 from pd_cluster.handover.sender import WithHeldSlots
 from pd_cluster.protocol import FirstToken, PrefillJob
-from pd_cluster.transfer import ChannelKeeper, ChannelPool, HandshakeRefused, RemoteError, TransferError
+from pd_cluster.transfer import ChannelKeeper, ChannelPool, TransferError
 from prefill_node.admission import TokenAdmission
+from prefill_node.failures import PrefillFailed, prefill_failure
 
 logger = logging.getLogger(__name__)
 
 FirstTokenSink = Callable[[FirstToken], Awaitable[None]]
-
-
-class PrefillFailed(RuntimeError):
-    """A job P could not finish; ``busy``: its decode node had no room (the master queues the
-    request again without counting a fault); ``decode_lost``: P lost its connection to the
-    decode node (the master re-runs the request on another one)."""
-
-    def __init__(self, message: str, retryable: bool = True, busy: bool = False, decode_lost: bool = False) -> None:
-        super().__init__(message)
-        self.retryable = retryable
-        self.busy = busy
-        self.decode_lost = decode_lost
 
 
 @dataclass
@@ -248,7 +237,7 @@ class PrefillService:
             first = await self._first_token(job, left)
             return await self._hand_over(job, report_first_token, sender, req, first, times, left)
         except (PrefillFailed, HandoverFailed, TransferError, asyncio.TimeoutError) as e:
-            failure = self._failure(job, e)
+            failure = prefill_failure(job, e)
             if isinstance(failure, PrefillFailed) and failure.busy:
                 self.counters.refused += 1
             else:
@@ -324,22 +313,6 @@ class PrefillService:
             return await wait_for(self.admission.acquire(len(job.token_ids)), left())
         except asyncio.TimeoutError:
             raise PrefillFailed(f"prefill of {job.request_id} waited past its deadline for admission") from None
-
-    @staticmethod
-    def _failure(job: PrefillJob, error: Exception) -> Exception:
-        """What a failed job raises: a PrefillFailed that says why and whether to retry."""
-        if isinstance(error, PrefillFailed):
-            return error
-        if isinstance(error, HandoverFailed):
-            return PrefillFailed(str(error), retryable=error.retryable, busy=error.busy)
-        if isinstance(error, HandshakeRefused):
-            return PrefillFailed(f"decode node {job.decode_node_id} refused the data plane: {error}", retryable=False)
-        if isinstance(error, RemoteError):  # D is up and answered with an error
-            return PrefillFailed(f"decode node {job.decode_node_id} failed the handover: {error}")
-        if isinstance(error, TransferError):
-            return PrefillFailed(f"lost decode node {job.decode_node_id}: {error or type(error).__name__}",
-                                 decode_lost=True)
-        return PrefillFailed(f"prefill of {job.request_id} for decode node {job.decode_node_id} ran out of time")
 
     def _with_held_slots(self, req: Request) -> WithHeldSlots:
         """How a sender reads the prompt's KV slots: on the engine thread, while P holds them."""

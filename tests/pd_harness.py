@@ -121,7 +121,8 @@ async def _prefill(conn, config: dict, token: str, lease_s: float) -> None:
     from pd_cluster.config import EngineConfig
     from pd_cluster.handover.messages import MatchPrefix
     from pd_cluster.protocol import PrefillJob
-    from prefill_node.service import PrefillFailed, PrefillService
+    from prefill_node.failures import PrefillFailed
+    from prefill_node.service import PrefillService
 
     service = PrefillService(EngineConfig(**config), node_id="p0", cluster_token=token, lease_s=lease_s)
     await service.start()
