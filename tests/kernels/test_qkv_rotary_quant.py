@@ -60,11 +60,17 @@ def _split(qkv: torch.Tensor, hq: int, hkv: int, head_dim: int):
     return q.reshape(rows, hq, head_dim), k.reshape(rows, hkv, head_dim), v.reshape(rows, hkv, head_dim)
 
 
+_EPILOGUE_CONFIGS = [Fp8GemmConfig(16, 32, 64), Fp8GemmConfig(32, 64, 32, num_stages=2),
+                     Fp8GemmConfig(16, 16, 32, split_k=2), Fp8GemmConfig(64, 32, 64, split_k=3)]
+#: Every config at every row count, in each output dtype by turns (each config and each row count
+#: meets both dtypes): the interpreter takes seconds a 64-row split case, and the dtype only
+#: changes the epilogue's final cast.
+_EPILOGUE_CASES = [(rows, config, (torch.float32, torch.bfloat16)[(i + j) % 2])
+                   for i, config in enumerate(_EPILOGUE_CONFIGS) for j, rows in enumerate([1, 3, 16, 64])]
+
+
 class InterpretedCases:
-    @pytest.mark.parametrize("rows", [1, 3, 16, 64])
-    @pytest.mark.parametrize("config", [Fp8GemmConfig(16, 32, 64), Fp8GemmConfig(32, 64, 32, num_stages=2),
-                                        Fp8GemmConfig(16, 16, 32, split_k=2), Fp8GemmConfig(64, 32, 64, split_k=3)])
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    @pytest.mark.parametrize("rows, config, dtype", _EPILOGUE_CASES)
     def test_fp8_gemm_rotary_epilogue_is_the_unfused_ops(self, rows: int, config: Fp8GemmConfig,
                                                          dtype: torch.dtype) -> None:
         """Whole tiles (32 and 64 columns: half a head and a head of 64) and split products (the
@@ -150,4 +156,4 @@ if INTERPRETER:
 else:
 
     def test_qkv_rotary_quant_kernels_match_the_unfused_ops_in_the_interpreter() -> None:
-        run_in_interpreter(__file__, min_passed=36)
+        run_in_interpreter(__file__, min_passed=20)
