@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kernels.kv_quant import is_quantized, packed_row_bytes, row_bytes
+from kernels.kv_rows import is_quantized, packed_row_bytes, row_bytes
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -284,3 +284,18 @@ def test_only_the_cli_and_bench_import_roles_from_pd_cluster(imports) -> None:
     wrong = [str(i) for i in imports
              if top_folder(i.source) == "pd_cluster" and top_folder(i.target) in ROLES and not starts_roles(i.source)]
     assert not wrong, "pd_cluster imports a role outside cli.py and bench/:\n" + "\n".join(wrong)
+
+
+def test_the_master_and_the_cli_start_without_torch_or_triton() -> None:
+    """The master relays text and the admin commands talk HTTP: neither loads torch or Triton
+    (seconds of start-up, and hundreds of MB in every worker of a master), though both read the
+    wire protocol, whose KV spec names the quantized row layout."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import master.server, master.workers, pd_cluster.admin_cli; "
+             "from pd_cluster.cli import build_parser; build_parser(); "
+             "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", f"loaded at import: {out.stdout.strip()}"
