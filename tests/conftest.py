@@ -34,6 +34,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
+#: The tests that run a file's cases in Triton's interpreter end so (tests/kernels/interpreted.py).
+INTERPRETED_SUFFIX = "_in_the_interpreter"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the interpreted runs of the selected files now, in the background at the lowest
+    priority (:func:`tests.kernels.interpreted.start_interpreted`). Not under pytest-xdist, whose
+    workers each collect every test, nor inside an interpreted run."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    files = sorted({Path(str(item.path)) for item in session.items if item.name.endswith(INTERPRETED_SUFFIX)})
+    if files:
+        from tests.kernels.interpreted import start_interpreted
+
+        start_interpreted(files)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from tests.kernels.interpreted import stop_interpreted
+
+    stop_interpreted()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from pd_cluster.default_model import default_model_path

@@ -86,7 +86,7 @@ def test_greedy_output_agrees_with_the_unquantized_model(client, tokenizer, defa
                                           extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
         return [int(name.removeprefix("token_id:")) for name in reply.choices[0].logprobs.tokens]
 
-    with cf.ThreadPoolExecutor(8) as pool:  # D decodes them as one batch
+    with cf.ThreadPoolExecutor(PROMPTS) as pool:  # D decodes them as one batch
         answers = list(pool.map(complete, prompts))
     assert all(len(a) == NEW_TOKENS for a in answers)
     own, ranks = _unquantized(default_model_dir, prompts, answers)
