@@ -57,7 +57,7 @@ class DecodeNode(NodeRuntime):
             return
         for request_id in request_ids:
             failed = protocol.RequestFailed(
-                request_id=request_id, retryable=True,
+                request_id=request_id, retryable=True, peer_lost=True,
                 message="the KV lease ran out before the prefill node handed the request over",
             )
             self._loop.call_soon_threadsafe(self.send, failed)

@@ -330,8 +330,10 @@ class Relay:
         why = f"{node.role} node {node.node_id} failed it: {msg.message}"
         if msg.busy and node.node_id == attempt.prefill_id and not attempt.first_token_seen:
             self._refused(r, attempt, msg.message)
-        elif msg.decode_lost and node.node_id == attempt.prefill_id and attempt.decode_id is not None:
+        elif msg.peer_lost and node.node_id == attempt.prefill_id and attempt.decode_id is not None:
             self._decode_unreachable(r, attempt.decode_id, why)
+        elif msg.peer_lost and node.node_id == attempt.decode_id and attempt.prefill_id is not None:
+            self._rerun(r, attempt.prefill_id, why, keep_decode=True)  # D's lease ran out waiting for P
         elif not msg.retryable:
             self._fail(r, internal_error(), "error")  # the node's words stay in the log
         elif node.node_id == attempt.prefill_id and not attempt.first_token_seen:

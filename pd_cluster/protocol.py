@@ -243,10 +243,11 @@ class RequestFailed(_Message):
         default=False, description="the decode node had no room for it (backpressure, not a fault): the master "
         "queues the request again, in its place, without counting an attempt",
     )
-    decode_lost: bool = Field(
-        default=False, description="the prefill node lost its connection to the attempt's decode node: the fault "
-        "is the decode node's, so the master re-runs the request away from it and keeps routing off it until it "
-        "reports again",
+    peer_lost: bool = Field(
+        default=False, description="the fault is the attempt's other node: a prefill node lost its connection to "
+        "the decode node (the master re-runs the request away from that decode node and keeps routing off it until "
+        "it reports again), or a decode node's lease ran out before the prefill node handed the request over (the "
+        "re-run avoids that prefill node and may keep the decode node)",
     )
 
 

@@ -86,7 +86,7 @@ class PrefillNode(NodeRuntime):
             else:
                 logger.warning("prefill of %s failed: %s", job.request_id, e)
             self.send(protocol.RequestFailed(request_id=job.request_id, message=str(e), retryable=e.retryable,
-                                             busy=e.busy, decode_lost=e.decode_lost))
+                                             busy=e.busy, peer_lost=e.decode_lost))
         except asyncio.CancelledError:
             logger.info("prefill of %s aborted", job.request_id)
         except Exception as e:

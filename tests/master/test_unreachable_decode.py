@@ -2,7 +2,8 @@
 the decode node's: the re-run goes to another decode node (the prefill node stays eligible), and
 no request is routed to the unreachable one until it reports again. Without this, a killed D
 whose connection had not closed at the master yet took every re-run of its requests back to it,
-until they ran out of attempts."""
+until they ran out of attempts. The other way round, a decode node whose lease ran out waiting
+for the prefill node blames that prefill node."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ async def test_a_decode_node_the_prefill_node_lost_is_avoided_by_the_rerun_and_b
     d_other = next(d.node_id for d in decodes if d.node_id != d_first)
 
     relay.on_request_failed(by_id[p_first], protocol.RequestFailed(
-        request_id=attempt_id, message=f"lost decode node {d_first}: channel closed", decode_lost=True))
+        request_id=attempt_id, message=f"lost decode node {d_first}: channel closed", peer_lost=True))
 
     ((_, rerun_id, d_rerun),) = _jobs(prefills)
     assert r.state == RequestState.RUNNING and rerun_id != attempt_id and r.attempt == 2
@@ -84,5 +85,20 @@ async def test_a_prefill_nodes_own_failure_still_keeps_the_decode_node_and_avoid
     await relay.admit(r)
     ((p_first, attempt_id, d_first),) = _jobs(prefills)
     relay.on_request_failed(by_id[p_first], protocol.RequestFailed(request_id=attempt_id, message="out of memory"))
+    ((p_rerun, _, d_rerun),) = _jobs(prefills)
+    assert p_rerun != p_first and d_rerun == d_first and r.excluded == {p_first}
+
+
+async def test_a_lease_that_ran_out_on_the_decode_node_blames_the_prefill_node():
+    """D's lease ran out before P handed the request over: P went quiet (frozen, or its connection
+    to the master not closed yet), so the re-run avoids P and may go back to the same D."""
+    relay, _, prefills, decodes = _cluster()
+    by_id = {n.node_id: n for n in prefills + decodes}
+    r = _request(relay, "a", 5)
+    await relay.admit(r)
+    ((p_first, attempt_id, d_first),) = _jobs(prefills)
+    relay.on_request_failed(by_id[d_first], protocol.RequestFailed(
+        request_id=attempt_id, message="the KV lease ran out before the prefill node handed the request over",
+        peer_lost=True))
     ((p_rerun, _, d_rerun),) = _jobs(prefills)
     assert p_rerun != p_first and d_rerun == d_first and r.excluded == {p_first}
