@@ -45,6 +45,14 @@ def _request(relay: Relay, request_id: str, prompt_token: int) -> RelayRequest:
     return relay.create(request_id, [prompt_token] * 40, SamplingParams(max_tokens=4), True, time.monotonic())
 
 
+async def _first_dispatch(relay: Relay, prefills: list[NodeRecord]) -> tuple[RelayRequest, tuple[str, str, str]]:
+    """A request admitted and dispatched: it and its one prefill job (P, attempt id, D)."""
+    r = _request(relay, "a", 5)
+    await relay.admit(r)
+    (job,) = _jobs(prefills)
+    return r, job
+
+
 def _status(registry: Registry, node: NodeRecord) -> None:
     registry.handle_status(node, protocol.NodeStatus(free_kv_tokens=4000, total_kv_tokens=4096))
 
@@ -52,9 +60,7 @@ def _status(registry: Registry, node: NodeRecord) -> None:
 async def test_a_decode_node_the_prefill_node_lost_is_avoided_by_the_rerun_and_by_new_requests():
     relay, registry, prefills, decodes = _cluster()
     by_id = {n.node_id: n for n in prefills + decodes}
-    r = _request(relay, "a", 5)
-    await relay.admit(r)
-    ((p_first, attempt_id, d_first),) = _jobs(prefills)
+    r, (p_first, attempt_id, d_first) = await _first_dispatch(relay, prefills)
     d_other = next(d.node_id for d in decodes if d.node_id != d_first)
 
     relay.on_request_failed(by_id[p_first], protocol.RequestFailed(
@@ -81,9 +87,7 @@ async def test_a_decode_node_the_prefill_node_lost_is_avoided_by_the_rerun_and_b
 async def test_a_prefill_nodes_own_failure_still_keeps_the_decode_node_and_avoids_the_prefill_node():
     relay, _, prefills, decodes = _cluster()
     by_id = {n.node_id: n for n in prefills + decodes}
-    r = _request(relay, "a", 5)
-    await relay.admit(r)
-    ((p_first, attempt_id, d_first),) = _jobs(prefills)
+    r, (p_first, attempt_id, d_first) = await _first_dispatch(relay, prefills)
     relay.on_request_failed(by_id[p_first], protocol.RequestFailed(request_id=attempt_id, message="out of memory"))
     ((p_rerun, _, d_rerun),) = _jobs(prefills)
     assert p_rerun != p_first and d_rerun == d_first and r.excluded == {p_first}
@@ -94,9 +98,7 @@ async def test_a_lease_that_ran_out_on_the_decode_node_blames_the_prefill_node()
     to the master not closed yet), so the re-run avoids P and may go back to the same D."""
     relay, _, prefills, decodes = _cluster()
     by_id = {n.node_id: n for n in prefills + decodes}
-    r = _request(relay, "a", 5)
-    await relay.admit(r)
-    ((p_first, attempt_id, d_first),) = _jobs(prefills)
+    r, (p_first, attempt_id, d_first) = await _first_dispatch(relay, prefills)
     relay.on_request_failed(by_id[d_first], protocol.RequestFailed(
         request_id=attempt_id, message="the KV lease ran out before the prefill node handed the request over",
         peer_lost=True))
