@@ -92,20 +92,47 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.delenv("PD_ADMIN_TOKEN", raising=False)
 
 
+def served_roles(table: str) -> dict[str, list[str]]:
+    """The placement table's node rows by role (the master's row left out); each asserted placed on a
+    GPU (a digit in its GPU column)."""
+    rows = {line.split()[1]: line.split() for line in table.splitlines()[1:] if line.split()[1] != "master"}
+    assert rows and all(row[2].isdigit() for row in rows.values()), table
+    return rows
+
+
 @pytest.mark.parametrize("which", ["model_8b", "small_model"])
 def test_default_flags_serve_the_offline_engines_answers(which, request, tmp_path):
     model = request.getfixturevalue(which)
     expected = offline_answers(model)
     cluster = start_local(model, tmp_path)
     try:
-        table = placement_table(cluster.wait_for_line("NODE  ", 60))
-        rows = {line.split()[1]: line.split() for line in table.splitlines()[1:]}
-        assert rows["prefill"][2].isdigit() and rows["decode"][2].isdigit(), table  # placed on a GPU
+        roles = served_roles(placement_table(cluster.wait_for_line("NODE  ", 60)))
+        # The default split (pd_cluster.local_placement.default_roles): one mixed node on one GPU,
+        # a prefill and a decode node on several.
+        one_gpu = torch.cuda.device_count() == 1
+        assert set(roles) == ({"mixed"} if one_gpu else {"prefill", "decode"}), roles
         assert served_answers(cluster) == expected
-        # Prompts longer than the local-prefill threshold (512 tokens by default), so they go P -> D
-        # and their KV moves; shorter ones are prefilled where they decode, moving nothing.
         result = bench_serve(cluster, model, tmp_path / "bench.json", "--num-requests", "16", "--input-len", "1024",
                              "--output-len", "32", "--rate", "8")
+        run = result["results"][0]
+        assert run["failed"] == 0 and run["completed"] == 16, run["errors"]
+        if one_gpu:
+            assert not run["kv_bytes_per_prompt_token"], run  # a mixed node moves no KV
+    finally:
+        assert cluster.stop() == 0, cluster.log_tail()
+
+
+def test_a_prefill_and_a_decode_node_serve_the_offline_engines_answers(small_model, tmp_path):
+    """P -> D asked for explicitly (the default on several GPUs): the same answers, and prompts
+    longer than the local-prefill threshold (512 tokens by default) move their KV."""
+    expected = offline_answers(small_model)
+    cluster = start_local(small_model, tmp_path, "--prefill", "1", "--decode", "1", "--mixed", "0")
+    try:
+        roles = served_roles(placement_table(cluster.wait_for_line("NODE  ", 60)))
+        assert set(roles) == {"prefill", "decode"}, roles
+        assert served_answers(cluster) == expected
+        result = bench_serve(cluster, small_model, tmp_path / "bench.json", "--num-requests", "16", "--input-len",
+                             "1024", "--output-len", "32", "--rate", "8")
         run = result["results"][0]
         assert run["failed"] == 0 and run["completed"] == 16, run["errors"]
         assert run["kv_bytes_per_prompt_token"] and run["kv_bytes_per_prompt_token"] > 0
