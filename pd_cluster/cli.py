@@ -316,7 +316,8 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     add_planning_arguments(m)
     m.add_argument("--workers", type=int, default=None,
                    help="master processes behind the one port, each relaying its share of the streams (about 25k "
-                        "tokens/s each); nodes link to every worker (default: 1)")
+                        "tokens/s each at full load; more workers, fewer streams each, shorter token delays: see "
+                        "docs/operations.md); nodes link to every worker (default: 1)")
     m.add_argument("--worker-ports", type=int, default=None,
                    help="first private port of the workers: worker i takes this + i for node links and sibling "
                         "calls (default: --port + 1)")
