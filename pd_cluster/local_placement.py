@@ -27,7 +27,7 @@ MiB = 2**20
 #: What a node process holds on its GPU outside torch's allocator (CUDA context, communicator and
 #: kernel buffers): invisible to ``torch.cuda.memory_reserved``, so the launcher keeps it out of the fraction.
 NODE_CONTEXT_BYTES = 1 * GiB
-#: The engine's headroom for activations and CUDA graphs (``llm_engine.GPU_HEADROOM_BYTES``).
+#: The engine's headroom for activations and CUDA graphs (``engine_setup.GPU_HEADROOM_BYTES``).
 ENGINE_HEADROOM_BYTES = 768 * MiB
 #: A shared GPU must leave at least this much KV per node.
 MIN_KV_BYTES = 64 * MiB

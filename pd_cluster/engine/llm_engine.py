@@ -21,16 +21,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from kernels._triton import HAS_TRITON
 from pd_cluster.config import EngineConfig
 from pd_cluster.default_model import resolve_model_path
 from pd_cluster.engine.beam_scorer import BeamScorer
 from pd_cluster.engine.beam_search import BeamGroup, BeamResult, BeamSearches
 from pd_cluster.engine.batch_rows import resolve_rows, typical_context
+from pd_cluster.engine.engine_setup import default_kv_tokens, eos_token_ids, sparse_config, tp_config
 from pd_cluster.engine.grammar import Grammars
 from pd_cluster.engine.kv_pool import KVPool, torch_dtype
 from pd_cluster.engine.launch_timing import LaunchTimer, StepMarks
@@ -51,6 +50,7 @@ from pd_cluster.engine.side_prefill import SidePrefills
 from pd_cluster.engine.node_kv import NodeKV
 from pd_cluster.engine.tp_kv import KVHeads, rank_kv_spec
 from pd_cluster.engine.tp_leader import TPLeader
+from pd_cluster.engine.warm_up import WARM_UP_IDS, move_kv_block, warm_up_requests
 from pd_cluster.kv_spec import KVSpec
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.llama import LlamaModel
@@ -61,49 +61,7 @@ from pd_cluster.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_TOKENS = 16384
-#: Activations and CUDA graphs, kept out of the KV pool (an 8B-shape engine's 39 step graphs take
-#: about 270 MiB, a 2048-token eager prefill about 300 MiB more).
-GPU_HEADROOM_BYTES = 768 * 2**20
-#: More of it for the side stream's prefill graphs (their own buffers and memory pool).
-SIDE_GRAPHS_HEADROOM_BYTES = 256 * 2**20
 KVEventSink = Callable[[list[int], list[int]], None]
-#: The warm-up's requests (:meth:`LLMEngine.warm_up`).
-WARM_UP_IDS = ("engine-warm-up", "engine-warm-up-sampled")
-
-
-def eos_token_ids(model_config: ModelConfig, tokenizer, path: Path) -> set[int]:
-    ids = set(model_config.eos_token_ids)
-    generation = path / "generation_config.json"
-    if generation.is_file():
-        import json
-
-        eos = json.loads(generation.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
-def tp_config(config: EngineConfig) -> EngineConfig:
-    """A tensor-parallel node's settings: no side prefills (a second stream's steps beside the
-    main one would need every rank to run both in the same order). CUDA graphs and the overlap
-    schedule stay: every rank replays the graph rank 0 plans, and the plan goes out before the
-    forward (the ids a step reads on the device follow it over the model group)."""
-    if config.side_prefill_max_tokens:
-        logger.info("tp %d: side prefills off (a tensor-parallel node runs one stream of steps)", config.tp)
-    return config.model_copy(update={"side_prefill_max_tokens": 0})
-
-
-def sparse_config(config: EngineConfig, device: torch.device) -> EngineConfig:
-    """A mixture-of-experts model's settings: CUDA graphs only where the fused experts run (the
-    torch reference reads each expert's token count on the host, which a captured step cannot)."""
-    if not config.cuda_graphs or (device.type == "cuda" and HAS_TRITON):
-        return config
-    logger.info("mixture-of-experts model without the fused experts: CUDA graphs off (steps run eagerly)")
-    return config.model_copy(update={"cuda_graphs": False})
-
-
 @dataclass
 class _Launched:
     """A step whose forward is queued: its logits, and what its CUDA graph already took of them
@@ -189,7 +147,7 @@ class LLMEngine:
         #: What this rank's pool holds: its own heads (every head at TP 1), as each rank's does.
         self.rank_kv_spec = rank_kv_spec(self.model_config, self.shard, self.dtype_name, config.block_size,
                                          self.kv_spec.kv_dtype)
-        num_slots = config.max_total_tokens or self._default_kv_tokens()
+        num_slots = config.max_total_tokens or default_kv_tokens(config, self.device, self.rank_kv_spec)
         # CUDA graphs take one extra slot for their padding rows; the configured count stays usable.
         extra = 1 if (config.cuda_graphs and self.device.type == "cuda") else 0
         self.pool = KVPool(self.rank_kv_spec, num_slots + extra, self.device)
@@ -243,26 +201,6 @@ class LLMEngine:
         self._running_key: int | None = None
         #: The launch time last handed out (:meth:`launch_deadline`), until the launch it was for.
         self._deadline: float | None = None
-
-    def _default_kv_tokens(self) -> int:
-        """KV slots when none are configured. With ``gpu_memory_fraction`` (engines sharing a GPU) the
-        pool is that share of the GPU's total memory less what this process already holds (its
-        weights) and the headroom, capped by what is free; otherwise a fraction of the free memory."""
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_TOKENS
-        free, total = torch.cuda.mem_get_info(self.device)
-        headroom = GPU_HEADROOM_BYTES
-        if self.config.cuda_graphs and self.config.side_prefill_max_tokens > 0:
-            headroom += SIDE_GRAPHS_HEADROOM_BYTES
-        fraction = self.config.gpu_memory_fraction
-        if fraction is None:
-            budget = int(free * self.config.kv_memory_fraction) - headroom
-        else:
-            # Reserved, not just allocated: the allocator's cached blocks are this process's too.
-            held = torch.cuda.memory_reserved(self.device)
-            budget = min(int(fraction * total) - held, free) - headroom
-        # Each rank sizes its pool for its own heads: the budget is one GPU's, like every rank's.
-        return max(budget // self.rank_kv_spec.pool_bytes_per_token, 1024)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -635,12 +573,10 @@ class LLMEngine:
 
     def warm_up(self, prompt_tokens: int = 16, decode_steps: int = 1) -> float:
         """Run two tiny requests through the real path before the node serves, so that kernels
-        compile (Triton JIT) and allocations settle before the first real request: a greedy one
-        and one sampled with every knob (temperature, top-k/p, min-p, penalties, logit bias,
-        logprobs), so the first client to sample does not wait a second for the sampling and
-        penalty kernels to compile. Each has a prefill of ``prompt_tokens`` tokens and
-        ``decode_steps`` decode steps (0 for a prefill node); then one block of KV is gathered and
-        scattered back as a handover does. Returns its seconds.
+        compile (Triton JIT) and allocations settle before the first real request
+        (:func:`pd_cluster.engine.warm_up.warm_up_requests`). Each has a prefill of
+        ``prompt_tokens`` tokens and ``decode_steps`` decode steps (0 for a prefill node); then one
+        block of KV is gathered and scattered back as a handover does. Returns its seconds.
 
         Leaves the engine as it found it: every KV slot it took is free again, the prefix cache
         is untouched (nothing inserted, no KV events), and the stats are unchanged. The engine
@@ -657,8 +593,14 @@ class LLMEngine:
         self._count_into(EngineStats())
         self.cache.enabled = False  # the request's KV goes back to the pool, not into the cache
         try:
-            self._run_warm_up_requests(n, decode_steps)
-            self._move_warm_up_kv()
+            token_ids, params = warm_up_requests(self.model_config.vocab_size, n, decode_steps)
+            for request_id, request_params in zip(WARM_UP_IDS, params):
+                self.add_request(request_id, token_ids, request_params)
+            for _ in range(n + decode_steps + 3):  # each step makes progress: bounded (+2: overlap's last)
+                if not self.has_unfinished():
+                    break
+                self.step()
+            move_kv_block(self.pool, self.node_kv, self.kv_spec.block_size, self.device)
         finally:
             for request_id in WARM_UP_IDS:
                 if request_id in self.requests:
@@ -675,34 +617,3 @@ class LLMEngine:
     def _count_into(self, stats: EngineStats) -> None:
         """Count from now on into ``stats`` (the engine's and its postprocessor's counters are one)."""
         self.stats = self.postprocessor.stats = stats
-
-    def _run_warm_up_requests(self, prompt_tokens: int, decode_steps: int) -> None:
-        """The greedy and the fully sampled warm-up request, stepped until they end."""
-        vocab = self.model_config.vocab_size
-        token_ids = [(7 * i + 3) % vocab for i in range(prompt_tokens)]
-        greedy = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
-        sampled = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, min_p=0.01, repetition_penalty=1.1,
-                                 frequency_penalty=0.1, presence_penalty=0.1, logit_bias={1 % vocab: 1.0},
-                                 logprobs=1, seed=0, max_tokens=decode_steps + 1, ignore_eos=True)
-        self.add_request(WARM_UP_IDS[0], token_ids, greedy)
-        self.add_request(WARM_UP_IDS[1], token_ids, sampled)
-        for _ in range(prompt_tokens + decode_steps + 3):  # each step makes progress: bounded (+2: overlap's last)
-            if not self.has_unfinished():
-                break
-            self.step()
-
-    def _move_warm_up_kv(self) -> None:
-        """Gather a block of KV and scatter it back, and copy it slot to slot, as handovers do."""
-        import kernels
-
-        slots = self.pool.alloc(min(self.kv_spec.block_size, self.pool.num_free))
-        if slots is None or not slots.numel():
-            return
-        try:
-            device_slots = slots.to(self.device)
-            # Every head, as a handover reads and writes them (through the ranks at TP > 1).
-            self.node_kv.scatter(self.node_kv.gather(device_slots), device_slots)
-            kernels.copy_kv_slots(self.pool.k_cache, self.pool.v_cache, device_slots,
-                                  self.pool.k_cache, self.pool.v_cache, device_slots)
-        finally:
-            self.pool.free(slots)

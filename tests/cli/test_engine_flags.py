@@ -139,7 +139,7 @@ def test_only_the_model_device_gpu_share_and_tp_are_set_per_node():
 
 def test_the_defaults_a_help_text_names_are_the_ones_that_apply():
     from pd_cluster.cli import DECODE_STEP_TOKENS
-    from pd_cluster.engine.llm_engine import CPU_DEFAULT_KV_TOKENS
+    from pd_cluster.engine.engine_setup import CPU_DEFAULT_KV_TOKENS
 
     assert f"or {CPU_DEFAULT_KV_TOKENS} on CPU" in engine_flag("max_total_tokens").help
     budget = engine_flag("max_num_batched_tokens").help

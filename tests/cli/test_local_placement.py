@@ -100,7 +100,7 @@ def test_impossible_device_choices_are_refused(device, gpus, visible, error):
 
 
 def test_the_engine_keeps_the_headroom_the_plan_reserves():
-    from pd_cluster.engine.llm_engine import GPU_HEADROOM_BYTES
+    from pd_cluster.engine.engine_setup import GPU_HEADROOM_BYTES
 
     assert GPU_HEADROOM_BYTES == ENGINE_HEADROOM_BYTES
 

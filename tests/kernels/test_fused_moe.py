@@ -19,7 +19,7 @@ from kernels._triton import HAS_TRITON
 from kernels.fused_moe import MoeGemmConfig, align_chunked, align_ref, fused_moe_triton, max_padded_rows
 from kernels.moe_route import route_topk_ref, route_topk_triton
 from pd_cluster.config import EngineConfig
-from pd_cluster.engine.llm_engine import sparse_config
+from pd_cluster.engine.engine_setup import sparse_config
 from pd_cluster.model.config import MoEConfig
 from pd_cluster.model.moe import route, routed_experts_ref
 from pd_cluster.model.quant_linear import quantize
