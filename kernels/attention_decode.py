@@ -233,6 +233,20 @@ def _decode_values_in_shift(quant: str | None) -> bool:
     return quant is not None
 
 
+def _decode_max_registers(quant: str | None) -> int | None:
+    """The split kernel's register cap a thread (None: the compiler's choice). How many programs
+    share a multiprocessor, and so how many tiles are in flight on it, follows from the registers a
+    program takes: compiled for sm_90 at 128 keys a tile and depth 2, 4 warps, bfloat16 takes 128
+    (3 programs an SM, bound by shared memory), fp8 met as float16 183 (2 programs); capped at 168,
+    fp8 fits 3 without spilling (at 64 keys a tile, 128 fits 4). Unmeasured yet, so no cap."""
+    return None
+
+
+def _register_cap(max_registers: int | None) -> dict[str, int]:
+    """The launch option capping a kernel's registers, or nothing."""
+    return {} if max_registers is None else {"maxnreg": max_registers}
+
+
 #: Most splits of one sequence's context. The count is fixed by shapes (the slot table is as wide
 #: as the longest context), so at batch 1 a typical context leaves most splits empty; measured on
 #: an H100 with the default model's heads at batch 1 and 1k tokens of context: 64 splits 4.75 us
@@ -281,6 +295,7 @@ def decode_attention_triton(
     ahead: bool | None = None,
     heads_together: bool | None = None,
     values_in_shift: bool | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`kernels.attention.decode_attention_ref` (split-K: two launches, one
     at one split); ``out``, ``table_rows``, ``quant`` and ``float16_codes`` as in
@@ -289,7 +304,8 @@ def decode_attention_triton(
     tile while computing one (:func:`kernels._tiles.attend_keys_ahead`; with ``num_stages`` 1),
     where no tile is read before the wait; ``heads_together``: the programs of one sequence's kv
     heads launch next to each other (:func:`_decode_heads_together`); ``values_in_shift``: value
-    scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`).
+    scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`);
+    ``max_registers``: a cap on the split kernel's registers a thread (:func:`_decode_max_registers`).
 
     Each sequence's keys but its newest (the last of its context) must have been stored before
     the kernel launched before this one: with dependent launches they are read while that kernel
@@ -363,6 +379,7 @@ def decode_attention_triton(
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
+        **_register_cap(max_registers if max_registers is not None else _decode_max_registers(quant)),
     )
     if num_splits == 1:
         return out
