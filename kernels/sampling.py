@@ -98,7 +98,7 @@ def _fmix32(h):
 @triton.jit
 def _row_uniform(row, u_ptr, k0_ptr, k1_ptr, pos_ptr, stride_key, HASH: tl.constexpr):
     """Row ``row``'s uniform: hashed from its stream keys (``HASH``; the uniform of
-    pd_cluster.engine.sampler.random_bits, in 32-bit lanes) or read from ``u_ptr``."""
+    pd_cluster.engine.random_stream.random_bits, in 32-bit lanes) or read from ``u_ptr``."""
     if HASH:
         k0 = tl.load(k0_ptr + row * stride_key).to(tl.uint32)
         k1 = tl.load(k1_ptr + row * stride_key).to(tl.uint32)
@@ -326,7 +326,7 @@ def sample_filtered_triton(
     """Triton version of :func:`sample_filtered_ref`. The settings may be strided columns
     (temperature, top_p, min_p float32; top_k int64). Instead of ``u``, ``keys`` (k0, k1,
     position: int64 columns of one stride) have the kernel hash each row's uniform itself, as
-    :func:`pd_cluster.engine.sampler.random_bits` does. ``use_top_k`` / ``use_top_p`` False skip
+    :func:`pd_cluster.engine.random_stream.random_bits` does. ``use_top_k`` / ``use_top_p`` False skip
     the cut's code for the whole batch (no row has it).
 
     Rows with a cut: one program walks a whole row per pass. The first two passes find the row's

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from pd_cluster.engine.sampler import (
-    SamplingState, processed_logits, random_bits, sample, stream_key, target_probs, uniform,
-)
+from pd_cluster.engine.random_stream import random_bits, stream_key, uniform
+from pd_cluster.engine.sampler import SamplingState, processed_logits, sample, target_probs
 from pd_cluster.sampling_params import SamplingParams
 
 
