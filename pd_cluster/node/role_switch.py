@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from pd_cluster import protocol
 from pd_cluster.engine.llm_engine import LLMEngine
-from pd_cluster.node.agent import MasterLinks
+from pd_cluster.node.master_links import MasterLinks
 from pd_cluster.node.config import NodeSettings
 from pd_cluster.node.runtime import NodeRuntime
 

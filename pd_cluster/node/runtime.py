@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from pd_cluster.aio import wait_for
 from pd_cluster import protocol
-from pd_cluster.node.agent import MasterLinks
+from pd_cluster.node.master_links import MasterLinks
 from pd_cluster.node.config import NodeSettings
 from pd_cluster.node.lifecycle import NodeLifecycle, serve_status
 

@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel
 
 from pd_cluster import protocol
-from pd_cluster.node.agent import MasterLinks, master_urls
+from pd_cluster.node.master_links import MasterLinks, master_urls
 from tests.master_fakes import CLUSTER_TOKEN, LiveMaster, make_settings, register_msg, wait_until, write_model_dir
 
 

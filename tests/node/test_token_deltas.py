@@ -15,7 +15,8 @@ from decode_node.service import FirstTokenOut
 from pd_cluster import protocol
 from pd_cluster.engine.outputs import TokenUpdate
 from pd_cluster.node import agent as agent_module
-from pd_cluster.node.agent import MasterLinks, NodeAgent, coalesced
+from pd_cluster.node.agent import NodeAgent, coalesced
+from pd_cluster.node.master_links import MasterLinks
 from tests.master_fakes import MODEL, FakeNode, LiveMaster, make_settings, wait_until, wait_warm, write_model_dir
 
 
