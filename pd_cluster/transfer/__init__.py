@@ -5,7 +5,8 @@ messages mean by subclassing :class:`DataMessage`.
 """
 
 from pd_cluster.transfer.channel import TensorChannel
-from pd_cluster.transfer.client import ChannelPool, PeerChannel, dial
+from pd_cluster.transfer.channel_pool import ChannelPool
+from pd_cluster.transfer.client import PeerChannel, dial
 from pd_cluster.transfer.errors import (
     ChannelError,
     ConnectionClosed,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from pd_cluster.aio import wait_for
-from pd_cluster.transfer.client import ChannelPool
+from pd_cluster.transfer.channel_pool import ChannelPool
 from pd_cluster.transfer.errors import HandshakeRefused, TransferError
 
 logger = logging.getLogger(__name__)
