@@ -96,8 +96,8 @@ def register_variants() -> list[Variant]:
     """Each kind's default launch, and fp8's (values as float16, one split unless given) under
     register caps that let more programs share a multiprocessor (sm_90, 4 warps; programs an SM
     by registers and shared memory, no spills at any cap): 128 keys a tile uncapped 183 registers,
-    2 programs; at 168, 3. 64 keys a tile uncapped 152, 3; at 128, 4; at 96, 5 by registers (4 at
-    depth 5, bound by its shared memory)."""
+    2 programs; at 168, 3. 64 keys a tile uncapped 152, 3; at 128, 4; at 96, 5 (3 at depth 5,
+    bound by its shared memory)."""
     fp8 = "fp8_e4m3"
     return [Variant("bf16"), Variant(fp8), Variant("int8"),
             Variant(fp8, block_n=128, num_splits=1, max_registers=168),
@@ -190,9 +190,10 @@ def main(argv: list[str] | None = None) -> None:
             k_cache, v_cache = k_cache.float(), v_cache.float()
         refs[kind] = decode_attention_ref(q.float(), k_cache, v_cache, table, ctx_lens, sm_scale, quant)
     rows = []
-    sets = {"full": lambda: variants(), "defaults": lambda: default_variants() * args.repeat,
-            "registers": lambda: register_variants() * args.repeat}  # interleaved repeats
-    chosen = sets[args.set]()
+    if args.set == "full":
+        chosen = variants()
+    else:  # interleaved repeats
+        chosen = (default_variants() if args.set == "defaults" else register_variants()) * args.repeat
     for variant in chosen:
         try:
             result = run_variant(variant, q, caches, table, ctx_lens, refs, device, args.reps)
