@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "convert_kv": "kernels.kv_transfer",
     "copy_kv_slots": "kernels.kv_transfer",
     "decode_attention": "kernels.attention",
+    "decode_attention_codes": "kernels.attention",
     "embed_step_inputs": "kernels.step_inputs",
     "gather_kv": "kernels.kv_transfer",
     "head_rms_norm": "kernels.head_norm",

@@ -39,9 +39,11 @@ from kernels.attention_decode import (  # noqa: F401 (re-exported)
     _decode_split_kernel,
     _decode_stages,
     _decode_values_in_shift,
+    decode_attention_codes_triton,
     decode_attention_triton,
 )
 from kernels.kv_quant import dequantize_rows
+from kernels.quant_matmul import act_quant_fp8_ref
 from kernels._triton import use_triton_kv
 
 
@@ -212,3 +214,23 @@ def decode_attention(
         slot_table = slot_table.index_select(0, table_rows)
     result = decode_attention_cpu(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, quant)
     return result if out is None else out.copy_(result)
+
+
+def decode_attention_codes(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    sm_scale: float,
+    table_rows: torch.Tensor | None = None,
+    quant: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_attention`'s output as an FP8 projection's input: per-sequence e4m3 codes
+    ``[B, Hq * D]`` and float32 scales ``[B, 1]`` (:func:`kernels.quant_matmul.act_quant_fp8_ref`
+    of the output); on Triton, the splits' merge writes them (:func:`decode_attention_codes_triton`)."""
+    if use_triton_kv(quant, q, k_cache, v_cache):
+        return decode_attention_codes_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale,
+                                             table_rows=table_rows, quant=quant)
+    out = decode_attention(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, table_rows=table_rows, quant=quant)
+    return act_quant_fp8_ref(out.reshape(out.shape[0], -1))

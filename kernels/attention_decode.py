@@ -11,6 +11,7 @@ import torch
 from kernels import _tiles
 from kernels._attention_common import _LOG2E, _q_float16, attention_launch
 from kernels.kv_quant import QUANT_CODES
+from kernels.quant_matmul import AMAX_FLOOR, FP8_MAX, act_quant_fp8_triton
 from kernels._triton import cdiv, dot_precision, next_pow2, pdl_options, pdl_wait, tl, triton, use_pdl
 
 
@@ -189,6 +190,65 @@ def _decode_merge_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out, mask=d_ok)
 
 
+@triton.jit
+def _decode_merge_codes_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    codes_ptr,
+    scale_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_cb,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROUND_TO: tl.constexpr,
+    AMAX_MIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    # Program: one sequence, all its q heads merged as _decode_merge_kernel merges each, each value
+    # rounded to the model dtype as that kernel stores it (ROUND_TO 1: bfloat16, 2: float16, 0:
+    # float32), then the row (heads x head_dim) written as e4m3 codes by its amax, as
+    # act_quant_fp8 quantizes the merged output.
+    pdl_wait(USE_PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    h_ok = h < NUM_HEADS
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    hs_ok = h_ok[:, None] & sp_ok[None, :]
+    lse = tl.load(part_lse_ptr + seq * stride_lb + h[:, None] * stride_lh + sp[None, :], mask=hs_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, axis=1)
+    w = tl.where(hs_ok & (lse > float("-inf")), tl.exp2(lse - m[:, None]), 0.0)  # [H, S]
+    part = tl.load(part_out_ptr + seq * stride_pb + h[:, None, None] * stride_ph + sp[None, :, None] * stride_ps
+                   + d[None, None, :], mask=hs_ok[:, :, None] & d_ok[None, None, :], other=0.0)
+    total = tl.sum(w, axis=1)
+    out = tl.sum(part * w[:, :, None], axis=1) / tl.where(total > 0.0, total, 1.0)[:, None]  # [H, D]
+    if ROUND_TO == 1:
+        y = out.to(tl.bfloat16).to(tl.float32)
+    elif ROUND_TO == 2:
+        y = out.to(tl.float16).to(tl.float32)
+    else:
+        y = out
+    ok = h_ok[:, None] & d_ok[None, :]
+    y = tl.where(ok, y, 0.0)
+    scale = tl.maximum(tl.max(tl.max(tl.abs(y), axis=1), axis=0), AMAX_MIN) / QMAX
+    tl.store(scale_ptr + seq, scale)
+    q = tl.minimum(tl.maximum(y * tl.math.div_rn(1.0, scale), -QMAX), QMAX)
+    tl.store(codes_ptr + seq * stride_cb + h[:, None] * HEAD_DIM + d[None, :], q.to(codes_ptr.dtype.element_ty),
+             mask=ok)
+
+
 def _decode_config(dtype: torch.dtype, pairs: int, head_dim: int) -> tuple[int, int]:
     """(block_n, num_warps) for ``pairs`` (sequence, kv head) programs a split.
 
@@ -231,20 +291,6 @@ def _decode_values_in_shift(quant: str | None) -> bool:
     8B heads, batch 64 x 4k context over shuffled slots, fp8 values as float16, 128 keys a tile,
     one split: 328 us against 406-421 with the tile-wide maximum of the scales (one run each)."""
     return quant is not None
-
-
-def _decode_max_registers(quant: str | None) -> int | None:
-    """The split kernel's register cap a thread (None: the compiler's choice). How many programs
-    share a multiprocessor, and so how many tiles are in flight on it, follows from the registers a
-    program takes: compiled for sm_90 at 128 keys a tile and depth 2, 4 warps, bfloat16 takes 128
-    (3 programs an SM, bound by shared memory), fp8 met as float16 183 (2 programs); capped at 168,
-    fp8 fits 3 without spilling (at 64 keys a tile, 128 fits 4). Unmeasured yet, so no cap."""
-    return None
-
-
-def _register_cap(max_registers: int | None) -> dict[str, int]:
-    """The launch option capping a kernel's registers, or nothing."""
-    return {} if max_registers is None else {"maxnreg": max_registers}
 
 
 #: Most splits of one sequence's context. The count is fixed by shapes (the slot table is as wide
@@ -295,8 +341,8 @@ def decode_attention_triton(
     ahead: bool | None = None,
     heads_together: bool | None = None,
     values_in_shift: bool | None = None,
-    max_registers: int | None = None,
-) -> torch.Tensor:
+    merged_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
     """Triton version of :func:`kernels.attention.decode_attention_ref` (split-K: two launches, one
     at one split); ``out``, ``table_rows``, ``quant`` and ``float16_codes`` as in
     :func:`kernels.attention_context.context_attention_triton`;
@@ -305,7 +351,7 @@ def decode_attention_triton(
     where no tile is read before the wait; ``heads_together``: the programs of one sequence's kv
     heads launch next to each other (:func:`_decode_heads_together`); ``values_in_shift``: value
     scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`);
-    ``max_registers``: a cap on the split kernel's registers a thread (:func:`_decode_max_registers`).
+    ``merged_codes``: see :func:`decode_attention_codes_triton` (None returned where it took them).
 
     Each sequence's keys but its newest (the last of its context) must have been stored before
     the kernel launched before this one: with dependent launches they are read while that kernel
@@ -379,10 +425,19 @@ def decode_attention_triton(
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(pdl),
-        **_register_cap(max_registers if max_registers is not None else _decode_max_registers(quant)),
     )
     if num_splits == 1:
         return out
+    if merged_codes is not None and _merge_codes_fits(num_q_heads, num_splits, block_d):
+        codes, scale = merged_codes
+        _decode_merge_codes_kernel[(batch,)](
+            part_out, part_lse, codes, scale, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1), codes.stride(0), NUM_HEADS=num_q_heads, HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits, BLOCK_H=next_pow2(num_q_heads), BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
+            ROUND_TO={torch.bfloat16: 1, torch.float16: 2}.get(out.dtype, 0), AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
+            USE_PDL=pdl, num_warps=8, **pdl_options(pdl),
+        )
+        return None
     _decode_merge_kernel[(batch, num_q_heads)](
         part_out,
         part_lse,
@@ -403,3 +458,40 @@ def decode_attention_triton(
         **pdl_options(pdl),
     )
     return out
+
+
+#: Most values (q heads x splits x head_dim, padded) one program of the merge into codes holds:
+#: 32 heads of 128 over 4 splits in 8 warps, 64 floats a thread.
+MERGE_CODES_MAX_VALUES = 32 * 4 * 128
+
+
+def _merge_codes_fits(num_q_heads: int, num_splits: int, block_d: int) -> bool:
+    return next_pow2(num_q_heads) * next_pow2(num_splits) * block_d <= MERGE_CODES_MAX_VALUES
+
+
+def decode_attention_codes_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    table_rows: torch.Tensor | None = None,
+    quant: str | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_attention_triton`'s output ``[B, Hq, D]`` as the input of an FP8 projection:
+    per-sequence e4m3 codes ``[B, Hq * D]`` and float32 scales ``[B, 1]``, those of
+    :func:`kernels.quant_matmul.act_quant_fp8_triton` over the output in q's dtype. Where the
+    context splits, the merge writes them (one program a sequence, :func:`_decode_merge_codes_kernel`):
+    a launch and a write and read of the output fewer than quantizing it after; else the output is
+    quantized after."""
+    batch, num_q_heads, head_dim = q.shape
+    codes = torch.empty((batch, num_q_heads * head_dim), dtype=torch.float8_e4m3fn, device=q.device)
+    scale = torch.empty((batch, 1), dtype=torch.float32, device=q.device)
+    out = decode_attention_triton(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale, table_rows=table_rows,
+                                  quant=quant, num_splits=num_splits, merged_codes=(codes, scale))
+    if out is None:
+        return codes, scale
+    return act_quant_fp8_triton(out.reshape(batch, num_q_heads * head_dim))

@@ -7,7 +7,8 @@ The codes are those the unfused path quantizes, so the products are the same.
 
 The qkv projection of a decode step that the FP8 GEMM serves also finishes its output there
 (:func:`norm_qkv_rotary_fp8`): rotary embedding and the KV store in the GEMM's epilogue, not a
-kernel of their own after it.
+kernel of their own after it. The decode attention's merge writes the o projection's codes
+(:func:`decode_attention_o_fp8`).
 """
 
 from __future__ import annotations
@@ -85,3 +86,17 @@ def norm_qkv_rotary_fp8(hidden: torch.Tensor, residual: torch.Tensor | None, nor
     kernels.store_kv(k_new.view(rows, -1, head_dim), v_new.view(rows, -1, head_dim), rotary.k_cache, rotary.v_cache,
                      rotary.slots, quant)
     return q.view(rows, heads, head_dim), residual
+
+
+def decode_attention_o_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
+                           ctx_lens: torch.Tensor, sm_scale: float, table_rows: torch.Tensor | None,
+                           quant: str | None, weight: Weight) -> torch.Tensor | None:
+    """``linear(decode_attention(q, ...), weight)`` of a decode step's rows ``q`` ``[T, heads,
+    head_dim]``, where the projection is an FP8 scaled product: the attention's split merge writes
+    the codes (:func:`kernels.decode_attention_codes`). None where it is not (the caller runs the
+    ops)."""
+    if not fused_fp8(q.reshape(q.shape[0], -1), weight):
+        return None
+    codes, scale = kernels.decode_attention_codes(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale,
+                                                  table_rows=table_rows, quant=quant)
+    return scaled_product(codes, scale, weight, q.dtype)

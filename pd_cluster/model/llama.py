@@ -17,7 +17,8 @@ import kernels
 from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
 from kernels.qkv_epilogue import QkvRotary
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.model.fp8_fused import norm_qkv_rotary_fp8, norm_then_linear, silu_then_linear
+from pd_cluster.model.fp8_fused import (decode_attention_o_fp8, norm_qkv_rotary_fp8, norm_then_linear,
+                                        silu_then_linear)
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
 from pd_cluster.model.prefill_sdpa import fresh_attention, fresh_spans, sdpa_applies
@@ -159,8 +160,14 @@ class LlamaModel:
         else:
             qkv, residual = norm_then_linear(hidden, residual, w.input_norm, cfg.rms_norm_eps, w.qkv, w.qkv_bias)
             q = self._rotary_store(index, w, qkv, batch, kv)
-        attn = self._attention(q, k_cache, v_cache, batch, prefill, kv.quant)
-        hidden = self._reduce(linear(attn.reshape(-1, self._q_size), w.o))
+        projected = None
+        if prefill is None:
+            projected = decode_attention_o_fp8(q, k_cache, v_cache, batch.slot_table, batch.ctx_lens, self.sm_scale,
+                                               batch.table_rows, kv.quant, w.o)
+        if projected is None:
+            attn = self._attention(q, k_cache, v_cache, batch, prefill, kv.quant)
+            projected = linear(attn.reshape(-1, self._q_size), w.o)
+        hidden = self._reduce(projected)
         if w.experts is not None:
             x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
             return routed_experts(x, w.experts, cfg.moe), residual

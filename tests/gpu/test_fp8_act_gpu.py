@@ -11,7 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import context_attention_triton
+from kernels import attention_decode
+from kernels.attention import (context_attention_triton, decode_attention_codes_triton, decode_attention_ref,
+                               decode_attention_triton)
+from kernels.kv_quant import quantize_rows
 from kernels.fp8_act import rms_norm_quant_fp8_ref, rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
 from kernels.quant_matmul import act_quant_fp8_triton
 from kernels.rms_norm import rms_norm, rms_norm_triton
@@ -109,6 +112,67 @@ def test_fp8_model_greedy_tokens_fused_or_not(small_model, monkeypatch):
     got = run()
     assert calls, "the fused path never ran"
     monkeypatch.setattr(fp8_fused, "fused_fp8", lambda x, w: False)
+    assert got == run()
+
+
+@pytest.mark.skipif(not FP8, reason="float8 conversions need compute capability 8.9")
+@pytest.mark.parametrize("kind", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("batch", [24, 64])
+def test_decode_attention_merge_writes_the_unfused_codes(kind, batch):
+    """The decode merge writing the o projection's codes (a program a sequence, 8B heads) gives
+    act_quant_fp8 of the merged output, bit for bit, at the split counts the launcher picks."""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    ctx = torch.randint(1, 1500, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    width = int(ctx.max())
+    slots = batch * width
+    table = torch.randperm(slots, device="cuda", generator=gen).view(batch, width)
+    k = torch.randn(slots, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(slots, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    if kind is not None:
+        k, v = quantize_rows(k.float(), kind), quantize_rows(v.float(), kind)
+    q = torch.randn(batch, 32, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    args = (q, k, v, table, ctx, 128**-0.5)
+    splits = attention_decode._decode_num_splits(batch, 8, width, attention_decode._decode_config(
+        q.dtype, batch * 8, 128)[0], q.device, per_sm=4 if kind is None else 2)
+    codes, scale = decode_attention_codes_triton(*args, quant=kind)
+    out = decode_attention_triton(*args, quant=kind)
+    want_codes, want_scale = act_quant_fp8_triton(out.reshape(batch, -1))
+    assert torch.equal(scale, want_scale), f"{splits} splits"
+    assert torch.equal(_bits(codes), _bits(want_codes)), f"{splits} splits"
+    ref = decode_attention_ref(q.float(), k if kind else k.float(), v if kind else v.float(), table, ctx, 128**-0.5,
+                               quant=kind)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2
+
+
+@pytest.mark.skipif(not SCALED_MM, reason="FP8 scaled products need compute capability 9.0")
+def test_fp8_decode_greedy_tokens_with_the_merge_writing_codes_or_not(small_model, monkeypatch):
+    """24 sequences decode through the FP8 GEMM (more rows than the weight-only kernels take): the
+    o projection's codes come from the attention's merge, or from quantizing its output after;
+    the codes are the same, so is every greedy token."""
+    prompts = [list(range(100 + i, 300 + 5 * i)) for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(model=str(small_model), device="cuda", dtype="bfloat16", max_total_tokens=16384,
+                  quantization="fp8", cuda_graphs=False)
+        try:
+            return [list(o.token_ids) for o in llm.generate(prompts, params)]
+        finally:
+            llm.close()
+
+    merged: list[int] = []
+    fits = attention_decode._merge_codes_fits
+
+    def counted(*shape: int) -> bool:
+        taken = fits(*shape)
+        merged.append(taken)
+        return taken
+
+    monkeypatch.setattr(attention_decode, "_merge_codes_fits", counted)
+    got = run()
+    assert any(merged), "the merge never wrote codes"
+    monkeypatch.setattr(attention_decode, "MERGE_CODES_MAX_VALUES", 0)
     assert got == run()
 
 

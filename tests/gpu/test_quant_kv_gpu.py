@@ -151,19 +151,6 @@ def test_decode_values_float16_or_as_codes_and_read_ahead(kind: str, values_floa
     _assert_close(out, decode_attention_ref(*args, quant=kind).to(torch.bfloat16), torch.bfloat16)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(("block_n", "max_registers"), [(128, 168), (64, 128), (64, 96)])
-def test_decode_under_a_register_cap_reads_quantized_kv_as_the_reference(kind: str, block_n: int,
-                                                                        max_registers: int) -> None:
-    # Capped registers (more programs an SM) change the kernel's allocation, not its arithmetic.
-    gen = torch.Generator().manual_seed(12)
-    ctx_lens = torch.randint(1, 1500, (64,), generator=gen).tolist()
-    batch, k_cache, v_cache = _quantized_batch(kind, torch.bfloat16, ctx_lens, [1] * 64, (32, 8), 128)
-    args = (batch.q.cuda(), k_cache, v_cache, batch.slot_table.cuda(), batch.ctx_lens.cuda(), 128**-0.5)
-    out = decode_attention_triton(*args, quant=kind, block_n=block_n, num_splits=1, max_registers=max_registers)
-    _assert_close(out, decode_attention_ref(*args, quant=kind).to(torch.bfloat16), torch.bfloat16)
-
-
 # ---------------------------------------------------------------------------------------------
 # The engine, with CUDA graphs
 # ---------------------------------------------------------------------------------------------

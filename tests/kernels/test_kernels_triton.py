@@ -34,6 +34,7 @@ from kernels.argmax import argmax_rows_ref, argmax_rows_triton, choose_ids_ref, 
 from kernels.attention import (
     context_attention_ref,
     context_attention_triton,
+    decode_attention_codes_triton,
     decode_attention_ref,
     decode_attention_triton,
 )
@@ -89,7 +90,8 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.attention_cont
                   "kernels.quant_matmul", "kernels.fp8_gemm", "kernels._gemv_blocks", "kernels.qkv_epilogue",
                   "kernels._rotary_epilogue"]  # fmt: skip
 # rms_norm, rotary, store_kv, silu_mul, the KV copy, context attention, its merge and their two tile
-# helpers (the tile's sequence, its rows), decode split and merge, the sampling kernel and its two
+# helpers (the tile's sequence, its rows), decode split and merges (by q head, and into an FP8
+# projection's codes), the sampling kernel and its two
 # helpers (a row block, the stream hash), the penalties, the few-row projection, its products (the
 # first weight tile, as float and as stored, the norm's tile, the products after the wait) and
 # their float16-pair products (the code words, the inputs in fours, a float16 pair, the fp8 and
@@ -99,7 +101,7 @@ KERNEL_MODULES = ["kernels.argmax", "kernels.attention", "kernels.attention_cont
 # inputs, the per-token FP8 activation quantization, the weight-only 8-bit GEMM, the FP8 GEMM and its
 # split-K sum; the split-K sum that finishes a qkv projection, and the rotary epilogue's helpers (the
 # tile's columns, a pair's rotation, a head's store and its halves', a tile's finish).
-NUM_KERNELS = 50
+NUM_KERNELS = 51
 
 
 def _nan_filled(alloc: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -950,6 +952,30 @@ class InterpretedCases:
             batch = _quantized(batch, kind)
         args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
         out = decode_attention_triton(*args, block_n=16, num_splits=2, quant=kind, heads_together=heads_together)
+        assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[torch.float16])
+
+    @pytest.mark.parametrize("kind", [None, "fp8_e4m3"])
+    @pytest.mark.parametrize("num_splits", [1, 3, 16], ids=["one-split", "merged-to-codes", "too-wide-to-merge"])
+    def test_decode_attention_codes_are_the_quantized_output(self, kind: str | None, num_splits: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+        # The merge writing an FP8 projection's codes (one program a sequence, all 6 q heads, a
+        # one-token context's empty splits) gives act_quant_fp8 of the output, bit for bit; one
+        # split, and more splits than a program holds (here 8 heads x 4 splits of 16), quantize
+        # the output after.
+        import kernels.attention_decode
+
+        monkeypatch.setattr(kernels.attention_decode, "MERGE_CODES_MAX_VALUES", 8 * 4 * 16)
+        batch = make_paged_batch([1, 17, 64, 33, 5], [1] * 5, 6, 2, 16, layout="shuffled", dtype=torch.float16,
+                                 seed=15)
+        if kind is not None:
+            batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        codes, scale = decode_attention_codes_triton(*args, quant=kind, num_splits=num_splits)
+        out = decode_attention_triton(*args, num_splits=num_splits, quant=kind)
+        want_codes, want_scale = act_quant_fp8_triton(out.reshape(5, -1))
+        assert kernels.attention_decode._merge_codes_fits(6, num_splits, 16) == (num_splits < 16)
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
         assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[torch.float16])
 
     @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])

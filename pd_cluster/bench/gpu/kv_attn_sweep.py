@@ -39,7 +39,6 @@ class Variant:
     ahead: bool | None = None
     heads_together: bool | None = None
     values_in_shift: bool | None = None
-    max_registers: int | None = None
 
     @property
     def label(self) -> str:
@@ -48,8 +47,7 @@ class Variant:
         v16 += {None: "", True: " vshift", False: " vmax"}[self.values_in_shift]
         return (f"{self.kind:8s} {f16}{v16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
                 f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
-                f"{ {None: '', True: ' heads', False: ' seqs'}[self.heads_together]}"
-                f"{'' if self.max_registers is None else f' r={self.max_registers}'}")
+                f"{ {None: '', True: ' heads', False: ' seqs'}[self.heads_together]}")
 
 
 def variants() -> list[Variant]:
@@ -92,23 +90,6 @@ def default_variants() -> list[Variant]:
             Variant(fp8, heads_together=False), Variant("int8", heads_together=False)]
 
 
-def register_variants() -> list[Variant]:
-    """Each kind's default launch, and fp8's (values as float16, one split unless given) under
-    register caps that let more programs share a multiprocessor (sm_90, 4 warps; programs an SM
-    by registers and shared memory, no spills at any cap): 128 keys a tile uncapped 183 registers,
-    2 programs; at 168, 3. 64 keys a tile uncapped 152, 3; at 128, 4; at 96, 5 (3 at depth 5,
-    bound by its shared memory)."""
-    fp8 = "fp8_e4m3"
-    return [Variant("bf16"), Variant(fp8), Variant("int8"),
-            Variant(fp8, block_n=128, num_splits=1, max_registers=168),
-            Variant(fp8, block_n=128, num_splits=2, max_registers=168),
-            Variant(fp8, block_n=64, num_splits=1), Variant(fp8, block_n=64, num_splits=1, max_registers=128),
-            Variant(fp8, block_n=64, num_splits=2, max_registers=128),
-            Variant(fp8, block_n=64, num_splits=1, max_registers=96),
-            Variant(fp8, block_n=64, num_stages=5, num_splits=1, max_registers=128),
-            Variant("int8", block_n=128, num_splits=1, max_registers=168)]
-
-
 def kv_caches(batch: int, ctx: int, kv_heads: int, head_dim: int, device: torch.device,
               gen: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The same keys and values as bfloat16 caches and as int8 and fp8 rows as a pool stores them."""
@@ -133,7 +114,6 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
         kwargs["ahead"] = variant.ahead
         kwargs["values_in_shift"] = variant.values_in_shift
     kwargs["heads_together"] = variant.heads_together
-    kwargs["max_registers"] = variant.max_registers
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)
 
@@ -162,10 +142,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--slots", choices=("shuffled", "contiguous"), default="shuffled",
                         help="each sequence's slots: shuffled over the pool (after churn) or one run")
-    parser.add_argument("--set", choices=("full", "defaults", "registers"), default="full",
-                        help="defaults: each kind's default launch (and fp8 values as codes); registers: fp8 "
-                             "under register caps beside each kind's default; both --repeat times, interleaved")
-    parser.add_argument("--repeat", type=int, default=1, help="times each variant is measured (defaults, registers)")
+    parser.add_argument("--set", choices=("full", "defaults"), default="full",
+                        help="defaults: each kind's default launch (and fp8 values as codes), --repeat times, "
+                             "interleaved")
+    parser.add_argument("--repeat", type=int, default=1, help="times each variant is measured (defaults)")
     parser.add_argument("--report", help="print the short table of this JSON (a sweep cut short) and exit")
     args = parser.parse_args(argv)
     if args.report:
@@ -193,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.set == "full":
         chosen = variants()
     else:  # interleaved repeats
-        chosen = (default_variants() if args.set == "defaults" else register_variants()) * args.repeat
+        chosen = default_variants() * args.repeat
     for variant in chosen:
         try:
             result = run_variant(variant, q, caches, table, ctx_lens, refs, device, args.reps)
