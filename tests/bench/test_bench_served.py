@@ -9,14 +9,8 @@ from pd_cluster.bench.serve.config import ServeBenchConfig
 from pd_cluster.bench.serve.records import RequestRecord
 from pd_cluster.bench.serve.runner import RateResult, SweepResult
 from pd_cluster.bench.serve.workloads import build_workload
-from pd_cluster.bench.served import (
-    cold_start,
-    markdown,
-    overload_counts,
-    placement_table,
-    sampled_sweep_config,
-    sampled_vs_greedy,
-)
+from pd_cluster.bench.local_process import placement_table
+from pd_cluster.bench.served import cold_start, markdown, overload_counts, sampled_sweep_config, sampled_vs_greedy
 from pd_cluster.local_cluster import format_placement_table
 
 

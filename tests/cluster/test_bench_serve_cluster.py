@@ -12,7 +12,7 @@ import pytest
 
 from pd_cluster.bench.serve.plots import PLOT_FILES
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.bench.served import LocalClusterProcess
+from pd_cluster.bench.local_process import LocalClusterProcess
 from tests.cluster_harness import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -110,7 +110,7 @@ def test_multi_turn_later_turns_reuse_the_cached_history(cluster, tmp_path, kv_b
 
 def test_the_served_suite_records_each_nodes_batch_limit_and_kv_size(cluster, monkeypatch):
     """The figures say what each node ran with: its batch limit (auto on decode) and KV tokens."""
-    from pd_cluster.bench.served import node_capacities
+    from pd_cluster.bench.local_process import node_capacities
 
     monkeypatch.setenv("PD_CLUSTER_HOME", str(cluster.log_path.parent))
     nodes = node_capacities(cluster.url)

@@ -27,7 +27,7 @@ import openai
 import pytest
 import torch
 
-from pd_cluster.bench.served import LocalClusterProcess, placement_table
+from pd_cluster.bench.local_process import LocalClusterProcess, placement_table
 from tests.cluster_harness import free_port, wait_until
 
 pytestmark = [
