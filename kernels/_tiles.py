@@ -289,15 +289,28 @@ def float16_rows(q):
 @triton.jit
 def attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok, start, end, scale_log2,
                 stride_ks, stride_kh, stride_vs, stride_vh, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, V_IN_SHIFT: tl.constexpr = False):
+                HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, V_IN_SHIFT: tl.constexpr = False,
+                SLOTS_AHEAD: tl.constexpr = False):
     """:func:`attend_tile` over key positions ``[start, end)`` of one sequence, ``BLOCK_N`` at a
     time, each tile's slots read from its request-table row ``table_row``; ``QUANT`` as in
-    :func:`load_kv_tile`."""
+    :func:`load_kv_tile`.
+
+    ``SLOTS_AHEAD``: each iteration reads the next tile's slots, so a tile's KV loads depend on a
+    value the loop carries rather than on a load of the same iteration; Triton's pipeliner then
+    gives them ``num_stages - 1`` buffers, and a tile's bytes stay in flight while the one before
+    is computed (reading its slots in the iteration that loads it, the loads get one buffer at
+    any depth, issued after the compute and waited for at the top of the next iteration)."""
     n_offs = tl.arange(0, BLOCK_N)
+    if SLOTS_AHEAD:
+        slots_next = tl.load(table_row + start + n_offs, mask=start + n_offs < end, other=0)
     for first in range(start, end, BLOCK_N):
         n = first + n_offs
         n_ok = n < end
-        slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
+        if SLOTS_AHEAD:
+            slots = slots_next.to(tl.int64)
+            slots_next = tl.load(table_row + n + BLOCK_N, mask=n + BLOCK_N < end, other=0)
+        else:
+            slots = tl.load(table_row + n, mask=n_ok, other=0).to(tl.int64)
         k, v, k_scale, v_scale = load_kv_tile(k_cache_ptr, v_cache_ptr, slots, kv_head, d,
                                               n_ok[:, None] & d_ok[None, :], stride_ks, stride_kh, stride_vs,
                                               stride_vh, n_ok, HEAD_DIM, QUANT)

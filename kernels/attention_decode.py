@@ -12,7 +12,7 @@ from kernels import _tiles
 from kernels._attention_common import _LOG2E, _q_float16, attention_launch
 from kernels.kv_quant import QUANT_CODES
 from kernels.quant_matmul import AMAX_FLOOR, FP8_MAX, act_quant_fp8_triton
-from kernels._triton import cdiv, dot_precision, next_pow2, pdl_options, pdl_wait, tl, triton, use_pdl
+from kernels._triton import _capability, cdiv, dot_precision, next_pow2, pdl_options, pdl_wait, tl, triton, use_pdl
 
 
 def _decode_quant_code(quant: str | None, q_float16: bool, values_float16: bool | None) -> int:
@@ -71,6 +71,7 @@ def _decode_split_kernel(
     AHEAD: tl.constexpr,
     HEADS_TOGETHER: tl.constexpr,
     V_IN_SHIFT: tl.constexpr,
+    SLOTS_AHEAD: tl.constexpr,
 ):
     if HEADS_TOGETHER:
         kv_head = tl.program_id(0)
@@ -143,7 +144,7 @@ def _decode_split_kernel(
     else:
         acc, m_i, l_i = _tiles.attend_keys(q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, table_row, kv_head, d, d_ok,
                                            lo, hi, scale_log2, stride_ks, stride_kh, stride_vs, stride_vh,
-                                           BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT)
+                                           BLOCK_N, DOT_PRECISION, HEAD_DIM, QUANT, V_IN_SHIFT, SLOTS_AHEAD)
 
     # An empty split reports lse = -inf and weighs nothing in the merge.
     has_keys = l_i > 0.0
@@ -266,12 +267,29 @@ def _decode_config(dtype: torch.dtype, pairs: int, head_dim: int) -> tuple[int, 
     return (64 if pairs <= 16 else 32 if pairs < 512 else 128), 4
 
 
-def _decode_stages(quant: str | None) -> int:
-    """Pipeline depth of the decode kernel's key loop: 2 for every cache kind. Measured on an H200
-    over 16-byte aligned quantized rows (8B heads, batch 64 x 4k context, fp8 met by q as float16,
-    128 keys a tile, ``kv_attn_sweep``): 357 us at depth 2 against 385 at 1 and 442 at 3 (over
-    132-byte rows, which no load could read 16 bytes at a time, depth 1 had measured best)."""
-    return 2
+def _decode_slots_ahead(quant: str | None, device: torch.device) -> bool:
+    """Whether the key loop reads each next tile's slots a tile ahead (``SLOTS_AHEAD`` of
+    :func:`kernels._tiles.attend_keys`), its KV loads double-buffered at depth 3: fp8 e4m3 on
+    Hopper and later (two programs an SM of 108 KB of shared memory each), where no tile is read
+    before the wait (more than :data:`PREFETCH_MAX_HEADS` pairs). Measured on an H200,
+    the engine's step (8B shape, batch 64, graphs, three interleaved repeats): fp8 KV at 4k
+    context 13.51 against 13.68 ms (1k: 7.66 / 7.67); depth 4 (one program an SM) 16.46; bf16 at
+    depth 3 15.26 against 13.01, so bf16 and int8 (not measured) keep the loop as it was."""
+    return quant == "fp8_e4m3" and device.type == "cuda" and _capability(_index(device))[0] >= 9
+
+
+def _decode_stages(quant: str | None, slots_ahead: bool) -> int:
+    """Pipeline depth of the decode kernel's key loop: 3 with the slots a tile ahead (above), else
+    2. Measured on an H200 over 16-byte aligned quantized rows (8B heads, batch 64 x 4k context,
+    fp8 met by q as float16, 128 keys a tile, ``kv_attn_sweep``): 357 us at depth 2 against 385
+    at 1 and 442 at 3 (over 132-byte rows, which no load could read 16 bytes at a time, depth 1
+    had measured best); deeper, each tile's slots read in its own iteration left the loads one
+    buffer."""
+    return 3 if slots_ahead else 2
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _decode_heads_together(quant: str | None) -> bool:
@@ -368,7 +386,9 @@ def decode_attention_triton(
         return out
     default_n, default_warps = _decode_config(q.dtype, batch * num_kv_heads, head_dim)
     block_n, num_warps = block_n or default_n, num_warps or default_warps
-    num_stages = num_stages or _decode_stages(quant)
+    prefetch = batch * num_kv_heads <= PREFETCH_MAX_HEADS
+    slots_ahead = _decode_slots_ahead(quant, q.device) and not ahead and not prefetch
+    num_stages = num_stages or _decode_stages(quant, slots_ahead)
     if num_splits is None:
         num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device,
                                         per_sm=4 if quant is None else 2)
@@ -386,45 +406,17 @@ def decode_attention_triton(
         heads_together = _decode_heads_together(quant)
     grid = (num_kv_heads, batch, num_splits) if heads_together else (batch, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        slot_table,
-        ctx_lens,
-        table_rows if table_rows is not None else ctx_lens,
-        part_out,
-        part_lse,
-        sm_scale * _LOG2E,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        slot_table.stride(0),
-        part_out.stride(0),
-        part_out.stride(1),
-        part_out.stride(2),
-        part_lse.stride(0),
-        part_lse.stride(1),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, next_pow2(group)),
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype),
-        PREFETCH=batch * num_kv_heads <= PREFETCH_MAX_HEADS,
-        HAS_ROWS=table_rows is not None,
-        USE_PDL=pdl,
-        QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16),
-        Q_F16=q_f16,
-        AHEAD=bool(ahead),
-        HEADS_TOGETHER=heads_together,
+        q, k_cache, v_cache, slot_table, ctx_lens, table_rows if table_rows is not None else ctx_lens, part_out,
+        part_lse, sm_scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), slot_table.stride(0), part_out.stride(0), part_out.stride(1),
+        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), GROUP=group, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
+        HAS_ROWS=table_rows is not None, USE_PDL=pdl,
+        QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16), Q_F16=q_f16,
+        AHEAD=bool(ahead), HEADS_TOGETHER=heads_together,
         V_IN_SHIFT=_decode_values_in_shift(quant) if values_in_shift is None else values_in_shift,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl_options(pdl),
+        SLOTS_AHEAD=slots_ahead, num_warps=num_warps, num_stages=num_stages, **pdl_options(pdl),
     )
     if num_splits == 1:
         return out

@@ -939,6 +939,25 @@ class InterpretedCases:
         out = decode_attention_triton(*args, block_n=16, num_splits=2, num_stages=1, quant=kind, ahead=True)
         assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[dtype])
 
+    @pytest.mark.parametrize("kind", [None, "int8", "fp8_e4m3"])
+    def test_decode_attention_triton_reading_slots_a_tile_ahead_matches_the_reference(
+        self, kind: str | None, monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        # The key loop reads each next tile's slots a tile ahead (Hopper's default for fp8 KV at
+        # many pairs): a one-token context (the read past its end masked), a tile and a token past
+        # it, several tiles a split, splits left empty.
+        import kernels.attention_decode
+
+        monkeypatch.setattr(kernels.attention_decode, "PREFETCH_MAX_HEADS", 0)
+        monkeypatch.setattr(kernels.attention_decode, "_decode_slots_ahead", lambda quant, device: True)
+        batch = make_paged_batch([1, 17, 64, 33, 5], [1] * 5, 6, 3, 16, layout="shuffled", dtype=torch.float16,
+                                 seed=18)
+        if kind is not None:
+            batch = _quantized(batch, kind)
+        args = (batch.q, batch.k_cache, batch.v_cache, batch.slot_table, batch.ctx_lens, 0.25)
+        out = decode_attention_triton(*args, block_n=16, num_splits=3, quant=kind)
+        assert_matches(out, decode_attention_ref(*args, quant=kind), *ATTENTION_TOL[torch.float16])
+
     @pytest.mark.parametrize("kind", [None, "fp8_e4m3"])
     @pytest.mark.parametrize("heads_together", [True, False], ids=["heads-first", "sequences-first"])
     def test_decode_attention_triton_in_either_grid_order_matches_the_reference(
