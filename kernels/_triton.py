@@ -46,8 +46,7 @@ def use_triton_kv(quant: str | None, *tensors: torch.Tensor) -> bool:
         return False
     if quant != "fp8_e4m3":
         return True
-    index = tensors[0].device.index if tensors[0].device.index is not None else torch.cuda.current_device()
-    return _capability(index) >= (8, 9)
+    return _capability(device_index(tensors[0].device)) >= (8, 9)
 
 
 def require_triton() -> None:
@@ -93,6 +92,11 @@ def set_pdl(enabled: bool) -> None:
     _pdl_enabled = enabled
 
 
+def device_index(device: torch.device) -> int:
+    """A CUDA device's index; the current device where ``device`` names none (``"cuda"``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -107,8 +111,7 @@ def use_pdl(t: torch.Tensor) -> bool:
     GPU of compute capability 9 or above)."""
     if not (_pdl_enabled and HAS_TRITON and t.is_cuda) or _INTERPRETED:
         return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    return _compute_capability(index) >= 9
+    return _compute_capability(device_index(t.device)) >= 9
 
 
 def pdl_options(enabled: bool) -> dict[str, Any]:

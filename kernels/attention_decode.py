@@ -12,7 +12,8 @@ from kernels import _tiles
 from kernels._attention_common import _LOG2E, _q_float16, attention_launch
 from kernels.kv_quant import QUANT_CODES
 from kernels.quant_matmul import AMAX_FLOOR, FP8_MAX, act_quant_fp8_triton
-from kernels._triton import _capability, cdiv, dot_precision, next_pow2, pdl_options, pdl_wait, tl, triton, use_pdl
+from kernels._triton import (_capability, cdiv, device_index, dot_precision, next_pow2, pdl_options, pdl_wait, tl,
+                             triton, use_pdl)
 
 
 def _decode_quant_code(quant: str | None, q_float16: bool, values_float16: bool | None) -> int:
@@ -275,7 +276,7 @@ def _decode_slots_ahead(quant: str | None, device: torch.device) -> bool:
     the engine's step (8B shape, batch 64, graphs, three interleaved repeats): fp8 KV at 4k
     context 13.51 against 13.68 ms (1k: 7.66 / 7.67); depth 4 (one program an SM) 16.46; bf16 at
     depth 3 15.26 against 13.01, so bf16 and int8 (not measured) keep the loop as it was."""
-    return quant == "fp8_e4m3" and device.type == "cuda" and _capability(_index(device))[0] >= 9
+    return quant == "fp8_e4m3" and device.type == "cuda" and _capability(device_index(device))[0] >= 9
 
 
 def _decode_stages(quant: str | None, slots_ahead: bool) -> int:
@@ -286,10 +287,6 @@ def _decode_stages(quant: str | None, slots_ahead: bool) -> int:
     had measured best); deeper, each tile's slots read in its own iteration left the loads one
     buffer."""
     return 3 if slots_ahead else 2
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _decode_heads_together(quant: str | None) -> bool:
