@@ -62,13 +62,19 @@ def test_quant_and_beam_parts_measure_like_for_like_and_report_their_keys(tmp_pa
 
 def test_quant_repeats_time_both_engines_each_repeat_and_take_the_median_ratio():
     """Two repeats on the tiny model (int8 standing in on a CPU): each key holds a ratio a repeat,
-    each the repeat's own fp8 step over its bf16 step, and their median."""
+    each the repeat's own quantized step over its bf16 step, and their median; the weights' keys
+    at the sweep's context, the KV key's at the KV-heavy one; ``kv=False``: the weights' alone."""
     plan = _tiny_plan()
     result = measure(plan, torch.device("cpu"), repeats=2)
-    assert result["quantization"] == "int8" and result["repeats"] == 2
-    assert set(result["keys"]) == {"fp8_weights_decode_b1_vs_bf16", f"fp8_weights_decode_b{plan.key_batch}_vs_bf16"}
-    for row in result["keys"].values():
+    assert result["quantization"] == "int8" and result["repeats"] == 2 and result["kv_cache_dtype"] == "fp8_e4m3"
+    big = f"b{plan.key_batch}"
+    assert set(result["keys"]) == {"fp8_weights_decode_b1_vs_bf16", f"fp8_weights_decode_{big}_vs_bf16",
+                                   f"fp8_kv_decode_{big}_ctx{plan.kv_heavy_ctx}_vs_bf16"}
+    for key, row in result["keys"].items():
         assert len(row["ratios"]) == 2
+        assert row["context"] == (plan.kv_heavy_ctx if key.startswith("fp8_kv") else plan.decode_ctx)
         for ratio, fp8, bf16 in zip(row["ratios"], row["fp8_step_ms"], row["bf16_step_ms"]):
             assert fp8 > 0 and bf16 > 0 and ratio == fp8 / bf16
         assert row["median"] == statistics.median(row["ratios"])
+    assert set(measure(plan, torch.device("cpu"), repeats=1, kv=False)["keys"]) == {
+        "fp8_weights_decode_b1_vs_bf16", f"fp8_weights_decode_{big}_vs_bf16"}
