@@ -111,9 +111,11 @@ class ServicePair:
 
 
 async def start_pair(model_dir, *, loopback: bool = True, share: bool = False, block_size: int = 16,
-                     p_tp: int = 1, d_tp: int = 1, d_kv_dtype: str = "auto", **p_options) -> ServicePair:
+                     p_tp: int = 1, d_tp: int = 1, d_kv_dtype: str = "auto", p_kv_dtype: str = "auto",
+                     **p_options) -> ServicePair:
     """Both services started (no engine warm-up), P's and D's engines of ``p_tp`` and ``d_tp``
-    ranks (D's KV cache storing ``d_kv_dtype``); ``p_options`` go to the PrefillService."""
+    ranks (their KV caches storing ``p_kv_dtype`` and ``d_kv_dtype``); ``p_options`` go to the
+    PrefillService."""
     pair = ServicePair()
     pair.d = DecodeService(engine_config(model_dir, block_size, d_tp, d_kv_dtype), node_id="d0", cluster_token=TOKEN,
                            on_tokens=pair.on_tokens, share_kv_pool=share, warm_up=False, listen=not loopback)
@@ -124,7 +126,7 @@ async def start_pair(model_dir, *, loopback: bool = True, share: bool = False, b
         pair.address = LOOPBACK_ADDRESS
     else:
         pair.address = pair.d.data_address
-    pair.p = PrefillService(engine_config(model_dir, block_size, p_tp), node_id="p0", cluster_token=TOKEN, warm_up=False,
-                            lease_s=30.0, channels=pair.loopback, **p_options)
+    pair.p = PrefillService(engine_config(model_dir, block_size, p_tp, p_kv_dtype), node_id="p0", cluster_token=TOKEN,
+                            warm_up=False, lease_s=30.0, channels=pair.loopback, **p_options)
     await pair.p.start()
     return pair

@@ -13,6 +13,12 @@ import torch
 
 #: What an armed pool's free slots hold: no key or value a model writes equals it everywhere.
 SENTINEL = 1234.5
+#: The same for a quantized pool's bytes (a written row, codes and scale, is never all of it).
+BYTE_SENTINEL = 0xAB
+
+
+def sentinel(cache: torch.Tensor) -> float | int:
+    return BYTE_SENTINEL if cache.dtype == torch.uint8 else SENTINEL
 
 
 class PoolWrites:
@@ -95,8 +101,8 @@ class RankWrites:
         free = torch.from_numpy(self.service.engine.pool._is_free.copy())
         self._before = []
         for pool in self.pools:
-            pool.k_cache[:, free] = SENTINEL
-            pool.v_cache[:, free] = SENTINEL
+            pool.k_cache[:, free] = sentinel(pool.k_cache)
+            pool.v_cache[:, free] = sentinel(pool.v_cache)
             self._before.append((pool.k_cache.clone(), pool.v_cache.clone()))
 
     def _changed(self) -> list[tuple[int, frozenset[int]]]:

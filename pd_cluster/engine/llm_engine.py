@@ -107,7 +107,8 @@ class LLMEngine:
             self.tp = TPLeader(config.tp, str(self.model_path), self.dtype_name, self.device,
                                config.fused_decode_rows, load_format=config.load_format,
                                quantization=config.quantization,
-                               all_reduce_mode=config.tp_allreduce)
+                               all_reduce_mode=config.tp_allreduce,
+                               kv_dtype="" if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
         weights = load_weights(self.model_path, self.model_config, torch_dtype(self.dtype_name), self.device,
                                self.shard, config.load_format, quantization=config.quantization)
         self.model = LlamaModel(self.model_config, weights, self.device, fused_rows=config.fused_decode_rows,
@@ -141,9 +142,6 @@ class LLMEngine:
             block_size=config.block_size,
             kv_dtype=config.resolved_kv_dtype(str(self.device)),
         )
-        if self.kv_spec.quantized and config.tp > 1:
-            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} needs --tp 1 (a rank's pool stores the "
-                             "model dtype)")
         #: What this rank's pool holds: its own heads (every head at TP 1), as each rank's does.
         self.rank_kv_spec = rank_kv_spec(self.model_config, self.shard, self.dtype_name, config.block_size,
                                          self.kv_spec.kv_dtype)

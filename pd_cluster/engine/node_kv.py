@@ -58,7 +58,7 @@ class NodeKV:
         return self._heads.gather(slots)
 
     def scatter(self, buffer: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``buffer`` (every head, ``[2, L, n, heads, head_dim]``) into ``slots`` on every
+        """Write ``buffer`` (every head, ``[2, L, n, heads, row_width]``) into ``slots`` on every
         rank, before any step reads them."""
         if self._tp is None or self._heads is None:
             kernels.scatter_kv(buffer, self.pool.k_cache, self.pool.v_cache, slots)

@@ -10,7 +10,9 @@ node's boundary, once per handover, never per step:
 - receiving (a decode node): rank 0 gets every head and hands each rank the buffer
   (:meth:`KVHeads.take`, after a broadcast over the model group), each keeping its own heads.
 
-Buffers have the layout of :func:`kernels.gather_kv`: ``[2, layers, n, heads, head_dim]``.
+Buffers have the layout of :func:`kernels.gather_kv`: ``[2, layers, n, heads, row_width]``
+(:attr:`~pd_cluster.kv_spec.KVSpec.row_width`: ``head_dim`` values, or a quantized pool's rows as a
+handover moves them, codes and scale); every rank's pool stores the node's KV dtype.
 """
 
 from __future__ import annotations

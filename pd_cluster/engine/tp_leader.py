@@ -59,7 +59,7 @@ class TPLeader:
     def __init__(self, size: int, model_path: str, dtype: str, device: torch.device, fused_rows: int | None,
                  on_lost: Callable[[str], None] = exit_node, step_timeout_s: float = STEP_TIMEOUT_S,
                  keep_alive_s: float = KEEP_ALIVE_S, load_format: str = "safetensors",
-                 all_reduce_mode: str = "auto", quantization: str = "none") -> None:
+                 all_reduce_mode: str = "auto", quantization: str = "none", kv_dtype: str = "") -> None:
         self.size = size
         self.on_lost = on_lost
         self._keep_alive_s = keep_alive_s
@@ -75,7 +75,7 @@ class TPLeader:
                             fused_rows=fused_rows, rank=rank, size=size, store_host="127.0.0.1",
                             store_port=store.port, parent_pid=os.getpid(), step_timeout_s=step_timeout_s,
                             idle_timeout_s=6 * keep_alive_s, load_format=load_format,
-                            all_reduce_mode=all_reduce_mode, quantization=quantization)
+                            all_reduce_mode=all_reduce_mode, quantization=quantization, kv_dtype=kv_dtype)
             self._procs.append(subprocess.Popen([sys.executable, "-m", "pd_cluster.engine.tp_rank",
                                                  spec.model_dump_json()]))
         for rank, proc in enumerate(self._procs, start=1):

@@ -63,7 +63,7 @@ class RankLoop:
         self.model = LlamaModel(config, weights, self.device, fused_rows=spec.fused_rows, shard=shard,
                                 all_reduce=self.group.all_reduce)
         num_slots = int(store.get("num_slots"))
-        self.pool = KVPool(rank_kv_spec(config, shard, spec.dtype), num_slots, self.device)
+        self.pool = KVPool(rank_kv_spec(config, shard, spec.dtype, kv_dtype=spec.kv_dtype), num_slots, self.device)
         self.heads = KVHeads(self.group, config, self.pool)
         self.config = config
         #: With CUDA graphs (:attr:`Op.CAPTURE`): rank 0's request table, followed write by write.
@@ -119,10 +119,11 @@ class RankLoop:
         self.graphs.capture()
 
     def _put_kv(self, slots: torch.Tensor) -> None:
+        # Every head's rows as a handover moves them (a quantized pool's: packed codes and scales).
         n = slots.numel()
         cfg = self.config
-        kv = torch.empty((2, cfg.num_layers, n, cfg.num_kv_heads, cfg.head_dim), dtype=self.pool.k_cache.dtype,
-                         device=self.device)
+        kv = torch.empty((2, cfg.num_layers, n, cfg.num_kv_heads, self.pool.spec.row_width),
+                         dtype=self.pool.k_cache.dtype, device=self.device)
         self.group.broadcast_model(kv)
         self.heads.take(kv, slots)
 

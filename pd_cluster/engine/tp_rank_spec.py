@@ -17,6 +17,8 @@ class RankSpec(BaseModel):
     load_format: Literal["safetensors", "dummy"] = "safetensors"
     all_reduce_mode: Literal["auto", "nccl", "oneshot"] = "auto"
     quantization: Literal["none", "int8", "fp8", "fp8_mixed"] = "none"
+    #: What the KV pool stores: the model dtype (empty), or a quantized kind.
+    kv_dtype: Literal["", "int8", "fp8_e4m3"] = ""
     rank: int = Field(ge=1)
     size: int = Field(ge=2)
     store_host: str

@@ -58,3 +58,14 @@ def test_quantized_weights_choose_the_unquantized_tokens(unquantized_run, quanti
 def test_quantized_tp2_equals_tp1_token_for_token(kv4_model, quantization):  # noqa: F811
     options = {"max_num_batched_tokens": 8, "quantization": quantization}
     assert _generate(str(kv4_model), 2, PROMPTS, **options) == _generate(str(kv4_model), 1, PROMPTS, **options)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_tp2_equals_tp1_token_for_token(kv4_model, kv_cache_dtype):  # noqa: F811
+    # Each rank's pool stores its own heads' quantized rows (a row's scale is its own token and
+    # head's, whatever the split); chunked prefill and a prefix hit read rows stored earlier.
+    options = {"max_num_batched_tokens": 8, "kv_cache_dtype": kv_cache_dtype}
+    tokens = _generate(str(kv4_model), 2, PROMPTS, **options)
+    assert tokens == _generate(str(kv4_model), 1, PROMPTS, **options)
+    assert tokens != _generate(str(kv4_model), 1, PROMPTS, max_num_batched_tokens=8)  # the rows are quantized
+
