@@ -5,7 +5,11 @@ a ``weight_scale`` per output channel or per tensor) and ``fbgemm_fp8`` (Meta's 
 releases: float8 weights with a per-channel ``weight_scale``; the modules it leaves out stay in
 the checkpoint's dtype). The loader tells quantized matrices by their ``weight_scale`` tensor;
 activation scales in the files (``input_scale``, ``input_scale_ub``) are not used: activations
-are quantized per token as they come. Any other method or scheme is refused naming its field.
+are quantized per token as they come. A ``kv_cache_scheme`` (an "FP8-KV" release: a static scale
+a layer for its keys and one for its values) loads too, its scales unused: the KV cache stores
+what the node's ``--kv-cache-dtype`` says, quantized with a scale per token and KV head, which
+follows each row's own range where one scale a layer must cover the largest. Any other method
+or scheme is refused naming its field.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ CHECKPOINT_METHODS = ("compressed-tensors", "fbgemm_fp8")
 #: Tensor-name suffixes of a quantized projection besides its weight, read with it or skipped.
 SCALE_SUFFIX = "weight_scale"
 ACTIVATION_SCALE_SUFFIXES = ("input_scale", "input_scale_ub")
+#: Tensor-name suffixes of a ``kv_cache_scheme``'s static scales (the attention module's, and the
+#: older form on the k and v projections' outputs), skipped.
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.q_scale", "self_attn.prob_scale",
+                     "k_proj.output_scale", "v_proj.output_scale")
 
 
 def checkpoint_quantization(raw: dict | None) -> str | None:
@@ -32,8 +40,6 @@ def checkpoint_quantization(raw: dict | None) -> str | None:
     if fmt != "float-quantized":
         raise ValueError(f"quantization_config: compressed-tensors format {fmt!r} is not supported "
                          "(float-quantized only)")
-    if raw.get("kv_cache_scheme"):
-        raise ValueError("quantization_config: kv_cache_scheme is not supported (the KV cache dtype is the engine's)")
     for name, group in (raw.get("config_groups") or {}).items():
         _check_weights(name, group.get("weights") or {})
     return method

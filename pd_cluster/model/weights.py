@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pd_cluster.model.checkpoint_quant import ACTIVATION_SCALE_SUFFIXES, SCALE_SUFFIX
+from pd_cluster.model.checkpoint_quant import ACTIVATION_SCALE_SUFFIXES, KV_SCALE_SUFFIXES, SCALE_SUFFIX
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.dummy_weights import DummyTensors
 from pd_cluster.model.hf_names import dense_mlp_names, expert_names, layer_prefix, router_name
@@ -163,6 +163,11 @@ def load_weights(
     lm_head = embed if tied else reader.take("lm_head.weight")
     weights = ModelWeights(embed=embed, layers=layers, final_norm=reader.take("model.norm.weight"), lm_head=lm_head)
     reader.taken.add("lm_head.weight")
+    kv_scales = [n for n in files.names() if n.endswith(KV_SCALE_SUFFIXES)]
+    if kv_scales:
+        reader.taken.update(kv_scales)
+        logger.info("the checkpoint's %d static KV cache scales are not used: the KV cache stores --kv-cache-dtype, "
+                    "with a scale per token and KV head", len(kv_scales))
     leftovers = [n for n in files.names() if n not in reader.taken and "rotary_emb" not in n]
     if leftovers:
         logger.warning("ignored %d unused tensors, e.g. %s", len(leftovers), leftovers[:3])

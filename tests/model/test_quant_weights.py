@@ -168,6 +168,39 @@ def test_an_fp8_checkpoint_generates_the_tokens_of_its_dequantized_weights(tiny_
     assert tokens["fp8"] == tokens["ref"]
 
 
+#: An "FP8-KV" release's kv_cache_scheme: one static scale a layer for the keys, one for the values.
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+
+
+def test_an_fp8_kv_checkpoint_loads_and_its_static_kv_scales_go_unused(tiny_model, caplog):
+    """The weights load with their own scales as without the scheme (the same logits), the
+    static KV scales in both of their published spellings count as known (no "unused tensors"
+    warning, one line that says they are not used), and the engine serves it with fp8 KV."""
+    qconfig = {**COMPRESSED_TENSORS, "kv_cache_scheme": KV_CACHE_SCHEME}
+    fp8, _ = _write_fp8_checkpoint(tiny_model, tiny_model.parent / "fp8kv", qconfig)
+    plain, _ = _write_fp8_checkpoint(tiny_model, tiny_model.parent / "fp8plain", COMPRESSED_TENSORS)
+    state = read_state_dict(fp8)
+    for layer in range(ModelConfig.from_path(fp8).num_layers):
+        prefix = f"model.layers.{layer}.self_attn."
+        if layer % 2:  # the older spelling, on the projections' outputs
+            state[prefix + "k_proj.output_scale"], state[prefix + "v_proj.output_scale"] = (torch.tensor([0.02]),
+                                                                                          torch.tensor([0.03]))
+        else:
+            state[prefix + "k_scale"], state[prefix + "v_scale"] = torch.tensor(0.02), torch.tensor(0.03)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fp8 / "model.safetensors"))
+    with caplog.at_level("INFO", logger="pd_cluster.model.weights"):
+        logits = _prompt_logits(fp8, "fp8")
+    assert "unused tensors" not in caplog.text and "static KV cache scales are not used" in caplog.text
+    assert torch.equal(logits, _prompt_logits(plain, "fp8"))
+    llm = LLM(model=str(fp8), device="cpu", dtype="float32", quantization="fp8", kv_cache_dtype="fp8_e4m3",
+              max_total_tokens=512)
+    try:
+        [out] = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(out.token_ids) == 4 and llm.engine.kv_spec.kv_dtype == "fp8_e4m3"
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("qconfig, field", [
     ({"quant_method": "gptq"}, "gptq"),
     ({**COMPRESSED_TENSORS, "format": "pack-quantized"}, "format"),
