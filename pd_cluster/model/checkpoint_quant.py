@@ -19,10 +19,12 @@ CHECKPOINT_METHODS = ("compressed-tensors", "fbgemm_fp8")
 #: Tensor-name suffixes of a quantized projection besides its weight, read with it or skipped.
 SCALE_SUFFIX = "weight_scale"
 ACTIVATION_SCALE_SUFFIXES = ("input_scale", "input_scale_ub")
-#: Tensor-name suffixes of a ``kv_cache_scheme``'s static scales (the attention module's, and the
-#: older form on the k and v projections' outputs), skipped.
-KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.q_scale", "self_attn.prob_scale",
-                     "k_proj.output_scale", "v_proj.output_scale")
+#: Tensor-name suffixes of the static KV scales FP8-KV releases carry, skipped: the attention
+#: module's (and its one older scale for both), ModelOpt's on the k and v projections, and the
+#: older form on those projections' outputs.
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale", "self_attn.q_scale",
+                     "self_attn.prob_scale", "k_proj.k_scale", "v_proj.v_scale", "k_proj.output_scale",
+                     "v_proj.output_scale")
 
 
 def checkpoint_quantization(raw: dict | None) -> str | None:

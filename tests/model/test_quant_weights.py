@@ -174,19 +174,17 @@ KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic":
 
 def test_an_fp8_kv_checkpoint_loads_and_its_static_kv_scales_go_unused(tiny_model, caplog):
     """The weights load with their own scales as without the scheme (the same logits), the
-    static KV scales in both of their published spellings count as known (no "unused tensors"
+    static KV scales in each of their published spellings count as known (no "unused tensors"
     warning, one line that says they are not used), and the engine serves it with fp8 KV."""
     qconfig = {**COMPRESSED_TENSORS, "kv_cache_scheme": KV_CACHE_SCHEME}
     fp8, _ = _write_fp8_checkpoint(tiny_model, tiny_model.parent / "fp8kv", qconfig)
     plain, _ = _write_fp8_checkpoint(tiny_model, tiny_model.parent / "fp8plain", COMPRESSED_TENSORS)
     state = read_state_dict(fp8)
+    spellings = [("k_scale", "v_scale"), ("k_proj.output_scale", "v_proj.output_scale"),
+                 ("k_proj.k_scale", "v_proj.v_scale"), ("kv_scale",)]  # the module's, older, ModelOpt's, oldest
     for layer in range(ModelConfig.from_path(fp8).num_layers):
-        prefix = f"model.layers.{layer}.self_attn."
-        if layer % 2:  # the older spelling, on the projections' outputs
-            state[prefix + "k_proj.output_scale"], state[prefix + "v_proj.output_scale"] = (torch.tensor([0.02]),
-                                                                                          torch.tensor([0.03]))
-        else:
-            state[prefix + "k_scale"], state[prefix + "v_scale"] = torch.tensor(0.02), torch.tensor(0.03)
+        for i, name in enumerate(spellings[layer % len(spellings)]):
+            state[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.02 + 0.01 * i)
     save_file({k: v.contiguous() for k, v in state.items()}, str(fp8 / "model.safetensors"))
     with caplog.at_level("INFO", logger="pd_cluster.model.weights"):
         logits = _prompt_logits(fp8, "fp8")
