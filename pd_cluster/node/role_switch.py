@@ -85,9 +85,13 @@ class RoleSwitchingNode(NodeRuntime):
         await self.part.start_service()
 
     async def stop_service(self) -> None:
+        """The process's end (a change of role stops only the old role's service): the service,
+        then the engine, whose tensor-parallel ranks take the stop and exit 0 (left to notice
+        rank 0's exit, each would log a failure)."""
         if self._switch is not None and not self._switch.done():
             self._switch.cancel()
         await self.part.stop_service()
+        self.part.service.engine.close()  # type: ignore[attr-defined]
 
     async def wait_idle(self, timeout: float) -> bool:
         return await self.part.wait_idle(timeout)

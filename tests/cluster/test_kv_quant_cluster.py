@@ -7,6 +7,8 @@ model's; D's prefix cache still hits across turns."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
 
 import httpx
 import openai
@@ -111,3 +113,44 @@ def test_prefix_cache_hits_on_a_second_turn(client):
     second = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=16)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.choices[0].message.content
+
+
+def _rank_processes(pid: int) -> list[int]:
+    """The tensor-parallel ranks process ``pid`` started (its children running tp_rank)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(child) for child in f.read().split()]
+    ranks = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"pd_cluster.engine.tp_rank" in f.read():
+                ranks.append(child)
+    return ranks
+
+
+def test_a_decode_node_of_two_ranks_stores_int8_and_stops_them_cleanly(default_model_dir, tmp_path):
+    """A D of ``--tp 2 --kv-cache-dtype int8`` serves a float32 P's request (the bytes moved are
+    int8 rows), and on SIGTERM drains and exits 0 with its second rank taking the stop: it exits
+    0 too, nothing logged as failed."""
+    c = Cluster(default_model_dir, tmp_path)
+    try:
+        c.start_master()
+        c.start_node("prefill", "p0")
+        d = c.start_node("decode", "d2", "--data-port", "0", "--kv-cache-dtype", "int8", "--tp", "2")
+        wait_until(lambda: httpx.get(c.url + "/health", timeout=5).status_code == 200, 30, "health")
+        spec = c.node("d2")["kv_spec"]
+        assert spec["kv_dtype"] == "int8"
+        client = openai.OpenAI(base_url=c.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                               max_tokens=8, temperature=0)
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 8
+        moved = wait_until(lambda: int(c.node("d2")["kv_transfer_bytes"]) or None, 10, "the transfer's report")
+        assert moved % (2 * spec["num_layers"] * spec["num_kv_heads"] * (spec["head_dim"] + 4)) == 0
+        (rank,) = _rank_processes(d.pid)
+        d.send_signal(signal.SIGTERM)
+        assert d.wait(60) == 0
+        wait_until(lambda: not os.path.exists(f"/proc/{rank}"), 30, "rank 1 to exit")
+        log = c.log("d2")
+        assert "tensor parallel rank 1 of 2 ready" in log and "tensor parallel rank 1 failed" not in log
+    finally:
+        c.stop()
+
