@@ -18,13 +18,6 @@ from tests.handover_pairs import single_engine_tokens, start_pair
 from tests.pool_writes import RankWrites
 
 
-@pytest.fixture
-def shm_offered():
-    ipc.offer_kind("shm")
-    yield
-    ipc.offer_kind("shm", False)
-
-
 @pytest.fixture(scope="module")
 def engine_outputs(default_model_dir, chat_prompts) -> list[list[int]]:
     return single_engine_tokens(default_model_dir, chat_prompts[:1])

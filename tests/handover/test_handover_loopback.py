@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pd_cluster.handover import DISCONNECT_GRACE_S, LoopbackLink, rehearse_handover
-from pd_cluster.transfer import ChannelError, DataMessage, PeerConnection, RemoteError, ipc
+from pd_cluster.transfer import ChannelError, DataMessage, PeerConnection, RemoteError
 from tests.handover_pairs import ServicePair, single_engine_tokens, start_pair
 
 #: How each path is chosen: D shares its pool (in place), else layer-wise or whole over the channel.
@@ -48,15 +48,6 @@ TP_PAIRS = {
     "p1-d2-direct": {"d_tp": 2, **PATHS["direct"]},
     "p2-d2-direct": {"p_tp": 2, "d_tp": 2, **PATHS["direct"]},
 }
-
-
-@pytest.fixture
-def shm_offered():
-    """CPU pools in the host's shared memory offered: how a D rank's pool, in its own process,
-    reaches P here (CUDA IPC on a GPU)."""
-    ipc.offer_kind("shm")
-    yield
-    ipc.offer_kind("shm", False)
 
 
 @pytest.fixture(params=list(PATHS))

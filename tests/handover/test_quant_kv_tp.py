@@ -18,13 +18,6 @@ from tests.pool_writes import RankWrites
 LEAST_AGREEMENT = 0.75
 
 
-@pytest.fixture
-def shm_offered():
-    ipc.offer_kind("shm")
-    yield
-    ipc.offer_kind("shm", False)
-
-
 @pytest.mark.parametrize("share", [False, True], ids=["gloo", "shared-pools"])
 async def test_an_int8_d_of_two_ranks_takes_a_float32_p_of_one(share, default_model_dir, chat_prompts, shm_offered):
     prompts = chat_prompts[:3]
