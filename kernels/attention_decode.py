@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from kernels import _tiles
-from kernels._attention_common import _LOG2E, _q_float16, attention_launch
+from kernels._attention_common import _LOG2E, AttentionLaunch, _q_float16, attention_launch
+from kernels.attention_decode_direct import decode_split_direct, direct_decode_fits, direct_num_splits
 from kernels.kv_quant import QUANT_CODES
 from kernels.quant_matmul import AMAX_FLOOR, FP8_MAX, act_quant_fp8_triton
 from kernels._triton import (_capability, cdiv, device_index, dot_precision, next_pow2, pdl_options, pdl_wait, tl,
@@ -336,6 +337,58 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_ctx: int, block_n: int
     return max(1, min(wanted, cdiv(max_ctx, block_n), MAX_SPLITS))
 
 
+def _split_outputs(out: torch.Tensor, batch: int, num_q_heads: int, num_splits: int,
+                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the splits write: their normalised partials and log-sum-exps. One split's partial is
+    the output itself: stored there, no merge launch (which, launched as a dependent, also held
+    multiprocessor slots while it waited)."""
+    if num_splits == 1:
+        part_out = out.unsqueeze(2)
+    else:
+        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)
+    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=out.device)
+    return part_out, part_lse
+
+
+def _decode_splits_triton(launch: AttentionLaunch, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
+                          ctx_lens: torch.Tensor, sm_scale: float, *, block_n: int | None, num_splits: int | None,
+                          num_warps: int | None, num_stages: int | None, table_rows: torch.Tensor | None,
+                          quant: str | None, float16_codes: bool | None, values_float16: bool | None,
+                          ahead: bool | None, heads_together: bool | None,
+                          values_in_shift: bool | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The split stage by :func:`_decode_split_kernel`: (split count, partials, log-sum-exps)."""
+    q, out, num_kv_heads, group = launch.q, launch.out, launch.num_kv_heads, launch.group
+    batch, num_q_heads, head_dim = q.shape
+    default_n, default_warps = _decode_config(q.dtype, batch * num_kv_heads, head_dim)
+    block_n, num_warps = block_n or default_n, num_warps or default_warps
+    prefetch = batch * num_kv_heads <= PREFETCH_MAX_HEADS
+    slots_ahead = _decode_slots_ahead(quant, q.device) and not ahead and not prefetch
+    num_stages = num_stages or _decode_stages(quant, slots_ahead)
+    if num_splits is None:
+        num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device,
+                                        per_sm=4 if quant is None else 2)
+    part_out, part_lse = _split_outputs(out, batch, num_q_heads, num_splits, head_dim)
+    pdl = use_pdl(q)
+    q_f16 = _q_float16(quant, q, float16_codes)
+    if heads_together is None:
+        heads_together = _decode_heads_together(quant)
+    grid = (num_kv_heads, batch, num_splits) if heads_together else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, slot_table, ctx_lens, table_rows if table_rows is not None else ctx_lens, part_out,
+        part_lse, sm_scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), slot_table.stride(0), part_out.stride(0), part_out.stride(1),
+        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), GROUP=group, HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
+        DOT_PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
+        HAS_ROWS=table_rows is not None, USE_PDL=pdl,
+        QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16), Q_F16=q_f16,
+        AHEAD=bool(ahead), HEADS_TOGETHER=heads_together,
+        V_IN_SHIFT=_decode_values_in_shift(quant) if values_in_shift is None else values_in_shift,
+        SLOTS_AHEAD=slots_ahead, num_warps=num_warps, num_stages=num_stages, **pdl_options(pdl),
+    )
+    return num_splits, part_out, part_lse
+
+
 def decode_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -357,6 +410,7 @@ def decode_attention_triton(
     heads_together: bool | None = None,
     values_in_shift: bool | None = None,
     merged_codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    direct: bool | None = None,
 ) -> torch.Tensor | None:
     """Triton version of :func:`kernels.attention.decode_attention_ref` (split-K: two launches, one
     at one split); ``out``, ``table_rows``, ``quant`` and ``float16_codes`` as in
@@ -366,7 +420,10 @@ def decode_attention_triton(
     where no tile is read before the wait; ``heads_together``: the programs of one sequence's kv
     heads launch next to each other (:func:`_decode_heads_together`); ``values_in_shift``: value
     scales enter the scores as logs (``V_IN_SHIFT`` of :func:`kernels._tiles.attend_tile`);
-    ``merged_codes``: see :func:`decode_attention_codes_triton` (None returned where it took them).
+    ``merged_codes``: see :func:`decode_attention_codes_triton` (None returned where it took them);
+    ``direct``: the splits by :mod:`kernels.attention_decode_direct` (default: where it fits an
+    fp8 cache, :func:`~kernels.attention_decode_direct.direct_decode_fits`, and no option of the
+    Triton kernel's tiling or conversions is given; those do not apply to it).
 
     Each sequence's keys but its newest (the last of its context) must have been stored before
     the kernel launched before this one: with dependent launches they are read while that kernel
@@ -381,40 +438,24 @@ def decode_attention_triton(
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return out
-    default_n, default_warps = _decode_config(q.dtype, batch * num_kv_heads, head_dim)
-    block_n, num_warps = block_n or default_n, num_warps or default_warps
-    prefetch = batch * num_kv_heads <= PREFETCH_MAX_HEADS
-    slots_ahead = _decode_slots_ahead(quant, q.device) and not ahead and not prefetch
-    num_stages = num_stages or _decode_stages(quant, slots_ahead)
-    if num_splits is None:
-        num_splits = _decode_num_splits(batch, num_kv_heads, slot_table.shape[1], block_n, q.device,
-                                        per_sm=4 if quant is None else 2)
-    block_d = next_pow2(head_dim)
-    if num_splits == 1:
-        # One split's normalised partial is the output: stored there, no merge launch (which,
-        # launched as a dependent, also held multiprocessor slots while it waited).
-        part_out = out.unsqueeze(2)
+    if direct is None:
+        triton_options = (block_n, num_warps, num_stages, float16_codes, values_float16, ahead, heads_together,
+                          values_in_shift)
+        direct = all(o is None for o in triton_options) and direct_decode_fits(quant, q, k_cache, v_cache)
+    if direct:
+        if num_splits is None:
+            num_splits = direct_num_splits(batch, num_kv_heads, slot_table.shape[1], q.device, MAX_SPLITS)
+        part_out, part_lse = _split_outputs(out, batch, num_q_heads, num_splits, head_dim)
+        decode_split_direct(q, k_cache, v_cache, slot_table, ctx_lens, sm_scale * _LOG2E, part_out, part_lse,
+                            table_rows, num_splits)
     else:
-        part_out = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+        num_splits, part_out, part_lse = _decode_splits_triton(
+            launch, k_cache, v_cache, slot_table, ctx_lens, sm_scale, block_n=block_n, num_splits=num_splits,
+            num_warps=num_warps, num_stages=num_stages, table_rows=table_rows, quant=quant,
+            float16_codes=float16_codes, values_float16=values_float16, ahead=ahead, heads_together=heads_together,
+            values_in_shift=values_in_shift)
     pdl = use_pdl(q)
-    q_f16 = _q_float16(quant, q, float16_codes)
-    if heads_together is None:
-        heads_together = _decode_heads_together(quant)
-    grid = (num_kv_heads, batch, num_splits) if heads_together else (batch, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, slot_table, ctx_lens, table_rows if table_rows is not None else ctx_lens, part_out,
-        part_lse, sm_scale * _LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), slot_table.stride(0), part_out.stride(0), part_out.stride(1),
-        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), GROUP=group, HEAD_DIM=head_dim,
-        NUM_SPLITS=num_splits, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype), PREFETCH=prefetch,
-        HAS_ROWS=table_rows is not None, USE_PDL=pdl,
-        QUANT=_decode_quant_code(quant, q_f16 or q.dtype == torch.float16, values_float16), Q_F16=q_f16,
-        AHEAD=bool(ahead), HEADS_TOGETHER=heads_together,
-        V_IN_SHIFT=_decode_values_in_shift(quant) if values_in_shift is None else values_in_shift,
-        SLOTS_AHEAD=slots_ahead, num_warps=num_warps, num_stages=num_stages, **pdl_options(pdl),
-    )
+    block_d = next_pow2(head_dim)
     if num_splits == 1:
         return out
     if merged_codes is not None and _merge_codes_fits(num_q_heads, num_splits, block_d):

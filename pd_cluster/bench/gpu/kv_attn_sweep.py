@@ -39,6 +39,7 @@ class Variant:
     ahead: bool | None = None
     heads_together: bool | None = None
     values_in_shift: bool | None = None
+    direct: bool | None = None
 
     @property
     def label(self) -> str:
@@ -47,7 +48,8 @@ class Variant:
         v16 += {None: "", True: " vshift", False: " vmax"}[self.values_in_shift]
         return (f"{self.kind:8s} {f16}{v16} n={self.block_n or 'd'} w={self.num_warps or 'd'} "
                 f"st={self.num_stages or 'd'} sp={self.num_splits or 'd'}{' ahead' if self.ahead else ''}"
-                f"{ {None: '', True: ' heads', False: ' seqs'}[self.heads_together]}")
+                f"{ {None: '', True: ' heads', False: ' seqs'}[self.heads_together]}"
+                f"{ {None: '', True: ' direct', False: ' triton'}[self.direct]}")
 
 
 def variants() -> list[Variant]:
@@ -80,11 +82,12 @@ def variants() -> list[Variant]:
 
 
 def default_variants() -> list[Variant]:
-    """Each kind's default launch; fp8 at the default launch with values met as codes, with the
+    """Each kind's default launch; fp8 by the Triton kernel (where the direct kernel is the
+    default); fp8 at the Triton kernel's default launch with values met as codes, with the
     value scales' tile maximum, with the grid walking sequences first (all three: the former
     default), and each change alone."""
     fp8 = "fp8_e4m3"
-    return [Variant("bf16"), Variant(fp8), Variant("int8"),
+    return [Variant("bf16"), Variant(fp8), Variant(fp8, direct=False), Variant("int8"),
             Variant(fp8, values_float16=False, values_in_shift=False, heads_together=False),
             Variant(fp8, values_float16=False), Variant(fp8, values_in_shift=False),
             Variant(fp8, heads_together=False), Variant("int8", heads_together=False)]
@@ -113,6 +116,7 @@ def run_variant(variant: Variant, q: torch.Tensor, caches: dict, table: torch.Te
         kwargs["values_float16"] = variant.values_float16
         kwargs["ahead"] = variant.ahead
         kwargs["values_in_shift"] = variant.values_in_shift
+        kwargs["direct"] = variant.direct
     kwargs["heads_together"] = variant.heads_together
     sm_scale = q.shape[-1] ** -0.5
     out = torch.empty_like(q)

@@ -9,7 +9,7 @@ of part ``quant``); each key is the median of its repeats' ratios. The weights' 
 before the KV one opens (three 8B engines sized for the KV-heavy batch do not fit one GPU).
 Writes ``gpu-quant-repeats-<device>-<date>.json`` (``--out``).
 
-    python -m pd_cluster.bench.gpu.quant_repeats [--repeats 3] [--no-kv] [--cpu --quick]
+    python -m pd_cluster.bench.gpu.quant_repeats [--repeats 3] [--no-kv | --no-weights] [--cpu --quick]
 """
 
 from __future__ import annotations
@@ -68,33 +68,38 @@ def _context_label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
-def measure(plan: Plan, device: torch.device, repeats: int, kv: bool = True) -> dict:
+def measure(plan: Plan, device: torch.device, repeats: int, kv: bool = True, weights: bool = True) -> dict:
     gen = torch.Generator().manual_seed(0)
     method = weight_quantization(device)
+    keys = {}
     with quant_engine(plan, device) as bf16:
-        with quant_engine(plan, device, quantization=method) as weights:
-            runs = _interleaved({"bf16": bf16, method: weights}, step_times, plan, gen, repeats)
-        keys = _ratio_keys(runs, method, lambda batch: f"fp8_weights_decode_{batch}_vs_bf16", plan.decode_ctx)
+        if weights:
+            with quant_engine(plan, device, quantization=method) as fp8_weights:
+                runs = _interleaved({"bf16": bf16, method: fp8_weights}, step_times, plan, gen, repeats)
+            keys.update(_ratio_keys(runs, method, lambda batch: f"fp8_weights_decode_{batch}_vs_bf16",
+                                    plan.decode_ctx))
         if kv:
             with quant_engine(plan, device, kv_cache_dtype=KV_DTYPE) as kv_engine:
                 runs = _interleaved({"bf16": bf16, KV_DTYPE: kv_engine}, kv_step_times, plan, gen, repeats)
             label = _context_label(plan.kv_heavy_ctx)
             keys.update(_ratio_keys(runs, KV_DTYPE, lambda batch: f"fp8_kv_decode_{batch}_ctx{label}_vs_bf16",
                                     plan.kv_heavy_ctx))
-    return {"quantization": method, "kv_cache_dtype": KV_DTYPE if kv else None, "repeats": repeats, "keys": keys}
+    return {"quantization": method if weights else None, "kv_cache_dtype": KV_DTYPE if kv else None,
+            "repeats": repeats, "keys": keys}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-kv", action="store_true", help="the weight-bound keys only")
+    parser.add_argument("--no-weights", action="store_true", help="the KV-bound key only")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (with --quick: a dry run)")
     parser.add_argument("--quick", action="store_true", help="a tiny model instead of the 8B shape")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device("cpu" if args.cpu or not torch.cuda.is_available() else "cuda")
-    result = measure(Plan(quick=args.quick), device, args.repeats, kv=not args.no_kv)
+    result = measure(Plan(quick=args.quick), device, args.repeats, kv=not args.no_kv, weights=not args.no_weights)
     name = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device).lower().replace(" ", "-")
     path = args.out / f"gpu-quant-repeats-{name}-{datetime.date.today()}.json"
     path.write_text(json.dumps(result, indent=1))
