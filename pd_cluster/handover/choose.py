@@ -1,7 +1,8 @@
 """Which path a prompt's KV takes to D: chosen per request from the pair and the missing tokens.
 
-- D shares its pool with this host: written in place (:mod:`.direct`), layer by layer during
-  the prefill from ``direct_layerwise_min_tokens`` missing tokens on, else in one launch after it.
+- D shares its pool with this host: written in place (:mod:`.direct`; converted on the way where
+  D stores another KV dtype), layer by layer during the prefill from
+  ``direct_layerwise_min_tokens`` missing tokens on, else in one launch after it.
 - Otherwise through the tensor channel: layer by layer while the prefill runs (:mod:`.stream`)
   when ``layerwise`` and from ``layerwise_min_tokens`` tokens to send on, else in one push after
   the first token (:mod:`.push`).
@@ -50,11 +51,13 @@ def choose_sender(
     if not kv.whole:  # no layer-wise path (its node says so once, at start)
         options = replace(options, layerwise=False, direct_layerwise_min_tokens=None)
     target = kv.spec.with_kv_dtype(channel.peer_kv_dtype or kv.spec.kv_dtype)
+    if channel.shared_pools:
+        # Written in place, converted on the way where D stores another KV dtype.
+        return DirectSender(channel, lease, request_id, n_tokens, kv, side_stream, options.direct_layerwise_min_tokens,
+                            target)
     if target.kv_dtype != kv.spec.kv_dtype:
         # D stores another KV dtype: the blocks are converted after the gather, then pushed whole.
         return PushSender(channel, lease, n_tokens, kv, target)
-    if channel.shared_pools:
-        return DirectSender(channel, lease, request_id, n_tokens, kv, side_stream, options.direct_layerwise_min_tokens)
     block_size = kv.spec.block_size
     send_blocks = math.ceil(n_tokens / block_size) - lease.hit_blocks
     if options.layerwise and send_blocks > 0 and send_blocks * block_size >= options.layerwise_min_tokens:

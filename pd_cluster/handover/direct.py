@@ -13,6 +13,11 @@ Where ranks share a KV head (more ranks than KV heads), each of their pools gets
 A tensor-parallel P (its pools hold part of the heads each) writes in one launch after the
 prefill: its ranks' heads gathered to rank 0 (:class:`NodeKV`), then each D rank's heads
 scattered into that rank's pool.
+
+A D whose cache stores another KV dtype (P in bf16 for its prefill, D in fp8 for its streams)
+is written the same way, its rows converted on the way: each copy gathers P's rows, converts
+them (:func:`kernels.convert_kv`, the scales D's own store would compute) and scatters D's rows,
+the values and scale of each, into D's pools.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 import kernels
 from pd_cluster.engine.node_kv import NodeKV
+from pd_cluster.kv_spec import KVSpec
 from pd_cluster.handover.errors import HandoverFailed
 from pd_cluster.handover.lease import DecodeLease
 from pd_cluster.handover.messages import CommitKV
@@ -57,16 +63,28 @@ class DirectWrite:
     stream's store of that layer, so they run while later layers compute), or whole after it
     (:meth:`write_all`). Nothing is queued once the lease's safe end has passed: D may hand
     those slots to another request after it.
+
+    ``target``: the KV as D stores it (default P's own); where its KV dtype differs, every copy
+    converts P's rows into D's on the way.
     """
 
     def __init__(
         self, request_id: str, start: int, n_tokens: int, kv: NodeKV, targets: list[SharedPool],
         target_slots: torch.Tensor, side_stream: torch.cuda.Stream | None, write_until: float,
+        target: KVSpec | None = None,
     ) -> None:
         if target_slots.numel() != n_tokens - start:
             raise ValueError(f"D reserved {target_slots.numel()} slots for {n_tokens - start} missing tokens")
         if not targets:
             raise ValueError("no pool to write into")
+        #: The KV as D stores it; its rows fit every pool (checked here, before a byte is written).
+        self.target = target or kv.spec
+        storage = getattr(torch, self.target.storage_dtype)
+        for pool in targets:
+            if pool.k_cache.dtype != storage or pool.k_cache.shape[-1] < self.target.row_width:
+                raise ValueError(f"D's pool of {pool.k_cache.dtype} rows of {pool.k_cache.shape[-1]} does not "
+                                 f"hold {self.target.kv_dtype} rows of {self.target.row_width}")
+        self._convert = self.target.kv_dtype != kv.spec.kv_dtype
         #: Tokens [start, n_tokens) of the request's prompt are the ones D lacks.
         self.request_id, self.start, self.n_tokens = request_id, start, n_tokens
         self.kv = kv
@@ -90,7 +108,7 @@ class DirectWrite:
     @property
     def nbytes(self) -> int:
         """Bytes written into D's pools: each pool's heads (a head two ranks hold, written twice)."""
-        spec = self.kv.spec
+        spec = self.target
         return sum(self.tokens * spec.bytes_per_token * t.num_heads // spec.num_kv_heads for t in self.targets)
 
     @property
@@ -123,7 +141,7 @@ class DirectWrite:
         if self.kv.whole:
             self._copy(slots, slice(None))
         else:
-            rows = self.kv.gather(slots)  # every head, on P's rank 0
+            rows = self._as_target(self.kv.gather(slots))  # every head, on P's rank 0
             for target in self.targets:
                 part = rows[:, :, :, target.heads].to(target.device, non_blocking=True)
                 with _on(target.device):
@@ -138,12 +156,20 @@ class DirectWrite:
             src_k, src_v = pool.k_cache[layers, :, target.heads], pool.v_cache[layers, :, target.heads]
             dst_k, dst_v = target.k_cache[layers], target.v_cache[layers]
             dst_slots = self._target_slots[target.device]
-            if target.device == pool.device:
+            if target.device == pool.device and not self._convert:
                 kernels.copy_kv_slots(src_k, src_v, slots, dst_k, dst_v, dst_slots)
                 continue
-            rows = kernels.gather_kv(src_k, src_v, slots).to(target.device, non_blocking=True)
+            rows = self._as_target(kernels.gather_kv(src_k, src_v, slots, self.kv.spec.row_width))
+            rows = rows.to(target.device, non_blocking=True)
             with _on(target.device):
                 kernels.scatter_kv(rows, dst_k, dst_v, dst_slots)
+
+    def _as_target(self, rows: torch.Tensor) -> torch.Tensor:
+        """Gathered rows ``[2, L, N, H, W]`` of P's KV dtype as D's rows (where the two differ)."""
+        if not self._convert:
+            return rows
+        spec = self.kv.spec
+        return kernels.convert_kv(rows, spec.kv_dtype, self.target.kv_dtype, spec.head_dim)
 
     def _record(self, stream: torch.cuda.Stream | None) -> list[ReadyEvent]:
         """One event a GPU written on, after the last op queued there."""
@@ -181,13 +207,15 @@ class DirectSender(KVSender):
     """Writes blocks [hit_blocks, ...) of a prompt of ``n_tokens`` tokens into D's shared pools (one a rank).
 
     ``layerwise_min_tokens``: write layer by layer during the prefill from this many missing
-    tokens on (None: always whole after it)."""
+    tokens on (None: always whole after it); ``target``: the KV as D stores it (another KV dtype:
+    converted on the way, :class:`DirectWrite`)."""
 
     def __init__(
         self, channel: PeerChannel, lease: DecodeLease, request_id: str, n_tokens: int, kv: NodeKV,
-        side_stream: torch.cuda.Stream | None, layerwise_min_tokens: int | None,
+        side_stream: torch.cuda.Stream | None, layerwise_min_tokens: int | None, target: KVSpec | None = None,
     ) -> None:
         super().__init__(channel, lease)
+        self.target = target
         self.request_id = request_id
         self.n_tokens = n_tokens
         self.kv = kv
@@ -211,7 +239,7 @@ class DirectSender(KVSender):
         try:
             self.writer = DirectWrite(self.request_id, start, self.n_tokens, self.kv, targets,
                                       decode_slots(self.lease.slots), self.side_stream,
-                                      self.lease.ends_at - LEASE_MARGIN_S)
+                                      self.lease.ends_at - LEASE_MARGIN_S, self.target)
         except ValueError as e:
             raise HandoverFailed(f"decode node {node}: {e}", retryable=False) from e
         tokens = self.writer.tokens

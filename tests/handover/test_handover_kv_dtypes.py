@@ -1,6 +1,7 @@
 """P in float32, D storing int8 or fp8_e4m3 KV: P converts each prompt's KV into D's rows before
-sending (over the loopback link and over the real data plane), D counts the bytes that moved, its
-prefix cache still serves a later prompt, and greedy output stays close to the single engine's."""
+sending (over the loopback link and over the real data plane) or as it writes them into D's shared
+pool, D counts the bytes that moved, its prefix cache still serves a later prompt, and greedy
+output stays close to the single engine's."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ LEAST_AGREEMENT = {"int8": 0.75, "fp8_e4m3": 0.5}
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("loopback", [True, False], ids=["loopback", "gloo"])
-async def test_a_quantized_d_receives_its_own_rows_and_continues_the_stream(kind, loopback, default_model_dir,
-                                                                            chat_prompts):
+@pytest.mark.parametrize(("loopback", "share"), [(True, False), (False, False), (True, True)],
+                         ids=["loopback", "gloo", "shared-pool"])
+async def test_a_quantized_d_receives_its_own_rows_and_continues_the_stream(kind, loopback, share,
+                                                                            default_model_dir, chat_prompts):
     prompts = chat_prompts[:4]
     want = single_engine_tokens(default_model_dir, prompts)
-    pair = await start_pair(default_model_dir, loopback=loopback, d_kv_dtype=kind)
+    pair = await start_pair(default_model_dir, loopback=loopback, share=share, d_kv_dtype=kind)
     try:
         p_spec, d_spec = pair.p.engine.kv_spec, pair.d.engine.kv_spec
         assert (p_spec.kv_dtype, d_spec.kv_dtype) == ("float32", kind)
@@ -36,8 +38,12 @@ async def test_a_quantized_d_receives_its_own_rows_and_continues_the_stream(kind
             assert moved == sent_tokens * 2 * d_spec.num_layers * d_spec.num_kv_heads * (d_spec.head_dim + 4)
             same += sum(a == b for a, b in zip(got, expected))
             total += len(expected)
-        print(f"{kind} KV on D ({'loopback' if loopback else 'gloo'}): {same}/{total} greedy tokens as the single "
-              "engine's")
+        channel = pair.channel()
+        if share:  # written into D's pool in place, converted on the way: nothing through the channel
+            assert channel.transport == "ipc" and channel.channel.bytes_sent == 0
+        else:
+            assert channel.channel.bytes_sent > 0
+        print(f"{kind} KV on D ({channel.transport}): {same}/{total} greedy tokens as the single engine's")
         assert same / total >= LEAST_AGREEMENT[kind]
         # A second prompt sharing the first's prefix: D's cache serves it, only the rest moves.
         _, match = await pair.lease(prompts[0] + prompts[1])

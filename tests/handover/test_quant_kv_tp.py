@@ -1,8 +1,8 @@
 """A float32 P at TP 1 handing over to a D of TP 2 that stores int8 KV: the two differ in both ways
-at once. P converts the prompt's rows to D's int8 and pushes them (over the data plane, or over the
-shared-pool channel of a P on D's host); D's rank 0 hands each rank its heads, each rank's pool
-stores int8 rows, the stream continues as the single engine's would, and D's prefix cache serves a
-later turn."""
+at once. P converts the prompt's rows to D's int8 and pushes them over the data plane (D's rank 0
+hands each rank its heads), or, on D's host, writes each rank's pool its own heads in place,
+converted on the way; each rank's pool stores int8 rows, the stream continues as the single
+engine's would, and D's prefix cache serves a later turn."""
 
 from __future__ import annotations
 
@@ -34,17 +34,25 @@ async def test_an_int8_d_of_two_ranks_takes_a_float32_p_of_one(share, default_mo
             assert pool.k_cache.dtype == torch.uint8 and pool.k_cache.shape[-1] == d_spec.pool_row_width
         # Values and scales, one byte a value and four a scale, every head of every layer.
         row_bytes = 2 * d_spec.num_layers * d_spec.num_kv_heads * (d_spec.head_dim + 4)
+        writes = RankWrites(pair.d, pools)
         same = total = sent = 0
         for prompt, expected in zip(prompts, want):
+            await writes.arm()
             got, result = await pair.run(prompt)
             moved, rest = divmod(result.transfer_bytes, row_bytes)  # D's rows, never P's float32 ones
-            assert rest == 0 and moved >= len(prompt) - result.hit_blocks * d_spec.block_size > 0
+            missing = len(prompt) - result.hit_blocks * d_spec.block_size
+            assert rest == 0 and moved >= missing > 0
             sent += result.transfer_bytes
+            if share:  # each rank's pool took exactly its own heads' rows of the missing tokens
+                (ranks,) = writes.at_commit
+                head_bytes = d_spec.pool_bytes_per_token // d_spec.num_kv_heads
+                assert [nbytes for nbytes, _ in ranks] == [missing * p.num_heads * head_bytes for p in pools]
             same += sum(a == b for a, b in zip(got, expected))
             total += len(expected)
         channel = pair.channel()
-        # D's pools shared or not, rows of another dtype are converted, then pushed through the channel.
-        assert channel.transport == ("ipc" if share else "gloo") and channel.channel.bytes_sent == sent
+        # Pushed through the data plane, or converted and written in place: nothing through the channel.
+        assert channel.transport == ("ipc" if share else "gloo")
+        assert channel.channel.bytes_sent == (0 if share else sent)
         print(f"int8 KV on a TP 2 D ({channel.transport}): {same}/{total} greedy tokens as the "
               "single engine's")
         assert same / total >= LEAST_AGREEMENT
