@@ -350,9 +350,10 @@ def _split_outputs(out: torch.Tensor, batch: int, num_q_heads: int, num_splits: 
     return part_out, part_lse
 
 
-def _decode_splits_triton(launch: AttentionLaunch, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
-                          ctx_lens: torch.Tensor, sm_scale: float, *, block_n: int | None, num_splits: int | None,
-                          num_warps: int | None, num_stages: int | None, table_rows: torch.Tensor | None,
+def _decode_splits_triton(launch: AttentionLaunch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_table: torch.Tensor, ctx_lens: torch.Tensor, sm_scale: float, *,
+                          block_n: int | None, num_splits: int | None, num_warps: int | None,
+                          num_stages: int | None, table_rows: torch.Tensor | None,
                           quant: str | None, float16_codes: bool | None, values_float16: bool | None,
                           ahead: bool | None, heads_together: bool | None,
                           values_in_shift: bool | None) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -434,7 +435,7 @@ def decode_attention_triton(
     :func:`_decode_config`, an unset ``num_stages`` from :func:`_decode_stages`.
     """
     launch = attention_launch(q, k_cache, v_cache, out, quant)
-    q, out, num_kv_heads, group = launch.q, launch.out, launch.num_kv_heads, launch.group
+    q, out, num_kv_heads = launch.q, launch.out, launch.num_kv_heads
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
         return out
