@@ -19,10 +19,11 @@ product takes are the scaled ones, each at most 1: no float16 underflow); one wa
 split of one sequence's keys for all q heads of one kv head, merged by
 :mod:`kernels.attention_decode`'s merge kernels.
 
-Needs Gluon (Triton's explicit-layout language, Triton 3.6+), compute capability 8.9+ (fp8 conversion),
-``head_dim`` 128, up to 8 q heads a kv head, both caches of the same strides; elsewhere the
-Triton kernel runs (:func:`direct_decode_fits`). Gluon is not interpreted: the GPU tests check
-this kernel against the reference.
+Needs Gluon (Triton's explicit-layout language, Triton 3.6+), compute capability 8.9 or 9.x (fp8
+conversions; later GPUs keep the Triton kernel until this one is measured there), ``head_dim``
+128, up to 8 q heads a kv head, both caches of the same strides; elsewhere the Triton kernel runs
+(:func:`direct_decode_fits`). Gluon is not interpreted: a CPU test compiles this kernel for sm_90
+and reads its machine code, the GPU tests check its output against the reference.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ except (ImportError, ValueError):  # no Triton, one without Gluon or of an unkno
 def direct_decode_fits(quant: str | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether :func:`decode_split_direct` takes this launch: fp8 e4m3 rows, q in a 16-bit
     dtype, ``head_dim`` :data:`HEAD_DIM`, at most :data:`MAX_GROUP` q heads a kv head, K and V
-    caches of the same strides, a GPU of compute capability 8.9+, compiled (not interpreted)."""
+    caches of the same strides, a GPU of compute capability 8.9 or 9.x, compiled (not interpreted)."""
     if not HAS_GLUON or _INTERPRETED or quant != "fp8_e4m3" or not q.is_cuda:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] != HEAD_DIM:
@@ -82,7 +83,9 @@ def direct_decode_fits(quant: str | None, q: torch.Tensor, k_cache: torch.Tensor
         return False
     if k_cache.stride()[:2] != v_cache.stride()[:2]:
         return False
-    return _capability(device_index(q.device)) >= (8, 9)
+    # Measured on Hopper; Ada has the same warp-level products and fp8 conversions. Later GPUs keep
+    # the Triton kernel until the direct one is measured there.
+    return (8, 9) <= _capability(device_index(q.device)) < (10, 0)
 
 
 if HAS_GLUON:
