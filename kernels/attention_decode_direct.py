@@ -98,24 +98,25 @@ if HAS_GLUON:
         return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
 
     @gluon.constexpr_function
-    def _key_load_layout(block_n):
-        """A key tile ``[block_n, 128]`` as stored: 32 contiguous bytes of a key a thread, the
-        key in the lane's group of four (``lane // 4``), later keys in registers."""
+    def _tile_layout(block_n, reg_bases, lane_bases):
+        """A tile ``[block_n, 128]`` as stored: ``reg_bases`` and ``lane_bases`` for its first 8
+        keys, later keys in registers."""
         key_regs = [[1 << b, 0] for b in range(3, block_n.bit_length() - 1)]
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]] + key_regs,
-            lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[],
-            shape=[block_n, HEAD_DIM])
+        return gl.DistributedLinearLayout(reg_bases=reg_bases + key_regs, lane_bases=lane_bases, warp_bases=[],
+                                          block_bases=[], shape=[block_n, HEAD_DIM])
+
+    @gluon.constexpr_function
+    def _key_load_layout(block_n):
+        """A key tile: 32 contiguous bytes of a key a thread, the key in the lane's group of four
+        (``lane // 4``)."""
+        return _tile_layout(block_n, [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16]],
+                            [[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]])
 
     @gluon.constexpr_function
     def _value_load_layout(block_n):
-        """A value tile ``[block_n, 128]`` as stored: 16 contiguous bytes of a key a thread, keys
-        ``2t, 2t + 1`` (``t = lane % 4``) and their repeats 8 keys on."""
-        key_regs = [[1 << b, 0] for b in range(3, block_n.bit_length() - 1)]
-        return gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]] + key_regs,
-            lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[],
-            shape=[block_n, HEAD_DIM])
+        """A value tile: 16 contiguous bytes of a key a thread, keys ``2t, 2t + 1`` (``t = lane % 4``)."""
+        return _tile_layout(block_n, [[0, 1], [0, 2], [0, 4], [0, 8], [1, 0]],
+                            [[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]])
 
     @gluon.jit
     def _key_order(x, ROWS: gl.constexpr):

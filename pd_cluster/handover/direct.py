@@ -31,12 +31,12 @@ import torch
 
 import kernels
 from pd_cluster.engine.node_kv import NodeKV
-from pd_cluster.kv_spec import KVSpec
 from pd_cluster.handover.errors import HandoverFailed
 from pd_cluster.handover.lease import DecodeLease
 from pd_cluster.handover.messages import CommitKV
 from pd_cluster.handover.sender import Deadline, Handed, KVSender, WithHeldSlots, give_back
 from pd_cluster.handover.side_stream import ReadyEvent, after_compute, on_side
+from pd_cluster.kv_spec import KVSpec
 from pd_cluster.transfer import PeerChannel, SharedPool, decode_slots
 
 logger = logging.getLogger(__name__)
