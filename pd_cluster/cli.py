@@ -65,6 +65,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from pd_cluster.quantize.checkpoint import quantize_checkpoint
+    from pd_cluster.quantize.options import QuantizeOptions
+
+    options = QuantizeOptions(model=args.model, out=Path(args.out), method=args.method, window=args.window,
+                              damp=args.damp, device=args.device)
+    if args.calibration is not None:
+        options.calibration = Path(args.calibration)
+    out = quantize_checkpoint(options)
+    sys.stdout.write(f"{out}\n")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pd_cluster.bench.offline import format_table, run_offline_bench
 
@@ -396,6 +409,25 @@ def _add_cluster_commands(sub: argparse._SubParsersAction) -> None:
     add_ray_commands(sub)
 
 
+def _add_quantize_command(sub: argparse._SubParsersAction) -> None:
+    from pd_cluster.quantize.options import CALIBRATION_TEXT, METHODS, QuantizeOptions
+
+    d = QuantizeOptions(model="default", out=Path("."))
+    q = sub.add_parser("quantize", help="write a float checkpoint as an FP8 one (GPTQ over calibration text)",
+                       description="Write a float checkpoint as an FP8 checkpoint (compressed-tensors, a scale an "
+                                   "output channel) that nodes load as published: rounded by GPTQ over calibration "
+                                   "text, or to nearest (as --quantization fp8 does at every start).")
+    q.add_argument("--model", default="default", help='"default" (SmolLM2-135M-Instruct) or an HF model directory')
+    q.add_argument("--out", required=True, help="the new checkpoint's directory (empty or new)")
+    q.add_argument("--method", choices=METHODS, default=d.method, help="gptq, or rtn (round to nearest)")
+    q.add_argument("--calibration", default=None,
+                   help=f"a text file to calibrate on (default: the shipped {CALIBRATION_TEXT.name})")
+    q.add_argument("--window", type=int, default=d.window, help="calibration tokens a prefill")
+    q.add_argument("--damp", type=float, default=d.damp, help="GPTQ's damping, a fraction of the mean input moment")
+    q.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    q.set_defaults(func=cmd_quantize)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pd-cluster", description="Disaggregated prefill/decode LLM serving")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -410,6 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampling stream (same seed, same text)")
     add_engine_arguments(gen)
     gen.set_defaults(func=cmd_generate)
+
+    _add_quantize_command(sub)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_kind", required=True)

@@ -1,0 +1,195 @@
+"""``pd-cluster quantize``: a float checkpoint written as an FP8 one that every node loads as
+published (``compressed-tensors``' float format: e4m3 weights, a float32 ``weight_scale`` an
+output channel; activations quantized per token as they come), rounded by GPTQ over calibration
+text or to nearest.
+
+Quantizing at load (``--quantization fp8``) rounds to nearest on every start; GPTQ needs the
+model run over text and a matrix inverse a projection, so it is done once, here, and the result
+served like any published FP8 release (vLLM and SGLang read the same files). The embedding, the
+norms, biases and the vocabulary head are copied as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pd_cluster.model.config import ModelConfig
+from pd_cluster.model.hf_names import dense_mlp_names, layer_prefix
+from pd_cluster.model.quant_linear import QuantLinear, quantize
+from pd_cluster.model.weights import TensorFiles
+from pd_cluster.quantize.gptq import gptq_quantize
+from pd_cluster.quantize.options import METHODS, QuantizeOptions
+
+logger = logging.getLogger(__name__)
+
+#: Bytes a safetensors file of the output holds at most before the next one starts.
+SHARD_BYTES = 4 << 30
+#: The ``quantization_config`` written to config.json: 8-bit float weights, a scale a channel;
+#: activations dynamic, a scale a token; the vocabulary head left out.
+QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                  "dynamic": True},
+        },
+    },
+    "ignore": ["lm_head"],
+}
+
+
+def projection_names(config: ModelConfig) -> dict[str, tuple[int, str]]:
+    """Each dense projection's tensor name -> ``(layer, input)``: the projections that share an
+    input (q/k/v, gate/up) share its name, and are rounded as one matrix."""
+    names: dict[str, tuple[int, str]] = {}
+    for i in range(config.num_layers):
+        p = layer_prefix(i)
+        for proj in ("q", "k", "v"):
+            names[f"{p}self_attn.{proj}_proj.weight"] = (i, "qkv")
+        names[f"{p}self_attn.o_proj.weight"] = (i, "o")
+        mlp = dense_mlp_names(i)
+        names[mlp.gate] = names[mlp.up] = (i, "gate_up")
+        names[mlp.down] = (i, "down")
+    return names
+
+
+def calibration_windows(tokenizer, text: str, window: int) -> list[list[int]]:
+    """``text``'s tokens in windows of ``window`` (the last one shorter, none under two tokens)."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+
+
+def collect_hessians(options: QuantizeOptions, source: Path) -> dict[tuple[int, str], torch.Tensor]:
+    """Each projection's input moment over the calibration text, the engine run in float32 on CPU
+    (the model's dtype on a GPU), prefix cache and CUDA graphs off."""
+    from pd_cluster.config import EngineConfig, resolve_device
+    from pd_cluster.engine.llm_engine import LLMEngine
+    from pd_cluster.quantize.hessians import projection_hessians
+
+    device = resolve_device(options.device)
+    engine = LLMEngine(EngineConfig(model=str(source), device=device, dtype="float32" if device == "cpu" else "auto",
+                                    enable_prefix_cache=False, cuda_graphs=False,
+                                    max_num_batched_tokens=max(options.window, 64)))
+    try:
+        windows = calibration_windows(engine.tokenizer, options.calibration.read_text(), options.window)
+        if not windows:
+            raise ValueError(f"{options.calibration} holds no text to calibrate on")
+        return projection_hessians(engine, windows)
+    finally:
+        engine.close()
+
+
+def _round_group(tensors: list[torch.Tensor], hessian: torch.Tensor | None, options: QuantizeOptions,
+                 device: torch.device) -> list[QuantLinear]:
+    """Matrices of one input, rounded as one (GPTQ) or each to nearest; split back by rows."""
+    whole = torch.cat([t.to(device=device, dtype=torch.float32) for t in tensors])
+    if hessian is None:
+        q = quantize(whole, "fp8")
+    else:
+        q = gptq_quantize(whole, hessian.to(device), "fp8", damp=options.damp, block=options.block,
+                          act_order=options.act_order)
+    out, start = [], 0
+    for t in tensors:
+        stop = start + t.shape[0]
+        out.append(QuantLinear(q.qweight[start:stop].cpu().contiguous(), q.scale[start:stop].cpu().contiguous()))
+        start = stop
+    return out
+
+
+class _ShardWriter:
+    """Tensors written in files of up to :data:`SHARD_BYTES`, indexed as Hugging Face shards."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > SHARD_BYTES:
+            self._flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        path = self.out / f"part-{len(self.files)}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.files:
+            self._flush()
+        if len(self.files) == 1:
+            self.files[0][0].rename(self.out / "model.safetensors")
+            return
+        weight_map, total = {}, 0
+        for number, (path, names) in enumerate(self.files, start=1):
+            final = self.out / f"model-{number:05d}-of-{len(self.files):05d}.safetensors"
+            path.rename(final)
+            total += final.stat().st_size
+            weight_map.update(dict.fromkeys(names, final.name))
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def quantize_checkpoint(options: QuantizeOptions) -> Path:
+    """Write ``options.model`` (a float Hugging Face directory, or "default") to ``options.out`` as
+    an FP8 checkpoint; the output directory."""
+    from pd_cluster.config import resolve_device
+    from pd_cluster.default_model import resolve_model_path
+
+    if options.method not in METHODS:
+        raise ValueError(f"method {options.method!r}; expected one of {METHODS}")
+    source = resolve_model_path(options.model)
+    config = ModelConfig.from_path(source)
+    if config.checkpoint_quantization is not None:
+        raise ValueError(f"{source} is already quantized ({config.checkpoint_quantization}): start from float weights")
+    if config.moe is not None:
+        raise ValueError("models with routed experts are not supported (their experts see routed inputs; "
+                         "serve them with --quantization fp8 instead)")
+    out = Path(options.out)
+    if out.resolve() == source.resolve():
+        raise ValueError("the output directory must not be the model's own")
+    out.mkdir(parents=True, exist_ok=True)
+    if any(out.glob("*.safetensors")):
+        raise FileExistsError(f"{out} already holds a checkpoint")
+    hessians = collect_hessians(options, source) if options.method == "gptq" else None
+    device = torch.device(resolve_device(options.device))
+    files = TensorFiles(source)
+    inputs = projection_names(config)
+    groups: dict[tuple[int, str], list[str]] = {}
+    for name in files.names():
+        if name in inputs:
+            groups.setdefault(inputs[name], []).append(name)
+    writer = _ShardWriter(out)
+    for name in files.names():
+        if name not in inputs:
+            writer.add(name, files.read(name))
+    for key, names in sorted(groups.items()):
+        rounded = _round_group([files.read(n) for n in names], hessians[key] if hessians else None, options, device)
+        for name, q in zip(names, rounded):
+            writer.add(name, q.qweight)
+            writer.add(name[: -len("weight")] + "weight_scale", q.scale[:, None])
+        logger.debug("layer %d %s: %s rounded", key[0], key[1], ", ".join(names))
+    writer.close()
+    for item in source.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(item, out / item.name)
+    raw = json.loads((source / "config.json").read_text())
+    raw["quantization_config"] = QUANTIZATION_CONFIG
+    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    logger.info("wrote %s: %d projections in FP8 (%s)", out, sum(len(n) for n in groups.values()), options.method)
+    return out

@@ -1,0 +1,73 @@
+"""GPTQ's rounding against round to nearest: the same codes where inputs are uncorrelated (or
+never fire), a smaller output error where they are correlated, and the scales' format unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pd_cluster.model.quant_linear import QMAX, quantize
+from pd_cluster.quantize.gptq import gptq_quantize
+
+
+def _weight(n: int = 48, k: int = 160, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n)[:, None]
+
+
+def _correlated_inputs(k: int, rows: int = 2048, seed: int = 1) -> torch.Tensor:
+    """Inputs in a few shared directions plus noise, as a layer's activations are."""
+    gen = torch.Generator().manual_seed(seed)
+    basis = torch.randn(8, k, generator=gen)
+    return torch.randn(rows, 8, generator=gen) @ basis + 0.05 * torch.randn(rows, k, generator=gen)
+
+
+def _moment(x: torch.Tensor) -> torch.Tensor:
+    return 2.0 / x.shape[0] * x.T @ x
+
+
+def _output_error(weight: torch.Tensor, q, x: torch.Tensor) -> float:
+    return float(((weight - q.dequantize(torch.float32)) @ x.T).norm())
+
+
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_uncorrelated_inputs_give_the_codes_of_rounding_to_nearest(method):
+    w = _weight()
+    q = gptq_quantize(w, torch.eye(w.shape[1]) * 3.0, method)
+    rtn = quantize(w, method)
+    assert torch.equal(q.qweight, rtn.qweight) and torch.equal(q.scale, rtn.scale)
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+@pytest.mark.parametrize("method", ["fp8", "int8"])
+def test_correlated_inputs_leave_a_smaller_output_error_than_rounding_to_nearest(method, act_order):
+    w = _weight()
+    x = _correlated_inputs(w.shape[1])
+    q = gptq_quantize(w, _moment(x), method, damp=0.01, act_order=act_order)
+    rtn = quantize(w, method)
+    gptq_error, rtn_error = _output_error(w, q, x), _output_error(w, rtn, x)
+    assert gptq_error < 0.5 * rtn_error, (gptq_error, rtn_error)
+    # The format is round to nearest's: the same scales, codes within the format's range.
+    assert torch.equal(q.scale, rtn.scale) and q.qweight.dtype == rtn.qweight.dtype
+    assert float(q.qweight.float().abs().max()) <= QMAX[method]
+
+
+def test_an_input_that_never_fired_keeps_its_weights_rounded_to_nearest():
+    w = _weight()
+    x = _correlated_inputs(w.shape[1])
+    x[:, 7] = 0.0
+    moment = _moment(x)
+    q = gptq_quantize(w, moment, "fp8", damp=0.01)
+    rtn = quantize(w, "fp8")
+    first = int(moment.diagonal().argmax())  # the largest input's column is rounded before any moves
+    assert torch.equal(q.qweight[:, first], rtn.qweight[:, first])
+    assert torch.equal(q.qweight[:, 7], rtn.qweight[:, 7])
+    assert not torch.equal(q.qweight, rtn.qweight)
+
+
+def test_a_moment_of_other_inputs_or_an_unknown_format_is_refused():
+    w = _weight()
+    with pytest.raises(ValueError, match="160 x 160"):
+        gptq_quantize(w, torch.eye(100))
+    with pytest.raises(ValueError, match="int4"):
+        gptq_quantize(w, torch.eye(160), "int4")
