@@ -44,7 +44,8 @@ from pd_cluster.model.dummy_weights import hf_tensor_shapes
 logger = logging.getLogger(__name__)
 
 #: Shapes shipped as package data (pd_cluster/bench/configs/<name>.json).
-SHAPES = ("llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "smollm2-135m", "tiny", "tiny-kv4")
+SHAPES = ("llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "smollm2-135m", "tiny", "tiny-kv4",
+          "tiny-head128")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 SHARD_BYTES = 4 * 2**30

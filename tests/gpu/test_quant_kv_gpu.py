@@ -217,3 +217,36 @@ def test_quantized_kv_runs_in_cuda_graphs_and_chooses_the_cpu_tokens(small_model
     print(f"--kv-cache-dtype {kind} {dtype} on the GPU with graphs: {agree}/{total} greedy tokens are the CPU "
           f"path's ({rate:.1%}); {len(decode)} decode and {len(mixed)} mixed replays")
     assert rate >= MIN_AGREEMENT[kind, dtype]
+
+
+@pytest.fixture(scope="module")
+def head128_model(tmp_path_factory, tokenizer_dir) -> Path:
+    """Random weights of a small shape with heads of 128 (4 q heads over 1 kv head): the head size
+    the direct fp8 decode kernel (:mod:`kernels.attention_decode_direct`) serves."""
+    from pd_cluster.bench.random_model import write_random_model
+
+    return write_random_model("tiny-head128", tmp_path_factory.mktemp("models") / "tiny-head128", tokenizer_dir)
+
+
+@pytest.mark.skipif(not FP8, reason="fp8 KV needs compute capability 8.9")
+def test_the_direct_fp8_decode_kernel_serves_the_engine_in_graphs_and_chooses_the_cpu_tokens(head128_model, prompts,
+                                                                                            monkeypatch):
+    import kernels.attention_decode as decode
+
+    launches: list[int] = []
+    direct = decode.decode_split_direct
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return direct(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "decode_split_direct", counted)
+    eng = _engine(head128_model, "cuda", "bfloat16", "fp8_e4m3")
+    assert eng.runner.graphs is not None, "CUDA graph capture failed"
+    answers = _generate_arriving(eng, prompts)
+    assert [len(a) for a in answers] == MAX_TOKENS
+    assert launches, "the direct kernel did not serve the decode steps"
+    agree, total = _cpu_agreement(_engine(head128_model, "cpu", "float32", "fp8_e4m3"), prompts, answers)
+    print(f"direct fp8 decode kernel in the engine (bfloat16, graphs): {agree}/{total} greedy tokens are the CPU "
+          f"path's ({agree / total:.1%}); {len(launches)} launches captured or run")
+    assert agree / total >= MIN_AGREEMENT["fp8_e4m3", "bfloat16"]
