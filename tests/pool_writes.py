@@ -52,8 +52,8 @@ class PoolWrites:
     def _arm(self) -> None:
         pool = self.engine.pool
         free = torch.from_numpy(pool._is_free.copy()).to(pool.device)
-        pool.k_cache[:, free] = SENTINEL
-        pool.v_cache[:, free] = SENTINEL
+        pool.k_cache[:, free] = sentinel(pool.k_cache)
+        pool.v_cache[:, free] = sentinel(pool.v_cache)
         self._before = (pool.k_cache.clone(), pool.v_cache.clone())
 
     def _changed_slots(self) -> int:

@@ -94,3 +94,42 @@ def test_a_p_killed_mid_write_leaves_d_serving_with_its_slots_back(model_8b):
     finally:
         p.stop()
         d.stop()
+
+
+def test_a_bfloat16_p_writes_an_fp8_d_in_place_converting_its_rows(small_model):
+    """P keeps bfloat16 KV, D stores fp8 e4m3: P writes D's own rows (codes and scales) into D's
+    pool over CUDA IPC, converting on the way; the bytes are D's, and D's greedy tokens agree with
+    an engine that stores fp8 itself."""
+    from pd_cluster import LLM
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(200, 20000) for _ in range(n)] for n in (300, 700)]
+    p_config = {**config(small_model), "max_total_tokens": 8192, "max_model_len": 4096, "max_num_batched_tokens": 4096}
+    d_config = {**p_config, "kv_cache_dtype": "fp8_e4m3"}
+    llm = LLM(model=str(small_model), **{k: v for k, v in d_config.items() if k != "model"})
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        want = [list(o.token_ids) for o in outs]
+    finally:
+        llm.close()
+    d = start_node(decode_main, d_config, TOKEN, ready_timeout=600)
+    p = start_node(prefill_main, p_config, TOKEN, 30.0, ready_timeout=600)
+    try:
+        bytes_per_token = d.info[2] // 16
+        same = total = 0
+        for prompt, expected in zip(prompts, want):
+            d.call("arm_writes")
+            spec = job(prompt, d.info[1])
+            result = p.call("job", spec)
+            assert result["transport"] == "ipc" and result["committed"]
+            tokens = [result["first"]["token_id"]] + d.wait_finished(PrefillJob.model_validate_json(spec).request_id)
+            # D's rows, measured in its pool: one byte a value plus a scale, not bfloat16's two.
+            assert d.call("writes") == [len(prompt) * bytes_per_token] == [result["transfer_bytes"]]
+            same += sum(a == b for a, b in zip(tokens, expected))
+            total += len(expected)
+        print(f"bfloat16 P -> fp8 D over CUDA IPC: {same}/{total} greedy tokens as the fp8 engine's")
+        assert same / total >= 0.75
+        assert d.call("stats")["reservations"] == 0
+    finally:
+        p.stop()
+        d.stop()
