@@ -70,7 +70,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from pd_cluster.quantize.options import QuantizeOptions
 
     options = QuantizeOptions(model=args.model, out=Path(args.out), method=args.method, window=args.window,
-                              damp=args.damp, device=args.device)
+                              sampled_tokens=args.sampled_tokens, damp=args.damp, act_order=args.act_order,
+                              device=args.device)
     if args.calibration is not None:
         options.calibration = Path(args.calibration)
     out = quantize_checkpoint(options)
@@ -423,7 +424,11 @@ def _add_quantize_command(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--calibration", default=None,
                    help=f"a text file to calibrate on (default: the shipped {CALIBRATION_TEXT.name})")
     q.add_argument("--window", type=int, default=d.window, help="calibration tokens a prefill")
+    q.add_argument("--sampled-tokens", type=int, default=d.sampled_tokens,
+                   help="tokens the model samples itself to calibrate on besides the text (0: none)")
     q.add_argument("--damp", type=float, default=d.damp, help="GPTQ's damping, a fraction of the mean input moment")
+    q.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=d.act_order,
+                   help="round the columns of the largest inputs first")
     q.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     q.set_defaults(func=cmd_quantize)
 

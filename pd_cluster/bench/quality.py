@@ -7,6 +7,10 @@ prefill runs in chunks of ``--chunk`` tokens, so most of each window's attention
 values back from the cache, as decode does (a single chunk would attend to fresh, unquantized
 keys and hide what the cache's dtype costs). The figure: each mode's perplexity over the
 unquantized one's (the first mode).
+
+A mode with a ``checkpoint`` entry first writes the model as an FP8 checkpoint
+(:mod:`pd_cluster.quantize`, GPTQ calibrated on its own shipped text, not on the scored ones) and
+scores that, loaded as published.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import logging
 import math
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +39,7 @@ MODES: dict[str, dict[str, Any]] = {
     "int8-weights": {"quantization": "int8"},
     "fp8-weights": {"quantization": "fp8"},
     "fp8-mixed-weights": {"quantization": "fp8_mixed"},
+    "fp8-gptq-weights": {"quantization": "fp8", "checkpoint": {"method": "gptq"}},
 }
 #: A mode within this much of the baseline's perplexity passes.
 BOUND = 1.02
@@ -65,14 +71,24 @@ def perplexity(options: QualityOptions, overrides: dict[str, Any]) -> dict[str, 
     from pd_cluster.sampling_params import SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(options.model, device=options.device, dtype=options.dtype, enable_prefix_cache=False,
-              max_num_batched_tokens=options.chunk, prefill_chunk_tokens=options.chunk, **overrides)
-    try:
-        windows = text_windows(llm.tokenizer, options.window)[:options.max_windows]
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-        outputs = llm.generate(windows, params)
-    finally:
-        llm.close()
+    settings = dict(overrides)
+    checkpoint = settings.pop("checkpoint", None)
+    with tempfile.TemporaryDirectory(prefix="pd-quality-") as scratch:
+        model = options.model
+        if checkpoint is not None:
+            from pd_cluster.quantize.checkpoint import quantize_checkpoint
+            from pd_cluster.quantize.options import QuantizeOptions
+
+            model = str(quantize_checkpoint(QuantizeOptions(model=options.model, out=Path(scratch) / "model",
+                                                            device=options.device, **checkpoint)))
+        llm = LLM(model, device=options.device, dtype=options.dtype, enable_prefix_cache=False,
+                  max_num_batched_tokens=options.chunk, prefill_chunk_tokens=options.chunk, **settings)
+        try:
+            windows = text_windows(llm.tokenizer, options.window)[:options.max_windows]
+            params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+            outputs = llm.generate(windows, params)
+        finally:
+            llm.close()
     logprobs = [lp for out in outputs for lp in out.prompt_logprobs.logprobs]
     return {"perplexity": math.exp(-sum(logprobs) / len(logprobs)), "tokens": len(logprobs),
             "windows": len(windows), "settings": overrides, "seconds": time.perf_counter() - started}

@@ -24,10 +24,12 @@ from pd_cluster.model.hf_names import dense_mlp_names, layer_prefix
 from pd_cluster.model.quant_linear import QuantLinear, quantize
 from pd_cluster.model.weights import TensorFiles
 from pd_cluster.quantize.gptq import gptq_quantize
-from pd_cluster.quantize.options import METHODS, QuantizeOptions
+from pd_cluster.quantize.options import METHODS, SAMPLE_OPENINGS, QuantizeOptions
 
 logger = logging.getLogger(__name__)
 
+#: KV slots of the engine that calibrates (its requests queue for them).
+CALIBRATION_KV_TOKENS = 16384
 #: Bytes a safetensors file of the output holds at most before the next one starts.
 SHARD_BYTES = 4 << 30
 #: The ``quantization_config`` written to config.json: 8-bit float weights, a scale a channel;
@@ -69,22 +71,46 @@ def calibration_windows(tokenizer, text: str, window: int) -> list[list[int]]:
     return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
 
 
+def sampled_windows(engine, total: int, seed: int = 0) -> list[list[int]]:
+    """About ``total`` tokens the model writes itself (temperature 1, top-p 0.95, each opening of
+    :data:`SAMPLE_OPENINGS` its own seed; a sample ends early at the end of its text), with their
+    openings."""
+    from pd_cluster.sampling_params import SamplingParams
+
+    if total <= 0:
+        return []
+    each = max(1, total // len(SAMPLE_OPENINGS))
+    requests = []
+    for number, opening in enumerate(SAMPLE_OPENINGS):
+        ids = list(engine.tokenizer.encode(opening, add_special_tokens=False))
+        params = SamplingParams(max_tokens=each, temperature=1.0, top_p=0.95, seed=seed + number)
+        requests.append(engine.add_request(f"calibration-sample-{number}", ids, params))
+    while engine.has_unfinished():
+        engine.step()
+    return [list(r.prompt_token_ids) + list(r.output_token_ids) for r in requests]
+
+
 def collect_hessians(options: QuantizeOptions, source: Path) -> dict[tuple[int, str], torch.Tensor]:
-    """Each projection's input moment over the calibration text, the engine run in float32 on CPU
-    (the model's dtype on a GPU), prefix cache and CUDA graphs off."""
+    """Each projection's input moment over the calibration text and the model's own samples, the
+    engine run in float32 on CPU (the model's dtype on a GPU), prefix cache and CUDA graphs off."""
     from pd_cluster.config import EngineConfig, resolve_device
     from pd_cluster.engine.llm_engine import LLMEngine
     from pd_cluster.quantize.hessians import projection_hessians
 
     device = resolve_device(options.device)
+    # A small KV pool: the moments (a large model's take tens of GB) need the memory more.
     engine = LLMEngine(EngineConfig(model=str(source), device=device, dtype="float32" if device == "cpu" else "auto",
                                     enable_prefix_cache=False, cuda_graphs=False,
-                                    max_num_batched_tokens=max(options.window, 64)))
+                                    max_num_batched_tokens=max(options.window, 64),
+                                    max_total_tokens=CALIBRATION_KV_TOKENS))
     try:
         windows = calibration_windows(engine.tokenizer, options.calibration.read_text(), options.window)
         if not windows:
             raise ValueError(f"{options.calibration} holds no text to calibrate on")
-        return projection_hessians(engine, windows)
+        samples = sampled_windows(engine, options.sampled_tokens)
+        logger.info("calibrating on %d tokens of %s and %d the model sampled", sum(map(len, windows)),
+                    options.calibration.name, sum(map(len, samples)))
+        return projection_hessians(engine, windows + samples)
     finally:
         engine.close()
 

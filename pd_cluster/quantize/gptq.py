@@ -40,7 +40,7 @@ def _inverse_cholesky(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, method: str = "fp8", damp: float = DAMP,
-                  block: int = BLOCK, act_order: bool = True) -> QuantLinear:
+                  block: int = BLOCK, act_order: bool = False) -> QuantLinear:
     """``weight`` ``[N, K]`` as 8-bit codes with a scale an output channel, rounded by GPTQ over
     ``hessian`` ``[K, K]`` (the inputs' second moment). Inputs that never fired (a zero diagonal)
     have their weights rounded as they are: nothing can be learned about them. ``act_order``:

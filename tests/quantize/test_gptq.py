@@ -52,14 +52,16 @@ def test_correlated_inputs_leave_a_smaller_output_error_than_rounding_to_nearest
     assert float(q.qweight.float().abs().max()) <= QMAX[method]
 
 
-def test_an_input_that_never_fired_keeps_its_weights_rounded_to_nearest():
+@pytest.mark.parametrize("act_order", [True, False])
+def test_an_input_that_never_fired_keeps_its_weights_rounded_to_nearest(act_order):
     w = _weight()
     x = _correlated_inputs(w.shape[1])
     x[:, 7] = 0.0
     moment = _moment(x)
-    q = gptq_quantize(w, moment, "fp8", damp=0.01)
+    q = gptq_quantize(w, moment, "fp8", damp=0.01, act_order=act_order)
     rtn = quantize(w, "fp8")
-    first = int(moment.diagonal().argmax())  # the largest input's column is rounded before any moves
+    # The first column rounded (the largest input's, by act order) is rounded before any moves.
+    first = int(moment.diagonal().argmax()) if act_order else 0
     assert torch.equal(q.qweight[:, first], rtn.qweight[:, first])
     assert torch.equal(q.qweight[:, 7], rtn.qweight[:, 7])
     assert not torch.equal(q.qweight, rtn.qweight)
