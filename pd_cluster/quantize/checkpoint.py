@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -65,13 +66,13 @@ def projection_names(config: ModelConfig) -> dict[str, tuple[int, str]]:
     return names
 
 
-def calibration_windows(tokenizer, text: str, window: int) -> list[list[int]]:
+def calibration_windows(tokenizer: Any, text: str, window: int) -> list[list[int]]:
     """``text``'s tokens in windows of ``window`` (the last one shorter, none under two tokens)."""
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
 
 
-def sampled_windows(engine, total: int, seed: int = 0) -> list[list[int]]:
+def sampled_windows(engine: Any, total: int, seed: int = 0) -> list[list[int]]:
     """About ``total`` tokens the model writes itself (temperature 1, top-p 0.95, each opening of
     :data:`SAMPLE_OPENINGS` its own seed; a sample ends early at the end of its text), with their
     openings."""
