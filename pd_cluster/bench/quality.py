@@ -62,7 +62,9 @@ def text_windows(tokenizer: Any, window: int) -> list[list[int]]:
     ids: list[int] = []
     for name in TEXTS:
         ids += tokenizer.encode((DATA / name).read_text(), add_special_tokens=False)
-    return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+    from pd_cluster.quantize.checkpoint import token_windows
+
+    return token_windows(ids, window)
 
 
 def perplexity(options: QualityOptions, overrides: dict[str, Any]) -> dict[str, Any]:

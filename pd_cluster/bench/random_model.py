@@ -36,8 +36,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from pd_cluster.model.checkpoint_writer import CheckpointWriter
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.dummy_weights import hf_tensor_shapes
 
@@ -48,7 +48,6 @@ SHAPES = ("llama3-8b", "llama3-70b", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b"
           "tiny-head128")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
-SHARD_BYTES = 4 * 2**30
 
 
 def shape_config(shape: str) -> dict:
@@ -107,8 +106,7 @@ def write_random_model(
 
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    writer = CheckpointWriter(out_dir)
     for name, tensor_shape in hf_tensor_shapes(ModelConfig.from_dict(cfg, name=out_dir.name)).items():
         if name.endswith("norm.weight"):
             tensor = torch.ones(tensor_shape, dtype=torch_dtype)
@@ -116,23 +114,8 @@ def write_random_model(
             tensor = torch.empty(tensor_shape, dtype=torch_dtype, device=device).normal_(0.0, 0.02, generator=gen).cpu()
             if name == head and silent_rows is not None:
                 tensor[silent_rows] = 0
-        nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    weight_map: dict[str, str] = {}
-    total = 0
-    for index, shard in enumerate(shards, start=1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-        total += sum(t.numel() * t.element_size() for t in shard.values())
-        logger.info("wrote %s (%d tensors)", file, len(shard))
-    (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
-    )
+        writer.add(name, tensor)
+    total = writer.close()
     _write_config_and_tokenizer(cfg, out_dir, tokenizer_dir)
     logger.info("random %s model (%.2f GB of %s weights) in %s", shape, total / 1e9, dtype, out_dir)
     return out_dir

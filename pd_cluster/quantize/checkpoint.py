@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
+from pd_cluster.model.checkpoint_writer import CheckpointWriter
 from pd_cluster.model.config import ModelConfig
 from pd_cluster.model.hf_names import dense_mlp_names, layer_prefix
 from pd_cluster.model.quant_linear import QuantLinear, quantize
@@ -31,8 +31,6 @@ logger = logging.getLogger(__name__)
 
 #: KV slots of the engine that calibrates (its requests queue for them).
 CALIBRATION_KV_TOKENS = 16384
-#: Bytes a safetensors file of the output holds at most before the next one starts.
-SHARD_BYTES = 4 << 30
 #: The ``quantization_config`` written to config.json: 8-bit float weights, a scale a channel;
 #: activations dynamic, a scale a token; the vocabulary head left out.
 QUANTIZATION_CONFIG = {
@@ -66,10 +64,14 @@ def projection_names(config: ModelConfig) -> dict[str, tuple[int, str]]:
     return names
 
 
-def calibration_windows(tokenizer: Any, text: str, window: int) -> list[list[int]]:
-    """``text``'s tokens in windows of ``window`` (the last one shorter, none under two tokens)."""
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
+def token_windows(ids: list[int], window: int) -> list[list[int]]:
+    """``ids`` in windows of ``window`` (the last one shorter, none under two tokens)."""
     return [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+
+
+def calibration_windows(tokenizer: Any, text: str, window: int) -> list[list[int]]:
+    """``text``'s tokens in windows of ``window``."""
+    return token_windows(list(tokenizer.encode(text, add_special_tokens=False)), window)
 
 
 def sampled_windows(engine: Any, total: int, seed: int = 0) -> list[list[int]]:
@@ -133,44 +135,6 @@ def _round_group(tensors: list[torch.Tensor], hessian: torch.Tensor | None, opti
     return out
 
 
-class _ShardWriter:
-    """Tensors written in files of up to :data:`SHARD_BYTES`, indexed as Hugging Face shards."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[Path, list[str]]] = []
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > SHARD_BYTES:
-            self._flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-
-    def _flush(self) -> None:
-        path = self.out / f"part-{len(self.files)}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.files.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> None:
-        if self.pending or not self.files:
-            self._flush()
-        if len(self.files) == 1:
-            self.files[0][0].rename(self.out / "model.safetensors")
-            return
-        weight_map, total = {}, 0
-        for number, (path, names) in enumerate(self.files, start=1):
-            final = self.out / f"model-{number:05d}-of-{len(self.files):05d}.safetensors"
-            path.rename(final)
-            total += final.stat().st_size
-            weight_map.update(dict.fromkeys(names, final.name))
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
 def quantize_checkpoint(options: QuantizeOptions) -> Path:
     """Write ``options.model`` (a float Hugging Face directory, or "default") to ``options.out`` as
     an FP8 checkpoint; the output directory."""
@@ -200,7 +164,7 @@ def quantize_checkpoint(options: QuantizeOptions) -> Path:
     for name in files.names():
         if name in inputs:
             groups.setdefault(inputs[name], []).append(name)
-    writer = _ShardWriter(out)
+    writer = CheckpointWriter(out)
     for name in files.names():
         if name not in inputs:
             writer.add(name, files.read(name))
