@@ -162,7 +162,7 @@ def _silu_mul_parts_kernel(gate_up_ptr, y_ptr, amax_ptr, n_cols, stride_in, stri
 def _quantize_parts_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, n_cols, stride_y, stride_q, AMAX_MIN: tl.constexpr,
                            QMAX: tl.constexpr, PARTS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
                            USE_PDL: tl.constexpr):
-    # A program per (row, part): the row's scale from its parts' amaxes, the part's codes.
+    # A program per (row, BLOCK columns): the row's scale from its PARTS amaxes, the columns' codes.
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -176,6 +176,25 @@ def _quantize_parts_kernel(y_ptr, amax_ptr, q_ptr, scale_ptr, n_cols, stride_y, 
     y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
     q = tl.minimum(tl.maximum(y * tl.math.div_rn(1.0, scale), -QMAX), QMAX)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_parts(values: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 codes and float32 scales ``[rows, 1]`` of ``values`` ``[rows, n]`` (contiguous
+    rows) whose amax a row is the largest of its ``amax`` ``[rows, parts]`` entries: each the amax
+    of a part of the row, found by the kernel that wrote it (:func:`silu_mul_quant_fp8_triton`'s
+    parts, :mod:`kernels.fp8_gated`'s tiles). One launch, a program per row and
+    :data:`PART_COLUMNS` columns."""
+    rows, n_cols = values.shape
+    codes = torch.empty((rows, n_cols), dtype=FP8, device=values.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=values.device)
+    if rows == 0 or n_cols == 0:
+        return codes, scale.fill_(AMAX_FLOOR / FP8_MAX)
+    parts = amax.shape[1]
+    pdl = use_pdl(values)
+    _quantize_parts_kernel[(rows, cdiv(n_cols, PART_COLUMNS))](
+        values, amax, codes, scale, n_cols, values.stride(0), codes.stride(0), AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX,
+        PARTS=parts, BLOCK_P=next_pow2(parts), BLOCK=PART_COLUMNS, USE_PDL=pdl, num_warps=4, **pdl_options(pdl))
+    return codes, scale
 
 
 #: Rows up to which the SiLU gate quantizes in two launches over parts of rows (a decode batch:
@@ -207,23 +226,19 @@ def silu_mul_quant_fp8_triton(gate_up: torch.Tensor, block: int | None = None, n
         raise ValueError("gate_up's last dimension must be even")
     rows_in = last_dim_contiguous(gate_up.reshape(-1, 2 * n_cols))
     rows = rows_in.shape[0]
-    codes = torch.empty((rows, n_cols), dtype=FP8, device=gate_up.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
-    if rows == 0 or n_cols == 0:
-        return codes, scale.fill_(AMAX_FLOOR / FP8_MAX)
     pdl = use_pdl(rows_in)
-    if parts if parts is not None else block is None and rows <= PARTS_MAX_ROWS:
+    if rows and n_cols and (parts if parts is not None else block is None and rows <= PARTS_MAX_ROWS):
         count = cdiv(n_cols, PART_COLUMNS)
         gated = torch.empty((rows, n_cols), dtype=gate_up.dtype, device=gate_up.device)
         amax = torch.empty((rows, count), dtype=torch.float32, device=gate_up.device)
         _silu_mul_parts_kernel[(rows, count)](rows_in, gated, amax, n_cols, rows_in.stride(0), gated.stride(0),
                                               PARTS=count, BLOCK=PART_COLUMNS, USE_PDL=pdl, num_warps=4,
                                               **pdl_options(pdl))
-        _quantize_parts_kernel[(rows, count)](gated, amax, codes, scale, n_cols, gated.stride(0), codes.stride(0),
-                                              AMAX_MIN=AMAX_FLOOR, QMAX=FP8_MAX, PARTS=count,
-                                              BLOCK_P=next_pow2(count), BLOCK=PART_COLUMNS, USE_PDL=pdl,
-                                              num_warps=4, **pdl_options(pdl))
-        return codes, scale
+        return quantize_parts(gated, amax)
+    codes = torch.empty((rows, n_cols), dtype=FP8, device=gate_up.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=gate_up.device)
+    if rows == 0 or n_cols == 0:
+        return codes, scale.fill_(AMAX_FLOOR / FP8_MAX)
     default_block, default_warps = silu_quant_block(n_cols)
     block = block or default_block
     _silu_mul_quant_kernel[(rows,)](

@@ -69,15 +69,17 @@ FP8_GEMM_CONFIGS: dict[tuple[int, int, int], Fp8GemmConfig] = {
     # rows 85.8 us against _scaled_mm's 125.5 and cuBLAS bf16's 127.3, at 16 rows 87.2 against the
     # weight-only GEMM's 113.2. At 64 rows o and gate/up load by descriptor (``fp8_gemm_sweep``,
     # the same day: 9.37 against 9.70 us, 35.59 against 37.25), down too (even: 24.42, 24.48).
+    # 2026-11-30, more stages in flight at 64 rows (the same timing): qkv five, o seven (8.98 ->
+    # 8.78 us), down eight over 32 channels a tile, unsplit (22.23 -> 20.74, its split sum gone).
     (16, 6144, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # qkv 11.88 us
     (32, 6144, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 14.40
-    (64, 6144, 4096): Fp8GemmConfig(64, 64, 256, 1, 4, 4),  # 11.84
+    (64, 6144, 4096): Fp8GemmConfig(64, 64, 256, 1, 4, 5),
     (16, 4096, 14336): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # down 29.11
     (32, 4096, 14336): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 32.82
-    (64, 4096, 14336): Fp8GemmConfig(64, 64, 256, 2, 4, 4, tma=True),  # 24.42
+    (64, 4096, 14336): Fp8GemmConfig(64, 32, 256, 1, 4, 8, tma=True),  # 20.74
     (16, 4096, 4096): Fp8GemmConfig(16, 64, 256, 4, 4, 4),  # o 10.89
     (32, 4096, 4096): Fp8GemmConfig(32, 64, 256, 4, 4, 4),  # 12.96
-    (64, 4096, 4096): Fp8GemmConfig(64, 32, 256, 1, 4, 5, tma=True),  # 9.37
+    (64, 4096, 4096): Fp8GemmConfig(64, 32, 256, 1, 4, 7, tma=True),  # 8.78
     (16, 28672, 4096): Fp8GemmConfig(16, 32, 256, 1, 4, 5),  # gate_up 35.29
     (32, 28672, 4096): Fp8GemmConfig(32, 64, 256, 1, 4, 3),  # 35.86
     (64, 28672, 4096): Fp8GemmConfig(64, 128, 128, 1, 4, 4, tma=True),  # 35.59
@@ -103,9 +105,21 @@ def fp8_gemm_heuristic(rows: int, n: int, k: int) -> Fp8GemmConfig:
     return Fp8GemmConfig(bm, bn, bk, split, 4, 4)
 
 
-def fp8_gemm_config(rows: int, n: int, k: int) -> Fp8GemmConfig:
-    """:data:`FP8_GEMM_CONFIGS`' entry, else the heuristic."""
-    return FP8_GEMM_CONFIGS.get((next_pow2(rows), n, k)) or fp8_gemm_heuristic(rows, n, k)
+def shared_bytes(cfg: Fp8GemmConfig) -> int:
+    """Shared memory ``cfg``'s stages hold: a row tile and a weight tile of float8 codes each."""
+    return cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k
+
+
+def fp8_gemm_config(rows: int, n: int, k: int, device: torch.device | None = None) -> Fp8GemmConfig:
+    """:data:`FP8_GEMM_CONFIGS`' entry where ``device`` (a GPU) has the shared memory it takes
+    (the entries are an H200's, up to 192 KiB a program), else the heuristic."""
+    cfg = FP8_GEMM_CONFIGS.get((next_pow2(rows), n, k))
+    if cfg is not None and device is not None and device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        limit = getattr(props, "shared_memory_per_block_optin", None)
+        if limit is not None and shared_bytes(cfg) > limit:
+            cfg = None
+    return cfg or fp8_gemm_heuristic(rows, n, k)
 
 
 def _splits(cfg: Fp8GemmConfig, k: int) -> tuple[int, int]:
@@ -198,9 +212,15 @@ def _split_sum_kernel(part_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, 
     tl.store(out_ptr + row * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _describable(t: torch.Tensor) -> bool:
+def describable(t: torch.Tensor) -> bool:
     """Whether ``t`` (2-D, rows contiguous) can be a tensor descriptor's."""
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and t.shape[-1] % 16 == 0
+
+
+def sm90(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device may load by tensor descriptor: sm_90 and newer (an
+    interpreted kernel, on the CPU, runs them anywhere)."""
+    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
 def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
@@ -230,16 +250,15 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tenso
         torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or fp8_gemm_config(m, n, k)
+    cfg = config or fp8_gemm_config(m, n, k, xq.device)
     split, k_part = _splits(cfg, k)
     if rotary is not None and not rotary_epilogue_fits(m, n, k, rotary.head_dim, cfg):
         raise ValueError(f"tiles of {cfg.block_n} columns split a rotary pair of heads of {rotary.head_dim}")
     grid = (cdiv(n, cfg.block_n), cdiv(m, cfg.block_m), split)
     target = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
     pdl = use_pdl(xq)  # each launch waits for the one before at its start
-    # Descriptors are sm_90's (interpreted, they run anywhere); a rotary tile's weight rows are no block.
-    sm90 = not xq.is_cuda or torch.cuda.get_device_capability(xq.device) >= (9, 0)
-    tma = cfg.tma and sm90 and TensorDescriptor is not None and _describable(xq) and _describable(weight)
+    # A rotary tile's weight rows are no block: loaded by pointers.
+    tma = cfg.tma and sm90(xq) and TensorDescriptor is not None and describable(xq) and describable(weight)
     epilogue = rotary is not None and split == 1
     if epilogue:
         tma = False

@@ -8,7 +8,8 @@ The codes are those the unfused path quantizes, so the products are the same.
 The qkv projection of a decode step that the FP8 GEMM serves also finishes its output there
 (:func:`norm_qkv_rotary_fp8`): rotary embedding and the KV store in the GEMM's epilogue, not a
 kernel of their own after it. The decode attention's merge writes the o projection's codes
-(:func:`decode_attention_o_fp8`).
+(:func:`decode_attention_o_fp8`), and the gate/up GEMM gates its own output
+(:func:`norm_gate_up_silu_down_fp8`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import kernels
 from kernels._triton import use_triton
 from kernels.fp8_act import rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
+from kernels.fp8_gated import fp8_gate_up_silu_triton
 from kernels.fp8_gemm import FP8_GEMM_MAX_ROWS, fp8_gemm_triton, rotary_epilogue_fits
 from kernels.qkv_epilogue import QkvRotary
 from pd_cluster.model.quant_linear import (FP8, QuantLinear, Weight, fp8_codes_product, linear, scaled_mm_supported,
@@ -58,6 +60,30 @@ def silu_then_linear(gate_up: torch.Tensor, weight: Weight) -> torch.Tensor:
         out = scaled_product(codes, scale, weight, gate_up.dtype)
         return out.reshape(*gate_up.shape[:-1], out.shape[-1])
     return linear(kernels.silu_mul(gate_up), weight)
+
+
+def _shaped(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A tensor of ``x``'s dtype and device shaped ``[rows, cols]`` (one element's storage): what
+    the support checks read of a projection's input before it exists."""
+    return x.new_empty((1, 1)).expand(rows, cols)
+
+
+def norm_gate_up_silu_down_fp8(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                               eps: float, gate_up: Weight, down: Weight) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``silu_then_linear(norm_then_linear(...gate_up), down)`` and the new residual stream, where
+    the FP8 GEMM serves both products (a decode batch's rows): the gate/up GEMM gates its output
+    and the down projection's codes follow in one launch (:mod:`kernels.fp8_gated`), no gate/up
+    output written and read back. None where it does not serve (the caller runs the ops)."""
+    same_dtype = norm_weight.dtype == hidden.dtype and (residual is None or residual.dtype == hidden.dtype)
+    rows = hidden.numel() // max(1, hidden.shape[-1])
+    if not (same_dtype and 0 < rows <= FP8_GEMM_MAX_ROWS and isinstance(gate_up, QuantLinear)
+            and isinstance(down, QuantLinear) and gate_up.qweight.shape[0] == 2 * down.qweight.shape[-1]
+            and fused_fp8(hidden, gate_up) and fused_fp8(_shaped(hidden, rows, down.qweight.shape[-1]), down)):
+        return None
+    codes, scale, residual = rms_norm_quant_fp8_triton(hidden, norm_weight, eps, residual)
+    gated, gated_scale = fp8_gate_up_silu_triton(codes, scale, gate_up.qweight, gate_up.scale, hidden.dtype)
+    out = scaled_product(gated, gated_scale, down, hidden.dtype)
+    return out.reshape(*hidden.shape[:-1], out.shape[-1]), residual
 
 
 def norm_qkv_rotary_fp8(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

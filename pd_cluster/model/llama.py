@@ -17,8 +17,8 @@ import kernels
 from kernels.gemv import MAX_ROWS as FUSED_ROWS_LIMIT
 from kernels.qkv_epilogue import QkvRotary
 from pd_cluster.model.config import ModelConfig
-from pd_cluster.model.fp8_fused import (decode_attention_o_fp8, norm_qkv_rotary_fp8, norm_then_linear,
-                                        silu_then_linear)
+from pd_cluster.model.fp8_fused import (decode_attention_o_fp8, norm_gate_up_silu_down_fp8, norm_qkv_rotary_fp8,
+                                        norm_then_linear, silu_then_linear)
 from pd_cluster.model.forward_batch import ForwardBatch, PrefillPart
 from pd_cluster.model.moe import routed_experts
 from pd_cluster.model.prefill_sdpa import fresh_attention, fresh_spans, sdpa_applies
@@ -171,6 +171,9 @@ class LlamaModel:
         if w.experts is not None:
             x, residual = kernels.rms_norm(hidden, w.post_norm, cfg.rms_norm_eps, residual)
             return routed_experts(x, w.experts, cfg.moe), residual
+        mlp = norm_gate_up_silu_down_fp8(hidden, residual, w.post_norm, cfg.rms_norm_eps, w.gate_up, w.down)
+        if mlp is not None:
+            return self._reduce(mlp[0]), mlp[1]
         gate_up, residual = norm_then_linear(hidden, residual, w.post_norm, cfg.rms_norm_eps, w.gate_up)
         return self._reduce(silu_then_linear(gate_up, w.down)), residual
 

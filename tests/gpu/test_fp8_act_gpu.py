@@ -16,11 +16,13 @@ from kernels.attention import (context_attention_triton, decode_attention_codes_
                                decode_attention_triton)
 from kernels.kv_quant import quantize_rows
 from kernels.fp8_act import rms_norm_quant_fp8_ref, rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
+from kernels.fp8_gated import fp8_gate_up_silu_triton
+from kernels.fp8_gemm import fp8_gemm_triton
 from kernels.quant_matmul import act_quant_fp8_triton
 from kernels.rms_norm import rms_norm, rms_norm_triton
 from kernels.silu_mul import silu_mul, silu_mul_triton
 from pd_cluster import LLM, SamplingParams
-from pd_cluster.model import fp8_fused
+from pd_cluster.model import fp8_fused, llama
 from pd_cluster.model.quant_linear import FP8_WEIGHT_ONLY_MAX_ROWS, linear, quantize
 
 pytestmark = [
@@ -173,6 +175,52 @@ def test_fp8_decode_greedy_tokens_with_the_merge_writing_codes_or_not(small_mode
     got = run()
     assert any(merged), "the merge never wrote codes"
     monkeypatch.setattr(attention_decode, "MERGE_CODES_MAX_VALUES", 0)
+    assert got == run()
+
+
+@pytest.mark.skipif(not SCALED_MM, reason="FP8 scaled products need compute capability 9.0")
+@pytest.mark.parametrize("rows, inter, k", [(64, 14336, 4096), (37, 14336, 4096), (16, 1000, 2048)])
+def test_gate_up_gated_in_its_epilogue_writes_the_unfused_codes(rows, inter, k):
+    """The gate/up GEMM gating its own output (by descriptor, two products a block): the codes and
+    scales of the plain FP8 GEMM's output gated and quantized after it, bit for bit; 1000 gated
+    outputs end in a partial tile."""
+    gen = torch.Generator(device="cuda").manual_seed(inter + rows)
+    w = quantize(torch.randn(2 * inter, k, device="cuda", generator=gen) * 0.02, "fp8")
+    xq, x_scale = act_quant_fp8_triton(torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16))
+    codes, scale = fp8_gate_up_silu_triton(xq, x_scale, w.qweight, w.scale, torch.bfloat16)
+    gate_up = fp8_gemm_triton(xq, x_scale, w.qweight, w.scale, torch.bfloat16)
+    want_codes, want_scale = silu_mul_quant_fp8_triton(gate_up)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(_bits(codes), _bits(want_codes))
+
+
+@pytest.mark.skipif(not SCALED_MM, reason="FP8 scaled products need compute capability 9.0")
+def test_fp8_decode_greedy_tokens_with_the_gate_up_gating_its_output_or_not(small_model, monkeypatch):
+    """24 sequences decode through the FP8 GEMM, in CUDA graphs: the MLP's gate/up GEMM gates its
+    own output, or the SiLU kernels gate it after; the codes are the same, so is every greedy token."""
+    prompts = [list(range(100 + i, 300 + 5 * i)) for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(model=str(small_model), device="cuda", dtype="bfloat16", max_total_tokens=16384,
+                  quantization="fp8")
+        try:
+            return [list(o.token_ids) for o in llm.generate(prompts, params)]
+        finally:
+            llm.close()
+
+    served: list[bool] = []
+    fused = llama.norm_gate_up_silu_down_fp8
+
+    def counted(*args):
+        done = fused(*args)
+        served.append(done is not None)
+        return done
+
+    monkeypatch.setattr(llama, "norm_gate_up_silu_down_fp8", counted)
+    got = run()
+    assert any(served), "the gated gate/up GEMM never ran"
+    monkeypatch.setattr(llama, "norm_gate_up_silu_down_fp8", lambda *args: None)
     assert got == run()
 
 

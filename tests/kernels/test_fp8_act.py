@@ -20,7 +20,9 @@ from kernels.fp8_act import (
     silu_mul_quant_fp8_ref,
     silu_mul_quant_fp8_triton,
 )
-from kernels.quant_matmul import act_quant_fp8_triton
+from kernels.fp8_gated import GatedConfig, fp8_gate_up_silu_triton
+from kernels.fp8_gemm import Fp8GemmConfig, fp8_gemm_triton
+from kernels.quant_matmul import act_quant_fp8_ref, act_quant_fp8_triton
 from kernels.rms_norm import rms_norm_triton
 from kernels.silu_mul import silu_mul_triton
 from pd_cluster.model import fp8_fused
@@ -126,6 +128,44 @@ class InterpretedCases:
         codes, scale = act_quant_fp8_triton(silu_mul_triton(gate_up).reshape(80, 48))
         assert got.shape == (2, 40, 64) and torch.equal(got, fp8_fused.scaled_product(codes, scale, down,
                                                                                       torch.float16).reshape(2, 40, 64))
+
+    @pytest.mark.parametrize("tma", [False, True])
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_gate_up_gated_in_its_epilogue_writes_the_unfused_codes(self, dtype: torch.dtype, tma: bool) -> None:
+        """37 rows, 2 x 80 gate/up channels (a partial tile of 32 gated outputs), 96 inputs (a
+        partial block of 64): the codes and scales of the gate/up GEMM's output gated and quantized
+        after it, bit for bit, the gate's and the up's channels at their places in the fused weight."""
+        gen = torch.Generator().manual_seed(41)
+        xq, x_scale = act_quant_fp8_ref(torch.randn(37, 96, generator=gen))
+        weight = (torch.randn(160, 96, generator=gen) * 448 / 3).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w_scale = torch.rand(160, generator=gen) * 2e-3 + 1e-4
+        codes, scale = fp8_gate_up_silu_triton(xq, x_scale, weight, w_scale, dtype, GatedConfig(32, 64, tma=tma))
+        gate_up = fp8_gemm_triton(xq, x_scale, weight, w_scale, dtype, config=Fp8GemmConfig(64, 32, 64))
+        want_codes, want_scale = silu_mul_quant_fp8_triton(gate_up)
+        assert codes.shape == (37, 80) and scale.shape == (37, 1)
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(codes.view(torch.int8), want_codes.view(torch.int8))
+
+    def test_gate_up_gated_refuses_a_weight_that_is_no_gate_up(self) -> None:
+        xq, x_scale = act_quant_fp8_ref(torch.randn(4, 32))
+        weight = torch.zeros(15, 32).to(torch.float8_e4m3fn)
+        with pytest.raises(ValueError, match="gate/up"):
+            fp8_gate_up_silu_triton(xq, x_scale, weight, torch.ones(15), torch.float16)
+
+    def test_fused_mlp_is_the_unfused_helpers(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Forced onto the fused path: the MLP through the gated GEMM gives the output and residual
+        of norm_then_linear into gate/up and silu_then_linear into down."""
+        gen = torch.Generator().manual_seed(43)
+        hidden, residual = torch.randn(40, 64, generator=gen).half(), torch.randn(40, 64, generator=gen).half()
+        norm_w = (torch.rand(64, generator=gen) + 0.5).half()
+        gate_up = quantize(torch.randn(96, 64, generator=gen) * 0.1, "fp8")
+        down = quantize(torch.randn(64, 48, generator=gen) * 0.1, "fp8")
+        monkeypatch.setattr(fp8_fused, "fused_fp8", lambda x, w: True)
+        out, new_residual = fp8_fused.norm_gate_up_silu_down_fp8(hidden, residual, norm_w, 1e-5, gate_up, down)
+        up_out, want_residual = fp8_fused.norm_then_linear(hidden, residual, norm_w, 1e-5, gate_up)
+        want = fp8_fused.silu_then_linear(up_out, down)
+        assert out.shape == (40, 64) and torch.equal(out, want) and torch.equal(new_residual, want_residual)
+        assert fp8_fused.norm_gate_up_silu_down_fp8(hidden, residual, norm_w, 1e-5, gate_up, gate_up) is None
 
 
 def test_fused_path_only_for_scaled_products() -> None:
