@@ -19,7 +19,7 @@ import torch
 import kernels
 from kernels._triton import use_triton
 from kernels.fp8_act import rms_norm_quant_fp8_triton, silu_mul_quant_fp8_triton
-from kernels.fp8_gated import fp8_gate_up_silu_triton
+from kernels.fp8_gated import GATED_MIN_ROWS, fp8_gate_up_silu_triton
 from kernels.fp8_gemm import FP8_GEMM_MAX_ROWS, fp8_gemm_triton, rotary_epilogue_fits
 from kernels.qkv_epilogue import QkvRotary
 from pd_cluster.model.quant_linear import (FP8, QuantLinear, Weight, fp8_codes_product, linear, scaled_mm_supported,
@@ -71,12 +71,13 @@ def _shaped(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def norm_gate_up_silu_down_fp8(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                                eps: float, gate_up: Weight, down: Weight) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``silu_then_linear(norm_then_linear(...gate_up), down)`` and the new residual stream, where
-    the FP8 GEMM serves both products (a decode batch's rows): the gate/up GEMM gates its output
-    and the down projection's codes follow in one launch (:mod:`kernels.fp8_gated`), no gate/up
-    output written and read back. None where it does not serve (the caller runs the ops)."""
+    the FP8 GEMM serves both products and the rows are :data:`~kernels.fp8_gated.GATED_MIN_ROWS` or
+    more (a decode batch): the gate/up GEMM gates its output and the down projection's codes follow
+    in one launch (:mod:`kernels.fp8_gated`), no gate/up output written and read back. None where it
+    does not serve (the caller runs the ops)."""
     same_dtype = norm_weight.dtype == hidden.dtype and (residual is None or residual.dtype == hidden.dtype)
     rows = hidden.numel() // max(1, hidden.shape[-1])
-    if not (same_dtype and 0 < rows <= FP8_GEMM_MAX_ROWS and isinstance(gate_up, QuantLinear)
+    if not (same_dtype and GATED_MIN_ROWS <= rows <= FP8_GEMM_MAX_ROWS and isinstance(gate_up, QuantLinear)
             and isinstance(down, QuantLinear) and gate_up.qweight.shape[0] == 2 * down.qweight.shape[-1]
             and fused_fp8(hidden, gate_up) and fused_fp8(_shaped(hidden, rows, down.qweight.shape[-1]), down)):
         return None

@@ -196,9 +196,9 @@ def test_gate_up_gated_in_its_epilogue_writes_the_unfused_codes(rows, inter, k):
 
 @pytest.mark.skipif(not SCALED_MM, reason="FP8 scaled products need compute capability 9.0")
 def test_fp8_decode_greedy_tokens_with_the_gate_up_gating_its_output_or_not(small_model, monkeypatch):
-    """24 sequences decode through the FP8 GEMM, in CUDA graphs: the MLP's gate/up GEMM gates its
+    """40 sequences decode through the FP8 GEMM, in CUDA graphs: the MLP's gate/up GEMM gates its
     own output, or the SiLU kernels gate it after; the codes are the same, so is every greedy token."""
-    prompts = [list(range(100 + i, 300 + 5 * i)) for i in range(24)]
+    prompts = [list(range(100 + i, 300 + 5 * i)) for i in range(40)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def run() -> list[list[int]]:
