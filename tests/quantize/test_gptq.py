@@ -1,13 +1,14 @@
 """GPTQ's rounding against round to nearest: the same codes where inputs are uncorrelated (or
-never fire), a smaller output error where they are correlated, and the scales' format unchanged."""
+never fire), a smaller output error where they are correlated, and the scales' format unchanged
+(fp8's with a binade of headroom: each channel's amax at code 224)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pd_cluster.model.quant_linear import QMAX, quantize
-from pd_cluster.quantize.gptq import gptq_quantize
+from pd_cluster.model.quant_linear import FP8, QMAX, quantize
+from pd_cluster.quantize.gptq import FP8_HEADROOM, gptq_quantize
 
 
 def _weight(n: int = 48, k: int = 160, seed: int = 0) -> torch.Tensor:
@@ -30,12 +31,22 @@ def _output_error(weight: torch.Tensor, q, x: torch.Tensor) -> float:
     return float(((weight - q.dequantize(torch.float32)) @ x.T).norm())
 
 
+def _nearest(weight: torch.Tensor, method: str):
+    """Round to nearest under GPTQ's scales: ``quantize``'s for int8; for fp8 twice those (the
+    headroom), each weight rounded alone."""
+    rtn = quantize(weight, method)
+    if method == "int8":
+        return rtn.qweight, rtn.scale
+    scale = rtn.scale * FP8_HEADROOM
+    return (weight / scale[:, None]).to(FP8), scale
+
+
 @pytest.mark.parametrize("method", ["fp8", "int8"])
 def test_uncorrelated_inputs_give_the_codes_of_rounding_to_nearest(method):
     w = _weight()
     q = gptq_quantize(w, torch.eye(w.shape[1]) * 3.0, method)
-    rtn = quantize(w, method)
-    assert torch.equal(q.qweight, rtn.qweight) and torch.equal(q.scale, rtn.scale)
+    codes, scale = _nearest(w, method)
+    assert torch.equal(q.qweight.view(torch.int8), codes.view(torch.int8)) and torch.equal(q.scale, scale)
 
 
 @pytest.mark.parametrize("act_order", [True, False])
@@ -47,8 +58,8 @@ def test_correlated_inputs_leave_a_smaller_output_error_than_rounding_to_nearest
     rtn = quantize(w, method)
     gptq_error, rtn_error = _output_error(w, q, x), _output_error(w, rtn, x)
     assert gptq_error < 0.5 * rtn_error, (gptq_error, rtn_error)
-    # The format is round to nearest's: the same scales, codes within the format's range.
-    assert torch.equal(q.scale, rtn.scale) and q.qweight.dtype == rtn.qweight.dtype
+    # The format is round to nearest's: its scales (fp8's with the headroom), codes within the range.
+    assert torch.equal(q.scale, _nearest(w, method)[1]) and q.qweight.dtype == rtn.qweight.dtype
     assert float(q.qweight.float().abs().max()) <= QMAX[method]
 
 
@@ -59,12 +70,24 @@ def test_an_input_that_never_fired_keeps_its_weights_rounded_to_nearest(act_orde
     x[:, 7] = 0.0
     moment = _moment(x)
     q = gptq_quantize(w, moment, "fp8", damp=0.01, act_order=act_order)
-    rtn = quantize(w, "fp8")
+    nearest = _nearest(w, "fp8")[0].view(torch.int8)
+    codes = q.qweight.view(torch.int8)
     # The first column rounded (the largest input's, by act order) is rounded before any moves.
     first = int(moment.diagonal().argmax()) if act_order else 0
-    assert torch.equal(q.qweight[:, first], rtn.qweight[:, first])
-    assert torch.equal(q.qweight[:, 7], rtn.qweight[:, 7])
-    assert not torch.equal(q.qweight, rtn.qweight)
+    assert torch.equal(codes[:, first], nearest[:, first])
+    assert torch.equal(codes[:, 7], nearest[:, 7])
+    assert not torch.equal(codes, nearest)
+
+
+def test_fp8_codes_pushed_past_the_amax_are_not_clamped():
+    """Correlated inputs move errors onto later columns, past some channels' amax: with the
+    headroom no code reaches e4m3's largest value, and at a scale of amax over 448 some would have."""
+    w = _weight()
+    x = _correlated_inputs(w.shape[1])
+    q = gptq_quantize(w, _moment(x), "fp8", damp=0.01)
+    dequantized = q.dequantize(torch.float32)
+    assert float(q.qweight.float().abs().max()) < QMAX["fp8"]
+    assert bool((dequantized.abs() > w.abs().amax(dim=1, keepdim=True)).any())
 
 
 def test_a_moment_of_other_inputs_or_an_unknown_format_is_refused():
