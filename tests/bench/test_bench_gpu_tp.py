@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pd_cluster.bench.gpu.decode import WARM_STEPS, WARM_STEPS_AFTER_PREFILL
 from pd_cluster.bench.gpu.plan import Plan
 from pd_cluster.bench.gpu.report import short_table, summarize, verdicts
 from pd_cluster.bench.gpu.tp import build_tp_engine, measure_tp_decode
@@ -29,9 +30,11 @@ def test_tp2_decode_floor_counts_one_ranks_shards_and_kv_heads():
     for batch in ("b1", "b2"):
         row = out[batch]
         assert row["floor_ms"] > 0 and row["floor_ratio"] == row["step_ms"] / row["floor_ms"]
-        # The KV read is the rank's heads at the batch's contexts (about decode_ctx tokens a row).
+        # The KV read is the rank's heads at the batch's contexts: the prompt's decode_ctx tokens a
+        # row and the steps run since (the warm-up after the prefill, then each batch's).
         per_row = row["kv_bytes"] / out["rank_kv_bytes_per_token"] / int(batch[1:])
-        assert plan.decode_ctx < per_row < plan.decode_ctx + 12
+        ran = WARM_STEPS_AFTER_PREFILL + 2 * (WARM_STEPS + plan.decode_steps)
+        assert plan.decode_ctx < per_row < plan.decode_ctx + ran + 2
 
 
 def test_the_report_carries_the_tp_keys_and_reports_the_all_reduce_without_a_target():
