@@ -102,6 +102,22 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, read once a device."""
+    return _capability(device_index(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_limit(index: int) -> int | None:
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """The shared memory one program may take on a CUDA device (opted in), read once a device;
+    None where torch does not say."""
+    return _shared_memory_limit(device_index(device))
+
+
 def _compute_capability(index: int) -> int:
     return _capability(index)[0]
 

@@ -21,10 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import cdiv, last_dim_contiguous, pdl_options, pdl_wait, require_triton, tl, triton, use_pdl
-from kernels.fp8_act import quantize_parts
+from kernels.fp8_act import FP8, quantize_parts
 from kernels.fp8_gemm import TensorDescriptor, describable, sm90
-
-FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)

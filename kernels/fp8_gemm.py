@@ -23,12 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels._triton import (
+    capability,
     cdiv,
     last_dim_contiguous,
     next_pow2,
     pdl_options,
     pdl_wait,
     require_triton,
+    shared_memory_limit,
     tl,
     triton,
     use_pdl,
@@ -115,8 +117,7 @@ def fp8_gemm_config(rows: int, n: int, k: int, device: torch.device | None = Non
     (the entries are an H200's, up to 192 KiB a program), else the heuristic."""
     cfg = FP8_GEMM_CONFIGS.get((next_pow2(rows), n, k))
     if cfg is not None and device is not None and device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        limit = getattr(props, "shared_memory_per_block_optin", None)
+        limit = shared_memory_limit(device)
         if limit is not None and shared_bytes(cfg) > limit:
             cfg = None
     return cfg or fp8_gemm_heuristic(rows, n, k)
@@ -220,7 +221,7 @@ def describable(t: torch.Tensor) -> bool:
 def sm90(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device may load by tensor descriptor: sm_90 and newer (an
     interpreted kernel, on the CPU, runs them anywhere)."""
-    return not t.is_cuda or torch.cuda.get_device_capability(t.device) >= (9, 0)
+    return not t.is_cuda or capability(t.device) >= (9, 0)
 
 
 def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
